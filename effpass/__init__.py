@@ -1,0 +1,52 @@
+"""effpass: a torch.compile backend that makes transformer training faster and leaner with graph passes.
+
+    import effpass
+    compiled = torch.compile(model, backend="effpass")                  # the default pipeline
+    model = effpass.compile(model, passes=[...], dump_dir="effpass-dump")  # Python API
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+
+__version__ = "0.1.0"
+
+
+@functools.lru_cache(maxsize=None)
+def _source_digest() -> str:
+    """A hash of effpass's own source (core and built-in passes): part of every cache key."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    roots = [here]
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("effpass.passes")
+        if spec and spec.submodule_search_locations:
+            roots += list(spec.submodule_search_locations)
+    except Exception:  # pragma: no cover
+        pass
+    h = hashlib.sha256(__version__.encode())
+    for root in roots:
+        for name in sorted(os.listdir(root)):
+            if name.endswith(".py"):
+                with open(os.path.join(root, name), "rb") as f:
+                    h.update(name.encode() + f.read())
+    return h.hexdigest()
+
+
+from .pass_api import (Pass, PassResult, Phase, register_pass, registered_passes, make_pass,  # noqa: E402
+                       get_pass_class, RESERVED_PASS_NAMES, PassOptionError)
+from .scope import skip, only, TargetMatchError  # noqa: E402
+from .manager import PassContext, PipelineError, EffpassPassError, order_passes  # noqa: E402
+from .config import parse_options, default_pipeline  # noqa: E402
+from .report import CompileReport, GraphReport, PassRecord  # noqa: E402
+from .api import compile, prepare, report, backend_of  # noqa: E402
+from .backend import EffpassBackend  # noqa: E402
+
+__all__ = [
+    "compile", "prepare", "report", "backend_of", "register_pass", "registered_passes", "make_pass",
+    "get_pass_class", "skip", "only", "Pass", "PassResult", "PassContext", "Phase", "EffpassBackend",
+    "parse_options", "default_pipeline", "order_passes", "CompileReport", "GraphReport", "PassRecord",
+    "PipelineError", "EffpassPassError", "TargetMatchError", "PassOptionError", "RESERVED_PASS_NAMES",
+]

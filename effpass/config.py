@@ -1,0 +1,216 @@
+"""effpass's options, validated into one :class:`Options` object before any compilation.
+
+Options arrive either from Python (``effpass.compile(model, passes=[...], ...)``) or as a JSON-able dict
+(``torch.compile(model, backend="effpass", options={...})``). Both end here. Environment variables are
+read in exactly one place, :func:`env_overrides`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from .pass_api import Pass, get_pass_class, make_pass, registered_passes
+
+__all__ = ["Options", "parse_options", "env_overrides", "default_pipeline", "OPTION_DOCS"]
+
+LOWERINGS = ("inductor", "eager")
+
+OPTION_DOCS = {
+    "passes": "the pipeline: {name: {option: value}} or a list of names / pass objects; omitted: the default pipeline",
+    "lowering": "'inductor' (default: Triton on GPU, C++ on CPU) or 'eager' (AOTAutograd without Inductor)",
+    "dump_dir": "folder for per-graph dumps (input graph, one file per changing pass, index.json)",
+    "strict": "raise when a pass fails instead of falling back to the graph before it",
+    "bisect": "run only the first N passes of the ordered pipeline (debugging)",
+    "disable": "pass names to leave out of the pipeline",
+    "inductor_config": "extra torch._inductor.config patches applied around lowering",
+}
+
+#: Environment variables effpass reads (all of them, here and nowhere else).
+ENV_VARS = {
+    "EFFPASS_BISECT": "bisect",
+    "EFFPASS_DISABLE": "disable (comma-separated pass names)",
+    "EFFPASS_DUMP_DIR": "dump_dir",
+    "EFFPASS_STRICT": "strict (1/0)",
+    "EFFPASS_LOWERING": "lowering",
+}
+
+
+@dataclass
+class Options:
+    passes: list[Pass] = field(default_factory=list)
+    lowering: str = "inductor"
+    dump_dir: str | None = None
+    strict: bool = False
+    bisect: int | None = None
+    disable: tuple[str, ...] = ()
+    inductor_config: dict[str, Any] = field(default_factory=dict)
+    mode: str | None = None
+    #: True when the user gave no pipeline (the default pipeline was chosen for them).
+    default_pipeline: bool = False
+
+
+def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Options set through environment variables (they override the ones given in code)."""
+    env = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    if env.get("EFFPASS_BISECT", "") != "":
+        try:
+            out["bisect"] = int(env["EFFPASS_BISECT"])
+        except ValueError:
+            raise ValueError(f"EFFPASS_BISECT={env['EFFPASS_BISECT']!r} is not an integer") from None
+    if env.get("EFFPASS_DISABLE"):
+        out["disable"] = [s.strip() for s in env["EFFPASS_DISABLE"].split(",") if s.strip()]
+    if env.get("EFFPASS_DUMP_DIR"):
+        out["dump_dir"] = env["EFFPASS_DUMP_DIR"]
+    if env.get("EFFPASS_STRICT", "") != "":
+        out["strict"] = env["EFFPASS_STRICT"].lower() in ("1", "true", "yes", "on")
+    if env.get("EFFPASS_LOWERING"):
+        out["lowering"] = env["EFFPASS_LOWERING"]
+    return out
+
+
+def default_pipeline(device=None) -> list[Pass]:
+    """The passes ``torch.compile(model, backend="effpass")`` runs: those on by default on ``device``.
+
+    Only passes that act on graphs can run from the string backend (module-level passes need
+    ``effpass.compile``), so the default pipeline holds graph passes only.
+    """
+    from .pass_api import Phase
+
+    out = []
+    for name, klass in sorted(registered_passes().items()):
+        if klass.enabled_by_default(device) and Phase.MODULE not in klass.phases():
+            out.append(klass())
+    return out
+
+
+def _check_dump_dir(path: Any) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"dump_dir must be a path string, got {type(path).__name__} {path!r}")
+    path = os.fspath(path)
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".effpass-probe-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"dump_dir {path!r} is not writable: {e.strerror or e}") from None
+    return path
+
+
+def _build_passes(spec: Any) -> list[Pass]:
+    if isinstance(spec, Mapping):
+        out = []
+        for name, opts in spec.items():
+            if not isinstance(name, str):
+                raise TypeError(f"pass names must be strings, got {name!r}")
+            if opts is None:
+                opts = {}
+            if not isinstance(opts, Mapping):
+                raise TypeError(f"options of pass {name!r} must be a dict, got {type(opts).__name__} {opts!r}")
+            out.append(make_pass(name, opts))
+        return out
+    if isinstance(spec, (str, Pass)):
+        spec = [spec]
+    if not isinstance(spec, Sequence):
+        raise TypeError(f"passes must be a dict {{name: options}} or a list of pass names/objects, got {type(spec).__name__}")
+    out = []
+    for item in spec:
+        if isinstance(item, Pass):
+            out.append(item)
+        elif isinstance(item, str):
+            out.append(make_pass(item))
+        elif isinstance(item, type) and issubclass(item, Pass):
+            out.append(item())
+        else:
+            raise TypeError(f"a pipeline entry must be a pass object or name, got {type(item).__name__} {item!r}; "
+                            f"registered passes: {sorted(registered_passes())}")
+    names = [p.name for p in out]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"pass {dupes[0]!r} appears more than once in the pipeline")
+    return out
+
+
+def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None = None, device=None,
+                  environ: Mapping[str, str] | None = None) -> Options:
+    """Validate user options (Python or JSON-able) and environment overrides into :class:`Options`."""
+    if options is None:
+        options = {}
+    if isinstance(options, Options):
+        return options
+    if not isinstance(options, Mapping):
+        raise TypeError(f"effpass options must be a dict, got {type(options).__name__}")
+    options = dict(options)  # torch.compile reuses the same dict for every graph: never mutate it
+    valid = list(OPTION_DOCS)
+    for key in options:
+        if key not in OPTION_DOCS:
+            import difflib
+
+            close = difflib.get_close_matches(str(key), valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"unknown effpass option {key!r}{hint}; valid options: {valid}")
+    options.update(env_overrides(environ))
+
+    out = Options(mode=mode)
+    if "passes" in options and options["passes"] is not None:
+        out.passes = _build_passes(options["passes"])
+    else:
+        out.passes = default_pipeline(device)
+        out.default_pipeline = True
+
+    lowering = options.get("lowering", "inductor")
+    if lowering not in LOWERINGS:
+        raise ValueError(f"lowering {lowering!r} is not valid; choose one of {list(LOWERINGS)}")
+    out.lowering = lowering
+
+    if options.get("dump_dir") is not None:
+        out.dump_dir = _check_dump_dir(options["dump_dir"])
+
+    strict = options.get("strict", False)
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be a bool, got {type(strict).__name__} {strict!r}")
+    out.strict = strict
+
+    bisect = options.get("bisect")
+    if bisect is not None and (isinstance(bisect, bool) or not isinstance(bisect, int) or bisect < 0):
+        raise ValueError(f"bisect must be a non-negative int (run the first N passes), got {bisect!r}")
+    out.bisect = bisect
+
+    disable = options.get("disable", ())
+    if isinstance(disable, str):
+        disable = [disable]
+    if not isinstance(disable, (list, tuple)):
+        raise TypeError(f"disable must be a list of pass names, got {type(disable).__name__} {disable!r}")
+    known = registered_passes()
+    for name in disable:
+        if name not in known:
+            get_pass_class(name)  # raises with the list of valid names
+    out.disable = tuple(disable)
+
+    inductor_config = options.get("inductor_config", {}) or {}
+    if not isinstance(inductor_config, Mapping):
+        raise TypeError(f"inductor_config must be a dict, got {type(inductor_config).__name__}")
+    if inductor_config:
+        import torch._inductor.config as ic
+
+        for key in inductor_config:
+            if not hasattr(ic, key.split(".")[0]):
+                raise ValueError(f"inductor_config: unknown Inductor config key {key!r}")
+    out.inductor_config = dict(inductor_config)
+    if mode is not None:
+        import torch._inductor
+
+        valid_modes = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+        if mode not in valid_modes:
+            raise ValueError(f"mode {mode!r} is not valid; choose one of {valid_modes}")
+    return out
+
+
+def describe_options(opts: Options) -> dict[str, Any]:
+    """A JSON-able summary (for dumps and errors)."""
+    d = dataclasses.asdict(opts)
+    d["passes"] = [{"name": p.name, "options": p.options()} for p in opts.passes]
+    return d

@@ -1,0 +1,150 @@
+"""Small helpers on FX graphs shared by the manager, the dumps and the passes."""
+from __future__ import annotations
+
+import collections
+import operator
+from typing import Any, Iterable
+
+import torch
+import torch.fx as fx
+
+__all__ = ["op_name", "op_histogram", "snapshot_graph", "restore_graph", "runnable_source", "tensor_meta",
+           "placeholder_values", "erase_dead_code"]
+
+
+def op_name(node: fx.Node) -> str:
+    """A stable, readable name for what a node does (``aten.mm``, ``torch.matmul``, ``.view``)."""
+    if node.op == "call_function":
+        t = node.target
+        if isinstance(t, torch._ops.OpOverload):
+            return f"aten.{t.overloadpacket.__name__}" if t.namespace == "aten" else f"{t.namespace}.{t.overloadpacket.__name__}"
+        if isinstance(t, torch._ops.OpOverloadPacket):
+            return f"{t._qualified_op_name.replace('::', '.')}"
+        if isinstance(t, torch._ops.HigherOrderOperator):
+            return f"hop.{t.name()}"
+        mod = getattr(t, "__module__", None) or ""
+        name = getattr(t, "__name__", repr(t))
+        if t in (operator.getitem,):
+            return "getitem"
+        if mod.startswith("torch"):
+            if mod.startswith("torch._C._nn") or mod == "torch.nn.functional":
+                return f"F.{name}"
+            return f"torch.{name}"
+        return f"{mod.split('.')[-1]}.{name}" if mod else name
+    if node.op == "call_method":
+        return f".{node.target}"
+    if node.op == "call_module":
+        return f"module.{node.target}"
+    return node.op
+
+
+def op_histogram(graph: fx.Graph) -> dict[str, int]:
+    """How many nodes of each op the graph has (placeholders, outputs and getitems excluded)."""
+    c = collections.Counter(op_name(n) for n in graph.nodes
+                            if n.op in ("call_function", "call_method", "call_module"))
+    c.pop("getitem", None)
+    return dict(sorted(c.items()))
+
+
+def snapshot_graph(graph: fx.Graph) -> fx.Graph:
+    """A structural copy of ``graph`` (node meta dicts are shallow-copied) for rollback."""
+    g = fx.Graph(tracer_cls=graph._tracer_cls)
+    val_map: dict[fx.Node, fx.Node] = {}
+    out = g.graph_copy(graph, val_map, return_output_node=True)
+    out_val, out_node = out if isinstance(out, tuple) else (out, None)
+    new_out = g.output(out_val)
+    if out_node is not None:
+        new_out.meta = dict(out_node.meta)
+    g._codegen = graph._codegen
+    return g
+
+
+def restore_graph(graph: fx.Graph, snapshot: fx.Graph) -> None:
+    """Make ``graph`` equal to ``snapshot`` in place, keeping ``graph``'s placeholder nodes."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    # Reverse order erases every user before the node it uses.
+    for n in reversed(list(graph.nodes)):
+        if n.op != "placeholder":
+            graph.erase_node(n)
+    snap_ph = [n for n in snapshot.nodes if n.op == "placeholder"]
+    if len(snap_ph) != len(placeholders):
+        raise RuntimeError("cannot roll back a pass that changed the graph's inputs")
+    val_map = dict(zip(snap_ph, placeholders))
+    out = graph.graph_copy(snapshot, val_map, return_output_node=True)
+    out_val, out_node = out if isinstance(out, tuple) else (out, None)
+    new_out = graph.output(out_val)
+    if out_node is not None:
+        new_out.meta = dict(out_node.meta)
+
+
+def tensor_meta(node: fx.Node) -> Any:
+    """The fake/example value of a node, whichever key the graph level uses."""
+    return node.meta.get("val", node.meta.get("example_value"))
+
+
+def placeholder_values(graph: fx.Graph) -> list[Any]:
+    return [tensor_meta(n) for n in graph.nodes if n.op == "placeholder"]
+
+
+def erase_dead_code(gm: fx.GraphModule) -> None:
+    """Dead-code elimination that keeps impure nodes (autocast enter/exit, RNG, in-place ops)."""
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+
+
+def _import_line(name: str, obj: Any) -> str | None:
+    mod = getattr(obj, "__module__", None)
+    qual = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
+    if isinstance(obj, type(torch)):
+        return f"import {obj.__name__} as {name}" if obj.__name__ != name else f"import {name}"
+    if mod and qual and "<" not in qual:
+        if "." in qual:
+            return f"import {mod}\n{name} = {mod}.{qual}"
+        return f"from {mod} import {qual} as {name}" if qual != name else f"from {mod} import {name}"
+    return None
+
+
+def _example_input(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        shape = tuple(int(s) if not isinstance(s, torch.SymInt) else 8 for s in v.shape)
+        dt = str(v.dtype)
+        if v.dtype.is_floating_point:
+            return f"torch.randn({shape}, dtype={dt})"
+        if v.dtype == torch.bool:
+            return f"torch.ones({shape}, dtype=torch.bool)"
+        return f"torch.zeros({shape}, dtype={dt})"
+    if isinstance(v, (int, float, bool)):
+        return repr(v)
+    if isinstance(v, torch.SymInt):
+        return "8"
+    return "None"
+
+
+def runnable_source(gm: fx.GraphModule, title: str = "") -> str:
+    """Python source for a graph that imports and runs on its own with random inputs of the right shape."""
+    code = gm.graph.python_code(root_module="self", verbose=True)
+    lines = ["# " + l for l in title.splitlines()] if title else []
+    lines += ["import torch", "import operator", "import math", "from math import inf, nan",
+              "from torch import device", "import torch.fx._symbolic_trace", ""]
+    for name, obj in sorted(code.globals.items()):
+        if name in ("torch", "operator", "math", "inf", "nan", "device", "builtins"):
+            continue
+        line = _import_line(name, obj)
+        if line is None:
+            lines.append(f"{name} = None  # not importable: {obj!r}"[:200])
+        else:
+            lines.append(f"try:\n    {line.replace(chr(10), chr(10) + '    ')}\nexcept Exception:\n    {name} = None")
+    body = code.src.replace("\n", "\n    ")
+    lines += ["", "", "class Graph(torch.nn.Module):", f"    {body}", ""]
+    inputs = [_example_input(v) for v in placeholder_values(gm.graph)]
+    lines += ["", "def example_inputs():", f"    return [{', '.join(inputs)}]", "",
+              "", "if __name__ == '__main__':",
+              "    with torch.no_grad():",
+              "        out = Graph()(*example_inputs())",
+              "    print(type(out).__name__)", ""]
+    return "\n".join(lines)
+
+
+def count_ops(graph: fx.Graph, names: Iterable[str]) -> int:
+    hist = op_histogram(graph)
+    return sum(hist.get(n, 0) for n in names)

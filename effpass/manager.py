@@ -1,0 +1,251 @@
+"""The pass manager: orders passes from their declarations and runs their hooks.
+
+It owns every cross-cutting concern, so passes stay small: ordering (networkx), conflicts, the disable
+list, bisection, scoping contexts, timing, provenance (``node.meta["effpass_pass"]`` names the pass that
+made a node), rollback on failure (or ``strict`` re-raise), and instruments (dumps) around each hook.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+from .graph_utils import op_histogram, restore_graph, snapshot_graph, tensor_meta
+from .pass_api import Pass, PassResult, Phase, PHASE_HOOKS
+from .report import CompileReport, GraphReport, PassRecord
+from .scope import Scope
+
+__all__ = ["PassManager", "PassContext", "order_passes", "PipelineError", "EffpassPassError"]
+
+
+class PipelineError(ValueError):
+    """The pipeline cannot be ordered: a cycle or a conflict between two passes."""
+
+
+class EffpassPassError(RuntimeError):
+    """A pass failed in strict mode."""
+
+
+def order_passes(passes: Sequence[Pass]) -> list[Pass]:
+    """Order ``passes`` so every ``run_after`` edge holds, keeping the user's order where free.
+
+    Raises :class:`PipelineError` naming both passes for a conflict, and the passes of a cycle.
+    """
+    by_name = {p.name: p for p in passes}
+    for p in passes:
+        for other in p.conflicts_with:
+            if other in by_name:
+                raise PipelineError(f"pass {p.name!r} conflicts with pass {other!r}: remove one of them")
+    g = nx.DiGraph()
+    index = {p.name: i for i, p in enumerate(passes)}
+    g.add_nodes_from(index)
+    for p in passes:
+        for before in p.run_after:
+            if before in by_name:
+                g.add_edge(before, p.name)
+    try:
+        order = list(nx.lexicographical_topological_sort(g, key=index.__getitem__))
+    except nx.NetworkXUnfeasible:
+        cycle = nx.find_cycle(g)
+        names = " -> ".join([a for a, _ in cycle] + [cycle[0][0]])
+        raise PipelineError(f"passes form an ordering cycle through run_after: {names}") from None
+    return [by_name[n] for n in order]
+
+
+@dataclass
+class PassContext:
+    """What a hook may know about where it runs. Built by the manager, one per hook call."""
+
+    pass_name: str
+    phase: Phase
+    #: "module", "torch_ir", "joint", "inference", "forward" or "backward"
+    graph_kind: str
+    scope: Scope
+    pipeline: tuple[Pass, ...] = ()
+    model: torch.nn.Module | None = None
+    example_inputs: Sequence[Any] | None = None
+    device: torch.device | None = None
+    #: per Dynamo graph, shared by all phases and passes (notes a torch-IR pass leaves for a joint one)
+    notes: dict[str, Any] = field(default_factory=dict)
+    #: module phase only: set False by a pass that compiled submodules itself (FSDP units)
+    compile_root: bool = True
+    #: module phase only: ``backend_factory()`` returns an effpass backend for this pipeline
+    backend_factory: Any = None
+    lowering: str = "inductor"
+
+    def allows(self, node: fx.Node) -> bool:
+        """Whether this pass may act on ``node`` (targets/exclude globs and skip/only decorators)."""
+        return self.scope.allows(node)
+
+    def find_pass(self, name: str) -> Pass | None:
+        """The pipeline's pass called ``name`` (to read another pass's options), or None."""
+        return next((p for p in self.pipeline if p.name == name), None)
+
+    @property
+    def is_training(self) -> bool:
+        return self.graph_kind in ("joint", "forward", "backward")
+
+    def placeholder_sources(self, gm: fx.GraphModule) -> dict[fx.Node, str]:
+        """torch-IR only: placeholder -> fully qualified parameter/buffer name (inputs are absent)."""
+        names = gm.meta.get("dynamo_flat_name_to_original_fqn", {}) if hasattr(gm, "meta") else {}
+        out = {}
+        for n in gm.graph.nodes:
+            if n.op == "placeholder" and n.name in names:
+                out[n] = names[n.name]
+            elif n.op == "placeholder" and n.target in names:
+                out[n] = names[n.target]
+        return out
+
+
+class Instrument:
+    """Called around every hook the manager runs. Subclass and pass to the manager (dumps, tracing)."""
+
+    def before_pass(self, session: "GraphReport", record: PassRecord, gm) -> None:
+        pass
+
+    def after_pass(self, session: "GraphReport", record: PassRecord, gm) -> None:
+        pass
+
+    def graph_input(self, session: "GraphReport", graph_kind: str, gm) -> None:
+        pass
+
+
+class PassManager:
+    def __init__(self, passes: Sequence[Pass], *, strict: bool = False, bisect: int | None = None,
+                 disable: Iterable[str] = (), instruments: Sequence[Instrument] = ()):
+        self.ordered: list[Pass] = order_passes(list(passes))
+        disable = set(disable)
+        active = [p for p in self.ordered if p.name not in disable]
+        if bisect is not None:
+            active = active[:bisect]
+        self.active: list[Pass] = active
+        self.strict = strict
+        self.instruments = list(instruments)
+
+    # -- queries ------------------------------------------------------------------------------------
+    def passes_for(self, phase: Phase) -> list[Pass]:
+        return [p for p in self.active if phase in type(p).phases()]
+
+    def uuid(self, phases: Iterable[Phase]) -> str:
+        import hashlib
+
+        from . import _source_digest
+
+        h = hashlib.sha256(_source_digest().encode())
+        for phase in phases:
+            for p in self.passes_for(phase):
+                h.update(f"{phase.value}:{p.uuid()}".encode())
+        return h.hexdigest()
+
+    # -- running ------------------------------------------------------------------------------------
+    def run_module_phase(self, model: torch.nn.Module, report: GraphReport, **ctx_kwargs) -> PassContext:
+        """Run every module-level hook in order on the eager model. Failures raise (the model may be
+        half-prepared, which cannot be rolled back safely)."""
+        last_ctx = PassContext(pass_name="", phase=Phase.MODULE, graph_kind="module", scope=Scope(""),
+                               pipeline=tuple(self.active), model=model, **ctx_kwargs)
+        done: list[str] = []
+        for p in self.passes_for(Phase.MODULE):
+            ctx = dataclasses.replace(last_ctx, pass_name=p.name,
+                                      scope=Scope(p.name, p.targets, p.exclude, root=model))
+            record = PassRecord(name=p.name, phase=Phase.MODULE.value, graph="module")
+            t0 = time.perf_counter()
+            try:
+                result = p.prepare_module(model, ctx)
+            except Exception as e:
+                record.error = f"{type(e).__name__}: {e}"
+                report.add(record)
+                if isinstance(e, (ValueError, TypeError)):
+                    raise
+                raise EffpassPassError(
+                    f"pass {p.name!r} failed at module level: {type(e).__name__}: {e}; passes that ran before: {done}"
+                ) from e
+            record.ms = (time.perf_counter() - t0) * 1e3
+            result = result or PassResult()
+            record.changed, record.stats, record.skipped = bool(result.changed), dict(result.stats), list(result.skipped)
+            report.add(record)
+            for inst in self.instruments:
+                inst.after_pass(report, record, None)
+            done.append(p.name)
+            last_ctx = dataclasses.replace(ctx, pass_name="")
+        return last_ctx
+
+    def run_graph_phase(self, phase: Phase, gm: fx.GraphModule, report: GraphReport, graph_kind: str,
+                        **ctx_kwargs) -> bool:
+        """Run every hook of ``phase`` on ``gm`` in order. Returns whether any pass changed it."""
+        passes = self.passes_for(phase)
+        if not passes:
+            return False
+        for inst in self.instruments:
+            inst.graph_input(report, graph_kind, gm)
+        changed_any = False
+        done: list[str] = []
+        for p in passes:
+            model = ctx_kwargs.get("model")
+            ctx = PassContext(pass_name=p.name, phase=phase, graph_kind=graph_kind,
+                              scope=Scope(p.name, p.targets, p.exclude, root=model),
+                              pipeline=tuple(self.active), notes=report.notes, **ctx_kwargs)
+            changed_any |= self._run_hook(p, phase, gm, ctx, report, done)
+            done.append(p.name)
+        return changed_any
+
+    def _run_hook(self, p: Pass, phase: Phase, gm: fx.GraphModule, ctx: PassContext, report: GraphReport,
+                  done: list[str]) -> bool:
+        graph = gm.graph
+        record = PassRecord(name=p.name, phase=phase.value, graph=ctx.graph_kind)
+        record.nodes_before = len(graph.nodes)
+        record.ops_before = op_histogram(graph)
+        before_nodes = set(graph.nodes)
+        snapshot = snapshot_graph(graph)
+        for inst in self.instruments:
+            inst.before_pass(report, record, gm)
+        t0 = time.perf_counter()
+        try:
+            result = getattr(p, PHASE_HOOKS[phase])(gm, ctx) or PassResult()
+            if not isinstance(result, PassResult):
+                raise TypeError(f"hook returned {type(result).__name__}, expected PassResult or None")
+            if result.changed:
+                graph.lint()
+                gm.recompile()
+        except Exception as e:
+            record.ms = (time.perf_counter() - t0) * 1e3
+            record.error = f"{type(e).__name__}: {e}"
+            record.traceback = traceback.format_exc(limit=8)
+            if self.strict:
+                report.add(record)
+                raise EffpassPassError(
+                    f"pass {p.name!r} failed on {report.graph_id} ({ctx.graph_kind} graph): {type(e).__name__}: {e}; "
+                    f"passes that ran before on this graph: {done or 'none'}") from e
+            restore_graph(graph, snapshot)
+            gm.recompile()
+            record.changed = False
+            record.fell_back = True
+            record.nodes_after = len(graph.nodes)
+            record.ops_after = record.ops_before
+            report.add(record)
+            warnings.warn(f"effpass: pass {p.name!r} failed on {report.graph_id} ({ctx.graph_kind} graph) and was "
+                          f"skipped; the graph is as it was before the pass. Reason: {type(e).__name__}: {e}",
+                          RuntimeWarning, stacklevel=2)
+            for inst in self.instruments:
+                inst.after_pass(report, record, gm)
+            return False
+        record.ms = (time.perf_counter() - t0) * 1e3
+        record.changed = bool(result.changed)
+        record.stats = dict(result.stats)
+        record.skipped = list(result.skipped)
+        if record.changed:
+            for n in graph.nodes:
+                if n not in before_nodes:
+                    n.meta.setdefault("effpass_pass", p.name)
+        record.nodes_after = len(graph.nodes)
+        record.ops_after = op_histogram(graph) if record.changed else record.ops_before
+        report.add(record)
+        for inst in self.instruments:
+            inst.after_pass(report, record, gm)
+        return record.changed

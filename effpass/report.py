@@ -1,0 +1,119 @@
+"""What effpass did: per-graph pass records, readable from Python (``effpass.report(model)``) and dumps."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from numbers import Number
+from typing import Any
+
+__all__ = ["PassRecord", "GraphReport", "CompileReport"]
+
+
+@dataclass
+class PassRecord:
+    name: str
+    phase: str
+    graph: str  # module, torch_ir, joint, inference, forward, backward
+    changed: bool = False
+    stats: dict[str, Any] = field(default_factory=dict)
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+    ms: float = 0.0
+    nodes_before: int = 0
+    nodes_after: int = 0
+    ops_before: dict[str, int] = field(default_factory=dict)
+    ops_after: dict[str, int] = field(default_factory=dict)
+    file: str | None = None
+    error: str | None = None
+    traceback: str | None = None
+    fell_back: bool = False
+    #: True when this record was replayed from effpass's record store on a compile-cache hit
+    from_cache: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "PassRecord":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass
+class GraphReport:
+    """Everything that happened to one graph Dynamo handed over (or to the eager model: ``module``)."""
+
+    graph_id: str
+    records: list[PassRecord] = field(default_factory=list)
+    #: "miss" (passes ran), "hit" (records replayed from the store), "hit-unrecorded", or "" (not lowered)
+    cache: str = ""
+    dump_path: str | None = None
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, record: PassRecord) -> None:
+        self.records.append(record)
+
+    def stats(self, pass_name: str, graph: str | None = None) -> dict[str, Any]:
+        """Statistics of ``pass_name`` on this graph, numbers summed over its hooks."""
+        return _merge([r.stats for r in self.records if r.name == pass_name and (graph is None or r.graph == graph)])
+
+
+@dataclass
+class CompileReport:
+    """All graphs compiled through one effpass backend (one ``effpass.compile`` call)."""
+
+    module: GraphReport = field(default_factory=lambda: GraphReport("module"))
+    graphs: list[GraphReport] = field(default_factory=list)
+
+    def records(self, pass_name: str | None = None) -> list[PassRecord]:
+        out = list(self.module.records)
+        for g in self.graphs:
+            out += g.records
+        return [r for r in out if pass_name is None or r.name == pass_name]
+
+    def stats(self, pass_name: str, graph: str | None = None) -> dict[str, Any]:
+        """Statistics of ``pass_name`` over every graph (numbers summed; other values listed)."""
+        return _merge([r.stats for r in self.records(pass_name) if graph is None or r.graph == graph])
+
+    def failures(self) -> list[PassRecord]:
+        return [r for r in self.records() if r.error]
+
+    def summary(self) -> str:
+        lines = []
+        for g in [self.module, *self.graphs]:
+            if not g.records:
+                continue
+            lines.append(f"{g.graph_id}{' (cache ' + g.cache + ')' if g.cache else ''}")
+            for r in g.records:
+                flag = "ERROR " + r.error if r.error else ("changed" if r.changed else "unchanged")
+                lines.append(f"  {r.graph:<9} {r.name:<24} {flag:<10} {r.ms:8.1f} ms  {_fmt_stats(r.stats)}")
+        return "\n".join(lines) or "(no passes ran)"
+
+
+def _merge(dicts: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for d in dicts:
+        for k, v in d.items():
+            if k not in out:
+                out[k] = v if not isinstance(v, list) else list(v)
+            elif isinstance(v, bool) or not isinstance(v, Number) or not isinstance(out[k], Number):
+                if isinstance(out[k], list) and isinstance(v, list):
+                    out[k] = out[k] + v
+                elif isinstance(out[k], dict) and isinstance(v, dict):
+                    merged = dict(out[k])
+                    for kk, vv in v.items():
+                        merged[kk] = merged.get(kk, 0) + vv if isinstance(vv, Number) else vv
+                    out[k] = merged
+                else:
+                    out[k] = v
+            else:
+                out[k] = out[k] + v
+    return out
+
+
+def _fmt_stats(stats: dict[str, Any]) -> str:
+    parts = []
+    for k, v in stats.items():
+        if isinstance(v, (dict, list)):
+            continue
+        parts.append(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}")
+    return " ".join(parts)

@@ -1,0 +1,227 @@
+"""Scoping: one language for every pass.
+
+* ``targets`` / ``exclude``: module-name globs (``fnmatch`` syntax: ``*``, ``?``, ``[0-5]``) matched
+  against the fully qualified name of the module a node came from, e.g. ``"model.layers.1[0-5].*"``.
+  A node matches a glob when the glob matches its module or any enclosing module, so ``"model.layers.3"``
+  covers everything inside layer 3.
+* ``effpass.skip(*names)`` / ``effpass.only(*names)`` on a module class or instance: nodes from that
+  module (and its children) are left alone by the named passes (skip), or only the named passes act on
+  them (only). With no names, ``skip`` skips every pass.
+"""
+from __future__ import annotations
+
+import fnmatch
+import re
+import weakref
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+__all__ = ["skip", "only", "Scope", "module_path_of_node", "normalize_module_path", "TargetMatchError"]
+
+_SKIP_ATTR = "__effpass_skip__"
+_ONLY_ATTR = "__effpass_only__"
+ALL = "*"
+
+# Instances decorated with skip/only: looked up by identity when the graph only names the class.
+_INSTANCE_RULES: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, frozenset[str]]]" = weakref.WeakKeyDictionary()
+
+
+class TargetMatchError(ValueError):
+    """A ``targets`` glob matched no module."""
+
+
+def _decorate(attr: str, names: tuple[str, ...]):
+    for n in names:
+        if not isinstance(n, str):
+            raise TypeError(f"effpass.skip/only take pass names (str), got {n!r}")
+
+    def apply(obj):
+        if isinstance(obj, type):
+            if not issubclass(obj, torch.nn.Module):
+                raise TypeError(f"effpass.skip/only decorate nn.Module classes or instances, got {obj!r}")
+            prior = frozenset(obj.__dict__.get(attr, frozenset()))
+            setattr(obj, attr, prior | frozenset(names or (ALL,)))
+        elif isinstance(obj, torch.nn.Module):
+            rules = _INSTANCE_RULES.setdefault(obj, {})
+            rules[attr] = rules.get(attr, frozenset()) | frozenset(names or (ALL,))
+        else:
+            raise TypeError(f"effpass.skip/only decorate nn.Module classes or instances, got {type(obj).__name__}")
+        return obj
+
+    return apply
+
+
+def skip(*names: str):
+    """Leave nodes from the decorated module class or instance alone in the named passes (all if none).
+
+    >>> @effpass.skip("apply_autocast")
+    ... class Router(torch.nn.Module): ...
+    >>> effpass.skip("fuse_attention")(model.layers[0].self_attn)   # one instance
+    """
+    if len(names) == 1 and not isinstance(names[0], str):  # used bare: @effpass.skip
+        return _decorate(_SKIP_ATTR, ())(names[0])
+    return _decorate(_SKIP_ATTR, names)
+
+
+def only(*names: str):
+    """Only the named passes act on nodes from the decorated module class or instance."""
+    if not names:
+        raise ValueError("effpass.only needs at least one pass name")
+    return _decorate(_ONLY_ATTR, names)
+
+
+def rules_of(obj) -> tuple[frozenset[str], frozenset[str] | None]:
+    """(skip names, only names or None) of a module instance or class."""
+    skip_names: frozenset[str] = frozenset()
+    only_names: frozenset[str] | None = None
+    klass = obj if isinstance(obj, type) else type(obj)
+    for k in klass.__mro__:
+        skip_names |= k.__dict__.get(_SKIP_ATTR, frozenset())
+        if _ONLY_ATTR in k.__dict__:
+            only_names = (only_names or frozenset()) | k.__dict__[_ONLY_ATTR]
+    if not isinstance(obj, type):
+        inst = _INSTANCE_RULES.get(obj, {})
+        skip_names |= inst.get(_SKIP_ATTR, frozenset())
+        if _ONLY_ATTR in inst:
+            only_names = (only_names or frozenset()) | inst[_ONLY_ATTR]
+    return skip_names, only_names
+
+
+def decorated_instances() -> list[torch.nn.Module]:
+    return list(_INSTANCE_RULES.keys())
+
+
+# ------------------------------------------------------------------------------------------------------
+# module paths of nodes
+# ------------------------------------------------------------------------------------------------------
+_BRACKET = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
+
+
+def normalize_module_path(path: str) -> str:
+    """Dynamo's ``"L['self'].model.layers.0"`` (or ``._modules['layers']['0']``) -> ``"model.layers.0"``."""
+    p = path
+    for prefix in ("L['self']", 'L["self"]', "L['mod']", "self"):
+        if p.startswith(prefix):
+            p = p[len(prefix):]
+            break
+    p = p.replace("._modules", "")
+    p = _BRACKET.sub(r".\1", p)
+    return p.strip(".")
+
+
+def module_stack_of_node(node: torch.fx.Node) -> list[tuple[str, type | None]]:
+    """[(module path, module class)] from outermost to innermost for a node (empty when unknown)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    out = []
+    for value in stack.values():
+        path, klass = value if isinstance(value, tuple) else (value, None)
+        if isinstance(klass, str):
+            klass = None
+        out.append((normalize_module_path(str(path)), klass))
+    return out
+
+
+def module_path_of_node(node: torch.fx.Node) -> str:
+    stack = module_stack_of_node(node)
+    return stack[-1][0] if stack else ""
+
+
+def _prefixes(path: str) -> list[str]:
+    if not path:
+        return [""]
+    parts = path.split(".")
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+@dataclass
+class Scope:
+    """Decides whether a pass may act on a module path / node. Built once per pass per graph."""
+
+    pass_name: str
+    targets: Sequence[str] = ()
+    exclude: Sequence[str] = ()
+    root: torch.nn.Module | None = None  # the eager model when known (exact instance lookups)
+
+    def __post_init__(self):
+        self._cache: dict[tuple, bool] = {}
+        self._modules = dict(self.root.named_modules()) if self.root is not None else {}
+
+    # -- globs -------------------------------------------------------------------------------------
+    def matches_globs(self, path: str) -> bool:
+        prefixes = _prefixes(path)
+        if self.targets and not any(fnmatch.fnmatchcase(p, g) for g in self.targets for p in prefixes if p):
+            return False
+        if self.exclude and any(fnmatch.fnmatchcase(p, g) for g in self.exclude for p in prefixes if p):
+            return False
+        return True
+
+    # -- decorators --------------------------------------------------------------------------------
+    def _allowed_by(self, obj) -> bool:
+        skip_names, only_names = rules_of(obj)
+        if self.pass_name in skip_names or ALL in skip_names:
+            return False
+        if only_names is not None and self.pass_name not in only_names:
+            return False
+        return True
+
+    def allows_module(self, path: str, module: torch.nn.Module | None = None,
+                      stack: Iterable[tuple[str, type | None]] = ()) -> bool:
+        """Whether the pass may act on code from the module at ``path`` (glob rules and decorators)."""
+        if not self.matches_globs(path):
+            return False
+        seen = False
+        for p, klass in stack:
+            mod = self._modules.get(p)
+            if mod is not None:
+                seen = seen or mod is module
+                if not self._allowed_by(mod):
+                    return False
+            elif klass is not None and not self._allowed_by(klass):
+                return False
+        if module is not None and not seen and not self._allowed_by(module):
+            return False
+        if self._modules and not stack:
+            for p in _prefixes(path):
+                mod = self._modules.get(p)
+                if mod is not None and not self._allowed_by(mod):
+                    return False
+        return True
+
+    def allows(self, node: torch.fx.Node) -> bool:
+        """Whether the pass may act on this node."""
+        stack = tuple(module_stack_of_node(node))
+        if stack in self._cache:
+            return self._cache[stack]
+        path = stack[-1][0] if stack else ""
+        ok = self.allows_module(path, stack=stack)
+        self._cache[stack] = ok
+        return ok
+
+    # -- module phase ------------------------------------------------------------------------------
+    def select_modules(self, model: torch.nn.Module, predicate=None, *, what: str = "module") -> list[tuple[str, torch.nn.Module]]:
+        """(name, module) pairs in scope and satisfying ``predicate``; raises if a target matched nothing.
+
+        ``targets`` globs are matched against the names of the candidate modules themselves (those that
+        satisfy ``predicate``) and their enclosing modules.
+        """
+        candidates = [(n, m) for n, m in model.named_modules() if n and (predicate is None or predicate(n, m))]
+        self.check_targets([n for n, _ in model.named_modules() if n], candidates=[n for n, _ in candidates], what=what)
+        out = []
+        modules = dict(model.named_modules())
+        for name, mod in candidates:
+            chain = [modules[p] for p in _prefixes(name) if p in modules]
+            if self.matches_globs(name) and all(self._allowed_by(m) for m in [model, *chain]):
+                out.append((name, mod))
+        return out
+
+    def check_targets(self, names: Sequence[str], candidates: Sequence[str] | None = None, what: str = "module") -> None:
+        """Raise :class:`TargetMatchError` when a ``targets`` glob matches none of ``candidates``."""
+        pool = list(candidates if candidates is not None else names)
+        for glob in self.targets:
+            if not any(fnmatch.fnmatchcase(p, glob) for n in pool for p in _prefixes(n)):
+                sample = ", ".join(repr(n) for n in (pool or list(names))[:8])
+                raise TargetMatchError(
+                    f"{self.pass_name}: targets pattern {glob!r} matches no {what}; "
+                    f"{what} names here include: {sample}{' ...' if len(pool or names) > 8 else ''}")
