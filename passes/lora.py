@@ -1,0 +1,367 @@
+"""LoRA adapter modules and the helpers around them: inject, save/load in PEFT's format, merge/unmerge.
+
+Used by the ``inject_lora`` pass (``passes/inject_lora.py``) and usable on its own::
+
+    from effpass.passes import lora
+    lora.save(model, "adapter/")            # adapter_config.json + adapter_model.safetensors (PEFT's format)
+    lora.load(model, "adapter/")            # injects adapters described by the config and loads the weights
+    lora.merge(model); lora.unmerge(model)  # fold adapters into the base weights for inference, and back
+
+A :class:`LoRALinear` keeps the wrapped module as its child ``base_layer`` (as PEFT does) and adds two
+``nn.Linear`` children ``lora_A`` (in -> r) and ``lora_B`` (r -> out), so parameter names map onto PEFT's:
+``model.layers.0.self_attn.q_proj.lora_A.weight`` is PEFT's
+``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` in a saved adapter.
+
+Invariant (reference semantics): ``LoRALinear(x) == base(x) + scaling * lora_B(lora_A(dropout(x)))``,
+computed in the adapter dtype and cast back to the base output dtype, exactly as PEFT's LoRA layer.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections import Counter
+from typing import Any, Iterable
+
+import torch
+import torch.nn as nn
+
+__all__ = ["LoRALinear", "is_linear_like", "linear_shape", "lora_modules", "inject", "freeze_base",
+           "parameter_stats", "save", "load", "merge", "unmerge", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS"]
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_PEFT_PREFIX = "base_model.model."
+
+
+def _conv1d_class():
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except Exception:  # pragma: no cover - transformers is optional
+        return None
+    return Conv1D
+
+
+def is_linear_like(module: nn.Module) -> bool:
+    """``nn.Linear``, GPT-2's ``Conv1D`` (weight ``[in, out]``), or a module that declares itself a linear
+    (``__effpass_linear__ = True`` with int ``in_features``/``out_features``: quantized linears)."""
+    if isinstance(module, LoRALinear):
+        return False
+    if isinstance(module, nn.Linear):
+        return True
+    conv1d = _conv1d_class()
+    if conv1d is not None and isinstance(module, conv1d):
+        return True
+    return bool(getattr(module, "__effpass_linear__", False)) and isinstance(
+        getattr(module, "in_features", None), int) and isinstance(getattr(module, "out_features", None), int)
+
+
+def linear_shape(module: nn.Module) -> tuple[int, int, bool]:
+    """(in_features, out_features, fan_in_fan_out) of a linear-like module."""
+    conv1d = _conv1d_class()
+    if conv1d is not None and isinstance(module, conv1d):
+        return module.weight.shape[0], module.weight.shape[1], True
+    return int(module.in_features), int(module.out_features), False
+
+
+def _base_float_param(module: nn.Module) -> torch.Tensor | None:
+    w = getattr(module, "weight", None)
+    if isinstance(w, torch.Tensor) and w.is_floating_point():
+        return w
+    for p in module.parameters():
+        if p.is_floating_point():
+            return p
+    for b in module.buffers():
+        if b.is_floating_point():
+            return b
+    return None
+
+
+class LoRALinear(nn.Module):
+    """A linear-like module plus a low-rank update: ``base(x) + scaling * B(A(dropout(x)))``.
+
+    ``lora_B`` starts at zero (the LoRA paper), so a fresh adapter leaves the function unchanged.
+    """
+
+    def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float = 0.0, *,
+                 use_rslora: bool = False, init: str = "kaiming", dtype: torch.dtype | None = None):
+        super().__init__()
+        in_f, out_f, fan_in_fan_out = linear_shape(base)
+        ref = _base_float_param(base)
+        device = ref.device if ref is not None else torch.device("cpu")
+        if dtype is None:
+            # NOTE(parity): PEFT's default autocast_adapter_dtype keeps half-precision bases' adapters in fp32.
+            dtype = ref.dtype if ref is not None and ref.dtype not in (torch.float16, torch.bfloat16) else torch.float32
+        self.base_layer = base
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.lora_A = nn.Linear(in_f, rank, bias=False, device=device, dtype=dtype)
+        self.lora_B = nn.Linear(rank, out_f, bias=False, device=device, dtype=dtype)
+        self.in_features, self.out_features = in_f, out_f
+        self.rank, self.alpha, self.dropout_p = rank, float(alpha), float(dropout)
+        self.use_rslora = use_rslora
+        self.fan_in_fan_out = fan_in_fan_out
+        self.scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
+        self.merged = False
+        self.reset_lora_parameters(init)
+
+    def reset_lora_parameters(self, init: str = "kaiming") -> None:
+        with torch.no_grad():
+            if init == "kaiming":
+                nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # as PEFT (and nn.Linear)
+            elif init == "gaussian":
+                nn.init.normal_(self.lora_A.weight, std=1 / self.rank)
+            else:
+                raise ValueError(f"init {init!r} is not valid; choose one of ['kaiming', 'gaussian']")
+            nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result = self.base_layer(x)
+        if self.merged:
+            return result
+        dtype = result.dtype
+        x = x.to(self.lora_A.weight.dtype)
+        result = result + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        return result.to(dtype)
+
+    # -- merging -------------------------------------------------------------------------------------
+    def delta_weight(self) -> torch.Tensor:
+        """``scaling * B @ A`` in the base weight's layout (``[in, out]`` for Conv1D)."""
+        delta = (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scaling
+        return delta.T if self.fan_in_fan_out else delta
+
+    def _base_weight(self) -> torch.Tensor:
+        w = getattr(self.base_layer, "weight", None)
+        if getattr(self.base_layer, "__effpass_linear__", False) or not isinstance(w, torch.Tensor) \
+                or not w.is_floating_point():
+            raise ValueError(f"cannot merge a LoRA adapter into a {type(self.base_layer).__name__} base "
+                             "(quantized or non-float weight); merge works on nn.Linear and Conv1D bases")
+        return w
+
+    def merge(self) -> None:
+        if self.merged:
+            return
+        w = self._base_weight()
+        with torch.no_grad():
+            w.copy_((w.float() + self.delta_weight()).to(w.dtype))
+        self.merged = True
+
+    def unmerge(self) -> None:
+        if not self.merged:
+            return
+        w = self._base_weight()
+        with torch.no_grad():
+            w.copy_((w.float() - self.delta_weight()).to(w.dtype))
+        self.merged = False
+
+    # -- loading a plain state dict (keys without ``base_layer.``) ------------------------------------
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        for name, _ in self.base_layer.named_parameters(recurse=False):
+            old, new = prefix + name, prefix + "base_layer." + name
+            if old in state_dict and new not in state_dict:
+                state_dict[new] = state_dict.pop(old)
+        for name, _ in self.base_layer.named_buffers(recurse=False):
+            old, new = prefix + name, prefix + "base_layer." + name
+            if old in state_dict and new not in state_dict:
+                state_dict[new] = state_dict.pop(old)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, rank={self.rank}, alpha={self.alpha}, "
+                f"dropout={self.dropout_p}, scaling={self.scaling:.4g}{', merged' if self.merged else ''}")
+
+
+# ------------------------------------------------------------------------------------------------------
+# injection and freezing
+# ------------------------------------------------------------------------------------------------------
+def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
+    """Every :class:`LoRALinear` in ``model`` by its fully qualified name."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def inject(model: nn.Module, names: Iterable[str], *, rank: int, alpha: float, dropout: float = 0.0,
+           use_rslora: bool = False, init: str = "kaiming", dtype: torch.dtype | None = None,
+           rank_of=None, alpha_of=None) -> list[str]:
+    """Wrap the linear-like modules ``names`` of ``model`` in :class:`LoRALinear` (in place).
+
+    ``rank_of(name)`` / ``alpha_of(name)`` may override the rank/alpha per module (PEFT's patterns).
+    Returns the names wrapped; modules already wrapped are left alone.
+    """
+    done = []
+    for name in names:
+        mod = model.get_submodule(name)
+        if isinstance(mod, LoRALinear):
+            continue
+        if not is_linear_like(mod):
+            raise TypeError(f"module {name!r} is a {type(mod).__name__}, not a linear-like module")
+        r = rank_of(name) if rank_of else rank
+        a = alpha_of(name) if alpha_of else alpha
+        _set_submodule(model, name, LoRALinear(mod, r, a, dropout, use_rslora=use_rslora, init=init, dtype=dtype))
+        done.append(name)
+    return done
+
+
+def freeze_base(model: nn.Module, trainable_adapters: bool = True) -> None:
+    """Freeze every parameter except the adapters (whose ``requires_grad`` is ``trainable_adapters``)."""
+    adapter = {id(p) for m in lora_modules(model).values() for p in (m.lora_A.weight, m.lora_B.weight)}
+    for p in model.parameters():
+        p.requires_grad_(trainable_adapters if id(p) in adapter else False)
+
+
+def parameter_stats(model: nn.Module) -> dict[str, int]:
+    """Trainable and frozen parameter counts and bytes (shared parameters counted once)."""
+    seen: set[int] = set()
+    out = {"trainable_params": 0, "frozen_params": 0, "trainable_bytes": 0, "frozen_bytes": 0}
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        kind = "trainable" if p.requires_grad else "frozen"
+        out[f"{kind}_params"] += p.numel()
+        out[f"{kind}_bytes"] += p.numel() * p.element_size()
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------
+# PEFT interop
+# ------------------------------------------------------------------------------------------------------
+def _most_common(values: list) -> Any:
+    return Counter(values).most_common(1)[0][0]
+
+
+def adapter_config(model: nn.Module) -> dict[str, Any]:
+    """The ``adapter_config.json`` contents (PEFT's ``LoraConfig``) describing ``model``'s adapters."""
+    mods = lora_modules(model)
+    if not mods:
+        raise ValueError("the model has no LoRA adapters (apply the inject_lora pass or lora.load first)")
+    r = _most_common([m.rank for m in mods.values()])
+    alpha = _most_common([m.alpha for m in mods.values()])
+    dropouts = {m.dropout_p for m in mods.values()}
+    rslora = {m.use_rslora for m in mods.values()}
+    fifo = {m.fan_in_fan_out for m in mods.values()}
+    if len(dropouts) > 1 or len(rslora) > 1 or len(fifo) > 1:
+        raise ValueError(f"PEFT's format needs one dropout / use_rslora / fan_in_fan_out for all adapters; "
+                         f"this model has dropout {sorted(dropouts)}, use_rslora {sorted(rslora)}, "
+                         f"fan_in_fan_out {sorted(fifo)}")
+    base_name = getattr(getattr(model, "config", None), "_name_or_path", None) or None
+    return {
+        "peft_type": "LORA", "task_type": None, "base_model_name_or_path": base_name, "inference_mode": True,
+        "r": r, "lora_alpha": alpha, "lora_dropout": dropouts.pop(), "use_rslora": rslora.pop(),
+        "fan_in_fan_out": fifo.pop(), "bias": "none", "init_lora_weights": True,
+        "target_modules": sorted(mods),
+        "rank_pattern": {n: m.rank for n, m in mods.items() if m.rank != r},
+        "alpha_pattern": {n: m.alpha for n, m in mods.items() if m.alpha != alpha},
+        "modules_to_save": None,
+    }
+
+
+def save(model: nn.Module, path: str | os.PathLike) -> None:
+    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` that ``peft.PeftModel.from_pretrained``
+    loads into the same base model. Only the adapters are written."""
+    from safetensors.torch import save_file
+
+    model = getattr(model, "_orig_mod", model)
+    config = adapter_config(model)
+    os.makedirs(path, exist_ok=True)
+    tensors = {}
+    for name, m in lora_modules(model).items():
+        tensors[f"{_PEFT_PREFIX}{name}.lora_A.weight"] = m.lora_A.weight.detach().contiguous().cpu()
+        tensors[f"{_PEFT_PREFIX}{name}.lora_B.weight"] = m.lora_B.weight.detach().contiguous().cpu()
+    save_file(tensors, os.path.join(path, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    with open(os.path.join(path, ADAPTER_CONFIG), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+
+
+def _target_matcher(target_modules) -> Any:
+    if isinstance(target_modules, str):
+        rx = re.compile(target_modules)
+        return lambda name: rx.fullmatch(name) is not None
+    targets = list(target_modules or [])
+    return lambda name: any(name == t or name.endswith("." + t) for t in targets)
+
+
+def _pattern_lookup(patterns: dict, default):
+    def lookup(name: str):
+        for pat, value in (patterns or {}).items():
+            if re.match(rf"(.*\.)?({pat})$", name):
+                return value
+        return default
+    return lookup
+
+
+def load(model: nn.Module, path: str | os.PathLike, *, trainable: bool = False) -> list[str]:
+    """Load a PEFT LoRA adapter (or one :func:`save` wrote) into ``model`` in place.
+
+    Adapters are injected where the config's ``target_modules`` point (unless already there), the weights
+    are copied in, and base weights are frozen. ``trainable`` makes the adapters trainable (PEFT's
+    ``is_trainable``). Returns the names of the adapted modules.
+    """
+    from safetensors.torch import load_file
+
+    model = getattr(model, "_orig_mod", model)
+    with open(os.path.join(path, ADAPTER_CONFIG)) as f:
+        cfg = json.load(f)
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{path}: peft_type {cfg.get('peft_type')!r} is not supported; only 'LORA' is")
+    for key, ok in (("bias", ("none", None)), ("modules_to_save", (None, [])), ("use_dora", (False, None))):
+        if cfg.get(key) not in ok:
+            raise ValueError(f"{path}: {key}={cfg.get(key)!r} is not supported by effpass's LoRA; supported: {list(ok)}")
+    weights_file = os.path.join(path, ADAPTER_WEIGHTS)
+    if os.path.exists(weights_file):
+        state = load_file(weights_file)
+    else:
+        state = torch.load(os.path.join(path, "adapter_model.bin"), map_location="cpu", weights_only=True)
+    match = _target_matcher(cfg.get("target_modules"))
+    r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
+    existing = lora_modules(model)
+    names = [n for n, m in model.named_modules()
+             if n and is_linear_like(m) and match(n) and ".lora_" not in n and not n.endswith(".base_layer")]
+    inject(model, names, rank=r, alpha=alpha, dropout=float(cfg.get("lora_dropout", 0.0)),
+           use_rslora=bool(cfg.get("use_rslora", False)),
+           rank_of=_pattern_lookup(cfg.get("rank_pattern"), r), alpha_of=_pattern_lookup(cfg.get("alpha_pattern"), alpha))
+    mods = lora_modules(model)
+    loaded = set()
+    for key, value in state.items():
+        k = key[len(_PEFT_PREFIX):] if key.startswith(_PEFT_PREFIX) else key
+        m = re.fullmatch(r"(.*)\.(lora_A|lora_B)(?:\.[^.]+)?\.weight", k)
+        if m is None:
+            raise ValueError(f"{path}: unexpected tensor {key!r} in the adapter (only lora_A/lora_B weights are supported)")
+        name, which = m.group(1), m.group(2)
+        if name not in mods:
+            raise ValueError(f"{path}: adapter tensor {key!r} names module {name!r}, which has no LoRA adapter "
+                             f"in this model; adapted modules: {sorted(mods)[:8]}")
+        param = getattr(mods[name], which).weight
+        if tuple(param.shape) != tuple(value.shape):
+            raise ValueError(f"{path}: {key!r} has shape {tuple(value.shape)}, the model's adapter expects "
+                             f"{tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(value.to(param.dtype))
+        loaded.add((name, which))
+    missing = [n for n in mods if n not in existing and not {(n, "lora_A"), (n, "lora_B")} <= loaded]
+    if missing:
+        raise ValueError(f"{path}: no weights for the adapters of {missing[:8]}")
+    freeze_base(model, trainable_adapters=trainable)
+    return sorted(mods)
+
+
+def merge(model: nn.Module) -> int:
+    """Fold every adapter into its base weight (``W += scaling * B @ A``); the forward then skips the
+    adapter branch, so a compiled merged model has no adapter ops. Returns the number merged."""
+    mods = lora_modules(getattr(model, "_orig_mod", model)).values()
+    for m in mods:
+        m.merge()
+    return len(mods)
+
+
+def unmerge(model: nn.Module) -> int:
+    """Undo :func:`merge` (``W -= scaling * B @ A``). Returns the number unmerged."""
+    mods = lora_modules(getattr(model, "_orig_mod", model)).values()
+    for m in mods:
+        m.unmerge()
+    return len(mods)
