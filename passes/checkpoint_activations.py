@@ -1,0 +1,581 @@
+"""``checkpoint_activations``: selective activation checkpointing by policy or by memory budget.
+
+What it does
+    Marks forward nodes of the joint forward+backward graph for AOTAutograd's min-cut partitioner:
+    ``node.meta["recompute"]`` (a :class:`torch.utils.checkpoint.CheckpointPolicy`) says whether a
+    value is saved for the backward (``MUST_SAVE``) or recomputed there (``PREFER_RECOMPUTE``), and
+    ``node.meta["ac_graph_id"]`` numbers the block (transformer layer) the node belongs to, so the
+    partitioner saves the values that cross from one block into the next. No module is wrapped and the
+    eager model is untouched: the eager model computes the same function (reference semantics).
+
+    Policies (``policy`` / ``budget`` options):
+
+    * ``"ops"`` (default): save the outputs of matmuls, convolutions and attention; recompute
+      pointwise ops, norms, softmax and views from them.
+    * ``"full"``: per block, save only the block's inputs; everything inside a block is recomputed.
+    * ``budget=0.4`` / ``budget="6GiB"``: keep the saved activations under the budget (a fraction of the
+      bytes saved without checkpointing, or absolute bytes) with the least recompute FLOPs effpass can
+      find: starting from "full", values are saved greedily by recompute FLOPs avoided per byte.
+
+Phases
+    ``joint`` (marks; inference graphs have no backward and are left alone) and ``post_grad`` (the
+    backward graph: measures the bytes actually saved for backward after partitioning).
+
+Ordering
+    Runs after ``fuse_attention`` (an attention op fused by it is one "save" site instead of a chain of
+    matmuls and a softmax) and after ``apply_autocast`` (the casts it inserts decide the dtype, so the
+    bytes, of what is saved).
+
+Statistics (per joint graph; ``effpass.report(m).stats("checkpoint_activations")`` sums over graphs)
+    ``saved_bytes_before``: activation bytes saved for backward by the partitioner with no marks (the
+    joint graph partitioned on a copy); ``saved_bytes_after``: the same with this pass's marks;
+    ``saved_bytes_measured``: read from the real backward graph's inputs after partitioning;
+    ``recompute_flops_before/after`` and ``recompute_flops_added``: FLOPs of forward ops that the
+    backward graph recomputes; ``marked_save``, ``marked_recompute``, ``blocks``; budget mode adds
+    ``budget_bytes`` and ``budget_met``. Activation bytes exclude parameters and graph inputs (they
+    are alive anyway) and count a storage once.
+
+Invariants relied on
+    Forward nodes of the joint graph carry ``nn_module_stack`` (checked on torch 2.11 and 2.13); a
+    multi-output op and its ``getitem`` users get the same policy (the min-cut fails otherwise); random
+    ops that are recomputed are replayed with the same random numbers (the partitioner functionalizes
+    their RNG state when any is marked for recompute).
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+import operator
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Literal
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+import effpass
+from effpass.graph_utils import tensor_meta
+from effpass.scope import module_stack_of_node
+
+__all__ = ["CheckpointActivations", "parse_bytes", "partition_stats", "mark_graph", "find_blocks"]
+
+MUST_SAVE = CheckpointPolicy.MUST_SAVE
+RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
+
+_aten = torch.ops.aten
+#: ops whose outputs the "ops" policy saves: matmuls, convolutions, attention (costly to recompute)
+_SAVE_PACKETS = {
+    _aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.matmul, _aten.linear, _aten.convolution,
+    _aten._convolution, _aten.scaled_dot_product_attention, _aten._scaled_dot_product_flash_attention,
+    _aten._scaled_dot_product_efficient_attention, _aten._scaled_dot_product_cudnn_attention,
+    _aten._scaled_dot_product_flash_attention_for_cpu, _aten._flash_attention_forward,
+    _aten._efficient_attention_forward,
+}
+for _name in ("_scaled_mm", "_weight_int8pack_mm", "_int_mm", "_scaled_dot_product_fused_attention_overrideable"):
+    if hasattr(_aten, _name):
+        _SAVE_PACKETS.add(getattr(_aten, _name))
+
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_BYTES_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str) -> int:
+    """``"6GiB"`` -> 6442450944; ``"512MiB"``, ``"1.5GB"``, ``"1000000"`` (bytes) also work."""
+    m = _BYTES_RE.match(text)
+    unit = m.group(2).lower() if m else ""
+    if unit and not unit.endswith("b"):
+        unit += "b"  # "6G" reads as "6GB"
+    if not m or unit not in ("",) + tuple(_UNITS):
+        raise ValueError(f"checkpoint_activations.budget: cannot read {text!r} as a size; use a fraction "
+                         f"in (0, 1] or a size such as '6GiB', '512MiB', '1.5GB' (units: {sorted(_UNITS)})")
+    return int(float(m.group(1)) * _UNITS.get(unit or "b"))
+
+
+# ------------------------------------------------------------------------------------------------------
+# the pass
+# ------------------------------------------------------------------------------------------------------
+@effpass.register_pass("checkpoint_activations", run_after=("fuse_attention", "apply_autocast"))
+@dataclass(frozen=True, kw_only=True)
+class CheckpointActivations(effpass.Pass):
+    """Selective activation checkpointing: marks forward nodes of the joint graph save or recompute.
+
+    Before (joint graph, one Llama MLP; no marks, the partitioner saves what it likes)::
+
+        mm = aten.mm(x, w_gate); silu = aten.silu(mm); mm_1 = aten.mm(x, w_up)
+        mul = aten.mul(silu, mm_1); mm_2 = aten.mm(mul, w_down)        # ... backward uses mul, silu
+
+    After ``CheckpointActivations()`` (policy "ops")::
+
+        mm    meta["recompute"]=MUST_SAVE         meta["ac_graph_id"]=1
+        silu  meta["recompute"]=PREFER_RECOMPUTE  meta["ac_graph_id"]=1   # recomputed in backward
+        mm_1  meta["recompute"]=MUST_SAVE         ...
+        mul   meta["recompute"]=PREFER_RECOMPUTE  ...
+
+    With ``policy="full"`` every node of a block is ``PREFER_RECOMPUTE``; the partitioner then saves
+    only the values entering each block.
+    """
+
+    policy: Literal["ops", "full"] = field(default="ops", metadata={
+        "doc": "'ops': save matmul/conv/attention outputs, recompute the rest; 'full': per block save only "
+               "the block inputs"})
+    budget: float | str | None = field(default=None, metadata={
+        "doc": "saved-activation budget: a fraction in (0, 1] of the bytes saved without checkpointing, or a "
+               "size such as '6GiB'; effpass meets it with the least recompute FLOPs it finds (policy must be 'ops')"})
+    save_ops: tuple[str, ...] = field(default=(), metadata={
+        "doc": "extra aten op names whose outputs are always saved (e.g. 'aten.mul'); policy 'ops' and budget"})
+
+    def validate(self) -> None:
+        if self.budget is not None:
+            if self.policy != "ops":
+                raise ValueError(f"checkpoint_activations: budget={self.budget!r} chooses what to save itself; "
+                                 f"it cannot be combined with policy={self.policy!r} (leave policy at 'ops')")
+            if isinstance(self.budget, str):
+                parse_bytes(self.budget)
+            elif not (0.0 < self.budget <= 1.0):
+                raise ValueError(f"checkpoint_activations.budget: {self.budget!r} is not a fraction in (0, 1]; "
+                                 "give an absolute budget as a string such as '6GiB' or '512MiB'")
+        for name in self.save_ops:
+            if _packet_of_name(name) is None:
+                raise ValueError(f"checkpoint_activations.save_ops: {name!r} is not an aten op name "
+                                 "(write it as 'aten.mul' or 'mul')")
+
+    @classmethod
+    def default_note(cls) -> str:
+        return "off (training memory/compute trade-off: opt in)"
+
+    # -- joint phase: mark ---------------------------------------------------------------------------
+    def transform_joint(self, gm: fx.GraphModule, ctx) -> effpass.PassResult:
+        if ctx.graph_kind != "joint":
+            return effpass.PassResult(skipped=[{"site": "graph", "reason": "inference graph: nothing is saved "
+                                                "for a backward"}])
+        graph = gm.graph
+        fwd = forward_nodes(graph)
+        in_scope = [n for n in fwd if n.op == "call_function" and ctx.allows(n)]
+        if not in_scope:
+            return effpass.PassResult(skipped=[{"site": "graph", "reason": "no forward node in targets"}])
+        block_of = find_blocks(in_scope, self.targets, ctx.model)
+        num_fwd = num_forward_outputs(gm)
+        before = partition_stats(gm, num_fwd)
+        extra = {p for p in (_packet_of_name(s) for s in self.save_ops) if p is not None}
+        stats: dict[str, Any] = {}
+        if self.budget is None:
+            plan = plan_policy(in_scope, block_of, self.policy, extra)
+        else:
+            budget_bytes = (parse_bytes(self.budget) if isinstance(self.budget, str)
+                            else int(self.budget * before["saved_bytes"]))
+            plan, met = plan_budget(gm, in_scope, block_of, budget_bytes, num_fwd, extra)
+            stats.update(budget_bytes=budget_bytes, budget_met=met)
+        mark_graph(plan)
+        after = partition_stats(gm, num_fwd)
+        blocks = sorted({b for b in block_of.values() if b})
+        stats.update(
+            saved_bytes_before=before["saved_bytes"], saved_bytes_after=after["saved_bytes"],
+            recompute_flops_before=before["recompute_flops"], recompute_flops_after=after["recompute_flops"],
+            recompute_flops_added=after["recompute_flops"] - before["recompute_flops"],
+            marked_save=sum(1 for p in plan.values() if p[0] is MUST_SAVE),
+            marked_recompute=sum(1 for p in plan.values() if p[0] is RECOMPUTE),
+            blocks=len(blocks),
+        )
+        ctx.notes["checkpoint_activations"] = dict(stats)
+        return effpass.PassResult(changed=True, stats=stats)
+
+    # -- post-grad phase: measure ------------------------------------------------------------------------
+    def transform_post_grad(self, gm: fx.GraphModule, ctx) -> effpass.PassResult | None:
+        if ctx.graph_kind != "backward" or "checkpoint_activations" not in ctx.notes:
+            return None
+        saved = [n for n in gm.graph.find_nodes(op="placeholder") if not str(n.target).startswith("tangents")]
+        inputs = [n for n in saved if str(n.target).startswith("primals")]
+        return effpass.PassResult(stats={"saved_bytes_measured": activation_bytes(saved, inputs)})
+
+
+# ------------------------------------------------------------------------------------------------------
+# graph helpers
+# ------------------------------------------------------------------------------------------------------
+def _packet_of_name(name: str):
+    short = name.removeprefix("aten.").removeprefix("torch.ops.aten.").split(".")[0]
+    return getattr(_aten, short, None) if short else None
+
+
+def _packet(node: fx.Node):
+    t = node.target
+    return t.overloadpacket if isinstance(t, torch._ops.OpOverload) else t
+
+
+def forward_nodes(graph: fx.Graph) -> list[fx.Node]:
+    """Nodes of the joint graph that do not depend on a tangent, in graph order."""
+    backward: set[fx.Node] = set()
+    out = []
+    for n in graph.nodes:
+        if n.op == "output":
+            continue
+        if n.op == "placeholder":
+            if str(n.target).startswith("tangents"):
+                backward.add(n)
+            else:
+                out.append(n)
+            continue
+        if n.meta.get("partitioner_tag") == "is_backward" or any(a in backward for a in n.all_input_nodes):
+            backward.add(n)
+        else:
+            out.append(n)
+    return out
+
+
+def num_forward_outputs(gm: fx.GraphModule) -> int:
+    """How many of the joint graph's outputs belong to the forward (the rest are gradients)."""
+    import torch.utils._pytree as pytree
+
+    out = next(iter(gm.graph.find_nodes(op="output")))
+    leaves = pytree.arg_tree_leaves(*out.args)
+    descs = out.meta.get("desc")
+    if descs is not None:
+        descs = pytree.arg_tree_leaves(descs)
+        for i, d in enumerate(descs):
+            if d is None or type(d).__name__ == "GradAOTOutput":
+                return i
+        return len(descs)
+    fwd = set(forward_nodes(gm.graph))  # fallback: leading outputs computed without tangents
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, fx.Node) or leaf not in fwd or leaf.op == "placeholder":
+            return i
+    return len(leaves)  # pragma: no cover
+
+
+_INDEX = re.compile(r"^\d+$")
+
+
+def find_blocks(nodes: Iterable[fx.Node], targets: Iterable[str] = (), model: torch.nn.Module | None = None
+                ) -> dict[fx.Node, str]:
+    """node -> the block (module path) it belongs to, "" outside every block.
+
+    With ``targets`` a block is the outermost module whose name matches a glob; otherwise it is the
+    outermost numbered child of a container (``model.layers.3``, ``transformer.h.0``), i.e. one
+    transformer layer.
+    """
+    targets = tuple(targets)
+    modules = dict(model.named_modules()) if model is not None else {}
+    cache: dict[tuple, str] = {}
+    out = {}
+    for n in nodes:
+        stack = tuple(p for p, _ in module_stack_of_node(n))
+        if stack not in cache:
+            cache[stack] = _block_of_stack(stack, targets, modules)
+        out[n] = cache[stack]
+    return out
+
+
+def _block_of_stack(stack: tuple[str, ...], targets: tuple[str, ...], modules: dict) -> str:
+    path = stack[-1] if stack else ""
+    parts = path.split(".") if path else []
+    for i in range(1, len(parts) + 1):
+        prefix = ".".join(parts[:i])
+        if targets:
+            if any(fnmatch.fnmatchcase(prefix, g) for g in targets):
+                return prefix
+        elif _INDEX.match(parts[i - 1]) and i > 1:
+            parent = modules.get(".".join(parts[: i - 1]))
+            if parent is None or isinstance(parent, (torch.nn.ModuleList, torch.nn.Sequential)):
+                return prefix
+    return ""
+
+
+def _block_ids(nodes: list[fx.Node], block_of: dict[fx.Node, str]) -> dict[fx.Node, int]:
+    """Block number per node, in graph order (1..N); nodes outside blocks get 0 before the first block
+    and N+1 after it."""
+    order: dict[str, int] = {}
+    for n in nodes:
+        b = block_of.get(n, "")
+        if b and b not in order:
+            order[b] = len(order) + 1
+    ids, seen_block = {}, False
+    for n in nodes:
+        b = block_of.get(n, "")
+        if b:
+            seen_block = True
+            ids[n] = order[b]
+        else:
+            ids[n] = len(order) + 1 if seen_block else 0
+    return ids
+
+
+def _is_view_or_free(node: fx.Node) -> bool:
+    t = node.target
+    if t is operator.getitem:
+        return True
+    if isinstance(t, torch._ops.OpOverload):
+        return t.is_view or t.overloadpacket in (_aten.detach, _aten.alias, _aten.lift_fresh_copy, _aten.sym_size)
+    return not isinstance(tensor_meta(node), torch.Tensor)
+
+
+def _multi_output_parent(node: fx.Node) -> fx.Node | None:
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        parent = node.args[0]
+        if not isinstance(tensor_meta(parent), torch.Tensor):
+            return parent
+    return None
+
+
+Plan = dict  # fx.Node -> (CheckpointPolicy, ac_graph_id)
+
+
+def plan_policy(nodes: list[fx.Node], block_of: dict[fx.Node, str], policy: str, extra_save=frozenset()) -> Plan:
+    """Marks for the "ops" or "full" policy (no graph change yet)."""
+    ids = _block_ids(nodes, block_of)
+    plan: Plan = {}
+    for n in nodes:
+        if _multi_output_parent(n) is not None:
+            continue  # follows its parent below
+        if policy == "full":
+            if not block_of.get(n):
+                continue  # outside blocks: the partitioner decides
+            plan[n] = (RECOMPUTE, ids[n])
+        else:
+            save = _packet(n) in _SAVE_PACKETS or _packet(n) in extra_save
+            plan[n] = (MUST_SAVE if save else RECOMPUTE, ids[n])
+    _copy_to_getitems(nodes, plan)
+    return plan
+
+
+def _copy_to_getitems(nodes: list[fx.Node], plan: Plan) -> None:
+    for n in nodes:
+        parent = _multi_output_parent(n)
+        if parent is not None:
+            if parent in plan:
+                plan[n] = plan[parent]
+            else:
+                plan.pop(n, None)
+
+
+def mark_graph(plan: Plan) -> None:
+    for n, (policy, gid) in plan.items():
+        n.meta["recompute"] = policy
+        n.meta["ac_graph_id"] = gid
+
+
+# ------------------------------------------------------------------------------------------------------
+# measuring: partition a copy of the joint graph and read the saved tensors' metadata
+# ------------------------------------------------------------------------------------------------------
+def _nbytes(val: torch.Tensor) -> int:
+    n = val.numel()
+    try:
+        n = int(n)
+    except Exception:  # symbolic: use the hint
+        n = int(getattr(getattr(n, "node", None), "hint", None) or 4096)
+    return n * val.element_size()
+
+
+def _storage_key(val: torch.Tensor):
+    try:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        return StorageWeakRef(val.untyped_storage())
+    except Exception:
+        return id(val)
+
+
+def activation_bytes(saved: Iterable[fx.Node], inputs: Iterable[fx.Node] = ()) -> int:
+    """Bytes of the saved tensors, each storage once, leaving out storages of graph inputs (parameters and
+    batch tensors are alive anyway)."""
+    exclude = {_storage_key(v) for v in (tensor_meta(n) for n in inputs) if isinstance(v, torch.Tensor)}
+    sizes: dict[Any, int] = {}
+    for n in saved:
+        v = tensor_meta(n)
+        if not isinstance(v, torch.Tensor):
+            continue
+        key = _storage_key(v)
+        if key in exclude:
+            continue
+        try:
+            size = int(v.untyped_storage().nbytes())
+        except Exception:
+            size = _nbytes(v)
+        sizes[key] = max(sizes.get(key, 0), size)
+    return sum(sizes.values())
+
+
+def node_flops(node: fx.Node) -> int:
+    """FLOPs of one node: torch's flop formulas for matmuls/convs/attention; one per output element for
+    other compute ops; zero for views."""
+    if node.op != "call_function" or _is_view_or_free(node):
+        return 0
+    from torch.utils.flop_counter import flop_registry
+
+    fn = flop_registry.get(_packet(node))
+    if fn is not None:
+        import torch.utils._pytree as pytree
+
+        args, kwargs = pytree.tree_map(lambda a: tensor_meta(a) if isinstance(a, fx.Node) else a,
+                                       (node.args, node.kwargs))
+        try:
+            return int(fn(*args, **kwargs, out_val=tensor_meta(node)))
+        except Exception:
+            pass
+    val = tensor_meta(node)
+    if isinstance(val, torch.Tensor):
+        return _nbytes(val) // max(val.element_size(), 1)
+    if isinstance(val, (list, tuple)):
+        return sum(_nbytes(v) // max(v.element_size(), 1) for v in val if isinstance(v, torch.Tensor))
+    return 0
+
+
+def _copy_gm(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out = g.graph_copy(gm.graph, env, return_output_node=True)
+    out_val, out_node = out if isinstance(out, tuple) else (out, None)
+    new_out = g.output(out_val)
+    if out_node is not None:
+        new_out.meta = dict(out_node.meta)
+    for old, new in env.items():
+        new.meta = dict(old.meta)
+    g._codegen = gm.graph._codegen
+    return fx.GraphModule(gm, g), env
+
+
+def partition_stats(gm: fx.GraphModule, num_fwd_outputs: int | None = None, *, plan: Plan | None = None,
+                    memory_budget: float | None = None, clear_marks: bool = False) -> dict[str, Any]:
+    """Partition a copy of the joint graph ``gm`` as AOTAutograd would and measure it.
+
+    ``plan`` marks the copy first; ``clear_marks`` removes existing marks; ``memory_budget`` runs torch's
+    own ``activation_memory_budget``. Returns ``saved_bytes`` (activations only), ``saved_tensors``,
+    ``recompute_flops`` (forward ops the backward recomputes) and ``recomputed`` (their names).
+    """
+    from torch._functorch import config as fconfig
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    if num_fwd_outputs is None:
+        num_fwd_outputs = num_forward_outputs(gm)
+    copy, env = _copy_gm(gm)
+    if clear_marks:
+        for n in copy.graph.nodes:
+            n.meta.pop("recompute", None)
+            n.meta.pop("ac_graph_id", None)
+    if plan:
+        mark_graph({env[n]: p for n, p in plan.items()})
+    fwd_names = {n.name: n for n in forward_nodes(copy.graph) if n.op == "call_function"}
+    patches = {} if memory_budget is None else {"activation_memory_budget": memory_budget}
+    with fconfig.patch(patches):
+        _fw, bw = min_cut_rematerialization_partition(copy, None, num_fwd_outputs=num_fwd_outputs)
+    saved = [n for n in bw.graph.find_nodes(op="placeholder") if not str(n.target).startswith("tangents")]
+    inputs = [n for n in copy.graph.find_nodes(op="placeholder")]
+    recomputed = [n for n in bw.graph.nodes if n.op == "call_function" and n.name in fwd_names]
+    return {
+        "saved_bytes": activation_bytes(saved, inputs),
+        "saved_tensors": sum(1 for n in saved if isinstance(tensor_meta(n), torch.Tensor)
+                             and not str(n.target).startswith("primals")),
+        "recompute_flops": sum(node_flops(n) for n in recomputed),
+        "recomputed": [n.name for n in recomputed],
+    }
+
+
+# ------------------------------------------------------------------------------------------------------
+# the budget: from "full", save values greedily by recompute FLOPs avoided per byte
+# ------------------------------------------------------------------------------------------------------
+class _CostModel:
+    """A fast model of the partition for given marks: which forward values the backward needs, which of
+    them are recomputed (and their FLOPs) and which are saved (and their bytes)."""
+
+    def __init__(self, gm: fx.GraphModule, nodes: list[fx.Node], ids: dict[fx.Node, int]):
+        fwd = forward_nodes(gm.graph)
+        self.fwd = set(fwd)
+        self.scope = set(nodes)
+        self.ids = ids
+        self.inputs = {n for n in fwd if n.op == "placeholder"}
+        self.input_storages = {_storage_key(tensor_meta(n)) for n in self.inputs
+                               if isinstance(tensor_meta(n), torch.Tensor)}
+        self.flops = {n: node_flops(n) for n in nodes}
+        self.needed = set()  # forward values used directly by backward nodes
+        for n in gm.graph.nodes:
+            if n.op != "output" and n not in self.fwd:
+                self.needed.update(a for a in n.all_input_nodes if a in self.fwd)
+        # values crossing a block boundary are saved by the partitioner (cleanup_recompute_tags)
+        self.boundary = {n for n in nodes if any(u in self.scope and ids.get(u, 0) > ids[n] for u in n.users)}
+
+    def size(self, n: fx.Node) -> int:
+        v = tensor_meta(n)
+        if not isinstance(v, torch.Tensor) or _storage_key(v) in self.input_storages:
+            return 0
+        return _nbytes(v)
+
+    def evaluate(self, saved: set[fx.Node]) -> tuple[int, int]:
+        """(saved bytes, recompute FLOPs) when ``saved`` (plus boundaries) are saved, the rest of the
+        scope recomputed."""
+        stored: set[fx.Node] = set()
+        recomputed: set[fx.Node] = set()
+        stack = list(self.needed)
+        visited: set[fx.Node] = set()
+        while stack:
+            n = stack.pop()
+            if n in visited:
+                continue
+            visited.add(n)
+            parent = _multi_output_parent(n)
+            owner = parent if parent is not None else n
+            if owner not in self.scope or owner in saved or owner in self.boundary:
+                if n.op != "placeholder":
+                    stored.add(n)
+                continue
+            if owner is not n and owner not in recomputed:
+                recomputed.add(owner)
+                stack.extend(owner.all_input_nodes)
+            recomputed.add(n)
+            stack.extend(n.all_input_nodes)
+        return sum(self.size(n) for n in stored), sum(self.flops.get(n, 0) for n in recomputed)
+
+
+def plan_budget(gm: fx.GraphModule, nodes: list[fx.Node], block_of: dict[fx.Node, str], budget_bytes: int,
+                num_fwd: int, extra_save=frozenset()) -> tuple[Plan, bool]:
+    """Marks that keep saved activations under ``budget_bytes`` with few recompute FLOPs, and whether the
+    budget is met (checked by partitioning a copy; when the model was optimistic the target shrinks)."""
+    ids = _block_ids(nodes, block_of)
+    model = _CostModel(gm, nodes, ids)
+    candidates = [n for n in nodes if _multi_output_parent(n) is None and not _is_view_or_free(n)
+                  and n not in model.boundary]
+    forced = {n for n in candidates if _packet(n) in extra_save}
+    target = budget_bytes
+    best: tuple[Plan, bool] | None = None
+    for _ in range(4):
+        saved = _greedy(model, candidates, forced, target)
+        plan = {n: (MUST_SAVE if n in saved else RECOMPUTE, ids[n]) for n in nodes
+                if _multi_output_parent(n) is None}
+        _copy_to_getitems(nodes, plan)
+        real = partition_stats(gm, num_fwd, plan=plan)["saved_bytes"]
+        best = (plan, real <= budget_bytes)
+        if real <= budget_bytes or not saved - forced:
+            break
+        target -= real - budget_bytes  # the model was optimistic: aim lower by the overshoot
+    assert best is not None
+    return best
+
+
+def _greedy(model: _CostModel, candidates: list[fx.Node], forced: set[fx.Node], budget: int) -> set[fx.Node]:
+    """Lazy greedy: take the candidate avoiding most recompute FLOPs per saved byte while under budget
+    (a gain computed in an earlier round is an upper bound and is refreshed before it is taken)."""
+    import heapq
+
+    saved = set(forced)
+    bytes_now, flops_now = model.evaluate(saved)
+    heap = [(-math.inf, i, -1) for i, n in enumerate(candidates) if n not in saved]
+    heapq.heapify(heap)
+    rnd = 0
+    cache: dict[int, tuple[int, int]] = {}
+    cache_put = cache.__setitem__
+    while heap:
+        _neg, i, when = heapq.heappop(heap)
+        n = candidates[i]
+        b, f = model.evaluate(saved | {n}) if when != rnd else cache[i]
+        if b > budget:
+            continue  # does not fit now, and saved bytes only grow
+        df, db = flops_now - f, b - bytes_now
+        if df <= 0:
+            continue  # saving it avoids no recompute
+        if when != rnd:
+            cache_put(i, (b, f))
+            heapq.heappush(heap, (-df / max(db, 1), i, rnd))
+            continue
+        saved.add(n)
+        bytes_now, flops_now = b, f
+        rnd += 1
+    return saved
