@@ -1,0 +1,700 @@
+"""``fuse_attention``: hand-written attention becomes one fused attention call, K/V kept un-repeated.
+
+What it does
+    Finds attention written out by hand (``softmax(q @ k^T * scale + mask) @ v``, with the variants
+    listed below) in the graph Dynamo hands over and replaces each site with
+    ``torch.nn.functional.scaled_dot_product_attention`` (SDPA): ``is_causal=True`` where the mask is
+    provably causal, ``attn_mask`` otherwise, ``enable_gqa=True`` with the un-repeated K/V for
+    grouped-query and multi-query attention, and the dropout probability in training. On a CUDA
+    device with the ``flash-attn`` package installed (``kernel="auto"`` or ``"flash_attn"``), sites
+    that flash-attn supports (fp16/bf16, no mask or causal, no dropout, head dim <= 256 and a multiple
+    of 8) call its kernel through a ``torch.library`` custom op with a backward
+    (:mod:`effpass.passes._flash_attn_op`); other sites use SDPA.
+
+Phase: torch IR (``transform_torch_ir``), and why
+    At this level the graph is small and its ops are torch functions, so one structural matcher
+    covers ``torch.matmul``/``@``/``bmm``, ``softmax`` in its three spellings, ``masked_fill``,
+    ``where``, ``dropout`` and the casts, whatever the model's layout. The replacement is an ordinary
+    torch call: AOTAutograd traces it afterwards and derives a correct backward, and the rewrite works
+    for both lowerings (Inductor and eager). At the aten level the same sites are split into
+    layout-specific ``bmm``/``expand``/``clone`` patterns (Inductor needs ~30 fixed patterns there and
+    still misses the Llama causal form); the forward+backward would also have to be rewritten together.
+
+Recognised forms (the matcher walks back from each ``softmax``):
+    * scores ``q @ k^T`` (``k^T`` by ``transpose``/``permute``, or any ``(…, D, S)`` tensor), scaled by
+      any chain of ``*``/``/`` by Python numbers (or pre-scaled q, which is simply part of q);
+    * masks, any combination: additive float tensors (``scores + mask``: BERT padding, Hugging Face
+      5.x masks, constant ALiBi-style biases), ``masked_fill(mask, v)`` and ``where(cond, scores, v)`` /
+      ``where(cond, v, scores)`` with ``v`` = ``-inf`` or ``<= -1e4`` (Hugging Face uses ``finfo.min``);
+    * softmax over the last dim, in the input dtype or upcast (``.float()``, ``dtype=``) and cast back;
+    * optional ``dropout`` on the weights (``training=True`` only; ``p`` becomes ``dropout_p``);
+    * ``@ v``; K/V repeated for GQA/MQA by ``x[:, :, None].expand(...).reshape(...)`` (HF
+      ``repeat_kv``), ``unsqueeze(2).expand().reshape()``, ``repeat_interleave(r, dim=1)`` or indexing
+      with ``arange(H) // r``.
+
+Proving causality
+    A mask is causal when it is a compile-time constant (no graph input among its ancestors; with
+    ``assume_constant_buffers`` registered buffers count as constants, which is how a GPT-2/nanoGPT
+    ``bias`` buffer is recognised) that evaluates, at the real shape, to exactly the lower triangle over
+    a square ``S x S`` score matrix (masked values ``-inf`` or ``<= -1e4``, kept values exactly 0 for
+    additive masks). Evaluation is skipped above ``max_mask_eval_elements``; such masks, and every mask
+    that is not provably causal, are passed as ``attn_mask`` (always correct). ``q_len != kv_len``
+    (decoding with a cache) never uses ``is_causal`` (SDPA aligns it top-left).
+
+Left alone, with the reason in ``PassResult.skipped`` (and the dump): softmax over another dim; a scale
+that is not a constant positive number; a mask computed from the scores ("mask depends on data"); an
+additive bias that requires grad ("bias is not a mask": T5 relative bias, learned ALiBi); attention
+weights used elsewhere (``output_attentions``); q/k/v of different dtypes or broadcast batch dims.
+
+Runs after: nothing (it is the first graph pass). ``apply_autocast`` and ``checkpoint_activations``
+run after it, so autocast sees the fused op (SDPA is on autocast's lower-precision list) and the
+checkpointing policy sees the fused op instead of the ``S x S`` intermediates.
+
+Invariants: only nodes of matched sites are replaced; every new node carries the replaced node's
+``nn_module_stack`` and a fake ``example_value``; placeholders are never added or removed. Fully masked
+rows: eager attention gives NaN (``-inf`` fill) or a uniform row (finite fill) where SDPA may give NaN or
+0; the outputs of rows with at least one unmasked key are equal.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+import effpass
+from effpass.graph_utils import op_name, tensor_meta
+from effpass.scope import module_path_of_node
+
+__all__ = ["FuseAttention"]
+
+#: a fill value at or below this counts as "masked out" (HF uses finfo(dtype).min; fp16's is -65504)
+MASK_FILL_THRESHOLD = -1e4
+
+_SOFTMAX_FNS = {torch.softmax, F.softmax, torch.special.softmax}
+_MATMUL_FNS = {torch.matmul, operator.matmul, torch.bmm}
+_MATMUL_METHODS = {"matmul", "bmm", "__matmul__"}
+_MUL_FNS = {torch.mul, operator.mul, torch.multiply}
+_DIV_FNS = {torch.div, operator.truediv, torch.true_divide, torch.divide}
+_ADD_FNS = {torch.add, operator.add}
+_CAST_METHODS = {"to", "type", "float", "half", "bfloat16", "double", "type_as"}
+_DROPOUT_FNS = {F.dropout, torch.dropout}
+_RANDOM_WORDS = ("rand", "bernoulli", "dropout", "normal", "multinomial", "uniform", "poisson")
+
+
+class _Skip(Exception):
+    """A site the pass looked at and left alone; the message is the reason."""
+
+
+# ------------------------------------------------------------------------------------------------------
+# small predicates on torch-IR nodes
+# ------------------------------------------------------------------------------------------------------
+def _is_fn(n: Any, fns) -> bool:
+    return isinstance(n, fx.Node) and n.op == "call_function" and n.target in fns
+
+
+def _is_method(n: Any, names) -> bool:
+    return isinstance(n, fx.Node) and n.op == "call_method" and n.target in names
+
+
+def _arg(n: fx.Node, i: int, name: str, default=None):
+    if len(n.args) > i:
+        return n.args[i]
+    return n.kwargs.get(name, default)
+
+
+def _val(n: Any):
+    return tensor_meta(n) if isinstance(n, fx.Node) else None
+
+
+def _shape(n: Any) -> tuple | None:
+    v = _val(n)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def _static(shape) -> bool:
+    return shape is not None and all(isinstance(s, int) for s in shape)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _is_softmax(n: fx.Node) -> bool:
+    return _is_fn(n, _SOFTMAX_FNS) or _is_method(n, {"softmax"})
+
+
+def _is_matmul(n: Any) -> bool:
+    return _is_fn(n, _MATMUL_FNS) or _is_method(n, _MATMUL_METHODS)
+
+
+def _is_cast(n: Any) -> bool:
+    """A dtype-only cast: same shape and device, floating in and out."""
+    if not (_is_method(n, _CAST_METHODS) or (_is_fn(n, {torch.Tensor.to}))):
+        return False
+    src, out = _val(n.args[0]), _val(n)
+    return (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.shape == out.shape
+            and src.device == out.device and src.dtype.is_floating_point and out.dtype.is_floating_point)
+
+
+def _dropout_of(n: Any) -> float | None:
+    """The dropout probability of a dropout node (0.0 when inactive), or None if ``n`` is not one."""
+    if _is_fn(n, {F.dropout}):
+        p, training = _arg(n, 1, "p", 0.5), _arg(n, 2, "training", True)
+        inplace = _arg(n, 3, "inplace", False)
+    elif _is_fn(n, {torch.dropout}):
+        p, training, inplace = _arg(n, 1, "p", 0.5), _arg(n, 2, "train", True), False
+    else:
+        return None
+    if not _is_number(p) or not isinstance(training, bool) or inplace:
+        raise _Skip("dropout probability or training flag is not a constant")
+    return float(p) if training else 0.0
+
+
+def _single_user(n: fx.Node, what: str) -> fx.Node:
+    users = list(n.users)
+    if len(users) != 1:
+        raise _Skip(f"{what} ({n.name}) is used elsewhere (e.g. attention weights returned to the caller)")
+    return users[0]
+
+
+def _ancestors(n: fx.Node) -> set[fx.Node]:
+    seen, stack = set(), [n]
+    while stack:
+        x = stack.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        stack.extend(x.all_input_nodes)
+    return seen
+
+
+# ------------------------------------------------------------------------------------------------------
+# compile-time evaluation of constant subgraphs (masks, GQA index tensors)
+# ------------------------------------------------------------------------------------------------------
+class _ConstEval:
+    """Evaluates subgraphs that depend on no graph input (optionally treating buffers as constants)."""
+
+    def __init__(self, gm: fx.GraphModule, ctx, trust_buffers: bool, max_elements: int):
+        self.max_elements = max_elements
+        self.known: dict[fx.Node, Any] = {}
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        examples = list(ctx.example_inputs or [])
+        if trust_buffers and len(examples) == len(placeholders):
+            for n, x in zip(placeholders, examples):
+                src = getattr(n, "_dynamo_source", None)
+                name = getattr(src, "name", "") if src is not None else ""
+                name = name() if callable(name) else str(name)
+                if isinstance(x, torch.Tensor) and "_buffers" in name and not x.requires_grad:
+                    self.known[n] = x
+
+    def __call__(self, node: Any) -> Any:
+        if not isinstance(node, fx.Node):
+            return node
+        if node in self.known:
+            return self.known[node]
+        order = [n for n in _ancestors(node) if n not in self.known]
+        total = 0
+        for n in order:
+            if n.op != "call_function" and n.op != "call_method":
+                return None
+            name = op_name(n).lower()
+            if any(w in name for w in _RANDOM_WORDS) or n.target is torch._C._set_grad_enabled:
+                return None
+            shape = _shape(n)
+            if shape is not None:
+                if not _static(shape):
+                    return None
+                total += math.prod(shape)
+            elif not isinstance(_val(n), (int, float, bool, type(None), torch.Size, tuple, list)):
+                return None
+        if total > self.max_elements:
+            return None
+        index = {n: i for i, n in enumerate(node.graph.nodes)}
+        try:
+            for n in sorted(order, key=index.__getitem__):
+                args = fx.node.map_arg(n.args, self.known.__getitem__)
+                kwargs = fx.node.map_arg(n.kwargs, self.known.__getitem__)
+                if n.op == "call_function":
+                    self.known[n] = n.target(*args, **kwargs)
+                else:
+                    self.known[n] = getattr(args[0], n.target)(*args[1:], **kwargs)
+        except Exception:  # anything unexpected: the value is simply not known
+            return None
+        return self.known[node]
+
+
+# ------------------------------------------------------------------------------------------------------
+# the match
+# ------------------------------------------------------------------------------------------------------
+@dataclass
+class _Site:
+    softmax: fx.Node
+    qk: fx.Node = None
+    pv: fx.Node = None
+    q: fx.Node = None
+    k: fx.Node = None                 # (…, Sk, D); None: k^T must be transposed back
+    k_t: fx.Node = None
+    v: fx.Node = None
+    scale: float = 1.0
+    additive: list = field(default_factory=list)   # [(node, factor)]
+    allowed: list = field(default_factory=list)    # [(node, negate)]: bool masks, True = attend
+    dropout_p: float = 0.0
+    chain: list = field(default_factory=list)      # nodes replaced by the fused call
+    causal: bool = False
+    gqa: bool = False
+
+
+def _fill_value_ok(value: Any, const: _ConstEval) -> bool:
+    if _is_number(value):
+        return value <= MASK_FILL_THRESHOLD
+    t = const(value)
+    return isinstance(t, torch.Tensor) and t.numel() > 0 and bool((t <= MASK_FILL_THRESHOLD).all())
+
+
+def _match(sm: fx.Node, const: _ConstEval) -> _Site:
+    site = _Site(softmax=sm)
+    x = sm.args[0] if sm.args else sm.kwargs.get("input")
+    if not isinstance(x, fx.Node) or _shape(x) is None:
+        raise _Skip("softmax input is not a tensor")
+    ndim = len(_shape(x))
+    dim = _arg(sm, 1, "dim", None)
+    if not isinstance(dim, int) or dim % ndim != ndim - 1:
+        raise _Skip(f"softmax over a different dim ({dim}), not the last one")
+    if ndim < 3:
+        raise _Skip("scores are not batched (fewer than 3 dims)")
+
+    # -- forward from softmax: casts, dropout, then probs @ v ------------------------------------------
+    site.chain.append(sm)
+    y = _single_user(sm, "the softmax output")
+    while True:
+        if _is_cast(y):
+            site.chain.append(y)
+            y = _single_user(y, "the attention weights")
+            continue
+        p = _dropout_of(y)
+        if p is not None:
+            if site.dropout_p:
+                raise _Skip("two dropouts on the attention weights")
+            site.dropout_p = p
+            site.chain.append(y)
+            y = _single_user(y, "the attention weights")
+            continue
+        break
+    if not _is_matmul(y) or y.args[0] is not site.chain[-1] or len(y.args) < 2:
+        raise _Skip(f"the attention weights feed {op_name(y)}, not weights @ v")
+    site.pv, site.v = y, y.args[1]
+
+    # -- backward from softmax: scale, masks, casts, down to q @ k^T -----------------------------------
+    x_shape = _shape(x)
+    chain_back = []
+    while not _is_matmul(x):
+        if _shape(x) != x_shape:
+            raise _Skip(f"{op_name(x)} broadcasts the scores to another shape")
+        chain_back.append(x)
+        args = x.args
+        if _is_cast(x):
+            nxt = args[0]
+        elif _is_fn(x, _MUL_FNS) or _is_method(x, {"mul", "__mul__"}):
+            a, b = args[0], args[1]
+            nxt, c = (a, b) if isinstance(a, fx.Node) and not isinstance(b, fx.Node) else (b, a)
+            if not _is_number(c):
+                raise _Skip("scale not constant (multiplied by a tensor)")
+            if c <= 0:
+                raise _Skip(f"scale not constant positive ({c})")
+            site.scale *= c
+            site.additive = [(m, f * c) for m, f in site.additive]
+        elif _is_fn(x, _DIV_FNS) or _is_method(x, {"div", "__truediv__"}):
+            nxt, c = args[0], args[1]
+            if x.kwargs.get("rounding_mode") is not None:
+                raise _Skip("scores divided with a rounding mode")
+            if not _is_number(c):
+                raise _Skip("scale not constant (divided by a tensor)")
+            if c <= 0:
+                raise _Skip(f"scale not constant positive (1/{c})")
+            site.scale /= c
+            site.additive = [(m, f / c) for m, f in site.additive]
+        elif _is_fn(x, _ADD_FNS) or _is_method(x, {"add", "__add__"}):
+            if x.kwargs.get("alpha", 1) != 1:
+                raise _Skip("scores added with alpha")
+            a, b = args[0], args[1]
+            a_chain = isinstance(a, fx.Node) and _shape(a) == x_shape
+            nxt, m = (a, b) if a_chain and (not isinstance(b, fx.Node) or _shape(b) != x_shape
+                                            or not _depends_on_matmul(b)) else (b, a)
+            if _is_number(m):
+                pass  # a constant shift: softmax is invariant to it
+            elif isinstance(m, fx.Node):
+                site.additive.append((m, 1.0))
+            else:
+                raise _Skip(f"scores added to {type(m).__name__}")
+        elif _is_method(x, {"masked_fill"}) or _is_fn(x, {torch.masked_fill}):
+            nxt, mask, value = args[0], _arg(x, 1, "mask"), _arg(x, 2, "value")
+            if not _fill_value_ok(value, const):
+                raise _Skip(f"masked_fill with {value!r} is not a mask (needs -inf or <= {MASK_FILL_THRESHOLD:g})")
+            site.allowed.append((mask, True))
+        elif _is_fn(x, {torch.where}) and len(args) == 3:
+            cond, a, b = args
+            if a is not None and isinstance(a, fx.Node) and _shape(a) == x_shape and _fill_value_ok(b, const):
+                nxt, negate = a, False
+            elif isinstance(b, fx.Node) and _shape(b) == x_shape and _fill_value_ok(a, const):
+                nxt, negate = b, True
+            else:
+                raise _Skip("where() on the scores does not fill with -inf or a large negative value")
+            site.allowed.append((cond, negate))
+        else:
+            raise _Skip(f"unrecognised op {op_name(x)} between q @ k^T and softmax")
+        if not isinstance(nxt, fx.Node):
+            raise _Skip("scores chain is broken")
+        if len(nxt.users) != 1:
+            raise _Skip(f"the attention scores ({nxt.name}) are used elsewhere")
+        x = nxt
+    site.qk = x
+    site.chain.extend(chain_back)
+    site.chain.append(x)
+    site.q, site.k_t = x.args[0], x.args[1]
+    if not all(isinstance(n, fx.Node) for n in (site.q, site.k_t, site.v)):
+        raise _Skip("q, k or v is not a tensor")
+
+    # masks must not be computed from the scores themselves
+    for m, _ in site.additive + site.allowed:
+        if not isinstance(m, fx.Node):
+            raise _Skip("mask is not a tensor")
+        anc = _ancestors(m)
+        if any(n in anc for n in site.chain) or site.pv in anc:
+            raise _Skip("mask depends on data (it is computed from the attention scores)")
+    for m, _ in site.additive:
+        mv = _val(m)
+        if not isinstance(mv, torch.Tensor) or not mv.dtype.is_floating_point:
+            raise _Skip("additive term is not a float tensor")
+        if mv.requires_grad:
+            raise _Skip("bias is not a mask: it requires grad (a learned bias such as T5's relative bias)")
+    for m, _ in site.allowed:
+        mv = _val(m)
+        if not isinstance(mv, torch.Tensor) or mv.dtype != torch.bool:
+            raise _Skip("mask is not a boolean tensor")
+    return site
+
+
+def _depends_on_matmul(n: fx.Node) -> bool:
+    return any(_is_matmul(a) for a in _ancestors(n))
+
+
+def _strip_transpose(kt: fx.Node) -> fx.Node | None:
+    """k when ``kt`` is ``k.transpose(-2, -1)`` (any spelling), else None."""
+    shape = _shape(kt)
+    if shape is None:
+        return None
+    nd = len(shape)
+    if _is_method(kt, {"transpose"}) or _is_fn(kt, {torch.transpose}):
+        d0, d1 = kt.args[1], kt.args[2]
+        if isinstance(d0, int) and isinstance(d1, int) and {d0 % nd, d1 % nd} == {nd - 2, nd - 1}:
+            return kt.args[0]
+    if _is_method(kt, {"permute"}) or _is_fn(kt, {torch.permute}):
+        dims = kt.args[1:] if _is_method(kt, {"permute"}) else kt.args[1]
+        if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+            dims = dims[0]
+        dims = [d % nd for d in dims] if all(isinstance(d, int) for d in dims) else None
+        if dims == list(range(nd - 2)) + [nd - 1, nd - 2]:
+            return kt.args[0]
+    return None
+
+
+def _unrepeat(n: fx.Node, const: _ConstEval) -> tuple[fx.Node, int] | None:
+    """(un-repeated K or V, repeat factor) when ``n`` repeats KV heads as ``repeat_interleave`` does."""
+    shape = _shape(n)
+    if shape is None or len(shape) != 4:
+        return None
+    B, H, S, D = shape
+    # expand + reshape (HF repeat_kv), with the new axis right after the heads
+    if (_is_method(n, {"reshape", "view"}) or _is_fn(n, {torch.reshape})) and isinstance(n.args[0], fx.Node):
+        x = n.args[0]
+        xs = _shape(x)
+        if _is_method(x, {"expand"}) and xs is not None and len(xs) == 5:
+            y = x.args[0]
+            ys = _shape(y)
+            if ys is None or len(ys) != 5 or ys[2] != 1 or ys[:2] + ys[3:] != xs[:2] + xs[3:]:
+                return None
+            if xs[0] != B or xs[1] * xs[2] != H or xs[3:] != (S, D):
+                return None
+            z = None
+            if _is_method(y, {"unsqueeze"}) or _is_fn(y, {torch.unsqueeze}):
+                d = y.args[1] if len(y.args) > 1 else y.kwargs.get("dim")
+                if isinstance(d, int) and d % 5 == 2:
+                    z = y.args[0]
+            elif _is_fn(y, {operator.getitem}):
+                idx = y.args[1] if isinstance(y.args[1], tuple) else (y.args[1],)
+                full = all(i is None or i is Ellipsis or i == slice(None) for i in idx)
+                if full and sum(i is None for i in idx) == 1 and Ellipsis not in idx and idx.index(None) == 2:
+                    z = y.args[0]
+            if z is not None and _shape(z) == (B, xs[1], S, D):
+                return z, xs[2]
+        return None
+    # repeat_interleave(r, dim=1)
+    if _is_method(n, {"repeat_interleave"}) or _is_fn(n, {torch.repeat_interleave}):
+        r = _arg(n, 1, "repeats")
+        d = _arg(n, 2, "dim")
+        z = n.args[0]
+        if _is_number(r) and isinstance(d, int) and d % 4 == 1 and _shape(z) == (B, H // int(r), S, D):
+            return z, int(r)
+        return None
+    # indexing with arange(H) // r along the head dim
+    idx, z = None, None
+    if _is_fn(n, {operator.getitem}) and isinstance(n.args[1], tuple) and len(n.args[1]) >= 2:
+        sel = n.args[1]
+        if sel[0] == slice(None) and isinstance(sel[1], fx.Node) and all(s == slice(None) for s in sel[2:]):
+            idx, z = sel[1], n.args[0]
+    elif _is_fn(n, {torch.index_select}) or _is_method(n, {"index_select"}):
+        if _arg(n, 1, "dim") in (1, -3):
+            idx, z = _arg(n, 2, "index"), n.args[0]
+    if idx is not None and _shape(z) is not None and len(_shape(z)) == 4:
+        hkv = _shape(z)[1]
+        t = const(idx)
+        if isinstance(t, torch.Tensor) and hkv and H % hkv == 0 and t.shape == (H,):
+            r = H // hkv
+            if torch.equal(t.cpu().long(), torch.arange(H) // r):
+                return z, r
+    return None
+
+
+def _causal_allowed(site: _Site, const: _ConstEval) -> torch.Tensor | None:
+    """The combined "attend" mask when every mask term is a known constant, else None."""
+    allowed = None
+    for m, negate in site.allowed:
+        t = const(m)
+        if not isinstance(t, torch.Tensor):
+            return None
+        t = ~t if negate else t
+        allowed = t if allowed is None else allowed & t
+    for m, _ in site.additive:
+        t = const(m)
+        if not isinstance(t, torch.Tensor):
+            return None
+        keep, drop = t == 0, t <= MASK_FILL_THRESHOLD
+        if not bool((keep | drop).all()):
+            return None  # a real bias, not a 0 / -inf mask
+        allowed = keep if allowed is None else allowed & keep
+    return allowed
+
+
+def _is_causal(site: _Site, const: _ConstEval) -> bool:
+    if not site.additive and not site.allowed:
+        return False
+    shape = _shape(site.qk)
+    sq, sk = shape[-2], shape[-1]
+    if sq != sk:
+        return False
+    allowed = _causal_allowed(site, const)
+    if allowed is None or allowed.dim() < 2 or tuple(allowed.shape[-2:]) != (sq, sk):
+        return False
+    tril = torch.ones(sq, sk, dtype=torch.bool, device=allowed.device).tril()
+    return bool((allowed == tril).all())
+
+
+# ------------------------------------------------------------------------------------------------------
+# the pass
+# ------------------------------------------------------------------------------------------------------
+@effpass.register_pass("fuse_attention")
+@dataclass(frozen=True, kw_only=True)
+class FuseAttention(effpass.Pass):
+    """Fuse hand-written attention into scaled_dot_product_attention (flash kernels), GQA K/V un-repeated.
+
+    Before (Hugging Face eager Llama attention, torch IR)::
+
+        k_rep  = k[:, :, None].expand(B, 2, 2, S, D).reshape(B, 4, S, D)   # and v_rep alike
+        scores = torch.matmul(q, k_rep.transpose(2, 3)) * 0.125
+        scores = scores + mask                                            # causal, 0 / finfo.min
+        probs  = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        probs  = F.dropout(probs, p=0.0, training=False)
+        out    = torch.matmul(probs, v_rep)
+
+    After::
+
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.125, enable_gqa=True)
+    """
+
+    kernel: Literal["auto", "sdpa", "flash_attn"] = field(default="auto", metadata={
+        "doc": "'sdpa': always SDPA; 'flash_attn': the flash-attn package where it applies (CUDA, fp16/bf16, "
+               "no mask or causal), SDPA elsewhere; 'auto': flash_attn when installed, else SDPA"})
+    gqa: bool = field(default=True, metadata={"doc": "feed SDPA the un-repeated K/V (enable_gqa=True) for GQA/MQA"})
+    prove_causal: bool = field(default=True, metadata={
+        "doc": "use is_causal=True where the mask is provably causal (else always pass attn_mask)"})
+    assume_constant_buffers: bool = field(default=True, metadata={
+        "doc": "treat registered buffers (GPT-2's causal 'bias') as constants when proving causality"})
+    max_mask_eval_elements: int = field(default=1 << 26, metadata={
+        "doc": "largest constant mask subgraph (elements) evaluated at compile time to prove causality"})
+
+    def validate(self) -> None:
+        if self.max_mask_eval_elements < 0:
+            raise ValueError(f"max_mask_eval_elements must be >= 0, got {self.max_mask_eval_elements}")
+
+    @classmethod
+    def enabled_by_default(cls, device=None) -> bool:
+        return True
+
+    @classmethod
+    def default_note(cls) -> str:
+        return "on for every device (the replacement computes the same function)"
+
+    # -- the hook -----------------------------------------------------------------------------------------
+    def transform_torch_ir(self, gm: fx.GraphModule, ctx) -> effpass.PassResult:
+        graph = gm.graph
+        const = _ConstEval(gm, ctx, self.assume_constant_buffers, self.max_mask_eval_elements)
+        stats = {"fused": 0, "causal": 0, "attn_mask": 0, "gqa": 0, "dropout": 0, "flash_attn": 0,
+                 "skipped": 0}
+        skipped = []
+        for sm in [n for n in graph.nodes if _is_softmax(n)]:
+            if not ctx.allows(sm):
+                continue
+            where = f"{module_path_of_node(sm) or '<root>'}:{sm.name}"
+            try:
+                site = _match(sm, const)
+                self._rewrite(graph, site, const, stats)
+            except _Skip as e:
+                stats["skipped"] += 1
+                skipped.append({"site": where, "reason": str(e)})
+        changed = stats["fused"] > 0
+        if changed:
+            graph.lint()
+        return effpass.PassResult(changed=changed, stats=stats, skipped=skipped)
+
+    def _rewrite(self, graph: fx.Graph, site: _Site, const: _ConstEval, stats: dict) -> None:
+        qv, vv = _val(site.q), _val(site.v)
+        k = _strip_transpose(site.k_t)
+        kv_ = _val(k) if k is not None else None
+        if k is not None and (kv_ is None or kv_.dim() != qv.dim()):
+            k = None
+        if qv is None or vv is None or qv.dim() != vv.dim():
+            raise _Skip("q and v have different ranks")
+        if not (qv.dtype == vv.dtype == _val(site.k_t).dtype):
+            raise _Skip(f"q, k, v dtypes differ ({qv.dtype}, {_val(site.k_t).dtype}, {vv.dtype})")
+        if _val(site.pv).dtype != qv.dtype:
+            raise _Skip("attention output dtype differs from q's")
+        kt_shape = _shape(site.k_t)
+        if tuple(qv.shape[:-2]) != tuple(kt_shape[:-2]) or tuple(qv.shape[:-2]) != tuple(vv.shape[:-2]):
+            raise _Skip("q, k, v batch dims differ (broadcast matmul)")
+
+        k_base, v_base, rep = k, site.v, 1
+        if self.gqa and k is not None:
+            ku, vu = _unrepeat(k, const), _unrepeat(site.v, const)
+            if ku and vu and ku[1] == vu[1] and _shape(ku[0])[1] == _shape(vu[0])[1] and ku[1] > 1:
+                k_base, v_base, rep = ku[0], vu[0], ku[1]
+        causal = self.prove_causal and _is_causal(site, const)
+
+        with graph.inserting_before(site.pv):
+            new_nodes = []
+
+            def call(fn, *args, **kwargs):
+                n = graph.call_function(fn, args, kwargs)
+                new_nodes.append(n)
+                return n
+
+            if k_base is None:
+                k_base = call(torch.transpose, site.k_t, -2, -1)
+            attn_mask = None
+            if not causal:
+                allowed = None
+                for m, negate in site.allowed:
+                    a = call(torch.logical_not, m) if negate else m
+                    allowed = a if allowed is None else call(torch.logical_and, allowed, a)
+                additive = None
+                for m, f in site.additive:
+                    t = m if f == 1.0 else call(torch.mul, m, f)
+                    additive = t if additive is None else call(torch.add, additive, t)
+                if additive is not None:
+                    if _val(site.additive[0][0]).dtype != qv.dtype or len(site.additive) > 1:
+                        # NOTE: SDPA wants a float mask in the query dtype
+                        additive = call(torch.Tensor.to, additive, qv.dtype)
+                    attn_mask = additive if allowed is None else call(
+                        torch.masked_fill, additive, call(torch.logical_not, allowed), float("-inf"))
+                else:
+                    attn_mask = allowed
+            kwargs = dict(attn_mask=attn_mask, dropout_p=site.dropout_p, is_causal=causal, scale=site.scale)
+            if rep > 1:
+                kwargs["enable_gqa"] = True
+            fn = _attention_fn(self.kernel)
+            fused = call(fn, site.q, k_base, v_base, **kwargs)
+        _set_meta(new_nodes, site.pv)
+        site.pv.replace_all_uses_with(fused)
+        dead = [site.pv, *site.chain]
+        if k is not None:
+            dead.append(site.k_t)
+        _erase_dead(graph, dead)
+        stats["fused"] += 1
+        stats["causal"] += int(causal)
+        stats["attn_mask"] += int(attn_mask is not None)
+        stats["gqa"] += int(rep > 1)
+        stats["dropout"] += int(site.dropout_p > 0)
+        stats["flash_attn"] += int(self.kernel != "sdpa" and _flash_available())
+
+
+def _erase_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    """Erase ``nodes`` once unused, then every pure producer that became unused through them (the
+    repeated K/V, the causal mask construction)."""
+    erased: set[fx.Node] = set()
+    must = set(nodes)
+    progress = True
+    while progress:  # the matched nodes form a chain: erase from its consumer end until nothing is left
+        progress = False
+        for n in nodes:
+            if n not in erased and not n.users:
+                _erase_with_producers(graph, n, must, erased)
+                progress = True
+
+
+def _erase_with_producers(graph: fx.Graph, n: fx.Node, must: set, erased: set) -> None:
+    stack = [n]
+    while stack:
+        x = stack.pop()
+        if x in erased or x.users or x.op not in ("call_function", "call_method"):
+            continue
+        name = op_name(x)
+        if x not in must and (x.is_impure() or name.endswith("_") or any(w in name.lower() for w in _RANDOM_WORDS)):
+            continue
+        inputs = x.all_input_nodes
+        graph.erase_node(x)
+        erased.add(x)
+        stack.extend(i for i in inputs if i not in must)
+
+
+def _flash_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    from . import _flash_attn_op
+
+    return _flash_attn_op.available()
+
+
+def _attention_fn(kernel: str):
+    if kernel == "sdpa" or not _flash_available():
+        return F.scaled_dot_product_attention
+    from . import _flash_attn_op
+
+    return _flash_attn_op.attention
+
+
+def _set_meta(nodes: list[fx.Node], like: fx.Node) -> None:
+    """Copy provenance from the replaced node and compute fake example values for the new nodes."""
+    from torch._guards import detect_fake_mode
+
+    for n in nodes:
+        for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr"):
+            if key in like.meta:
+                n.meta[key] = like.meta[key]
+    vals = [_val(a) for n in nodes for a in n.all_input_nodes]
+    fake_mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    if fake_mode is None:
+        return
+    env: dict[fx.Node, Any] = {}
+    with fake_mode:
+        for n in nodes:
+            args = fx.node.map_arg(n.args, lambda a: env.get(a, _val(a)))
+            kwargs = fx.node.map_arg(n.kwargs, lambda a: env.get(a, _val(a)))
+            try:
+                env[n] = n.target(*args, **kwargs)
+            except Exception:  # metadata is best effort; AOTAutograd re-traces anyway
+                return
+            n.meta["example_value"] = env[n]
