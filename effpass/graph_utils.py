@@ -122,10 +122,20 @@ def _example_input(v: Any) -> str:
 
 def runnable_source(gm: fx.GraphModule, title: str = "") -> str:
     """Python source for a graph that imports and runs on its own with random inputs of the right shape."""
-    code = gm.graph.python_code(root_module="self", verbose=True)
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # hooks run under a fake mode; constants are real tensors
+        return _runnable_source(gm, title)
+
+
+def _runnable_source(gm: fx.GraphModule, title: str) -> str:
+    graph = snapshot_graph(gm.graph)
+    graph._codegen = fx.graph.CodeGen()  # plain positional inputs (joint graphs use a pytree signature)
+    code = graph.python_code(root_module="self", verbose=True)
     lines = ["# " + l for l in title.splitlines()] if title else []
     lines += ["import torch", "import operator", "import math", "from math import inf, nan",
-              "from torch import device", "import torch.fx._symbolic_trace", ""]
+              "from torch import device", "import torch.fx._symbolic_trace",
+              "try:\n    import torch._inductor.inductor_prims  # Inductor's prims (fma, ...) in joint graphs\nexcept Exception:\n    pass", ""]
     for name, obj in sorted(code.globals.items()):
         if name in ("torch", "operator", "math", "inf", "nan", "device", "builtins"):
             continue
@@ -135,14 +145,34 @@ def runnable_source(gm: fx.GraphModule, title: str = "") -> str:
         else:
             lines.append(f"try:\n    {line.replace(chr(10), chr(10) + '    ')}\nexcept Exception:\n    {name} = None")
     body = code.src.replace("\n", "\n    ")
-    lines += ["", "", "class Graph(torch.nn.Module):", f"    {body}", ""]
-    inputs = [_example_input(v) for v in placeholder_values(gm.graph)]
+    lines += ["", "", "class Graph(torch.nn.Module):", "    def __init__(self):", "        super().__init__()"]
+    for n in graph.nodes:  # constants the graph reads with get_attr
+        if n.op != "get_attr":
+            continue
+        try:
+            value = _getattr_path(gm, n.target)
+        except AttributeError:
+            continue
+        if isinstance(value, torch.Tensor):
+            if value.numel() <= 64:
+                init = f"torch.tensor({value.detach().cpu().tolist()!r}, dtype={value.dtype})"
+            else:
+                init = _example_input(value)
+            lines.append(f"        setattr(self, {n.target!r}, {init})")
+    lines += [f"    {body}", ""]
+    inputs = [_example_input(v) for v in placeholder_values(graph)]
     lines += ["", "def example_inputs():", f"    return [{', '.join(inputs)}]", "",
               "", "if __name__ == '__main__':",
               "    with torch.no_grad():",
               "        out = Graph()(*example_inputs())",
               "    print(type(out).__name__)", ""]
     return "\n".join(lines)
+
+
+def _getattr_path(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def count_ops(graph: fx.Graph, names: Iterable[str]) -> int:

@@ -22,9 +22,9 @@ __all__ = []
 for _mod, _names in _BUILTINS.items():
     try:
         _m = importlib.import_module(f"{__name__}.{_mod}")
-    except ModuleNotFoundError as _e:
-        if _e.name == f"{__name__}.{_mod}":
-            continue  # not written yet
+    except Exception as _e:  # noqa: BLE001 - one broken pass must not take the others down
+        if isinstance(_e, ModuleNotFoundError) and _e.name == f"{__name__}.{_mod}":
+            continue  # not installed in this build
         warnings.warn(f"effpass: built-in pass module {_mod!r} could not be imported: {_e}", RuntimeWarning)
         continue
     for _n in _names:

@@ -152,6 +152,8 @@ class CheckpointActivations(effpass.Pass):
                                                 "for a backward"}])
         graph = gm.graph
         fwd = forward_nodes(graph)
+        if self.targets:
+            ctx.scope.check_targets(sorted({p for n in fwd for p, _ in module_stack_of_node(n)}))
         in_scope = [n for n in fwd if n.op == "call_function" and ctx.allows(n)]
         if not in_scope:
             return effpass.PassResult(skipped=[{"site": "graph", "reason": "no forward node in targets"}])
@@ -176,6 +178,7 @@ class CheckpointActivations(effpass.Pass):
             recompute_flops_added=after["recompute_flops"] - before["recompute_flops"],
             marked_save=sum(1 for p in plan.values() if p[0] is MUST_SAVE),
             marked_recompute=sum(1 for p in plan.values() if p[0] is RECOMPUTE),
+            recomputed_rng_ops=after["recomputed_rng_ops"],
             blocks=len(blocks),
         )
         ctx.notes["checkpoint_activations"] = dict(stats)
@@ -298,6 +301,11 @@ def _block_ids(nodes: list[fx.Node], block_of: dict[fx.Node, str]) -> dict[fx.No
         else:
             ids[n] = len(order) + 1 if seen_block else 0
     return ids
+
+
+def _is_random(node: fx.Node) -> bool:
+    t = node.target
+    return isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
 
 
 def _is_view_or_free(node: fx.Node) -> bool:
@@ -462,6 +470,9 @@ def partition_stats(gm: fx.GraphModule, num_fwd_outputs: int | None = None, *, p
     inputs = [n for n in copy.graph.find_nodes(op="placeholder")]
     recomputed = [n for n in bw.graph.nodes if n.op == "call_function" and n.name in fwd_names]
     return {
+        "saved": [n.name for n in saved if isinstance(tensor_meta(n), torch.Tensor)
+                  and not str(n.target).startswith("primals")],
+        "recomputed_rng_ops": sum(1 for n in recomputed if _is_random(fwd_names[n.name])),
         "saved_bytes": activation_bytes(saved, inputs),
         "saved_tensors": sum(1 for n in saved if isinstance(tensor_meta(n), torch.Tensor)
                              and not str(n.target).startswith("primals")),
@@ -527,27 +538,78 @@ class _CostModel:
 
 def plan_budget(gm: fx.GraphModule, nodes: list[fx.Node], block_of: dict[fx.Node, str], budget_bytes: int,
                 num_fwd: int, extra_save=frozenset()) -> tuple[Plan, bool]:
-    """Marks that keep saved activations under ``budget_bytes`` with few recompute FLOPs, and whether the
-    budget is met (checked by partitioning a copy; when the model was optimistic the target shrinks)."""
+    """Marks that keep saved activations under ``budget_bytes`` with the fewest recompute FLOPs found, and
+    whether the budget is met. Every candidate plan is checked by partitioning a copy of the graph:
+
+    1. per block (block outputs always saved, so recompute never reaches into an earlier block): from
+       "full", save values greedily by recompute FLOPs avoided per byte;
+    2. seeded by torch's own ``activation_memory_budget`` knapsack at the largest budget that fits
+       (found by bisection), then filled greedily with what still fits.
+
+    The plan with the fewest recompute FLOPs under the budget wins (so effpass never recomputes more than
+    torch's knapsack at the same bytes); when none fits, the one with the fewest bytes.
+    """
     ids = _block_ids(nodes, block_of)
+    extra = {n for n in nodes if _packet(n) in extra_save}
+    plans: list[tuple[Plan, dict]] = []
+
+    def check(plan: Plan) -> None:
+        plans.append((plan, partition_stats(gm, num_fwd, plan=plan)))
+
+    # 1. per-block greedy
     model = _CostModel(gm, nodes, ids)
-    candidates = [n for n in nodes if _multi_output_parent(n) is None and not _is_view_or_free(n)
-                  and n not in model.boundary]
-    forced = {n for n in candidates if _packet(n) in extra_save}
+    cands = [n for n in nodes if _multi_output_parent(n) is None and not _is_view_or_free(n)
+             and n not in model.boundary]
     target = budget_bytes
-    best: tuple[Plan, bool] | None = None
-    for _ in range(4):
-        saved = _greedy(model, candidates, forced, target)
-        plan = {n: (MUST_SAVE if n in saved else RECOMPUTE, ids[n]) for n in nodes
-                if _multi_output_parent(n) is None}
-        _copy_to_getitems(nodes, plan)
-        real = partition_stats(gm, num_fwd, plan=plan)["saved_bytes"]
-        best = (plan, real <= budget_bytes)
-        if real <= budget_bytes or not saved - forced:
+    for _ in range(3):
+        plan = _plan_from_saved(nodes, ids, _greedy(model, cands, extra & set(cands), target))
+        check(plan)
+        real = plans[-1][1]["saved_bytes"]
+        if real <= budget_bytes:
             break
         target -= real - budget_bytes  # the model was optimistic: aim lower by the overshoot
-    assert best is not None
-    return best
+
+    # 2. torch's knapsack as a seed (one region: no forced block boundaries, as torch has none)
+    flat = {n: 1 for n in nodes}
+    seed = _torch_seed(gm, num_fwd, budget_bytes, set(nodes))
+    if seed is not None:
+        model = _CostModel(gm, nodes, flat)
+        cands = [n for n in nodes if _multi_output_parent(n) is None and not _is_view_or_free(n)]
+        check(_plan_from_saved(nodes, flat, _greedy(model, cands, seed | (extra & set(cands)), budget_bytes)))
+        check(_plan_from_saved(nodes, flat, seed | extra))
+
+    fits = [(st["recompute_flops"], st["saved_bytes"], i) for i, (_, st) in enumerate(plans)
+            if st["saved_bytes"] <= budget_bytes]
+    if fits:
+        return plans[min(fits)[2]][0], True
+    return plans[min((st["saved_bytes"], i) for i, (_, st) in enumerate(plans))[1]][0], False
+
+
+def _plan_from_saved(nodes: list[fx.Node], ids: dict[fx.Node, int], saved: set[fx.Node]) -> Plan:
+    plan = {n: (MUST_SAVE if n in saved else RECOMPUTE, ids[n]) for n in nodes if _multi_output_parent(n) is None}
+    _copy_to_getitems(nodes, plan)
+    return plan
+
+
+def _torch_seed(gm: fx.GraphModule, num_fwd: int, budget_bytes: int, scope: set[fx.Node]) -> set[fx.Node] | None:
+    """The values torch's ``activation_memory_budget`` saves at the largest budget whose saved bytes fit."""
+    by_name = {n.name: n for n in scope}
+    lo, hi, best = 0.0, 1.0, None
+    for _ in range(5):
+        mid = (lo + hi) / 2
+        st = partition_stats(gm, num_fwd, memory_budget=mid, clear_marks=True)
+        if st["saved_bytes"] <= budget_bytes:
+            best, lo = st, mid
+        else:
+            hi = mid
+    if best is None:
+        return None
+    seed = set()
+    for name in best["saved"]:
+        n = by_name.get(name)
+        if n is not None:
+            seed.add(_multi_output_parent(n) or n)  # a saved getitem: save its op
+    return seed
 
 
 def _greedy(model: _CostModel, candidates: list[fx.Node], forced: set[fx.Node], budget: int) -> set[fx.Node]:

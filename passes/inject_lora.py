@@ -80,8 +80,10 @@ class InjectLoRA(effpass.Pass):
     # ---- module phase ----------------------------------------------------------------------------
     def prepare_module(self, model: torch.nn.Module, ctx) -> effpass.PassResult:
         def candidate(name: str, mod: torch.nn.Module) -> bool:
-            # Adapters' own lora_A/lora_B and an adapter's base_layer are not candidates.
-            return lora.is_linear_like(mod) and ".lora_" not in name and not name.endswith(".base_layer")
+            # Adapters' own lora_A/lora_B and an adapter's base_layer are not candidates; a module that
+            # already has an adapter is (it matches the targets) but is left as it is.
+            return (isinstance(mod, LoRALinear) or lora.is_linear_like(mod)) and ".lora_" not in name \
+                and not name.endswith(".base_layer")
 
         linear_names = [n for n, m in model.named_modules() if n and candidate(n, m)]
         already = lora.lora_modules(model)
@@ -89,19 +91,19 @@ class InjectLoRA(effpass.Pass):
             raise ValueError(f"inject_lora: the model ({type(model).__name__}) has no linear-like module "
                              "(nn.Linear, Conv1D, or a module with __effpass_linear__) to put adapters on")
         selected = ctx.scope.select_modules(model, candidate, what="linear")
-        if not selected and not already:
+        if not selected:
             raise effpass.TargetMatchError(
                 f"inject_lora: targets {list(self.targets)} / exclude {list(self.exclude)} leave no linear module; "
                 f"linear names here include: {', '.join(repr(n) for n in linear_names[:8])}"
                 f"{' ...' if len(linear_names) > 8 else ''}")
-        names = lora.inject(model, [n for n, _ in selected], rank=self.rank, alpha=self.alpha, dropout=self.dropout,
+        names = lora.inject(model, [n for n, m in selected if not isinstance(m, LoRALinear)], rank=self.rank, alpha=self.alpha, dropout=self.dropout,
                             use_rslora=self.use_rslora, init=self.init, dtype=self.adapter_dtype)
         lora.freeze_base(model)
         stats = {"adapters": len(names), "adapter_params": sum(
             m.lora_A.weight.numel() + m.lora_B.weight.numel() for n, m in lora.lora_modules(model).items() if n in names)}
         stats.update(lora.parameter_stats(model))
         stats["modules"] = names
-        skipped = [{"site": n, "reason": "already has a LoRA adapter"} for n in already]
+        skipped = [{"site": n, "reason": "already has a LoRA adapter"} for n, m in selected if isinstance(m, LoRALinear)]
         return effpass.PassResult(changed=bool(names), stats=stats, skipped=skipped)
 
     # ---- torch-IR phase --------------------------------------------------------------------------

@@ -1,0 +1,176 @@
+"""Memory per rank on paper for data-parallel training with and without sharding (ZeRO / FSDP2).
+
+The accounting is the seeds' (ZeRO paper, section 3.1): mixed-precision Adam keeps, per trainable
+parameter, a 16-bit parameter (2 bytes), a 16-bit gradient (2) and fp32 optimizer states: master copy,
+momentum and variance (4 + 4 + 4 = 12), 16 bytes in all. Frozen parameters (a LoRA base) keep only the
+parameter. Full fp32 training keeps 4 + 4 + 8. The sharding modes divide these terms as ZeRO does:
+
+=========  ===========================================  ===============================================
+mode       per-rank model states                        what runs it
+=========  ===========================================  ===============================================
+none       P + G + O                                    plain data parallel (DDP), or one process
+zero1      P + G + O/N                                  optimizer state sharded
+zero2      P + (G + O)/N                                ``WrapFSDP(reshard_after_forward=False)``: the
+                                                        gathered parameters live from forward to backward
+zero3      (P + G + O)/N + 2 gathered units             ``WrapFSDP()`` (reshard after forward); one unit
+                                                        computing, the next prefetched
+hsdp       (P + G + O)/S + 2 gathered units             ``WrapFSDP(replicate=R)``: S = N / R ranks per
+                                                        shard group (one node), replicated R times
+=========  ===========================================  ===============================================
+
+NOTE: FSDP2 stores the sharded parameter in its original dtype (fp32) and gathers it in ``param_dtype``:
+that sharded fp32 parameter *is* the master copy, so its 4 bytes land in "params" where the seeds put
+2 in "params" and 4 of the 12 in "optimizer"; the per-rank total is the same.
+
+Activations (per rank, micro-batch ``batch`` per rank) follow Korthikanti et al. 2022: a transformer
+layer saves about ``s*b*h*(34 + 5*a*s/h)`` bytes at 16 bits; fused attention (SDPA/flash) drops the
+``5*a*s/h`` score term; per-block checkpointing keeps the block input (``2*s*b*h``) per layer plus one
+layer's full set during recomputation. Logits for the loss add ``b*s*V*4`` (fp32). Activations do
+not shrink with sharding (each rank runs its own micro-batch).
+"""
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any, Sequence
+
+import torch
+import torch.nn as nn
+
+__all__ = ["estimate", "estimate_table", "max_model_params", "MODES", "model_shape"]
+
+MODES = ("none", "zero1", "zero2", "zero3", "hsdp")
+_GIB = 1024 ** 3
+
+
+def model_shape(model: nn.Module) -> dict[str, int]:
+    """layers, hidden, heads, vocab and the largest unit's parameter count, read from the module tree
+    (and ``model.config`` when it is a Hugging Face model)."""
+    from .wrap_fsdp import find_units
+
+    cfg = getattr(model, "config", None)
+
+    def pick(*names, default=None):
+        for n in names:
+            v = getattr(cfg, n, None) if cfg is not None else None
+            if isinstance(v, int):
+                return v
+        return default
+
+    units = find_units(model)
+    embeds = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    hidden = pick("hidden_size", "n_embd", "dim", default=embeds[0].embedding_dim if embeds else 0)
+    vocab = pick("vocab_size", default=max((e.num_embeddings for e in embeds), default=0))
+    layers = pick("num_hidden_layers", "n_layer", "n_layers", default=len(units))
+    heads = pick("num_attention_heads", "n_head", "n_heads", default=max(1, hidden // 64))
+    unit_params = max((sum(p.numel() for p in u.parameters()) for _, u in units), default=0)
+    return {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "unit_params": unit_params}
+
+
+def _activation_bytes(shape: dict[str, int], batch: int, seq: int, act_bytes: int, fused_attention: bool,
+                      checkpointing: bool) -> int:
+    s, b, h, a, L, V = seq, batch, shape["hidden"], shape["heads"], shape["layers"], shape["vocab"]
+    per_layer_16bit = s * b * h * 34 + (0 if fused_attention else 5 * a * s * s * b)
+    per_layer = per_layer_16bit * act_bytes // 2
+    if checkpointing:
+        layers_bytes = L * s * b * h * act_bytes + per_layer
+    else:
+        layers_bytes = L * per_layer
+    return int(layers_bytes + b * s * V * 4)
+
+
+def estimate(model: nn.Module, batch: int, seq: int, world_size: int, *, replicate: int = 1,
+             mixed_precision: bool = True, optimizer_states: int = 2, trainable_only: bool = True,
+             fused_attention: bool = True, checkpointing: bool = False,
+             modes: Sequence[str] = MODES) -> dict[str, dict[str, int]]:
+    """Bytes per rank ``{mode: {"params", "grads", "optimizer", "gathered", "activations", "total"}}``.
+
+    ``model`` may live on the meta device (``with torch.device("meta"): AutoModelForCausalLM.from_config(cfg)``)
+    so a 70B model can be estimated without memory. ``batch`` is the micro-batch per rank.
+    ``mixed_precision``: the seeds' 2 + 2 + 12 bytes per trainable parameter (else fp32: 4 + 4 + 4*states).
+    ``optimizer_states``: 2 for Adam/AdamW (momentum, variance), 1 for SGD with momentum, 0 for SGD.
+    ``trainable_only``: frozen parameters (LoRA base) get no gradient or optimizer state.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if replicate < 1 or world_size % replicate:
+        raise ValueError(f"replicate={replicate} must be >= 1 and divide world_size={world_size}")
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ValueError(f"unknown sharding mode(s) {bad}; choose from {list(MODES)}")
+    n_all = sum(p.numel() for p in model.parameters())
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+    shape = model_shape(model)
+    pb = 2 if mixed_precision else 4
+    P = n_all * pb
+    G = n_train * pb
+    O = n_train * ((4 if mixed_precision else 0) + 4 * optimizer_states)
+    A = _activation_bytes(shape, batch, seq, pb, fused_attention, checkpointing)
+    gathered = 2 * shape["unit_params"] * pb
+    N, S = world_size, world_size // replicate
+    out: dict[str, dict[str, int]] = {}
+    for mode in modes:
+        if mode == "none":
+            row = dict(params=P, grads=G, optimizer=O, gathered=0)
+        elif mode == "zero1":
+            row = dict(params=P, grads=G, optimizer=math.ceil(O / N), gathered=0)
+        elif mode == "zero2":
+            row = dict(params=P, grads=math.ceil(G / N), optimizer=math.ceil(O / N), gathered=0)
+        elif mode == "zero3":
+            row = dict(params=math.ceil(P / N), grads=math.ceil(G / N), optimizer=math.ceil(O / N),
+                       gathered=gathered if N > 1 else 0)
+        else:  # hsdp
+            row = dict(params=math.ceil(P / S), grads=math.ceil(G / S), optimizer=math.ceil(O / S),
+                       gathered=gathered if S > 1 else 0)
+        row["activations"] = A
+        row["total"] = sum(row.values())
+        out[mode] = row
+    return out
+
+
+def estimate_table(model: nn.Module, batch: int, seq: int, world_size: int, *, replicate: int = 1,
+                   file=None, **kwargs: Any) -> str:
+    """:func:`estimate` as a table in GiB per rank (printed to ``file`` when given, e.g. ``sys.stdout``)
+    and returned. Extra keyword arguments go to :func:`estimate`."""
+    est = estimate(model, batch, seq, world_size, replicate=replicate, **kwargs)
+    n_all = sum(p.numel() for p in model.parameters())
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    cols = ("params", "grads", "optimizer", "gathered", "activations", "total")
+    lines = [f"memory per rank (GiB): {n_all / 1e9:.3g}B params ({n_train / 1e9:.3g}B trainable), "
+             f"micro-batch {batch} x seq {seq} per rank, world size {world_size}"
+             + (f", {replicate} replica groups" if replicate > 1 else ""),
+             f"{'mode':<6}" + "".join(f"{c:>12}" for c in cols)]
+    for mode, row in est.items():
+        lines.append(f"{mode:<6}" + "".join(f"{row[c] / _GIB:>12.3f}" for c in cols))
+    text = "\n".join(lines)
+    if file is not None:
+        print(text, file=file)
+    return text
+
+
+def max_model_params(world_size: int, gpu_bytes: float = 80e9, *, mode: str = "zero3",
+                     bytes_per_param: int = 16, reserve_bytes: float = 0.0) -> int:
+    """The largest parameter count whose model states fit ``gpu_bytes - reserve_bytes`` per rank
+    (activations, gathered units and allocator slack go into ``reserve_bytes``)."""
+    budget = gpu_bytes - reserve_bytes
+    if mode == "none":
+        per_param = bytes_per_param
+    elif mode == "zero1":
+        per_param = 4 + (bytes_per_param - 4) / world_size
+    elif mode == "zero2":
+        per_param = 2 + (bytes_per_param - 2) / world_size
+    elif mode in ("zero3", "hsdp"):
+        per_param = bytes_per_param / world_size
+    else:
+        raise ValueError(f"unknown sharding mode {mode!r}; choose from {list(MODES)}")
+    return int(budget / per_param)
+
+
+if __name__ == "__main__":  # pragma: no cover - quick look: python -m effpass.passes.fsdp_estimate
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256)
+    with torch.device("meta"):
+        m = tf.LlamaForCausalLM(cfg)
+    estimate_table(m, 1, 2048, 8, file=sys.stdout)

@@ -1,0 +1,280 @@
+"""``wrap_fsdp``: shard the model with PyTorch's FSDP2 per repeated block and compile inside each unit.
+
+Phase: module only (``prepare_module``), on the eager model before the optimizer is built.
+
+What it does
+    1. Finds the FSDP units: the entries of every ``nn.ModuleList`` whose entries are all of one class
+       (a transformer's decoder layers), or the modules named by ``targets``.
+    2. For each unit, in order: ``fully_shard(unit, mesh=..., reshard_after_forward=..., mp_policy=...)``,
+       then replaces ``unit.forward`` with ``torch.compile(unit.forward, backend=<this pipeline's effpass
+       backend>)``. FSDP2's all-gather/reduce-scatter hooks run eagerly around the compiled forward, so the
+       backend sees plain, unsharded parameters and no collectives: every graph pass of the pipeline
+       (attention fusion, autocast, checkpointing, LoRA, ...) applies inside each unit unchanged.
+    3. Wraps the root last (it owns the parameters outside the blocks: embeddings, final norm, head),
+       and sets ``ctx.compile_root = False`` so ``effpass.compile`` returns the (sharded) model itself.
+       The code outside the blocks runs eagerly.
+
+Ordering: runs after every other module pass (``quantize_linear``, ``inject_lora``) because sharding
+turns parameters into DTensors; modules added or swapped later would not be sharded. It is also
+declared after ``apply_autocast`` and ``scale_loss`` (graph passes) so their options are final when
+the mixed-precision policy is derived from them.
+
+Invariants
+    * ``torch.distributed`` is initialised (``dist.init_process_group``) before the pass runs.
+    * Each unit's compiled graph names modules with their full path from the root (``model.layers.3.
+      self_attn``): the per-unit backend prefixes ``nn_module_stack`` so ``targets`` globs of the graph
+      passes keep their meaning.
+    * After the pass the eager model (each unit's ``_orig_forward``) computes what the compiled one does.
+
+Also here: :func:`estimate` / :func:`estimate_table` (memory per rank on paper, ZeRO accounting) and
+:func:`save_checkpoint` / :func:`load_checkpoint` (``torch.distributed.checkpoint`` of model, optimizer
+and loss-scaler state).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import effpass
+
+from .fsdp_estimate import estimate, estimate_table, max_model_params  # noqa: F401  (re-exported)
+
+__all__ = ["WrapFSDP", "find_units", "estimate", "estimate_table", "max_model_params", "save_checkpoint",
+           "load_checkpoint", "build_mesh"]
+
+
+def find_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's repeated blocks: entries of every ``ModuleList`` whose (>= 2) entries share one class.
+
+    Nested repeated lists (a block inside a block) are not units of their own: the outermost wins.
+    """
+    units: list[tuple[str, nn.Module]] = []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.ModuleList) or len(mod) < 2:
+            continue
+        kinds = {type(m) for m in mod}
+        if len(kinds) != 1:
+            continue
+        prefix = f"{name}." if name else ""
+        if any((prefix).startswith(u + ".") for u, _ in units):
+            continue  # inside an already found unit
+        units += [(f"{prefix}{i}", m) for i, m in enumerate(mod)]
+    return units
+
+
+def build_mesh(replicate: int = 1, device_type: str | None = None):
+    """A 1-D mesh over all ranks (FSDP) or a 2-D ``(replicate, shard)`` mesh (HSDP: shard inside a group
+    of ``world_size // replicate`` ranks, usually one node, and replicate across groups)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    device_type = device_type or ("cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu")
+    if replicate == 1:
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+    if world % replicate:
+        raise ValueError(f"wrap_fsdp: replicate={replicate} must divide the world size {world}")
+    return init_device_mesh(device_type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard"))
+
+
+def _fresh_caller(func, name: str):
+    """``lambda self, *a, **k: func(self, *a, **k)`` with a code object of its own.
+
+    NOTE(recompiles): Dynamo keeps its cache and its recompile limit (8) per code object; all blocks
+    share ``Block.forward``'s code, so compiling them directly would recompile per block and fall back
+    to eager after the eighth. A fresh code object per unit gives each unit its own cache.
+    """
+    def call(self, *args, **kwargs):
+        return func(self, *args, **kwargs)
+
+    code = call.__code__.replace(co_name=name, co_qualname=name)
+    fn = types.FunctionType(code, call.__globals__, name, None, call.__closure__)
+    fn.__wrapped__ = func
+    return fn
+
+
+class _UnitBackend:
+    """The pipeline's effpass backend, seen from inside one FSDP unit.
+
+    Dynamo compiles ``unit.forward``, so its graphs name modules relative to the unit (``self_attn``);
+    this prefixes every ``nn_module_stack`` with the unit's path from the root (``model.layers.3``), so
+    scoping globs and module lookups of the graph passes mean what they mean without FSDP.
+    """
+
+    def __init__(self, backend, unit_name: str, unit_type: type):
+        self.backend, self.unit_name, self.unit_type = backend, unit_name, unit_type
+
+    def _path(self, path: str) -> str:
+        rest = effpass.scope.normalize_module_path(str(path))
+        return f"L['self'].{self.unit_name}" + (f".{rest}" if rest else "")
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs, **kwargs):
+        root_key = f"__effpass_unit__{self.unit_name}"
+        for node in gm.graph.nodes:
+            if node.op in ("placeholder", "output"):
+                continue
+            stack = node.meta.get("nn_module_stack") or {}
+            new = {root_key: (f"L['self'].{self.unit_name}", self.unit_type)}
+            for key, value in stack.items():
+                path, klass = value if isinstance(value, tuple) else (value, None)
+                new[key] = (self._path(path), klass)
+            node.meta["nn_module_stack"] = new
+        meta = getattr(gm, "meta", None)
+        if isinstance(meta, dict) and "dynamo_flat_name_to_original_fqn" in meta:
+            gm.meta = dict(meta)
+            gm.meta["dynamo_flat_name_to_original_fqn"] = {
+                k: f"{self.unit_name}.{v}" for k, v in meta["dynamo_flat_name_to_original_fqn"].items()}
+        return self.backend(gm, example_inputs, **kwargs)
+
+
+@effpass.register_pass("wrap_fsdp", run_after=("inject_lora", "quantize_linear", "apply_autocast", "scale_loss"))
+@dataclass(frozen=True, kw_only=True)
+class WrapFSDP(effpass.Pass):
+    """Shard the model with FSDP2 per repeated block (root last) and compile inside each unit.
+
+    Before (module tree)::
+
+        LlamaForCausalLM
+          model.layers: ModuleList[LlamaDecoderLayer x 2]      (plain parameters)
+
+    After::
+
+        FSDPLlamaForCausalLM                                  (embeddings, norm, head: DTensor shards)
+          model.layers.0: FSDPLlamaDecoderLayer               (its own DTensor shards, all-gathered
+            .forward = torch.compile(..., backend=effpass)     just before its compiled forward)
+          model.layers.1: FSDPLlamaDecoderLayer
+    """
+
+    reshard_after_forward: bool = field(default=True, metadata={
+        "doc": "free each unit's gathered parameters after forward (ZeRO-3-like); False keeps them to backward (ZeRO-2-like)"})
+    replicate: int = field(default=1, metadata={
+        "doc": "number of replica groups: >1 builds a (replicate, shard) mesh (HSDP, e.g. one shard group per node)"})
+    param_dtype: torch.dtype | None = field(default=None, metadata={
+        "doc": "dtype of the gathered parameters for compute (default: apply_autocast's dtype, else unchanged)"})
+    reduce_dtype: torch.dtype | None = field(default=None, metadata={
+        "doc": "dtype of the gradient reduction (default: float32 when param_dtype is lower precision)"})
+    compile_units: bool = field(default=True, metadata={
+        "doc": "compile each unit's forward with the pipeline's effpass backend (False: shard only, run eagerly)"})
+
+    def validate(self) -> None:
+        if self.replicate < 1:
+            raise ValueError(f"wrap_fsdp: replicate must be >= 1, got {self.replicate}")
+
+    @classmethod
+    def default_note(cls) -> str:
+        return "off (needs torch.distributed; add WrapFSDP() under torchrun)"
+
+    # -- helpers --------------------------------------------------------------------------------------
+    def mixed_precision(self, ctx=None):
+        """The ``MixedPrecisionPolicy`` used: explicit options win, then ``apply_autocast``'s dtype."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        param_dtype = self.param_dtype
+        if param_dtype is None and ctx is not None:
+            autocast = ctx.find_pass("apply_autocast")
+            param_dtype = getattr(autocast, "dtype", None) if autocast is not None else None
+        reduce_dtype = self.reduce_dtype
+        if reduce_dtype is None and param_dtype in (torch.bfloat16, torch.float16):
+            reduce_dtype = torch.float32
+        return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+    # -- the module hook ------------------------------------------------------------------------------
+    def prepare_module(self, model: nn.Module, ctx) -> effpass.PassResult:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "wrap_fsdp needs torch.distributed: call torch.distributed.init_process_group() first "
+                "(under torchrun; backend 'nccl' on GPUs, 'gloo' on CPU), even for a single process")
+        from torch.distributed.fsdp import fully_shard
+
+        if self.targets:
+            units = ctx.scope.select_modules(model, what="FSDP unit")
+            names = [n for n, _ in units]
+            # NOTE: a target inside another target would be sharded twice; keep the outermost.
+            units = [(n, m) for n, m in units if not any(n.startswith(o + ".") for o in names)]
+        else:
+            units = [(n, m) for n, m in find_units(model)
+                     if ctx.scope.matches_globs(n) and ctx.scope.allows_module(n, m)]
+        if not units:
+            raise ValueError("wrap_fsdp: found no repeated blocks (no ModuleList of identical layers) to use as "
+                             "FSDP units; name them with targets=['model.layers.*']")
+        mesh = build_mesh(self.replicate)
+        mp = self.mixed_precision(ctx)
+        backend = ctx.backend_factory() if (self.compile_units and ctx.backend_factory is not None) else None
+        compiled = 0
+        for name, unit in units:
+            fully_shard(unit, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=mp)
+            if backend is not None:
+                unit._orig_forward = unit.forward
+                caller = _fresh_caller(unit.forward.__func__, f"effpass_fsdp_unit_{compiled}")
+                compiled_fn = torch.compile(caller, backend=_UnitBackend(backend, name, type(unit)))
+                unit.forward = types.MethodType(compiled_fn, unit)
+                compiled += 1
+        # NOTE(ordering): the root last, so it owns only the parameters outside the units; its
+        # reshard_after_forward=False avoids re-gathering them at the start of backward.
+        fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+        ctx.compile_root = False
+        n_params = sum(p.numel() for p in model.parameters())
+        local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
+        return effpass.PassResult(changed=True, stats={
+            "units": len(units), "compiled_units": compiled, "world_size": dist.get_world_size(),
+            "replicate": self.replicate, "reshard_after_forward": self.reshard_after_forward,
+            "param_dtype": str(mp.param_dtype).removeprefix("torch.") if mp.param_dtype else "unchanged",
+            "params": n_params, "local_params": local})
+
+
+# ------------------------------------------------------------------------------------------------------
+# checkpoints: torch.distributed.checkpoint (sharded, resharding-safe)
+# ------------------------------------------------------------------------------------------------------
+class _AppState:
+    """A DCP ``Stateful``: model + optimizer through ``get_state_dict``/``set_state_dict``, plus extras
+    (a loss scaler, the step) that have ``state_dict``/``load_state_dict`` or are plain values."""
+
+    def __init__(self, model, optimizer, extra: dict[str, Any] | None):
+        self.model, self.optimizer, self.extra = model, optimizer, dict(extra or {})
+
+    def state_dict(self):
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        out = {"model": model_sd, "optim": optim_sd}
+        for k, v in self.extra.items():
+            out[f"extra.{k}"] = v.state_dict() if hasattr(v, "state_dict") else v
+        return out
+
+    def load_state_dict(self, sd):
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        for k, v in self.extra.items():
+            if hasattr(v, "load_state_dict"):
+                v.load_state_dict(sd[f"extra.{k}"])
+            else:
+                self.extra[k] = sd[f"extra.{k}"]
+
+
+def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    extra: dict[str, Any] | None = None) -> None:
+    """Save sharded model and optimizer state (and ``extra``: a loss scaler, the step) with DCP.
+
+    Every rank calls it. Each rank writes its own shards; the directory can be loaded at another world size.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"app": _AppState(model, optimizer, extra)}, checkpoint_id=str(path))
+
+
+def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Load what :func:`save_checkpoint` wrote into ``model``/``optimizer`` (in place) and the objects in
+    ``extra`` that have ``load_state_dict``; returns ``extra`` with plain values (the step) replaced."""
+    import torch.distributed.checkpoint as dcp
+
+    state = _AppState(model, optimizer, extra)
+    dcp.load({"app": state}, checkpoint_id=str(path))
+    return state.extra
