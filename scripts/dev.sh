@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine (Python 3.11): sets up .venv on first use, then
+#   bash scripts/dev.sh demo [effpass demo options]   # train the demo model eagerly and with effpass
+#   bash scripts/dev.sh test [pytest options]         # the test suite (what CI runs)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+VENV=${EFFPASS_VENV:-$ROOT/.venv}
+PY=${PYTHON:-python3}
+
+if [ ! -x "$VENV/bin/python" ] || [ ! -f "$VENV/.effpass-ready" ] || [ pyproject.toml -nt "$VENV/.effpass-ready" ]; then
+  echo "effpass: setting up $VENV (first run only)" >&2
+  "$PY" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
+  # torch first, pinned: a range would pull the newest CUDA build and several GB with it.
+  if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+    "$VENV/bin/python" -m pip install -q "torch==${EFFPASS_TORCH_VERSION:-2.13.0}"
+  fi
+  "$VENV/bin/python" -m pip install -q -e ".[dev]"
+  touch "$VENV/.effpass-ready"
+fi
+
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$ROOT/.cache/inductor}
+export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore::DeprecationWarning}
+cmd=${1:-test}
+shift || true
+case "$cmd" in
+  demo) exec "$VENV/bin/effpass" demo "$@" ;;
+  test) exec "$VENV/bin/python" -m pytest -q -n "${EFFPASS_TEST_WORKERS:-2}" -p no:cacheprovider "$@" tests ;;
+  *) echo "usage: bash scripts/dev.sh demo|test [args]" >&2; exit 2 ;;
+esac

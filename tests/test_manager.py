@@ -1,0 +1,118 @@
+"""The pass manager: ordering, conflicts, cycles, bisect, disable, fallback, strict, provenance."""
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+import effpass
+from effpass.manager import PipelineError, order_passes
+from effpass.testing import compile_and_compare, model_case
+from _helpers import register_test_passes
+
+
+@pytest.fixture(autouse=True)
+def test_passes():
+    restore = register_test_passes()
+    yield
+    restore()
+
+
+def _mk(name, run_after=(), conflicts=()):
+    klass = dataclasses.make_dataclass(name.title().replace("_", ""), [], bases=(effpass.Pass,), frozen=True, kw_only=True,
+                                       namespace={"transform_torch_ir": lambda self, gm, ctx: None})
+    klass.name, klass.run_after, klass.conflicts_with = name, tuple(run_after), tuple(conflicts)
+    return klass()
+
+
+def test_order_follows_run_after_and_keeps_user_order_otherwise():
+    a, b, c, d = _mk("a_pass"), _mk("b_pass", run_after=("d_pass",)), _mk("c_pass"), _mk("d_pass")
+    assert [p.name for p in order_passes([a, b, c, d])] == ["a_pass", "c_pass", "d_pass", "b_pass"]
+    # run_after on a pass that is not in the pipeline is ignored
+    assert [p.name for p in order_passes([b, a])] == ["b_pass", "a_pass"]
+
+
+def test_cycle_is_rejected_naming_the_passes():
+    a, b = _mk("a_pass", run_after=("b_pass",)), _mk("b_pass", run_after=("a_pass",))
+    with pytest.raises(PipelineError, match=r"cycle.*a_pass.*b_pass|cycle.*b_pass.*a_pass"):
+        order_passes([a, b])
+
+
+def test_conflict_is_rejected_naming_both():
+    a, b = _mk("a_pass", conflicts=("b_pass",)), _mk("b_pass")
+    with pytest.raises(PipelineError, match=r"'a_pass' conflicts with pass 'b_pass'"):
+        effpass.compile(torch.nn.Linear(2, 2), passes=[a, b], lowering="eager")
+
+
+def test_user_pass_runs_in_declared_order_and_appears_in_dump(tmp_path):
+    @effpass.register_pass("after_scaling", run_after=("scale_linears_by_one",))
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class AfterScaling(effpass.Pass):
+        def transform_torch_ir(self, gm, ctx):
+            muls = sum(1 for n in gm.graph.nodes if n.meta.get("effpass_pass") == "scale_linears_by_one")
+            return effpass.PassResult(False, {"muls_seen": muls})
+
+    case = model_case("demo")
+    # listed first, but declared to run after scale_linears_by_one
+    res = compile_and_compare(case, [AfterScaling(), effpass.make_pass("scale_linears_by_one")],
+                              dump_dir=str(tmp_path))
+    names = [r.name for r in res.report.records() if r.phase == "torch_ir"]
+    assert names == ["scale_linears_by_one", "after_scaling"]
+    n_linears = 7 * case.num_layers + 1
+    assert res.report.stats("scale_linears_by_one")["wrapped"] == n_linears
+    # provenance: the later pass saw every node the earlier one made
+    assert res.report.stats("after_scaling")["muls_seen"] == n_linears
+    import json
+
+    index = json.loads((tmp_path / "graph_000" / "index.json").read_text())
+    assert [p["name"] for p in index["passes"]] == ["scale_linears_by_one", "after_scaling"]
+    assert index["passes"][0]["file"].endswith("torch_ir_scale_linears_by_one.py")
+    assert index["passes"][1]["file"] is None  # unchanged: no file
+    assert index["passes"][0]["ops_after"]["torch.mul"] - index["passes"][0]["ops_before"].get("torch.mul", 0) == n_linears
+
+
+def test_failing_pass_falls_back_with_a_warning_and_the_result_is_right(tmp_path):
+    case = model_case("llama")
+    with pytest.warns(RuntimeWarning, match=r"pass 'break_graph' failed on graph_000 \(joint graph\).*deliberate failure"):
+        res = compile_and_compare(case, [effpass.make_pass("break_graph"), effpass.make_pass("count_joint_matmuls")],
+                                  dump_dir=str(tmp_path))
+    rec = res.report.records("break_graph")[0]
+    assert rec.fell_back and "deliberate failure" in rec.error
+    # The next pass saw the rolled-back graph: as many matmuls as before the failing pass.
+    assert res.report.stats("count_joint_matmuls")["mm"] == rec.ops_before.get("aten.mm", 0) + rec.ops_before.get("aten.bmm", 0)
+    import json
+
+    index = json.loads((tmp_path / "graph_000" / "index.json").read_text())
+    assert index["passes"][0]["error"].startswith("RuntimeError: deliberate failure")
+
+
+def test_strict_mode_raises_listing_passes_that_ran_before():
+    case = model_case("demo")
+    compiled = effpass.compile(case.model, passes=[effpass.make_pass("count_joint_matmuls"),
+                                                   effpass.make_pass("break_graph")],
+                               lowering="eager", strict=True)
+    with pytest.raises(Exception, match=r"pass 'break_graph' failed.*passes that ran before on this graph: \['count_joint_matmuls'\]"):
+        compiled(**case.inputs)
+
+
+@pytest.mark.parametrize("how", ["option", "env"])
+def test_bisect_runs_only_the_first_n_passes(how, monkeypatch):
+    case = model_case("demo")
+    passes = [effpass.make_pass("count_linears"), effpass.make_pass("scale_linears_by_one")]
+    if how == "env":
+        monkeypatch.setenv("EFFPASS_BISECT", "1")
+        kwargs = {}
+    else:
+        kwargs = {"bisect": 1}
+    res = compile_and_compare(case, passes, **kwargs)
+    assert [r.name for r in res.report.records()] == ["count_linears"]
+
+
+def test_disable_list_and_env(monkeypatch):
+    case = model_case("demo")
+    passes = [effpass.make_pass("count_linears"), effpass.make_pass("scale_linears_by_one")]
+    res = compile_and_compare(case, passes, disable=["scale_linears_by_one"])
+    assert [r.name for r in res.report.records()] == ["count_linears"]
+    monkeypatch.setenv("EFFPASS_DISABLE", "count_linears")
+    res = compile_and_compare(model_case("demo"), passes)
+    assert [r.name for r in res.report.records()] == ["scale_linears_by_one"]
