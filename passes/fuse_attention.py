@@ -307,7 +307,6 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
             if c <= 0:
                 raise _Skip(f"scale not constant positive ({c})")
             site.scale *= c
-            site.additive = [(m, f * c) for m, f in site.additive]
         elif _is_fn(x, _DIV_FNS) or _is_method(x, {"div", "__truediv__"}):
             nxt, c = args[0], args[1]
             if x.kwargs.get("rounding_mode") is not None:
@@ -317,7 +316,6 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
             if c <= 0:
                 raise _Skip(f"scale not constant positive (1/{c})")
             site.scale /= c
-            site.additive = [(m, f / c) for m, f in site.additive]
         elif _is_fn(x, _ADD_FNS) or _is_method(x, {"add", "__add__"}):
             if x.kwargs.get("alpha", 1) != 1:
                 raise _Skip("scores added with alpha")
@@ -328,7 +326,9 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
             if _is_number(m):
                 pass  # a constant shift: softmax is invariant to it
             elif isinstance(m, fx.Node):
-                site.additive.append((m, 1.0))
+                # walking back: softmax input = scale * node + terms, so a term added here is scaled by
+                # every multiplication that comes after it in the program (those seen so far)
+                site.additive.append((m, site.scale))
             else:
                 raise _Skip(f"scores added to {type(m).__name__}")
         elif _is_method(x, {"masked_fill"}) or _is_fn(x, {torch.masked_fill}):
@@ -350,6 +350,8 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
         if not isinstance(nxt, fx.Node):
             raise _Skip("scores chain is broken")
         if len(nxt.users) != 1:
+            if any(nxt in _ancestors(m) for m, _ in site.additive + site.allowed if isinstance(m, fx.Node)):
+                raise _Skip("mask depends on data (it is computed from the attention scores)")
             raise _Skip(f"the attention scores ({nxt.name}) are used elsewhere")
         x = nxt
     site.qk = x

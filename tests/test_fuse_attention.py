@@ -1,0 +1,511 @@
+"""Tests of the fuse_attention pass: coverage on real models, every recognised form, negative cases,
+parity (fp32 tight, bf16 bounded, dropout statistically), a property test and saved-for-backward memory.
+
+Oracles: numerical (the compiled model matches its eager reference; outputs and gradients) and
+structural (the pass's stats, ``skipped`` reasons, and the op histogram before/after).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import effpass
+from effpass.passes import FuseAttention
+from effpass.testing import compile_and_compare, model_case
+
+SDPA = "F.scaled_dot_product_attention"
+
+
+def _records(compiled):
+    return effpass.report(compiled).records("fuse_attention")
+
+
+def _ops_after(compiled) -> dict:
+    out: dict = {}
+    for r in _records(compiled):
+        for k, v in r.ops_after.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def _skipped(compiled) -> list[dict]:
+    return [s for r in _records(compiled) for s in r.skipped]
+
+
+# ------------------------------------------------------------------------------------------------------
+# real models
+# ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert", "demo"])
+def test_fuses_every_layer_of_real_models(name):
+    case = model_case(name)
+    res = compile_and_compare(case, [FuseAttention()], lowering="eager", strict=True)
+    stats = res.report.stats("fuse_attention")
+    assert stats["fused"] == case.num_layers, stats
+    assert stats["skipped"] == 0 and not _skipped(res.compiled)
+    before, after = {}, {}
+    for r in _records(res.compiled):
+        before.update(r.ops_before), after.update(r.ops_after)
+    assert after.get(SDPA, 0) == case.num_layers
+    assert before.get("F.softmax", 0) + before.get("torch.softmax", 0) + before.get(".softmax", 0) == case.num_layers
+    assert not any("softmax" in k for k in after), after
+    if name in ("llama", "demo"):  # GQA: 4 query heads, 2 KV heads, K/V no longer repeated
+        assert stats["gqa"] == case.num_layers
+        assert after.get(".expand", 0) < before.get(".expand", 0)
+    if name in ("llama", "gpt2", "demo"):  # causal, proven from the mask construction
+        assert stats["causal"] == case.num_layers and stats["attn_mask"] == 0
+    if name == "bert":  # a padding mask depends on the input: passed as attn_mask
+        assert stats["attn_mask"] == case.num_layers and stats["causal"] == 0
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
+def test_leaves_models_that_already_call_sdpa_unchanged(name):
+    case = model_case(name, attn="sdpa")
+    res = compile_and_compare(case, [FuseAttention()], lowering="eager", strict=True)
+    assert all(not r.changed for r in _records(res.compiled))
+    assert res.report.stats("fuse_attention").get("fused", 0) == 0
+
+
+def test_llama_with_padding_mask_in_training():
+    case = model_case("llama", train=True)
+    mask = torch.ones_like(case.inputs["input_ids"])
+    mask[1, -5:] = 0  # right padding: every query row keeps a key (left padding has fully masked rows)
+    case.inputs["attention_mask"] = mask
+    res = compile_and_compare(case, [FuseAttention()], lowering="eager", strict=True)
+    stats = res.report.stats("fuse_attention")
+    assert stats["fused"] == 2 and stats["attn_mask"] == 2 and stats["gqa"] == 2
+
+
+def test_bf16_llama_within_stated_bound():
+    """bf16: the fused model's error against an fp64 reference is no worse than eager bf16's (x2 + 1e-2)."""
+    case = model_case("llama")
+    ref = case.fresh().model.double()
+    with torch.no_grad():
+        want = ref(**case.inputs).logits
+    case.model.to(torch.bfloat16)
+    res = compile_and_compare(case, [FuseAttention()], lowering="eager", backward=False, check=False, strict=True)
+    assert res.report.stats("fuse_attention")["fused"] == 2
+    err_fused = (res.compiled_out[1].double() - want).abs().max().item()
+    err_eager = (res.eager_out[1].double() - want).abs().max().item()
+    assert err_fused <= 2 * err_eager + 1e-2, (err_fused, err_eager)
+
+
+# ------------------------------------------------------------------------------------------------------
+# hand-written forms: one small attention function per form
+# ------------------------------------------------------------------------------------------------------
+B, H, HKV, S, D = 2, 4, 2, 8, 16
+
+
+def _rep_expand(x, r):
+    b, h, s, d = x.shape
+    return x[:, :, None].expand(b, h, r, s, d).reshape(b, h * r, s, d)
+
+
+class CausalBuffer(nn.Module):
+    """nanoGPT / old GPT-2: a registered lower-triangular buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("bias", torch.tril(torch.ones(32, 32, dtype=torch.bool)).view(1, 1, 32, 32))
+
+    def forward(self, q, k, v):
+        s = q.size(-2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :s, :s] == 0, float("-inf"))
+        return F.softmax(att, dim=-1) @ v
+
+
+def form_triu_masked_fill(q, k, v):
+    s = q.size(-2)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)
+    att = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(q.size(-1))
+    return torch.matmul(F.softmax(att.masked_fill(mask, float("-inf")).float(), dim=-1).to(q.dtype), v)
+
+
+def form_tril_where(q, k, v):
+    s = q.size(-2)
+    keep = torch.tril(torch.ones(s, s)).bool()
+    att = (q @ k.transpose(-1, -2)) * D ** -0.5
+    return torch.where(keep, att, torch.finfo(att.dtype).min).softmax(-1) @ v
+
+
+def form_prescaled_q_no_mask(q, k, v):
+    q = q * D ** -0.5
+    return torch.softmax(q @ k.permute(0, 1, 3, 2), dim=-1) @ v
+
+
+def form_repeat_interleave_gqa(q, k, v):
+    k, v = k.repeat_interleave(H // HKV, dim=1), v.repeat_interleave(H // HKV, dim=1)
+    return F.softmax(q @ k.transpose(-2, -1) / math.sqrt(D), dim=-1) @ v
+
+
+def form_index_gqa(q, k, v):
+    idx = torch.arange(H) // (H // HKV)
+    k, v = k[:, idx], v[:, idx]
+    return F.softmax(q @ k.transpose(-2, -1) / math.sqrt(D), dim=-1) @ v
+
+
+def form_expand_gqa_causal(q, k, v):
+    s = q.size(-2)
+    k, v = _rep_expand(k, H // HKV), _rep_expand(v, H // HKV)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)
+    att = (q @ k.transpose(-2, -1) / math.sqrt(D)).masked_fill(mask, float("-inf"))
+    return F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def form_mqa(q, k, v):
+    k, v = _rep_expand(k[:, :1], H), _rep_expand(v[:, :1], H)
+    return F.softmax(q @ k.transpose(-2, -1) / math.sqrt(D), dim=-1) @ v
+
+
+def form_kt_without_transpose(q, k, v):
+    kt = k.permute(0, 1, 3, 2).contiguous()  # k^T arrives as its own (B, H, D, S) tensor
+    return F.softmax(torch.matmul(q, kt) * 0.25, dim=-1) @ v
+
+
+def form_bmm_3d(q, k, v):
+    q3, k3, v3 = (t.reshape(-1, t.size(-2), t.size(-1)) for t in (q, k, v))
+    return torch.bmm(F.softmax(torch.bmm(q3, k3.transpose(1, 2)) * 0.25, dim=-1), v3)
+
+
+def form_transposed_layout(q, k, v):
+    # HF layout: projections give (B, S, H, D); heads are moved with transpose(1, 2)
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    return F.softmax(q @ k.transpose(2, 3) * 0.25, dim=-1) @ v
+
+
+# name: (fn, kv heads, expected stats)
+FORMS = {
+    "triu_masked_fill_fp32_softmax": (form_triu_masked_fill, H, {"causal": 1}),
+    "tril_where_finfo_min": (form_tril_where, H, {"causal": 1}),
+    "prescaled_q_no_mask": (form_prescaled_q_no_mask, H, {"causal": 0, "attn_mask": 0}),
+    "repeat_interleave_gqa": (form_repeat_interleave_gqa, HKV, {"gqa": 1}),
+    "index_gqa": (form_index_gqa, HKV, {"gqa": 1}),
+    "expand_reshape_gqa_causal": (form_expand_gqa_causal, HKV, {"gqa": 1, "causal": 1}),
+    "mqa": (form_mqa, HKV, {"gqa": 1}),
+    "kt_without_transpose": (form_kt_without_transpose, H, {}),
+    "bmm_3d": (form_bmm_3d, H, {}),
+    "transposed_layout": (form_transposed_layout, H, {}),
+    "causal_buffer": (CausalBuffer(), H, {"causal": 1}),
+}
+
+
+def _qkv(hkv=H, sq=S, sk=S, d=D, b=B, h=H, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g).to(dtype).requires_grad_()  # noqa: E731
+    return mk(b, h, sq, d), mk(b, hkv, sk, d), mk(b, hkv, sk, d)
+
+
+def _check_parity(fn, args, passes=None, atol=1e-5, rtol=1e-5, extra=()):
+    """Compile ``fn`` with effpass (eager lowering); compare outputs and input gradients with eager."""
+    torch._dynamo.reset()
+    compiled = effpass.compile(fn if isinstance(fn, nn.Module) else _Wrap(fn), passes=passes or [FuseAttention()],
+                               lowering="eager", strict=True)
+    ref_args = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+    want = (fn if isinstance(fn, nn.Module) else _Wrap(fn))(*ref_args, *extra)
+    got = compiled(*args, *extra)
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+    g = torch.randn_like(want)
+    want.backward(g)
+    got.backward(g)
+    for a, r in zip(args, ref_args):
+        if a.requires_grad:
+            torch.testing.assert_close(a.grad, r.grad, atol=atol, rtol=rtol)
+    return compiled
+
+
+class _Wrap(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_recognised_form_is_fused_with_parity(form):
+    fn, hkv, expect = FORMS[form]
+    compiled = _check_parity(fn, _qkv(hkv))
+    stats = effpass.report(compiled).stats("fuse_attention")
+    assert stats["fused"] == 1 and stats["skipped"] == 0, (stats, _skipped(compiled))
+    for k, v in expect.items():
+        assert stats[k] == v, (k, stats)
+    assert _ops_after(compiled).get(SDPA) == 1
+
+
+def test_boolean_padding_mask_and_additive_mask_are_passed_as_attn_mask():
+    def fn(q, k, v, keep, bias):
+        att = (q @ k.transpose(-2, -1)) * 0.25
+        att = att.masked_fill(~keep[:, None, None, :], float("-inf")) + bias
+        return F.softmax(att, dim=-1) @ v
+
+    keep = torch.ones(B, S, dtype=torch.bool)
+    keep[1, S // 2:] = False
+    bias = torch.randn(B, 1, S, S)  # a constant-free additive mask (e.g. ALiBi-like, no grad)
+    compiled = _check_parity(fn, _qkv(), extra=(keep, bias))
+    stats = effpass.report(compiled).stats("fuse_attention")
+    assert stats["fused"] == 1 and stats["attn_mask"] == 1 and stats["causal"] == 0
+
+
+def test_prove_causal_off_passes_the_mask_instead():
+    compiled = _check_parity(form_triu_masked_fill, _qkv(), passes=[FuseAttention(prove_causal=False)])
+    stats = effpass.report(compiled).stats("fuse_attention")
+    assert stats["fused"] == 1 and stats["causal"] == 0 and stats["attn_mask"] == 1
+
+
+def test_buffer_mask_not_trusted_is_passed_as_attn_mask():
+    compiled = _check_parity(CausalBuffer(), _qkv(), passes=[FuseAttention(assume_constant_buffers=False)])
+    stats = effpass.report(compiled).stats("fuse_attention")
+    assert stats["fused"] == 1 and stats["causal"] == 0 and stats["attn_mask"] == 1
+
+
+def test_gqa_off_feeds_repeated_kv():
+    compiled = _check_parity(form_expand_gqa_causal, _qkv(HKV), passes=[FuseAttention(gqa=False)])
+    stats = effpass.report(compiled).stats("fuse_attention")
+    assert stats["fused"] == 1 and stats["gqa"] == 0
+
+
+def test_tiled_repeat_is_not_mistaken_for_gqa():
+    """expand at dim 1 tiles heads (h -> h % Hkv), which is not SDPA's GQA grouping (h -> h // r)."""
+    def fn(q, k, v):
+        b, hkv, s, d = k.shape
+        k = k[:, None].expand(b, H // hkv, hkv, s, d).reshape(b, H, s, d)
+        v = v[:, None].expand(b, H // hkv, hkv, s, d).reshape(b, H, s, d)
+        return F.softmax(q @ k.transpose(-2, -1) * 0.25, dim=-1) @ v
+
+    compiled = _check_parity(fn, _qkv(HKV))
+    stats = effpass.report(compiled).stats("fuse_attention")
+    assert stats["fused"] == 1 and stats["gqa"] == 0
+
+
+def test_decoding_with_cache_q_len_differs_from_kv_len():
+    sq, sk = 3, 11
+
+    def fn(q, k, v):
+        # causal with a cache: query i sits at position sk - sq + i (bottom-right aligned)
+        keep = torch.ones(sq, sk, dtype=torch.bool).tril(diagonal=sk - sq)
+        att = (q @ k.transpose(-2, -1)) * 0.25
+        return F.softmax(att.masked_fill(~keep, float("-inf")), dim=-1) @ v
+
+    compiled = _check_parity(fn, _qkv(sq=sq, sk=sk))
+    stats = effpass.report(compiled).stats("fuse_attention")
+    assert stats["fused"] == 1 and stats["causal"] == 0 and stats["attn_mask"] == 1
+
+
+# ------------------------------------------------------------------------------------------------------
+# negative cases: left alone, with the reason
+# ------------------------------------------------------------------------------------------------------
+def _assert_skipped(fn, args, reason: str):
+    compiled = _check_parity(fn, args)
+    stats = effpass.report(compiled).stats("fuse_attention")
+    assert stats.get("fused", 0) == 0 and stats["skipped"] == 1, stats
+    reasons = [s["reason"] for s in _skipped(compiled)]
+    assert any(reason in r for r in reasons), reasons
+    assert SDPA not in _ops_after(compiled)
+
+
+def test_fuse_attention_skips_softmax_over_a_different_dim():
+    _assert_skipped(lambda q, k, v: F.softmax(q @ k.transpose(-2, -1), dim=-2) @ v, _qkv(),
+                    "softmax over a different dim")
+
+
+def test_fuse_attention_skips_scale_that_is_not_constant():
+    class Temperature(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.t = nn.Parameter(torch.tensor(0.3))
+
+        def forward(self, q, k, v):
+            return F.softmax((q @ k.transpose(-2, -1)) * self.t, dim=-1) @ v
+
+    _assert_skipped(Temperature(), _qkv(), "scale not constant")
+
+
+def test_fuse_attention_skips_bias_that_is_not_a_mask():
+    class RelativeBias(nn.Module):  # T5-style learned bias
+        def __init__(self):
+            super().__init__()
+            self.bias = nn.Parameter(torch.randn(1, H, S, S))
+
+        def forward(self, q, k, v):
+            return F.softmax(q @ k.transpose(-2, -1) + self.bias, dim=-1) @ v
+
+    _assert_skipped(RelativeBias(), _qkv(), "bias is not a mask")
+
+
+def test_fuse_attention_skips_data_dependent_mask():
+    def fn(q, k, v):
+        att = q @ k.transpose(-2, -1)
+        att = att.masked_fill(att < att.mean(-1, keepdim=True), float("-inf"))  # mask from the scores
+        return F.softmax(att, dim=-1) @ v
+
+    _assert_skipped(fn, _qkv(), "mask depends on data")
+
+
+def test_fuse_attention_skips_weights_used_elsewhere():
+    def fn(q, k, v):
+        p = F.softmax(q @ k.transpose(-2, -1) * 0.25, dim=-1)
+        return (p @ v) + p.sum(-1, keepdim=True)  # the weights are also returned/used
+
+    _assert_skipped(fn, _qkv(), "used elsewhere")
+
+
+def test_fuse_attention_skips_fill_value_that_is_not_a_mask():
+    def fn(q, k, v):
+        s = q.size(-2)
+        mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)
+        return F.softmax((q @ k.transpose(-2, -1)).masked_fill(mask, -1.0), dim=-1) @ v
+
+    _assert_skipped(fn, _qkv(), "is not a mask")
+
+
+# ------------------------------------------------------------------------------------------------------
+# dropout (training): statistical, and equal to SDPA's own dropout at the same seed
+# ------------------------------------------------------------------------------------------------------
+class DropAttn(nn.Module):
+    def __init__(self, p):
+        super().__init__()
+        self.p = p
+
+    def forward(self, q, k, v):
+        att = F.softmax(q @ k.transpose(-2, -1) * 0.25, dim=-1)
+        return F.dropout(att, p=self.p, training=self.training) @ v
+
+
+def test_dropout_in_training_is_fused_and_unbiased():
+    torch._dynamo.reset()
+    m = DropAttn(0.5).train()
+    compiled = effpass.compile(m, passes=[FuseAttention()], lowering="eager", strict=True)
+    q, k, v = (t.detach() for t in _qkv(d=8))
+    with torch.no_grad():
+        clean = DropAttn(0.0)(q, k, v)
+        torch.manual_seed(1)
+        first = compiled(q, k, v)
+        torch.manual_seed(1)
+        again = compiled(q, k, v)
+        mean = sum(compiled(q, k, v) for _ in range(400)) / 400
+    stats = effpass.report(compiled).stats("fuse_attention")
+    assert stats["fused"] == 1 and stats["dropout"] == 1
+    assert torch.equal(first, again)                     # seeded: reproducible
+    assert (first - clean).abs().max() > 0.1              # dropout is active
+    # E[dropout(P) @ V] = P @ V: the mean of 400 draws is within a few standard errors
+    assert (mean - clean).abs().max() < 0.25, (mean - clean).abs().max()
+    # SDPA's own dropout at the same seed gives the same numbers (the fused-eager reference)
+    with torch.no_grad():
+        torch.manual_seed(3)
+        got = compiled(q, k, v)
+        torch.manual_seed(3)
+        ref = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5, scale=0.25)
+    torch.testing.assert_close(got, ref)
+
+
+def test_dropout_in_eval_is_dropped():
+    compiled = _check_parity(DropAttn(0.5).eval(), _qkv())
+    stats = effpass.report(compiled).stats("fuse_attention")
+    assert stats["fused"] == 1 and stats["dropout"] == 0
+
+
+# ------------------------------------------------------------------------------------------------------
+# property test
+# ------------------------------------------------------------------------------------------------------
+hypothesis = pytest.importorskip("hypothesis")
+st = hypothesis.strategies
+
+
+@hypothesis.settings(max_examples=25, deadline=None, derandomize=True)
+@hypothesis.given(b=st.integers(1, 2), hkv=st.sampled_from([1, 2, 4]), rep=st.sampled_from([1, 2]),
+                  sq=st.integers(1, 9), extra_kv=st.sampled_from([0, 0, 3]), d=st.sampled_from([8, 16, 24]),
+                  mask=st.sampled_from(["none", "causal", "padding", "additive"]),
+                  repeat=st.sampled_from(["expand", "repeat_interleave"]))
+def test_property_fused_equals_unfused(b, hkv, rep, sq, extra_kv, d, mask, repeat):
+    h, sk = hkv * rep, sq + extra_kv
+
+    def fn(q, k, v):
+        if rep > 1:
+            if repeat == "expand":
+                k, v = _rep_expand(k, rep), _rep_expand(v, rep)
+            else:
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        att = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(d)
+        if mask == "causal":  # bottom-right aligned when a cache makes kv longer
+            keep = torch.ones(sq, sk, dtype=torch.bool).tril(diagonal=sk - sq)
+            att = att.masked_fill(~keep, float("-inf"))
+        elif mask == "padding":
+            keep = torch.ones(b, sk, dtype=torch.bool)
+            keep[-1, max(1, sk // 2):] = False  # never a fully masked row
+            att = torch.where(keep[:, None, None, :], att, float("-inf"))
+        elif mask == "additive":
+            att = att + torch.linspace(-2.0, 0.0, sk)
+        return F.softmax(att.float(), dim=-1).to(q.dtype) @ v
+
+    compiled = _check_parity(fn, _qkv(hkv=hkv, sq=sq, sk=sk, d=d, b=b, h=h), atol=2e-5, rtol=2e-5)
+    stats = effpass.report(compiled).stats("fuse_attention")
+    assert stats["fused"] == 1
+    assert stats["gqa"] == int(rep > 1)
+    assert stats["causal"] == int(mask == "causal" and sq == sk)
+
+
+# ------------------------------------------------------------------------------------------------------
+# memory: saved-for-backward bytes are linear in sequence length once fused
+# ------------------------------------------------------------------------------------------------------
+_SAVED: list[int] = []
+
+
+@effpass.register_pass("probe_saved_bytes", phase="post_grad")
+def _probe_saved_bytes(gm, ctx):
+    """Test probe: records the bytes of the backward graph's saved tensors (its non-tangent inputs)."""
+    if ctx.graph_kind == "backward":
+        total = 0
+        for n in gm.graph.find_nodes(op="placeholder"):
+            v = n.meta.get("val")
+            if isinstance(v, torch.Tensor) and not str(n.target).startswith("tangents"):
+                total += v.numel() * v.element_size()
+        _SAVED.append(total)
+    return False
+
+
+def _saved_bytes(seq: int, fuse: bool) -> int:
+    case = model_case("demo", seq=seq)
+    _SAVED.clear()
+    passes = ([FuseAttention()] if fuse else []) + ["probe_saved_bytes"]
+    compile_and_compare(case, passes, lowering="eager", step=False, check=False)
+    assert len(_SAVED) == 1
+    return _SAVED[0]
+
+
+def test_saved_for_backward_bytes_grow_linearly_once_fused():
+    """Second difference over S, 2S, 4S: zero when every saved tensor is linear in S, positive with S^2."""
+    fused = [_saved_bytes(s, True) for s in (16, 32, 64)]
+    unfused = [_saved_bytes(s, False) for s in (16, 32, 64)]
+    second = lambda x: x[2] - 2 * x[1] + x[0]  # noqa: E731
+    assert second(unfused) > 0, unfused           # the probe sees the S^2 attention matrices
+    assert second(fused) == 0, fused
+    assert fused[2] < unfused[2]
+
+
+# ------------------------------------------------------------------------------------------------------
+# options, defaults, Inductor
+# ------------------------------------------------------------------------------------------------------
+def test_bad_options_name_the_value_and_the_valid_ones():
+    with pytest.raises(ValueError, match="'bogus'.*sdpa"):
+        FuseAttention(kernel="bogus")
+    with pytest.raises(ValueError, match="-1"):
+        FuseAttention(max_mask_eval_elements=-1)
+    with pytest.raises(TypeError):
+        FuseAttention(gqa="yes")
+
+
+def test_in_the_default_pipeline_on_every_device():
+    assert FuseAttention.enabled_by_default("cpu") and FuseAttention.enabled_by_default("cuda")
+    assert "fuse_attention" in [p.name for p in effpass.default_pipeline("cpu")]
+
+
+@pytest.mark.inductor
+def test_demo_model_with_inductor():
+    case = model_case("demo")
+    res = compile_and_compare(case, [FuseAttention()], lowering="inductor", atol=1e-4, rtol=1e-4, strict=True)
+    assert res.report.stats("fuse_attention")["fused"] == case.num_layers
