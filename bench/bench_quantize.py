@@ -1,0 +1,269 @@
+"""Benchmark of ``quantize_linear`` (issue 6, item 7).
+
+    python bench/bench_quantize.py            # CPU: small shapes (numbers are CPU numbers and say so)
+    python bench/bench_quantize.py --gpu      # CUDA: the issue's shapes
+
+Arms (one process; arms interleaved over ``--repeats`` rounds, median reported):
+
+* decode (b): batch 1, one new token per step, KV cache: a Llama-shaped model in fp32 / bf16 (eager and
+  ``torch.compile``) vs int8 / nf4 weight-only via effpass (eager prepared model and compiled). Reports
+  tokens/s, linear-weight bytes, achieved GB/s of weight traffic (weight bytes x tokens/s) and, on GPU,
+  the fraction of the measured device copy bandwidth.
+* qlora (a, GPU only): TinyLlama-1.1B-shaped, T=2048: bf16 LoRA vs NF4 QLoRA via effpass, and PEFT +
+  bitsandbytes when importable: tokens/s and peak memory.
+
+Results go to ``bench/results/quantize_<device>.json`` with device, versions and date.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+import effpass
+from effpass.passes import QuantizeLinear
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def llama(hidden, inter, layers, heads, kv, vocab, dtype, device):
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=4096,
+                         bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return tf.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+
+
+def linear_bytes(model) -> int:
+    from effpass.passes.quantize_linear import QuantizedLinear
+
+    total = 0
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            total += m.weight.numel() * m.weight.element_size()
+        elif isinstance(m, QuantizedLinear):
+            total += m.weight_nbytes()
+    return total
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def decode_step_fn(model, device, prompt=8, max_new=256):
+    """A closure that decodes one token (batch 1) with a static KV cache primed by a short prompt."""
+    import transformers as tf
+
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt), device=device)
+    cache = tf.StaticCache(config=model.config, max_cache_len=prompt + max_new)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    state = {"pos": prompt}
+    tok = ids[:, -1:]
+
+    def step():
+        pos = state["pos"]
+        cache_position = torch.tensor([pos], device=device)
+        out = model(input_ids=tok, past_key_values=cache, cache_position=cache_position, use_cache=True)
+        state["pos"] = pos + 1 if pos + 1 < prompt + max_new else prompt
+        return out.logits
+
+    return step
+
+
+def time_steps(step, device, n):
+    sync(device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for _ in range(n):
+            step()
+    sync(device)
+    return (time.perf_counter() - t0) / n
+
+
+def copy_bandwidth(device) -> float | None:
+    if device.type != "cuda":
+        return None
+    a = torch.empty(512 * 2**20, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        b.copy_(a)
+    sync(device)
+    return 2 * a.numel() * 20 / (time.perf_counter() - t0) / 1e9  # read + write GB/s
+
+
+def bench_decode(args, device):
+    if device.type == "cuda":  # Llama-shaped, a few GB in bf16 (~2.7B params)
+        shape = dict(hidden=2560, inter=6912, layers=32, heads=20, kv=4, vocab=32000)
+        base_dtype = torch.bfloat16
+    else:  # small: ~50M matmul params (lm_head excluded from quantization, as usual)
+        shape = dict(hidden=1024, inter=2816, layers=4, heads=16, kv=4, vocab=2048)
+        base_dtype = torch.bfloat16
+    arms = {
+        "fp32_eager": (torch.float32, None, False),
+        "bf16_eager": (torch.bfloat16, None, False),
+        "int8_eager": (base_dtype, "int8", False),
+        "int8_fp32act_eager": (torch.float32, "int8", False),
+        "nf4_eager": (base_dtype, "nf4", False),
+    }
+    if args.compile:
+        arms.update({"bf16_compiled": (torch.bfloat16, None, True), "int8_effpass": (base_dtype, "int8", True)})
+    if device.type == "cuda":
+        arms.pop("fp32_eager")
+        arms.pop("int8_fp32act_eager")
+        arms["int4_effpass"] = (base_dtype, "int4", True)
+    steps, results = {}, {}
+    for name, (dtype, scheme, comp) in arms.items():
+        model = llama(dtype=dtype, device=device, **shape)
+        if scheme:
+            passes = [QuantizeLinear(scheme=scheme, exclude=["lm_head"])]
+            if comp:
+                model = effpass.compile(model, passes=passes, lowering="inductor")
+            else:
+                effpass.prepare(model, passes=passes)
+        elif comp:
+            model = torch.compile(model)
+        t0 = time.perf_counter()
+        step = decode_step_fn(model, device)
+        time_steps(step, device, 3)  # warm-up (and compile)
+        results[name] = {"dtype": str(dtype).removeprefix("torch."), "scheme": scheme or "none",
+                         "compiled": comp, "warmup_s": round(time.perf_counter() - t0, 2),
+                         "linear_weight_bytes": linear_bytes(model), "times": []}
+        steps[name] = step
+    for _ in range(args.repeats):  # interleave arms
+        for name, step in steps.items():
+            results[name]["times"].append(time_steps(step, device, args.steps))
+    bw = copy_bandwidth(device)
+    for name, r in results.items():
+        med = statistics.median(r.pop("times"))
+        r["ms_per_token"] = round(med * 1e3, 3)
+        r["tokens_per_s"] = round(1 / med, 2)
+        r["weight_GB_per_s"] = round(r["linear_weight_bytes"] * r["tokens_per_s"] / 1e9, 3)
+        if bw:
+            r["fraction_of_copy_bw"] = round(r["weight_GB_per_s"] / bw, 3)
+    ref = "bf16_compiled" if "bf16_compiled" in results else "bf16_eager"
+    for r in results.values():
+        r[f"speedup_vs_{ref}"] = round(r["tokens_per_s"] / results[ref]["tokens_per_s"], 3)
+    return {"shape": shape, "copy_bandwidth_GB_per_s": bw, "arms": results}
+
+
+def bench_qlora(args, device):
+    """TinyLlama-1.1B-shaped LoRA vs NF4 QLoRA, T=2048 (GPU only)."""
+    from effpass.passes import InjectLoRA
+
+    shape = dict(hidden=2048, inter=5632, layers=22, heads=32, kv=4, vocab=32000)
+    T, bs, steps = 2048, 1, args.steps
+    targets = ["*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj", "*.gate_proj", "*.up_proj", "*.down_proj"]
+    out = {}
+    for arm in ("bf16_lora_effpass", "nf4_qlora_effpass", "peft_bnb_qlora"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        model = llama(dtype=torch.bfloat16, device=device, **shape).train()
+        if arm == "peft_bnb_qlora":
+            try:
+                import bitsandbytes  # noqa: F401
+                import peft
+                from transformers import BitsAndBytesConfig  # noqa: F401
+            except ImportError as e:
+                out[arm] = {"skipped": f"not importable: {e}"}
+                continue
+            import bitsandbytes as bnb
+
+            for name, mod in list(model.named_modules()):  # replace linears with bnb 4-bit
+                for cname, child in list(mod.named_children()):
+                    if isinstance(child, torch.nn.Linear) and cname != "lm_head":
+                        new = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=False,
+                                                compute_dtype=torch.bfloat16, quant_type="nf4", quant_storage=torch.uint8)
+                        new.weight = bnb.nn.Params4bit(child.weight.data.cpu(), requires_grad=False, quant_type="nf4")
+                        setattr(mod, cname, new.to(device))
+            model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=[t[2:] for t in targets]))
+        else:
+            passes = [InjectLoRA(rank=16, alpha=32, targets=targets)]
+            if arm.startswith("nf4"):
+                passes.insert(0, QuantizeLinear(scheme="nf4", exclude=["lm_head"]))
+            model = effpass.compile(model, passes=passes, lowering="inductor")
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-4)
+        ids = torch.randint(0, shape["vocab"], (bs, T), device=device)
+
+        def step():
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        for _ in range(3):
+            step()
+        sync(device)
+        ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ev0.record()
+        for _ in range(steps):
+            loss = step()
+        ev1.record()
+        sync(device)
+        s = ev0.elapsed_time(ev1) / 1e3 / steps
+        out[arm] = {"tokens_per_s": round(bs * T / s, 1), "ms_per_step": round(s * 1e3, 2),
+                    "peak_memory_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 3),
+                    "final_loss": float(loss)}
+        del model, opt
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gpu", action="store_true", help="run on CUDA with the issue's shapes")
+    ap.add_argument("--compile", action="store_true", default=None,
+                    help="add torch.compile / effpass-compiled arms (default: on with --gpu, off on CPU)")
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads (1: stable numbers on a shared machine)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    device = torch.device("cuda" if args.gpu else "cpu")
+    if args.gpu and not torch.cuda.is_available():
+        sys.exit("--gpu given but CUDA is not available")
+    if args.compile is None:
+        args.compile = args.gpu
+    if not args.gpu:
+        torch.set_num_threads(args.threads)
+    import transformers
+    import triton
+
+    result = {
+        "benchmark": "quantize_linear",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()}, "
+                  f"{os.cpu_count()} cores, {torch.get_num_threads()} threads)",
+        "note": ("GPU numbers at the issue's shapes" if device.type == "cuda" else
+                 "CPU numbers at small shapes on a shared 2-core machine: ratios within this run only"),
+        "versions": {"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
+                     "python": platform.python_version()},
+        "decode": bench_decode(args, device),
+    }
+    if device.type == "cuda":
+        result["qlora"] = bench_qlora(args, device)
+    out = args.out or os.path.join(HERE, "results", f"quantize_{'gpu' if device.type == 'cuda' else 'cpu'}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
