@@ -180,7 +180,7 @@ def test_apply_autocast_skips_when_caller_runs_autocast():
 
 def test_apply_autocast_tracks_eager_training():
     """20 AdamW steps: the compiled bf16 run tracks eager torch.autocast (stated tolerance 1e-3 relative)."""
-    case = model_case("llama")
+    case = model_case("demo")
     eager = copy.deepcopy(case.model)
     with dynamo_counters() as counters:
         compiled = effpass.compile(case.model, passes=[ApplyAutocast(dtype=BF16)], lowering="eager")
