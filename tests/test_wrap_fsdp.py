@@ -1,0 +1,419 @@
+"""wrap_fsdp: FSDP2 per block on CPU with gloo (2 ranks, 4 in a slow test), DCP checkpoints, estimates.
+
+Distributed tests spawn ranks with ``torch.multiprocessing``; each rank writes its results to a file the
+test reads back. Every spawned scenario checks several things at once to keep the file fast on 2 cores.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import effpass
+import effpass.testing
+from effpass.passes import WrapFSDP
+from effpass.passes.wrap_fsdp import estimate, estimate_table, find_units, load_checkpoint, max_model_params, \
+    save_checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 3
+LR = 1e-3
+
+
+@effpass.register_pass("count_unit_linears")
+def count_unit_linears(gm, ctx):
+    """Test pass: counts the linears each graph holds and the units (model.layers.N) they come from."""
+    units, linears = set(), 0
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and "linear" in str(n.target) and ctx.allows(n):
+            linears += 1
+            path = effpass.scope.module_path_of_node(n)
+            units.add(".".join(path.split(".")[:3]))
+    return effpass.PassResult(stats={"graphs": 1, "linears": linears, "units": sorted(units)})
+
+
+# ------------------------------------------------------------------------------------------------------
+# spawning ranks
+# ------------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, scenario: str, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = SCENARIOS[scenario](rank, world, out_dir)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(scenario: str, world: int, tmp_path) -> list[dict]:
+    mp.spawn(_worker, args=(world, _free_port(), scenario, str(tmp_path)), nprocs=world, join=True)
+    return [torch.load(os.path.join(tmp_path, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def _llama(world: int, layers: int = 2):
+    case = effpass.testing.model_case("llama", layers=layers, batch=2 * world, seq=16, use_cache=False)
+    case.model.train()
+    return case
+
+
+def _local_batch(tokens, rank, world):
+    per = tokens.shape[0] // world
+    return tokens[rank * per:(rank + 1) * per]
+
+
+def _train(model, opt, tokens, steps):
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return losses
+
+
+def _full_params(model) -> dict[str, torch.Tensor]:
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters()}
+
+
+def _local_bytes(tensors) -> int:
+    return sum((t.to_local() if hasattr(t, "to_local") else t).numel() * t.element_size() for t in tensors)
+
+
+# ------------------------------------------------------------------------------------------------------
+# scenarios (run on every rank)
+# ------------------------------------------------------------------------------------------------------
+def scenario_train(rank, world, out_dir):
+    """2 ranks vs one process on the full batch; memory vs estimate; checkpoint + resume."""
+    case = _llama(world)
+    tokens = case.inputs["input_ids"]
+    init = copy.deepcopy(case.model)
+
+    ref = copy.deepcopy(init)
+    ref_losses = _train(ref, torch.optim.AdamW(ref.parameters(), lr=LR), tokens, STEPS)
+
+    model = effpass.compile(case.model, passes=[WrapFSDP(), count_unit_linears()], lowering="eager",
+                            dump_dir=None)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    local = _local_batch(tokens, rank, world)
+    losses = _train(model, opt, local, 1)
+    param_bytes = _local_bytes(model.parameters())
+    opt_bytes = _local_bytes(v for st in opt.state.values() for k, v in st.items() if k != "step")
+    losses += _train(model, opt, local, STEPS - 2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(torch.ones(()))
+    scaler.update(new_scale=512.0)
+    save_checkpoint(os.path.join(out_dir, "ckpt"), model, opt, extra={"step": STEPS - 1, "scaler": scaler})
+    losses += _train(model, opt, local, 1)
+    final = _full_params(model)
+
+    # resume: a fresh model and optimizer load the checkpoint and take the last step
+    torch._dynamo.reset()
+    model2 = effpass.compile(copy.deepcopy(init), passes=[WrapFSDP()], lowering="eager", dump_dir=None)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=LR)
+    scaler2 = torch.amp.GradScaler("cpu", init_scale=1.0)
+    extra = load_checkpoint(os.path.join(out_dir, "ckpt"), model2, opt2, extra={"step": 0, "scaler": scaler2})
+    _train(model2, opt2, local, 1)
+    resumed = _full_params(model2)
+
+    est = estimate(init, batch=local.shape[0], seq=local.shape[1], world_size=world, mixed_precision=False)
+    rep = effpass.report(model)
+    return {
+        "ref": {n: p.detach() for n, p in ref.named_parameters()}, "final": final, "resumed": resumed,
+        "losses": [float(x) for x in losses], "ref_losses": [float(x) for x in ref_losses],
+        "param_bytes": param_bytes, "opt_bytes": opt_bytes, "estimate": est,
+        "fsdp_stats": rep.stats("wrap_fsdp"), "count_stats": rep.stats("count_unit_linears"),
+        "resumed_step": extra["step"], "resumed_scale": scaler2.get_scale(),
+        "is_model": model is case.model, "dtensor": type(next(model.parameters())).__name__,
+    }
+
+
+def _other_passes():
+    """The other built-in passes that exist now, with options that act on the tiny Llama."""
+    import effpass.passes as P
+
+    out = []
+    if hasattr(P, "FuseAttention"):
+        out.append(P.FuseAttention())
+    if hasattr(P, "ApplyAutocast"):
+        out.append(P.ApplyAutocast(dtype=torch.bfloat16))
+    if hasattr(P, "CheckpointActivations"):
+        out.append(P.CheckpointActivations())
+    if hasattr(P, "InjectLoRA"):
+        out.append(P.InjectLoRA(rank=4, targets=["model.layers.*.self_attn.q_proj", "model.layers.*.self_attn.v_proj"]))
+    return out
+
+
+def scenario_passes(rank, world, out_dir):
+    """Every other pass inside the sharded units; with LoRA only the adapters train."""
+    case = _llama(world)
+    tokens = _local_batch(case.inputs["input_ids"], rank, world)
+    others = _other_passes()
+    model = effpass.compile(case.model, passes=[*others, WrapFSDP(), count_unit_linears()], lowering="eager",
+                            dump_dir=None)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    frozen_before = {n: _full_params(model)[n] for n, p in model.named_parameters() if not p.requires_grad}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    before = _full_params(model)
+    losses = _train(model, opt, tokens, 2)
+    after = _full_params(model)
+    rep = effpass.report(model)
+    grads_frozen = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
+    names = {id(p): n for n, p in model.named_parameters()}
+    state_names = sorted(names[id(p)] for p in opt.state)
+    return {
+        "passes": [p.name for p in others], "trainable": sorted(trainable),
+        "changed": sorted(n for n in after if not torch.equal(after[n], before[n])),
+        "frozen_unchanged": all(torch.equal(after[n], v) for n, v in frozen_before.items()),
+        "grads_frozen": grads_frozen, "state_names": state_names, "losses": [float(x) for x in losses],
+        "stats": {p.name: rep.stats(p.name) for p in others},
+        "graph_records": {p.name: sorted({r.graph for r in rep.records(p.name)}) for p in others},
+        "failures": [f"{r.name}: {r.error}" for r in rep.failures()],
+        "fsdp_stats": rep.stats("wrap_fsdp"), "count_stats": rep.stats("count_unit_linears"),
+    }
+
+
+def scenario_inductor(rank, world, out_dir):
+    case = _llama(world)
+    tokens = case.inputs["input_ids"]
+    ref = copy.deepcopy(case.model)
+    ref_losses = _train(ref, torch.optim.AdamW(ref.parameters(), lr=LR), tokens, 2)
+    model = effpass.compile(case.model, passes=[WrapFSDP(reshard_after_forward=False)], lowering="inductor",
+                            dump_dir=None)
+    losses = _train(model, torch.optim.AdamW(model.parameters(), lr=LR), _local_batch(tokens, rank, world), 2)
+    return {"ref": {n: p.detach() for n, p in ref.named_parameters()}, "final": _full_params(model),
+            "losses": [float(x) for x in losses], "ref_losses": [float(x) for x in ref_losses],
+            "fsdp_stats": effpass.report(model).stats("wrap_fsdp")}
+
+
+def scenario_hsdp(rank, world, out_dir):
+    """4 ranks as 2 replica groups x 2 shards (HSDP) vs one process."""
+    case = _llama(world)
+    tokens = case.inputs["input_ids"]
+    ref = copy.deepcopy(case.model)
+    _train(ref, torch.optim.AdamW(ref.parameters(), lr=LR), tokens, 2)
+    model = effpass.compile(case.model, passes=[WrapFSDP(replicate=2)], lowering="eager", dump_dir=None)
+    _train(model, torch.optim.AdamW(model.parameters(), lr=LR), _local_batch(tokens, rank, world), 2)
+    p = next(model.parameters())
+    return {"ref": {n: p.detach() for n, p in ref.named_parameters()}, "final": _full_params(model),
+            "placements": [str(x) for x in p.placements], "local_numel": p.to_local().numel(), "numel": p.numel()}
+
+
+SCENARIOS = {"train": scenario_train, "passes": scenario_passes, "inductor": scenario_inductor,
+             "hsdp": scenario_hsdp}
+
+
+# ------------------------------------------------------------------------------------------------------
+# the tests
+# ------------------------------------------------------------------------------------------------------
+def _assert_matches_reference(res, atol=1e-6):
+    for n, ref in res["ref"].items():
+        torch.testing.assert_close(res["final"][n], ref, atol=atol, rtol=1e-5, msg=lambda m: f"{n}: {m}")
+
+
+def test_wrap_fsdp_two_ranks_match_one_process_and_resume_exactly(tmp_path):
+    results = spawn("train", 2, tmp_path)
+    for r in results:
+        # numerical oracle: 2 ranks on half batches == 1 process on the full batch (fp32). AdamW divides
+        # by sqrt(v): an entry whose gradient is ~0 turns a 1e-9 gradient difference into ~1e-6.
+        _assert_matches_reference(r, atol=5e-6)
+        # resume from the DCP checkpoint (model + optimizer + scaler + step) repeats the last step exactly
+        for n, v in r["final"].items():
+            assert torch.equal(r["resumed"][n], v), n
+        assert r["resumed_step"] == STEPS - 1 and r["resumed_scale"] == 512.0
+        # structural oracle: sharded (DTensor), every block compiled, the root returned
+        assert r["is_model"] and r["dtensor"] == "DTensor"
+        s = r["fsdp_stats"]
+        assert s["units"] == 2 and s["compiled_units"] == 2 and s["world_size"] == 2
+        assert s["local_params"] * 2 == s["params"]
+        # the graph pass ran inside each sharded unit, one graph per unit, 7 linears each, full paths
+        c = r["count_stats"]
+        assert c["graphs"] == 2 and c["linears"] == 14 and c["units"] == ["model.layers.0", "model.layers.1"]
+        # memory: measured parameter and optimizer bytes per rank within 5% of the estimate
+        est = r["estimate"]["zero3"]
+        assert abs(r["param_bytes"] - est["params"]) / est["params"] < 0.05, (r["param_bytes"], est)
+        assert abs(r["opt_bytes"] - est["optimizer"]) / est["optimizer"] < 0.05, (r["opt_bytes"], est)
+    # the two ranks hold different halves of the batch; their mean loss is the full batch's loss
+    assert results[0]["losses"] != results[1]["losses"]
+    mean = [(a + b) / 2 for a, b in zip(results[0]["losses"], results[1]["losses"])]
+    assert max(abs(a - b) for a, b in zip(mean, results[0]["ref_losses"])) < 1e-6, (mean, results[0]["ref_losses"])
+
+
+def test_wrap_fsdp_other_passes_act_inside_sharded_units(tmp_path):
+    others = [p.name for p in _other_passes()]
+    if not others:
+        pytest.skip("no other built-in pass is present")
+    results = spawn("passes", 2, tmp_path)
+    for r in results:
+        assert not r["failures"], r["failures"]
+        for name in r["passes"]:
+            if name == "inject_lora":
+                assert r["graph_records"][name] == ["module"]
+                continue
+            # graph passes ran on the units' graphs, not only on the (uncompiled) root
+            assert set(r["graph_records"][name]) - {"module"}, (name, r["graph_records"][name])
+            assert r["stats"][name], name
+        if "fuse_attention" in r["passes"]:
+            assert r["stats"]["fuse_attention"].get("fused") == 2, r["stats"]["fuse_attention"]
+        if "apply_autocast" in r["passes"]:
+            assert r["fsdp_stats"]["param_dtype"] == "bfloat16"  # the FSDP policy follows apply_autocast
+        assert r["count_stats"]["units"] == ["model.layers.0", "model.layers.1"]
+        if "inject_lora" in r["passes"]:
+            assert r["trainable"] and all("lora" in n for n in r["trainable"]), r["trainable"]
+            assert set(r["changed"]) == set(r["trainable"])          # only adapters moved
+            assert r["frozen_unchanged"] and not r["grads_frozen"]   # no grads on the frozen base
+            assert set(r["state_names"]) == set(r["trainable"])      # no optimizer state for it
+        assert all(x == x for x in r["losses"])  # finite
+
+
+@pytest.mark.inductor
+def test_wrap_fsdp_inductor_lowering_matches_one_process(tmp_path):
+    for r in spawn("inductor", 2, tmp_path):
+        _assert_matches_reference(r, atol=1e-5)
+        assert r["fsdp_stats"]["compiled_units"] == 2 and r["fsdp_stats"]["reshard_after_forward"] is False
+
+
+@pytest.mark.slow
+def test_wrap_fsdp_four_ranks_hybrid_mesh(tmp_path):
+    for r in spawn("hsdp", 4, tmp_path):
+        _assert_matches_reference(r, atol=5e-6)
+        assert r["placements"] == ["Replicate()", "Shard(dim=0)"]
+        assert r["local_numel"] * 2 == r["numel"]
+
+
+def _torchrun(args, env=None, check=True):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "examples", "train_fsdp.py"), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_wrap_fsdp_killed_rank_relaunch_reaches_uninterrupted_weights(tmp_path):
+    """A rank dies mid-run; the relaunched job resumes from the last checkpoint and ends bit-identical."""
+    common = ["--steps", "5", "--ckpt-every", "2", "--seq", "16"]
+    ref = _torchrun([*common, "--out", str(tmp_path / "ref.pt")])
+    ckpt = tmp_path / "ckpt"
+    crashed = _torchrun([*common, "--ckpt-dir", str(ckpt), "--fail-at-step", "3"], check=False)
+    assert crashed.returncode != 0 and (ckpt / "failed_once").exists()
+    assert not (ckpt / "step_4").exists()
+    resumed = _torchrun([*common, "--ckpt-dir", str(ckpt), "--fail-at-step", "3", "--out", str(tmp_path / "b.pt")])
+    assert "resumed from" in resumed.stdout and "step_2" in resumed.stdout
+    a, b = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "b.pt")
+    assert a.keys() == b.keys() and len(a) > 10
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # the losses printed after the resume are those of the uninterrupted run
+    tail = lambda out: [l for l in out.splitlines() if l.startswith("step 4 ")]  # noqa: E731
+    assert tail(ref.stdout) == tail(resumed.stdout)
+
+
+# ------------------------------------------------------------------------------------------------------
+# single-process tests (no process group)
+# ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,first,count", [("llama", "model.layers.0", 2), ("gpt2", "transformer.h.0", 2),
+                                              ("bert", "bert.encoder.layer.0", 2), ("demo", "layers.0", 2)])
+def test_find_units_finds_the_repeated_blocks(name, first, count):
+    case = effpass.testing.model_case(name)
+    units = find_units(case.model)
+    assert len(units) == count and units[0][0] == first
+    assert len({type(m) for _, m in units}) == 1
+
+
+def test_find_units_ignores_a_modulelist_of_mixed_layers():
+    m = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.ReLU()]))
+    assert find_units(m) == []
+
+
+def test_wrap_fsdp_without_process_group_names_init_process_group():
+    assert not dist.is_initialized()
+    case = effpass.testing.model_case("llama")
+    with pytest.raises(Exception, match="init_process_group"):
+        effpass.compile(case.model, passes=[WrapFSDP()], lowering="eager", dump_dir=None)
+
+
+def test_wrap_fsdp_rejects_bad_replicate():
+    with pytest.raises(ValueError, match="replicate must be >= 1, got 0"):
+        WrapFSDP(replicate=0)
+    with pytest.raises(TypeError):
+        WrapFSDP(reshard_after_forward="yes")
+
+
+def test_wrap_fsdp_mixed_precision_policy_from_apply_autocast():
+    import effpass.passes as P
+
+    assert WrapFSDP().mixed_precision().param_dtype is None
+    mp_ = WrapFSDP(param_dtype=torch.bfloat16).mixed_precision()
+    assert mp_.param_dtype == torch.bfloat16 and mp_.reduce_dtype == torch.float32
+    if hasattr(P, "ApplyAutocast"):
+        class Ctx:
+            def find_pass(self, name):
+                return P.ApplyAutocast(dtype=torch.float16) if name == "apply_autocast" else None
+        mp_ = WrapFSDP().mixed_precision(Ctx())
+        assert mp_.param_dtype == torch.float16 and mp_.reduce_dtype == torch.float32
+        assert WrapFSDP(param_dtype="float32").mixed_precision(Ctx()).param_dtype == torch.float32
+
+
+def test_estimate_divides_16_bytes_per_param_as_zero_does():
+    case = effpass.testing.model_case("llama")
+    n = sum(p.numel() for p in case.model.parameters())
+    est = estimate(case.model, batch=2, seq=16, world_size=4)
+    assert est["none"]["params"] == 2 * n and est["none"]["grads"] == 2 * n and est["none"]["optimizer"] == 12 * n
+    assert est["zero1"]["optimizer"] == 3 * n and est["zero1"]["params"] == 2 * n
+    assert est["zero2"]["grads"] == n // 2 and est["zero2"]["params"] == 2 * n
+    assert est["zero3"]["params"] + est["zero3"]["grads"] + est["zero3"]["optimizer"] == 4 * n
+    assert est["zero3"]["gathered"] > 0 and est["zero3"]["activations"] == est["none"]["activations"]
+    assert est["hsdp"]["params"] == est["zero3"]["params"]  # replicate=1: one shard group
+    hsdp = estimate(case.model, batch=2, seq=16, world_size=4, replicate=2)["hsdp"]
+    assert hsdp["params"] == n  # 2n bytes over 2 shards
+    ckpt = estimate(case.model, batch=2, seq=16, world_size=4, checkpointing=True)["none"]["activations"]
+    assert ckpt < est["none"]["activations"]
+
+
+def test_estimate_counts_only_trainable_parameters_for_grads_and_optimizer():
+    case = effpass.testing.model_case("llama")
+    for n, p in case.model.named_parameters():
+        p.requires_grad_("q_proj" in n)
+    n_all = sum(p.numel() for p in case.model.parameters())
+    n_train = sum(p.numel() for p in case.model.parameters() if p.requires_grad)
+    est = estimate(case.model, batch=1, seq=16, world_size=1)["none"]
+    assert est["params"] == 2 * n_all and est["grads"] == 2 * n_train and est["optimizer"] == 12 * n_train
+
+
+def test_estimate_rejects_bad_arguments():
+    case = effpass.testing.model_case("llama")
+    with pytest.raises(ValueError, match="replicate=3"):
+        estimate(case.model, 1, 16, 4, replicate=3)
+    with pytest.raises(ValueError, match="zero4"):
+        estimate(case.model, 1, 16, 4, modes=["zero4"])
+
+
+def test_estimate_table_and_max_model_params():
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = tf.LlamaForCausalLM(cfg)
+    text = estimate_table(model, 1, 2048, 8)
+    assert "zero3" in text and "activations" in text and "1.24B params" in text
+    assert max_model_params(8, 80e9) == 40e9 and max_model_params(64, 80e9) == 320e9
+    assert max_model_params(1, 80e9, mode="none") == 5e9
