@@ -27,6 +27,8 @@ from typing import Any, Iterable
 import torch
 import torch.nn as nn
 
+from effpass.scope import skip
+
 __all__ = ["LoRALinear", "is_linear_like", "linear_shape", "lora_modules", "inject", "freeze_base",
            "parameter_stats", "save", "load", "merge", "unmerge", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS"]
 
@@ -78,6 +80,15 @@ def _base_float_param(module: nn.Module) -> torch.Tensor | None:
     return None
 
 
+@skip("quantize_linear")
+class AdapterLinear(nn.Linear):
+    """``lora_A`` / ``lora_B``: a plain ``nn.Linear`` that quantize_linear leaves alone.
+
+    NOTE(ordering): adapters are trainable full-precision linears; a later quantize_linear run (e.g. the
+    same pipeline applied again to a prepared model) must not quantize them.
+    """
+
+
 class LoRALinear(nn.Module):
     """A linear-like module plus a low-rank update: ``base(x) + scaling * B(A(dropout(x)))``.
 
@@ -95,8 +106,8 @@ class LoRALinear(nn.Module):
             dtype = ref.dtype if ref is not None and ref.dtype not in (torch.float16, torch.bfloat16) else torch.float32
         self.base_layer = base
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        self.lora_A = nn.Linear(in_f, rank, bias=False, device=device, dtype=dtype)
-        self.lora_B = nn.Linear(rank, out_f, bias=False, device=device, dtype=dtype)
+        self.lora_A = AdapterLinear(in_f, rank, bias=False, device=device, dtype=dtype)
+        self.lora_B = AdapterLinear(rank, out_f, bias=False, device=device, dtype=dtype)
         self.in_features, self.out_features = in_f, out_f
         self.rank, self.alpha, self.dropout_p = rank, float(alpha), float(dropout)
         self.use_rslora = use_rslora
@@ -104,6 +115,7 @@ class LoRALinear(nn.Module):
         self.scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
         self.merged = False
         self.reset_lora_parameters(init)
+
 
     def reset_lora_parameters(self, init: str = "kaiming") -> None:
         with torch.no_grad():

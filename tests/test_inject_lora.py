@@ -355,3 +355,52 @@ def test_merge_in_bf16_is_within_dtype_rounding():
         merged = case.model(**case.inputs).logits.float()
     sqnr = 10 * torch.log10(ref.pow(2).mean() / (merged - ref).pow(2).mean())
     assert sqnr > 30, f"merged bf16 output SQNR {sqnr:.1f} dB"
+
+
+# ---------------------------------------------------------------------------------------------------
+# composition with other passes
+# ---------------------------------------------------------------------------------------------------
+def test_dropout_composes_with_checkpoint_activations():
+    """Dropout masks are drawn identically with and without checkpointing (no re-drawn mask on recompute),
+    both match eager under the same seed, and neither graph-breaks."""
+    from effpass.passes import CheckpointActivations
+
+    grads = {}
+    for arm, extra in (("plain", []), ("checkpointed", [CheckpointActivations(policy="full")])):
+        case = model_case("llama", layers=1, train=True)
+        torch._dynamo.reset()
+        with dynamo_counters() as counters:
+            compiled = effpass.compile(case.model, passes=[InjectLoRA(targets=LLAMA_TARGETS, dropout=0.2), *extra],
+                                       lowering="eager")
+            randomize_adapters(case.model)
+            eager = copy.deepcopy(case.model)
+            torch.manual_seed(5)
+            out = compiled(**case.inputs)
+            out.loss.backward()
+            torch.manual_seed(5)
+            ref = eager(**case.inputs)
+            ref.loss.backward()
+        assert counters["graph_breaks"] == 0 and counters["recompiles"] == 0
+        torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=1e-5)
+        grads[arm] = grads_of(case.model)
+        for n, g in grads_of(eager).items():
+            torch.testing.assert_close(grads[arm][n], g, atol=1e-5, rtol=1e-5)
+    assert effpass.report(compiled).stats("checkpoint_activations")["marked_recompute"] > 0
+    for n, g in grads["plain"].items():
+        torch.testing.assert_close(grads["checkpointed"][n], g, atol=1e-6, rtol=1e-6)
+
+
+def test_qlora_adapters_wrap_quantized_linears():
+    from effpass.passes import QuantizeLinear
+
+    case = model_case("llama", layers=1)
+    passes = [InjectLoRA(targets=["*.q_proj", "*.v_proj"]), QuantizeLinear(scheme="int8", targets=["model.layers.*"])]
+    effpass.prepare(case.model, passes=passes)  # the pipeline orders quantize_linear first
+    mods = lora.lora_modules(case.model)
+    assert len(mods) == 2 and all(getattr(m.base_layer, "__effpass_linear__", False) for m in mods.values())
+    assert {n for n, p in case.model.named_parameters() if p.requires_grad} == {
+        f"{n}.{w}.weight" for n in mods for w in ("lora_A", "lora_B")}
+    randomize_adapters(case.model)
+    res = compile_and_compare(case, passes=passes, atol=1e-4, rtol=1e-4)
+    assert res.report.stats("inject_lora", graph="torch_ir")["adapters_in_graph"] == 2
+    assert all(g.abs().sum() > 0 for g in res.compiled_grads.values()) and len(res.compiled_grads) == 4
