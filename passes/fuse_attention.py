@@ -614,6 +614,10 @@ class FuseAttention(effpass.Pass):
                         torch.masked_fill, additive, call(torch.logical_not, allowed), float("-inf"))
                 else:
                     attn_mask = allowed
+            mask_dim = max((_val(m).dim() for m, _ in site.additive + site.allowed), default=2)
+            if attn_mask is not None and mask_dim < 2:
+                # NOTE: SDPA needs at least a (q_len, kv_len) mask; a broadcast view costs nothing
+                attn_mask = call(torch.broadcast_to, attn_mask, tuple(_shape(site.qk)[-2:]))
             kwargs = dict(attn_mask=attn_mask, dropout_p=site.dropout_p, is_causal=causal, scale=site.scale)
             if rep > 1:
                 kwargs["enable_gqa"] = True

@@ -424,7 +424,10 @@ st = hypothesis.strategies
 def test_property_fused_equals_unfused(b, hkv, rep, sq, extra_kv, d, mask, repeat):
     h, sk = hkv * rep, sq + extra_kv
 
-    def fn(q, k, v):
+    keep_pad = torch.ones(b, sk, dtype=torch.bool)
+    keep_pad[-1, max(1, sk // 2):] = False  # an input padding mask, never a fully masked row
+
+    def fn(q, k, v, keep_pad):
         if rep > 1:
             if repeat == "expand":
                 k, v = _rep_expand(k, rep), _rep_expand(v, rep)
@@ -435,14 +438,13 @@ def test_property_fused_equals_unfused(b, hkv, rep, sq, extra_kv, d, mask, repea
             keep = torch.ones(sq, sk, dtype=torch.bool).tril(diagonal=sk - sq)
             att = att.masked_fill(~keep, float("-inf"))
         elif mask == "padding":
-            keep = torch.ones(b, sk, dtype=torch.bool)
-            keep[-1, max(1, sk // 2):] = False  # never a fully masked row
-            att = torch.where(keep[:, None, None, :], att, float("-inf"))
+            att = torch.where(keep_pad[:, None, None, :], att, float("-inf"))
         elif mask == "additive":
             att = att + torch.linspace(-2.0, 0.0, sk)
         return F.softmax(att.float(), dim=-1).to(q.dtype) @ v
 
-    compiled = _check_parity(fn, _qkv(hkv=hkv, sq=sq, sk=sk, d=d, b=b, h=h), atol=2e-5, rtol=2e-5)
+    compiled = _check_parity(fn, _qkv(hkv=hkv, sq=sq, sk=sk, d=d, b=b, h=h), atol=2e-5, rtol=2e-5,
+                             extra=(keep_pad,))
     stats = effpass.report(compiled).stats("fuse_attention")
     assert stats["fused"] == 1
     assert stats["gqa"] == int(rep > 1)
