@@ -167,10 +167,12 @@ class CheckpointActivations(effpass.Pass):
         else:
             budget_bytes = (parse_bytes(self.budget) if isinstance(self.budget, str)
                             else int(self.budget * before["saved_bytes"]))
-            plan, met = plan_budget(gm, in_scope, block_of, budget_bytes, num_fwd, extra)
+            plan, met, after = plan_budget(gm, in_scope, block_of, budget_bytes, num_fwd, extra,
+                                           before["saved_bytes"])
             stats.update(budget_bytes=budget_bytes, budget_met=met)
         mark_graph(plan)
-        after = partition_stats(gm, num_fwd)
+        if self.budget is None:
+            after = partition_stats(gm, num_fwd)
         blocks = sorted({b for b in block_of.values() if b})
         stats.update(
             saved_bytes_before=before["saved_bytes"], saved_bytes_after=after["saved_bytes"],
@@ -537,7 +539,7 @@ class _CostModel:
 
 
 def plan_budget(gm: fx.GraphModule, nodes: list[fx.Node], block_of: dict[fx.Node, str], budget_bytes: int,
-                num_fwd: int, extra_save=frozenset()) -> tuple[Plan, bool]:
+                num_fwd: int, extra_save=frozenset(), before_bytes: int | None = None) -> tuple[Plan, bool, dict]:
     """Marks that keep saved activations under ``budget_bytes`` with the fewest recompute FLOPs found, and
     whether the budget is met. Every candidate plan is checked by partitioning a copy of the graph:
 
@@ -547,7 +549,8 @@ def plan_budget(gm: fx.GraphModule, nodes: list[fx.Node], block_of: dict[fx.Node
        (found by bisection), then filled greedily with what still fits.
 
     The plan with the fewest recompute FLOPs under the budget wins (so effpass never recomputes more than
-    torch's knapsack at the same bytes); when none fits, the one with the fewest bytes.
+    torch's knapsack at the bytes that knapsack reached); when none fits, the one with the fewest bytes.
+    Returns (plan, budget met, the plan's partition statistics).
     """
     ids = _block_ids(nodes, block_of)
     extra = {n for n in nodes if _packet(n) in extra_save}
@@ -571,37 +574,66 @@ def plan_budget(gm: fx.GraphModule, nodes: list[fx.Node], block_of: dict[fx.Node
 
     # 2. torch's knapsack as a seed (one region: no forced block boundaries, as torch has none)
     flat = {n: 1 for n in nodes}
-    seed = _torch_seed(gm, num_fwd, budget_bytes, set(nodes))
+    model = _CostModel(gm, nodes, flat)
+    cands = [n for n in nodes if _multi_output_parent(n) is None and not _is_view_or_free(n)]
+    if plans[-1][1]["saved_bytes"] > budget_bytes:  # below the per-block floor: recompute across blocks
+        check(_plan_from_saved(nodes, flat, _greedy(model, cands, extra & set(cands), budget_bytes)))
+    seed = _torch_seed(gm, num_fwd, budget_bytes, set(nodes), before_bytes)
     if seed is not None:
-        model = _CostModel(gm, nodes, flat)
-        cands = [n for n in nodes if _multi_output_parent(n) is None and not _is_view_or_free(n)]
-        check(_plan_from_saved(nodes, flat, _greedy(model, cands, seed | (extra & set(cands)), budget_bytes)))
         check(_plan_from_saved(nodes, flat, seed | extra))
+        check(_plan_from_saved(nodes, flat, _greedy(model, cands, seed | (extra & set(cands)), budget_bytes)))
 
     fits = [(st["recompute_flops"], st["saved_bytes"], i) for i, (_, st) in enumerate(plans)
             if st["saved_bytes"] <= budget_bytes]
     if fits:
-        return plans[min(fits)[2]][0], True
-    return plans[min((st["saved_bytes"], i) for i, (_, st) in enumerate(plans))[1]][0], False
+        plan, st = plans[min(fits)[2]]
+        return plan, True, st
+    i = min((st["saved_bytes"], i) for i, (_, st) in enumerate(plans))[1]
+    return plans[i][0], False, plans[i][1]
 
 
 def _plan_from_saved(nodes: list[fx.Node], ids: dict[fx.Node, int], saved: set[fx.Node]) -> Plan:
     plan = {n: (MUST_SAVE if n in saved else RECOMPUTE, ids[n]) for n in nodes if _multi_output_parent(n) is None}
+    # NOTE(partitioner): MUST_SAVE on a view is not honoured (views are never banned from recompute), so
+    # a saved view would drag its recomputable base into the backward: save the base it views instead.
+    for n in list(plan):
+        if plan[n][0] is MUST_SAVE and _is_view(n):
+            base = n.args[0]
+            while isinstance(base, fx.Node) and base in plan and _is_view(base):
+                base = base.args[0]
+            if isinstance(base, fx.Node) and base in plan:
+                plan[base] = (MUST_SAVE, plan[base][1])
     _copy_to_getitems(nodes, plan)
     return plan
 
 
-def _torch_seed(gm: fx.GraphModule, num_fwd: int, budget_bytes: int, scope: set[fx.Node]) -> set[fx.Node] | None:
-    """The values torch's ``activation_memory_budget`` saves at the largest budget whose saved bytes fit."""
+def _is_view(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+
+
+def _torch_seed(gm: fx.GraphModule, num_fwd: int, budget_bytes: int, scope: set[fx.Node],
+                before_bytes: int | None) -> set[fx.Node] | None:
+    """The values torch's ``activation_memory_budget`` knapsack saves at a budget whose saved bytes fit.
+
+    torch's budget is a fraction between "save only inputs" and "no checkpointing": start from the
+    fraction a linear model predicts, then bisect (at most eight partitions with a min-cut)."""
     by_name = {n.name: n for n in scope}
-    lo, hi, best = 0.0, 1.0, None
-    for _ in range(5):
-        mid = (lo + hi) / 2
-        st = partition_stats(gm, num_fwd, memory_budget=mid, clear_marks=True)
+    # torch's fraction f saves about floor + f * (before - floor) bytes; f = 0 costs no min-cut
+    floor = partition_stats(gm, num_fwd, memory_budget=0.0, clear_marks=True)
+    if floor["saved_bytes"] > budget_bytes:
+        return None
+    lo, hi, best = 0.0, 1.0, floor
+    span = max((before_bytes or 0) - floor["saved_bytes"], 1)
+    frac = min(max((budget_bytes - floor["saved_bytes"]) / span, 0.0), 1.0)
+    for _ in range(8):
+        st = partition_stats(gm, num_fwd, memory_budget=frac, clear_marks=True)
         if st["saved_bytes"] <= budget_bytes:
-            best, lo = st, mid
+            best, lo = st, frac
+            if st["saved_bytes"] == budget_bytes:
+                break
         else:
-            hi = mid
+            hi = frac
+        frac = (lo + hi) / 2
     if best is None:
         return None
     seed = set()
