@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 
 import effpass
+from effpass.scope import normalize_module_path
 
 from . import lora
 from .lora import LoRALinear, load, merge, save, unmerge  # noqa: F401  (the public helpers)
@@ -166,16 +167,25 @@ def _input_key(x):
 
 
 def _lora_a_placeholders(gm: fx.GraphModule, ctx) -> dict[fx.Node, str]:
-    """Placeholders of the graph that are ``lora_A`` weights -> the adapted module's name."""
+    """Placeholders of the graph that are ``lora_A`` weights -> the adapted module's name.
+
+    Found by identity with the model's adapter parameters (Dynamo hands over the real ``nn.Parameter``),
+    else by the placeholder's Dynamo source name (graphs of submodules compiled on their own, e.g. FSDP
+    units, whose parameters are swapped for unsharded tensors)."""
     model = ctx.model
-    if model is None or ctx.example_inputs is None:
-        return {}
-    by_id = {id(m.lora_A.weight): name for name, m in lora.lora_modules(model).items()}
+    by_id = {id(m.lora_A.weight): name for name, m in lora.lora_modules(model).items()} if model is not None else {}
     out = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, value in zip(placeholders, ctx.example_inputs):
+    values = list(ctx.example_inputs) if ctx.example_inputs is not None else [None] * len(placeholders)
+    for node, value in zip(placeholders, values):
         if isinstance(value, torch.Tensor) and id(value) in by_id:
             out[node] = by_id[id(value)]
+            continue
+        source = getattr(node, "_dynamo_source", None)
+        name = getattr(source, "name", "") if source is not None else ""
+        path = normalize_module_path(name() if callable(name) else str(name)).replace("._parameters.", ".")
+        if path.endswith(".lora_A.weight"):
+            out[node] = path[: -len(".lora_A.weight")]
     return out
 
 
@@ -199,5 +209,14 @@ def _merge_group(graph: fx.Graph, x: fx.Node, nodes: list[fx.Node]) -> None:
             n.replace_all_uses_with(part)
     for src in (cat, fused, parts):
         src.meta["nn_module_stack"] = dict(first.meta.get("nn_module_stack", {}))
+    # example values for passes that run after this one and read them (fake tensors, as Dynamo's)
+    vals = [x.meta.get("example_value")] + [w.meta.get("example_value") for w in weights]
+    mode = getattr(vals[0], "fake_mode", None)
+    if mode is not None and all(getattr(v, "fake_mode", None) is mode for v in vals):
+        with mode:
+            cat.meta["example_value"] = torch.cat(vals[1:], 0)
+            fused.meta["example_value"] = torch.nn.functional.linear(vals[0], cat.meta["example_value"])
+            if all(isinstance(s, int) for s in sizes):
+                parts.meta["example_value"] = torch.split(fused.meta["example_value"], sizes, -1)
     for n in nodes:
         graph.erase_node(n)
