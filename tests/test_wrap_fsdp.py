@@ -263,18 +263,19 @@ def test_wrap_fsdp_other_passes_act_inside_sharded_units(tmp_path):
     for r in results:
         assert not r["failures"], r["failures"]
         for name in r["passes"]:
-            if name == "inject_lora":
-                assert r["graph_records"][name] == ["module"]
-                continue
             # graph passes ran on the units' graphs, not only on the (uncompiled) root
             assert set(r["graph_records"][name]) - {"module"}, (name, r["graph_records"][name])
             assert r["stats"][name], name
         if "fuse_attention" in r["passes"]:
             assert r["stats"]["fuse_attention"].get("fused") == 2, r["stats"]["fuse_attention"]
         if "apply_autocast" in r["passes"]:
+            assert r["stats"]["apply_autocast"].get("regions") == 2, r["stats"]["apply_autocast"]
             assert r["fsdp_stats"]["param_dtype"] == "bfloat16"  # the FSDP policy follows apply_autocast
+        if "checkpoint_activations" in r["passes"]:
+            assert r["stats"]["checkpoint_activations"].get("blocks") == 2, r["stats"]["checkpoint_activations"]
         assert r["count_stats"]["units"] == ["model.layers.0", "model.layers.1"]
         if "inject_lora" in r["passes"]:
+            assert r["stats"]["inject_lora"].get("adapters_in_graph") == 4, r["stats"]["inject_lora"]
             assert r["trainable"] and all("lora" in n for n in r["trainable"]), r["trainable"]
             assert set(r["changed"]) == set(r["trainable"])          # only adapters moved
             assert r["frozen_unchanged"] and not r["grads_frozen"]   # no grads on the frozen base
