@@ -474,7 +474,9 @@ def partition_stats(gm: fx.GraphModule, num_fwd_outputs: int | None = None, *, p
     return {
         "saved": [n.name for n in saved if isinstance(tensor_meta(n), torch.Tensor)
                   and not str(n.target).startswith("primals")],
-        "recomputed_rng_ops": sum(1 for n in recomputed if _is_random(fwd_names[n.name])),
+        # recomputed random ops are replayed from their saved RNG state (functionalized by the partitioner)
+        "recomputed_rng_ops": sum(1 for n in recomputed if _is_random(fwd_names[n.name])) + sum(
+            1 for n in bw.graph.nodes if n.op == "call_function" and "run_with_rng_state" in str(n.target)),
         "saved_bytes": activation_bytes(saved, inputs),
         "saved_tensors": sum(1 for n in saved if isinstance(tensor_meta(n), torch.Tensor)
                              and not str(n.target).startswith("primals")),
