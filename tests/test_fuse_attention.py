@@ -387,12 +387,12 @@ def test_dropout_in_training_is_fused_and_unbiased():
         first = compiled(q, k, v)
         torch.manual_seed(1)
         again = compiled(q, k, v)
-        mean = sum(compiled(q, k, v) for _ in range(400)) / 400
+        mean = sum(compiled(q, k, v) for _ in range(200)) / 200
     stats = effpass.report(compiled).stats("fuse_attention")
     assert stats["fused"] == 1 and stats["dropout"] == 1
     assert torch.equal(first, again)                     # seeded: reproducible
     assert (first - clean).abs().max() > 0.1              # dropout is active
-    # E[dropout(P) @ V] = P @ V: the mean of 400 draws is within a few standard errors
+    # E[dropout(P) @ V] = P @ V: the mean of 200 draws is within a few standard errors
     assert (mean - clean).abs().max() < 0.25, (mean - clean).abs().max()
     # SDPA's own dropout at the same seed gives the same numbers (the fused-eager reference)
     with torch.no_grad():
@@ -471,7 +471,7 @@ def _probe_saved_bytes(gm, ctx):
 
 
 def _saved_bytes(seq: int, fuse: bool) -> int:
-    case = model_case("demo", seq=seq)
+    case = model_case("demo", seq=seq, layers=1)
     _SAVED.clear()
     passes = ([FuseAttention()] if fuse else []) + ["probe_saved_bytes"]
     compile_and_compare(case, passes, lowering="eager", step=False, check=False)
@@ -480,9 +480,9 @@ def _saved_bytes(seq: int, fuse: bool) -> int:
 
 
 def test_saved_for_backward_bytes_grow_linearly_once_fused():
-    """Second difference over S, 2S, 4S: zero when every saved tensor is linear in S, positive with S^2."""
-    fused = [_saved_bytes(s, True) for s in (16, 32, 64)]
-    unfused = [_saved_bytes(s, False) for s in (16, 32, 64)]
+    """Second difference over S, 2S, 3S: zero when every saved tensor is affine in S, positive with S^2."""
+    fused = [_saved_bytes(s, True) for s in (16, 32, 48)]
+    unfused = [_saved_bytes(s, False) for s in (16, 32, 48)]
     second = lambda x: x[2] - 2 * x[1] + x[0]  # noqa: E731
     assert second(unfused) > 0, unfused           # the probe sees the S^2 attention matrices
     assert second(fused) == 0, fused
