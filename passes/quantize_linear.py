@@ -271,6 +271,8 @@ class QuantizedLinear(nn.Module):
         self.compute_dtype = compute_dtype
         self.dq_block = 256
         self.bias = bias
+        # NOTE(compile): a plain bool read in forward; probing the import there would trace an import.
+        self._triton_ok = _triton_available()
 
     # -- construction -------------------------------------------------------------------------------
     @classmethod
@@ -339,7 +341,7 @@ class QuantizedLinear(nn.Module):
             return "fp8_emulated" if self.fp8_emulate else f"torch._scaled_mm({self.fp8_granularity})"
         k = self.kernel
         if k == "auto":
-            if device.type == "cuda" and _triton_available():
+            if device.type == "cuda" and self._triton_ok:
                 k = "triton"
             elif self.scheme == "int8" and not needs_grad and device.type == "cpu":
                 k = "aten"

@@ -256,11 +256,11 @@ def test_fp8_without_a_capable_gpu_is_a_clear_error():
 
 @pytest.mark.parametrize("granularity", ["rowwise", "tensorwise"])
 def test_fp8_emulated_trains_and_matches_eager(granularity):
-    case = model_case("llama")
+    case = model_case("llama", layers=1)
     ref = copy.deepcopy(case.model)
     res = compile_and_compare(case, [QuantizeLinear(scheme="fp8", fp8_emulate=True, fp8_granularity=granularity)],
                               atol=1e-5, rtol=1e-4)
-    assert res.report.stats("quantize_linear")["quantized"] == 15
+    assert res.report.stats("quantize_linear")["quantized"] == 8
     # The weight stays a trainable parameter and gets a gradient through the fp8 backward.
     assert "model.layers.0.self_attn.q_proj.weight" in res.compiled_grads
     fresh = effpass.prepare(copy.deepcopy(ref), passes=[QuantizeLinear(scheme="fp8", fp8_emulate=True,
@@ -368,6 +368,45 @@ def test_triton_kernels_match_reference_interpreted():
     assert "OK ['int8', 'int4', 'nf4', 'nf4']" in out.stdout
 
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_triton_kernels_on_gpu_bf16(scheme):
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 384).cuda().bfloat16()
+    q = QuantizedLinear.from_linear(lin, scheme=scheme, outlier_threshold=3.5, **SCHEMES[scheme])
+    x = torch.randn(37, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    assert q.kernel_for(x.device, needs_grad=True) == f"triton_{scheme}_mm"
+    y = q(x)
+    ref = torch.nn.functional.linear(x, q.dequantize(torch.bfloat16), lin.bias)
+    assert sqnr(ref, y) > 40
+    gy = torch.randn_like(y)
+    assert sqnr(torch.autograd.grad(ref, x, gy)[0], torch.autograd.grad(y, x, gy)[0]) > 40
+    with torch.no_grad():  # decode shape
+        x1 = x[:1].detach()
+        assert sqnr(torch.nn.functional.linear(x1, q.dequantize(torch.bfloat16), lin.bias), q(x1)) > 40
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not fp8_supported(), reason="needs a GPU with compute capability >= 8.9")
+@pytest.mark.parametrize("granularity", ["rowwise", "tensorwise"])
+def test_fp8_scaled_mm_matches_emulation_on_gpu(granularity):
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 384).cuda().bfloat16()
+    real = QuantizedLinear.from_linear(lin, scheme="fp8", fp8_granularity=granularity)
+    emu = QuantizedLinear.from_linear(lin, scheme="fp8", fp8_granularity=granularity, fp8_emulate=True)
+    x = torch.randn(40, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y, ye = real(x), emu(x)
+    assert sqnr(ye, y) > 35 and sqnr(lin(x), y) > 20
+    gy = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, real.weight), gy)
+    gxe, gwe = torch.autograd.grad(ye, (x, emu.weight), gy)
+    assert sqnr(gxe, gx) > 30 and sqnr(gwe, gw) > 30
+
+
 # ------------------------------------------------------------------------------------------------------
 # QLoRA
 # ------------------------------------------------------------------------------------------------------
@@ -377,7 +416,7 @@ def test_qlora_tracks_full_precision_lora():
     targets = ["*.q_proj", "*.v_proj"]
     losses = {}
     for arm in ("fp32", "nf4"):
-        case = model_case("llama", seed=0)
+        case = model_case("llama", layers=1, seed=0)
         passes = [InjectLoRA(rank=8, targets=targets)]
         if arm == "nf4":
             passes.insert(0, QuantizeLinear(scheme="nf4", double_quant=True))
@@ -388,12 +427,12 @@ def test_qlora_tracks_full_precision_lora():
         losses[arm] = train_steps(compiled, case, 20, lr=1e-2)
         if arm == "nf4":
             qs = _quantized(case.model)
-            assert len(qs) == 15
+            assert len(qs) == 8
             loss = case.loss(compiled(**case.inputs))
             loss.backward()
             with_grad = [n for n, p in case.model.named_parameters() if p.grad is not None]
             assert with_grad and all("lora_" in n for n in with_grad)
     ref, q = torch.tensor(losses["fp32"]), torch.tensor(losses["nf4"])
-    assert ref[-1] < ref[0] - 0.5 and q[-1] < q[0] - 0.5  # both learn
+    assert ref[-1] < ref[0] - 0.2 and q[-1] < q[0] - 0.2  # both learn
     # Tolerance: NF4's ~20 dB weight noise shifts the loss by much less than 2% over 20 steps here.
     assert ((q - ref).abs() / ref).max() < 0.02, (ref.tolist(), q.tolist())
