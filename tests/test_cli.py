@@ -1,0 +1,80 @@
+"""The effpass command line on a real dump."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import effpass
+from effpass.cli import main
+from effpass.testing import compile_and_compare, model_case
+from _helpers import register_test_passes
+
+
+@pytest.fixture(scope="module")
+def dump(tmp_path_factory):
+    restore = register_test_passes()
+    try:
+        path = tmp_path_factory.mktemp("dump")
+        case = model_case("llama")
+        compile_and_compare(case, [effpass.make_pass("scale_linears_by_one", {"targets": ["*.q_proj"]}),
+                                   effpass.make_pass("count_joint_matmuls")], dump_dir=str(path))
+        torch._dynamo.reset()
+        yield path
+    finally:
+        restore()
+
+
+def test_passes_lists_the_registry(capsys):
+    assert main(["passes"]) == 0
+    out = capsys.readouterr().out
+    for name in effpass.RESERVED_PASS_NAMES:
+        if name in effpass.registered_passes():
+            assert name in out
+    assert "default pipeline on" in out
+    assert main(["passes", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data) == set(effpass.registered_passes())
+    assert all({"phases", "run_after", "default"} <= set(v) for v in data.values())
+
+
+def test_inspect_shows_graphs_passes_and_stats(dump, capsys):
+    assert main(["inspect", str(dump)]) == 0
+    out = capsys.readouterr().out
+    assert "graph_000" in out and "scale_linears_by_one" in out and "wrapped=2" in out
+    assert "count_joint_matmuls" in out and "forward" in out and "backward" in out
+    assert main(["inspect", str(dump), "--json"]) == 0
+    graphs = json.loads(capsys.readouterr().out)
+    assert graphs[0]["passes"][0]["stats"]["wrapped"] == 2
+
+
+def test_inspect_diff_shows_what_one_pass_changed(dump, capsys):
+    assert main(["inspect", str(dump), "--diff", "graph_000", "scale_linears_by_one"]) == 0
+    out = capsys.readouterr().out
+    added = [l for l in out.splitlines() if l.startswith("+") and "torch.mul(" in l]
+    assert len(added) == 2  # one multiply per q_proj, nothing else
+    with pytest.raises(SystemExit, match="did not run on graph_000"):
+        main(["inspect", str(dump), "--diff", "graph_000", "fuse_everything"])
+
+
+def test_dump_files_are_runnable(dump):
+    folder = dump / "graph_000"
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".py"))
+    assert files[0] == "00_input_torch_ir.py" and any("scale_linears_by_one" in f for f in files)
+    for f in files[:2]:
+        out = subprocess.run([sys.executable, str(folder / f)], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_demo_runs_end_to_end(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "effpass.cli", "demo", "--steps", "3", "--layers", "1", "--dim", "32",
+                          "--heads", "2", "--kv-heads", "1", "--vocab", "64", "--seq", "16", "--batch", "2",
+                          "--lowering", "eager", "--dump-dir", str(tmp_path / "dump"), "--json", str(tmp_path / "r.json"),
+                          "--quiet"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "tokens/s" in out.stdout and "final-loss difference" in out.stdout
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert abs(res["eager"]["final_loss"] - res["effpass"]["final_loss"]) < 1e-3
+    assert os.path.isdir(tmp_path / "dump")
