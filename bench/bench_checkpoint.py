@@ -1,0 +1,233 @@
+"""Benchmark of ``checkpoint_activations`` against the alternatives, one training step of a Llama-style model.
+
+Arms (each in a fresh subprocess, same seed and batch, interleaved over ``--repeats``):
+
+* ``none``: no checkpointing (effpass backend, no passes)
+* ``torch_block_ckpt``: per-block ``torch.utils.checkpoint`` (HF ``gradient_checkpointing_enable``)
+* ``torch_budget``: torch's own ``activation_memory_budget=0.5``
+* ``effpass_ops``: ``CheckpointActivations()`` (default policy)
+* ``effpass_full``: ``CheckpointActivations(policy="full")``
+* ``effpass_budget``: ``CheckpointActivations(budget=0.5)``
+
+Per arm: median step time, bytes saved for backward (summed by a ``saved_tensors_hooks`` pack hook over
+every tensor the compiled step saves, each storage once, parameters excluded: the same measure for every
+arm), peak memory (GPU: ``torch.cuda.max_memory_allocated``; CPU: not measured), and recompute FLOPs.
+Recompute FLOPs of the effpass arms come from the pass's stats; torch's budget arm is analysed on the same
+joint graph with ``partition_stats(memory_budget=0.5)``, so the two budget arms are compared like for like.
+
+GPU (when present): a ~1B Llama shape (hidden 2048, 16 layers, GQA 32/8 heads, ffn 8192, one sequence of
+4096 tokens), bf16 weights, SDPA attention, Inductor. CPU: a small shape (hidden 256, 4 layers, seq 512),
+fp32, eager lowering (Inductor cold compiles cost minutes on the 2-core machines): the CPU numbers are for
+the saved-bytes figures; CPU step times are noisy and only comparable as ratios within one run.
+
+    python bench/bench_checkpoint.py                 # all arms, writes bench/results/checkpoint_<device>.{json,md}
+    python bench/bench_checkpoint.py --arm effpass_ops --json   # one arm (used by the driver)
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+ARMS = ("none", "torch_block_ckpt", "torch_budget", "effpass_ops", "effpass_full", "effpass_budget")
+
+
+def shape(device: str) -> dict:
+    if device == "cuda":
+        return dict(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, vocab=32000, seq=4096, batch=1,
+                    dtype="bfloat16", lowering="inductor", steps=20, warmup=3)
+    return dict(hidden=256, layers=4, heads=4, kv_heads=2, ffn=1024, vocab=1024, seq=512, batch=1,
+                dtype="float32", lowering="eager", steps=5, warmup=1)
+
+
+def build(cfg: dict, device: str):
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    conf = tf.LlamaConfig(vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["ffn"],
+                          num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
+                          num_key_value_heads=cfg["kv_heads"], max_position_embeddings=cfg["seq"],
+                          bos_token_id=0, eos_token_id=0)
+    conf._attn_implementation = "sdpa"
+    model = tf.LlamaForCausalLM(conf).to(device=device, dtype=getattr(torch, cfg["dtype"]))
+    model.train()
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g).to(device)
+    return model, {"input_ids": tokens, "labels": tokens}
+
+
+def run_arm(arm: str, device: str) -> dict:
+    import torch
+
+    import effpass
+    from effpass.passes import CheckpointActivations
+    from torch._functorch import config as fconfig
+
+    cfg = shape(device)
+    model, inputs = build(cfg, device)
+    passes: list = []
+    budget = 1.0
+    if arm == "torch_block_ckpt":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif arm == "torch_budget":
+        budget = 0.5
+    elif arm == "effpass_ops":
+        passes = [CheckpointActivations()]
+    elif arm == "effpass_full":
+        passes = [CheckpointActivations(policy="full")]
+    elif arm == "effpass_budget":
+        passes = [CheckpointActivations(budget=0.5)]
+    joint = {}
+    if arm in ("none", "torch_budget"):
+        @effpass.register_pass("capture_joint_for_bench", phase="joint", replace=True)
+        def _capture(gm, ctx):
+            if ctx.graph_kind == "joint":
+                joint["gm"] = gm
+        passes = ["capture_joint_for_bench"]
+    compiled = effpass.compile(model, passes=passes, lowering=cfg["lowering"], dump_dir=None)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and ptr:
+            saved[ptr] = max(saved.get(ptr, 0), t.untyped_storage().nbytes())
+        return t
+
+    def step():
+        out = compiled(**inputs)
+        out.loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    cuda = device == "cuda"
+    t0 = time.perf_counter()
+    with fconfig.patch(activation_memory_budget=budget):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            step()  # compiles; measures the saved tensors once
+    compile_s = time.perf_counter() - t0
+    for _ in range(cfg["warmup"]):
+        step()
+    times = []
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(cfg["steps"]):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
+    result = {"arm": arm, "step_s_median": statistics.median(times), "step_s_min": min(times),
+              "compile_s": compile_s, "saved_bytes_hook": sum(saved.values()),
+              "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None}
+    st = effpass.report(compiled).stats("checkpoint_activations")
+    if st:
+        result.update({k: st[k] for k in ("saved_bytes_before", "saved_bytes_after", "recompute_flops_added",
+                                          "recompute_flops_after") if k in st})
+    if "gm" in joint:
+        from effpass.passes.checkpoint_activations import partition_stats
+
+        ps = partition_stats(joint["gm"], memory_budget=budget)
+        result.update(saved_bytes_after=ps["saved_bytes"], recompute_flops_after=ps["recompute_flops"])
+    return result
+
+
+def versions(device: str) -> dict:
+    import torch
+    import transformers
+
+    info = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or platform.machine()}, "
+                                                                             f"{os.cpu_count()} cores)"}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--arm", choices=ARMS)
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--repeats", type=int, default=1, help="interleaved repetitions of every arm")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args()
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.arm:
+        print(json.dumps(run_arm(args.arm, device)))
+        return
+    rows: dict[str, list[dict]] = {}
+    for _ in range(args.repeats):
+        for arm in args.arms.split(","):
+            proc = subprocess.run([sys.executable, __file__, "--arm", arm, "--device", device, "--json"],
+                                  capture_output=True, text=True)
+            if proc.returncode:
+                print(f"{arm}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
+                continue
+            rows.setdefault(arm, []).append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            print(arm, rows[arm][-1], flush=True)
+    summary = {arm: {**rs[0], "step_s_median": statistics.median(r["step_s_median"] for r in rs)}
+               for arm, rs in rows.items()}
+    base = summary.get("none", {})
+    for r in summary.values():
+        if base:
+            r["saved_vs_none"] = r["saved_bytes_hook"] / max(base["saved_bytes_hook"], 1)
+            r["step_vs_none"] = r["step_s_median"] / base["step_s_median"]
+    doc = {"versions": versions(device), "shape": shape(device), "arms": summary}
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"checkpoint_{device}")
+    with open(stem + ".json", "w") as f:
+        json.dump(doc, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(markdown(doc))
+    print(markdown(doc))
+
+
+def markdown(doc: dict) -> str:
+    v, s = doc["versions"], doc["shape"]
+    lines = [f"# checkpoint_activations benchmark ({v['device']})", "",
+             f"{v['date']}; torch {v['torch']}, transformers {v['transformers']}"
+             + (f", triton {v['triton']}" if "triton" in v else "") + ".",
+             f"Llama-style: hidden {s['hidden']}, {s['layers']} layers, heads {s['heads']}/{s['kv_heads']}, ffn "
+             f"{s['ffn']}, vocab {s['vocab']}, batch {s['batch']} x seq {s['seq']}, {s['dtype']}, lowering "
+             f"{s['lowering']}.", "",
+             "| arm | saved for backward (hook) | vs none | partitioner saved bytes | recompute FLOPs | step (median) | vs none | peak |",
+             "|---|---|---|---|---|---|---|---|"]
+    for arm, r in doc["arms"].items():
+        peak = f"{r['peak_bytes'] / 2**30:.2f} GiB" if r.get("peak_bytes") else "n/a (CPU)"
+        fl = r.get("recompute_flops_after")
+        lines.append(f"| {arm} | {r['saved_bytes_hook'] / 2**20:.2f} MiB | {r.get('saved_vs_none', 1):.2f} | "
+                     f"{r['saved_bytes_after'] / 2**20:.2f} MiB | " if "saved_bytes_after" in r else
+                     f"| {arm} | {r['saved_bytes_hook'] / 2**20:.2f} MiB | {r.get('saved_vs_none', 1):.2f} | - | ")
+        lines[-1] += (f"{fl / 1e9:.3f} GFLOP | " if fl is not None else "- | ") + \
+            f"{r['step_s_median'] * 1e3:.1f} ms | {r.get('step_vs_none', 1):.2f} | {peak} |"
+    lines += ["", "Recompute FLOPs: forward ops the backward graph recomputes (torch's FLOP formulas for "
+              "matmul/attention, one per element otherwise); for torch_budget analysed on the same joint graph. "
+              "CPU step times are noisy (2 shared cores): compare ratios within this run only.", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
