@@ -284,6 +284,7 @@ def test_wrap_fsdp_other_passes_act_inside_sharded_units(tmp_path):
 
 
 @pytest.mark.inductor
+@pytest.mark.slow
 def test_wrap_fsdp_inductor_lowering_matches_one_process(tmp_path):
     for r in spawn("inductor", 2, tmp_path):
         _assert_matches_reference(r, atol=1e-5)
