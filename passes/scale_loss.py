@@ -47,6 +47,7 @@ _SCALE_BUFFER = "effpass_loss_scale"
 _TRACKER_BUFFER = "effpass_loss_scale_growth_tracker"
 _SCALER_ATTR = "_effpass_loss_scaler"
 _INNER_FORWARD = "_effpass_unscaled_forward"
+_BOUND_TO_SELF = "_effpass_unscaled_forward_takes_self"
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -324,7 +325,10 @@ def _route_loss(out: Any, scale: torch.Tensor, on_scaled) -> Any:
 
 
 def _scaled_forward(self, *args, **kwargs):
-    out = getattr(self, _INNER_FORWARD)(*args, **kwargs)
+    inner = getattr(self, _INNER_FORWARD)
+    # NOTE(scoping): calling the plain function with `self` keeps Dynamo's module paths as
+    # L['self'].lm_head (a bound method would name them L['self']._effpass_unscaled_forward.__self__...).
+    out = inner(self, *args, **kwargs) if getattr(self, _BOUND_TO_SELF, False) else inner(*args, **kwargs)
 
     def mark():
         if not torch.compiler.is_compiling():
@@ -396,8 +400,14 @@ class ScaleLoss(effpass.Pass):
                               persistent=False)
         model.register_buffer(_TRACKER_BUFFER, torch.zeros((1,), dtype=torch.int32, device=device), persistent=False)
         # NOTE(design): an instance forward that Dynamo traces, so the scale is a graph input and the
-        # scale_grad op sits in the compiled graph. A bound method (not a closure) survives deepcopy.
-        object.__setattr__(model, _INNER_FORWARD, model.forward)
+        # scale_grad op sits in the compiled graph. A bound method (not a closure) survives deepcopy;
+        # the inner forward is stored as a plain function, which deepcopy shares.
+        fwd = model.forward
+        if getattr(fwd, "__self__", None) is model:   # store the function, not a bound method
+            object.__setattr__(model, _INNER_FORWARD, fwd.__func__)
+            object.__setattr__(model, _BOUND_TO_SELF, True)
+        else:
+            object.__setattr__(model, _INNER_FORWARD, fwd)
         model.forward = types.MethodType(_scaled_forward, model)
         setattr(model, _SCALER_ATTR, self._make_scaler(model, enabled=True))
         return effpass.PassResult(changed=True, stats={"enabled": True, "init_scale": self.init_scale})

@@ -283,6 +283,19 @@ def test_scale_loss_skips_graph_without_loss():
     scaler.update()
 
 
+def test_scale_loss_keeps_module_paths_for_scoping():
+    """The forward wrapper must not hide module names: apply_autocast's exclude still makes its island."""
+    case = model_case("demo", layers=1)
+    compiled = effpass.compile(case.model, passes=[ApplyAutocast(dtype=FP16, exclude=["lm_head"]), ScaleLoss()],
+                               lowering="eager")
+    with dynamo_counters() as counters:
+        loss_of(compiled(**case.inputs)).backward()
+    st = effpass.report(compiled).stats("apply_autocast")
+    assert st["island_modules"] == ["lm_head"] and st["matmuls_by_dtype_after"] == {"float16": 9, "float32": 1}
+    assert counters["graph_breaks"] == 0
+    copy.deepcopy(case.model)(**case.inputs)                 # the wrapped model still deep-copies and runs
+
+
 def test_scale_loss_options_and_api_errors():
     with pytest.raises(ValueError, match="backoff_factor"):
         ScaleLoss(backoff_factor=1.5)
