@@ -109,7 +109,7 @@ class ApplyAutocast(effpass.Pass):
 
     @classmethod
     def default_note(cls) -> str:
-        return "on (bf16) on CUDA GPUs that support bf16; off on CPU and older GPUs"
+        return "off on CPU and GPUs without bf16 (on by default, bf16, on CUDA GPUs that support bf16)"
 
     # ------------------------------------------------------------------------------------------------
     def transform_torch_ir(self, gm: fx.GraphModule, ctx) -> effpass.PassResult:
