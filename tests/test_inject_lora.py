@@ -426,3 +426,29 @@ def test_qlora_adapters_wrap_quantized_linears():
     res = compile_and_compare(case, passes=passes, atol=1e-4, rtol=1e-4)
     assert res.report.stats("inject_lora", graph="torch_ir")["adapters_in_graph"] == 2
     assert all(g.abs().sum() > 0 for g in res.compiled_grads.values()) and len(res.compiled_grads) == 4
+
+
+def test_dump_shows_adapters_and_composes_with_fuse_attention(tmp_path):
+    from effpass.passes import FuseAttention
+
+    case = prepared("llama", layers=1)
+    res = compile_and_compare(case, passes=[InjectLoRA(targets=LLAMA_TARGETS), FuseAttention()],
+                              dump_dir=str(tmp_path))
+    assert res.report.stats("fuse_attention")["fused"] == 1
+    assert res.report.stats("inject_lora", graph="torch_ir")["merged_groups"] == 2
+    module_index = json.loads((tmp_path / "module" / "index.json").read_text())
+    rec = next(r for r in module_index["passes"] if r["name"] == "inject_lora")
+    # the pipeline was applied to an already prepared model: nothing new, every adapter listed as kept
+    assert len(rec["skipped"]) == 7 and all("already" in s["reason"] for s in rec["skipped"])
+    assert rec["stats"]["trainable_params"] > 0 and rec["stats"]["frozen_bytes"] > 0
+    graph_index = json.loads(next(tmp_path.glob("graph_*/index.json")).read_text())
+    rec = next(r for r in graph_index["passes"] if r["name"] == "inject_lora")
+    assert rec["changed"] and rec["stats"]["merged_adapters"] == 5
+
+
+def test_dump_lists_adapted_modules(tmp_path):
+    case = model_case("gpt2", layers=1)
+    effpass.prepare(case.model, passes=[InjectLoRA(targets=["*.c_attn"])], dump_dir=str(tmp_path))
+    rec = next(r for r in json.loads((tmp_path / "module" / "index.json").read_text())["passes"]
+               if r["name"] == "inject_lora")
+    assert rec["stats"]["modules"] == ["transformer.h.0.attn.c_attn"] and rec["stats"]["adapters"] == 1
