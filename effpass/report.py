@@ -48,6 +48,8 @@ class GraphReport:
     cache: str = ""
     dump_path: str | None = None
     notes: dict[str, Any] = field(default_factory=dict)
+    #: total_ms (the backend call), lower_ms (Inductor/AOTAutograd without effpass hooks), late_pass_ms
+    timing: dict[str, float] = field(default_factory=dict)
 
     def add(self, record: PassRecord) -> None:
         self.records.append(record)
