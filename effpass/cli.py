@@ -56,16 +56,16 @@ def cmd_passes(args) -> int:
                           for n, k in sorted(passes.items())}, indent=1))
         return 0
     ordered = order_passes([k() for k in passes.values()]) if passes else []
-    rows = [("#", "pass", "phases", "runs after", "conflicts", f"default ({device.type})", "summary")]
+    rows = [("#", "pass", "phases", "runs after", "conflicts", f"on ({device.type})", "default")]
     for i, p in enumerate(ordered):
         k = type(p)
         rows.append((str(i), k.name, ",".join(ph.value for ph in k.phases()), ",".join(k.run_after) or "-",
-                     ",".join(k.conflicts_with) or "-", ("ON  " if k.name in defaults else "off ") + k.default_note(),
-                     k.summary[:70]))
+                     ",".join(k.conflicts_with) or "-", "yes" if k.name in defaults else "no", k.default_note()[:80]))
     print(_table(rows) if len(rows) > 1 else "(no passes registered)")
     print(f"\ndefault pipeline on {device.type} (torch.compile(model, backend=\"effpass\")): "
           f"{', '.join(defaults) or '(empty)'}")
     print("order: passes run in the order above within each phase: module, torch_ir, joint, post_grad")
+    print("summaries and options: effpass passes NAME")
     return 0
 
 
