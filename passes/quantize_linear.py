@@ -439,6 +439,10 @@ class QuantizeLinear(effpass.Pass):
     fp8_emulate: bool = field(default=False, metadata={
         "doc": "fp8: emulate the fp8 casts with plain matmuls on any device (for tests only)"})
 
+    @classmethod
+    def default_note(cls) -> str:
+        return "off (lossy: opt in with QuantizeLinear(scheme=...))"
+
     def validate(self) -> None:
         for name in ("group_size", "block_size"):
             v = getattr(self, name)

@@ -316,6 +316,16 @@ def test_inductor_matches_eager_int8():
     assert res.counters["graph_breaks"] == 0
 
 
+@pytest.mark.inductor
+@pytest.mark.slow
+def test_inductor_matches_eager_nf4_training():
+    case = model_case("llama", layers=1)
+    res = compile_and_compare(case, [QuantizeLinear(scheme="nf4", exclude=["lm_head"])], lowering="inductor",
+                              atol=1e-4, rtol=1e-4)
+    assert res.report.stats("quantize_linear")["quantized"] == 7
+    assert "model.layers.0.input_layernorm.weight" in res.compiled_grads
+
+
 # ------------------------------------------------------------------------------------------------------
 # Triton kernels (interpreted on CPU)
 # ------------------------------------------------------------------------------------------------------
