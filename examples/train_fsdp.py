@@ -28,7 +28,7 @@ from effpass.passes import WrapFSDP
 from effpass.passes.wrap_fsdp import load_checkpoint, save_checkpoint
 
 
-def build_model(name: str, lora: int):
+def build_model(name: str):
     import transformers as tf
 
     if name == "tiny":
@@ -92,7 +92,7 @@ def main(argv=None):
         torch.cuda.set_device(device)
 
     torch.manual_seed(args.seed)  # identical initial weights on every rank
-    model, vocab = build_model(args.model, args.lora)
+    model, vocab = build_model(args.model)
     model.to(device).train()
     passes: list = []
     if args.autocast != "none":

@@ -37,7 +37,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
-__all__ = ["estimate", "estimate_table", "max_model_params", "MODES", "model_shape"]
+__all__ = ["estimate", "estimate_table", "max_model_params", "MODES", "PRESETS", "model_shape"]
 
 MODES = ("none", "zero1", "zero2", "zero3", "hsdp")
 _GIB = 1024 ** 3
@@ -67,6 +67,47 @@ def model_shape(model: nn.Module) -> dict[str, int]:
     return {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "unit_params": unit_params}
 
 
+#: Llama-3-family shapes (hidden, ffn, layers, heads, kv heads, vocab) usable by name, e.g. ``"llama-8b"``.
+PRESETS = {
+    "llama-1b": (2048, 8192, 16, 32, 8, 128256),
+    "llama-3b": (3072, 8192, 28, 24, 8, 128256),
+    "llama-8b": (4096, 14336, 32, 32, 8, 128256),
+    "llama-70b": (8192, 28672, 80, 64, 8, 128256),
+    "llama-405b": (16384, 53248, 126, 128, 8, 128256),
+}
+
+
+def _preset_counts(name: str) -> tuple[int, dict[str, int]]:
+    h, f, L, a, kv, V = PRESETS[name]
+    d = h // a
+    per_layer = h * (a * d) * 2 + h * (kv * d) * 2 + 3 * h * f + 2 * h
+    n = L * per_layer + V * h * (1 if name in ("llama-1b", "llama-3b") else 2) + h
+    return n, {"layers": L, "hidden": h, "heads": a, "vocab": V, "unit_params": per_layer}
+
+
+def _counts(model, params: float | None, trainable_only: bool) -> tuple[int, int, dict[str, int], str]:
+    """(all params, trainable params, shape, description) of a module, a preset name or a bare count."""
+    if isinstance(model, nn.Module):
+        n_all = sum(p.numel() for p in model.parameters())
+        n_train = sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+        return n_all, n_train, model_shape(model), type(model).__name__
+    if isinstance(model, str):
+        key = model.lower()
+        if key not in PRESETS:
+            raise ValueError(f"unknown model preset {model!r}; choose one of {sorted(PRESETS)} or pass an nn.Module")
+        n, shape = _preset_counts(key)
+        return n, n, shape, key
+    if model is None and params:
+        # NOTE: only a count: take the layer shapes of the Llama preset closest in size for activations.
+        name = min(PRESETS, key=lambda k: abs(math.log(_preset_counts(k)[0] / float(params))))
+        _, shape = _preset_counts(name)
+        scale = float(params) / _preset_counts(name)[0]
+        shape = dict(shape, unit_params=int(shape["unit_params"] * scale))
+        return int(params), int(params), shape, f"a bare count (activations shaped like {name})"
+    raise TypeError(f"estimate needs an nn.Module, a preset name ({sorted(PRESETS)}) or params=<count>, "
+                    f"got {type(model).__name__}")
+
+
 def _activation_bytes(shape: dict[str, int], batch: int, seq: int, act_bytes: int, fused_attention: bool,
                       checkpointing: bool) -> int:
     s, b, h, a, L, V = seq, batch, shape["hidden"], shape["heads"], shape["layers"], shape["vocab"]
@@ -79,13 +120,16 @@ def _activation_bytes(shape: dict[str, int], batch: int, seq: int, act_bytes: in
     return int(layers_bytes + b * s * V * 4)
 
 
-def estimate(model: nn.Module, batch: int, seq: int, world_size: int, *, replicate: int = 1,
+def estimate(model: nn.Module | str | None = None, batch: int = 1, seq: int = 4096, world_size: int = 8, *,
+             params: float | None = None, replicate: int = 1,
              mixed_precision: bool = True, optimizer_states: int = 2, trainable_only: bool = True,
              fused_attention: bool = True, checkpointing: bool = False,
              modes: Sequence[str] = MODES) -> dict[str, dict[str, int]]:
     """Bytes per rank ``{mode: {"params", "grads", "optimizer", "gathered", "activations", "total"}}``.
 
-    ``model`` may live on the meta device (``with torch.device("meta"): AutoModelForCausalLM.from_config(cfg)``)
+    ``model``: an ``nn.Module``, a preset name (``"llama-8b"``, see ``PRESETS``) or ``None`` with
+    ``params=8e9`` (a bare count; activations then use the closest Llama preset's layer shapes). A module
+    may live on the meta device (``with torch.device("meta"): AutoModelForCausalLM.from_config(cfg)``)
     so a 70B model can be estimated without memory. ``batch`` is the micro-batch per rank.
     ``mixed_precision``: the seeds' 2 + 2 + 12 bytes per trainable parameter (else fp32: 4 + 4 + 4*states).
     ``optimizer_states``: 2 for Adam/AdamW (momentum, variance), 1 for SGD with momentum, 0 for SGD.
@@ -98,9 +142,7 @@ def estimate(model: nn.Module, batch: int, seq: int, world_size: int, *, replica
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise ValueError(f"unknown sharding mode(s) {bad}; choose from {list(MODES)}")
-    n_all = sum(p.numel() for p in model.parameters())
-    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
-    shape = model_shape(model)
+    n_all, n_train, shape, _ = _counts(model, params, trainable_only)
     pb = 2 if mixed_precision else 4
     P = n_all * pb
     G = n_train * pb
@@ -128,15 +170,15 @@ def estimate(model: nn.Module, batch: int, seq: int, world_size: int, *, replica
     return out
 
 
-def estimate_table(model: nn.Module, batch: int, seq: int, world_size: int, *, replicate: int = 1,
-                   file=None, **kwargs: Any) -> str:
+def estimate_table(model: nn.Module | str | None = None, batch: int = 1, seq: int = 4096, world_size: int = 8, *,
+                   params: float | None = None, replicate: int = 1, file=None, **kwargs: Any) -> str:
     """:func:`estimate` as a table in GiB per rank (printed to ``file`` when given, e.g. ``sys.stdout``)
-    and returned. Extra keyword arguments go to :func:`estimate`."""
-    est = estimate(model, batch, seq, world_size, replicate=replicate, **kwargs)
-    n_all = sum(p.numel() for p in model.parameters())
-    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    and returned. Every argument has a default, so ``estimate_table(params=8e9, world_size=64)`` works
+    (the ``effpass estimate`` command calls it so). Extra keyword arguments go to :func:`estimate`."""
+    est = estimate(model, batch, seq, world_size, params=params, replicate=replicate, **kwargs)
+    n_all, n_train, _, what = _counts(model, params, kwargs.get("trainable_only", True))
     cols = ("params", "grads", "optimizer", "gathered", "activations", "total")
-    lines = [f"memory per rank (GiB): {n_all / 1e9:.3g}B params ({n_train / 1e9:.3g}B trainable), "
+    lines = [f"memory per rank (GiB): {what}: {n_all / 1e9:.3g}B params ({n_train / 1e9:.3g}B trainable), "
              f"micro-batch {batch} x seq {seq} per rank, world size {world_size}"
              + (f", {replicate} replica groups" if replicate > 1 else ""),
              f"{'mode':<6}" + "".join(f"{c:>12}" for c in cols)]
