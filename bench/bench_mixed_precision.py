@@ -159,7 +159,8 @@ def environment(device: str) -> dict:
 
     env = {"device": device, "torch": torch.__version__, "transformers": transformers.__version__,
            "python": platform.python_version(), "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-           "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()}
+           "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+           "load_average_1m": round(os.getloadavg()[0], 1)}
     try:
         import triton
         env["triton"] = triton.__version__
@@ -268,7 +269,8 @@ def markdown(result: dict) -> str:
     lines = [f"# mixed precision benchmark ({env['device']})", "",
              f"{result['note']}", "",
              f"- date {env['date']}; torch {env['torch']}; transformers {env['transformers']}; "
-             f"triton {env.get('triton', '-')}; {env.get('gpu', env['cpu'])} ({env['cpu_count']} cores)",
+             f"triton {env.get('triton', '-')}; {env.get('gpu', env['cpu'])} ({env['cpu_count']} cores, "
+             f"load average {env.get('load_average_1m', '?')} at the end: other jobs shared the machine)",
              f"- GPT-2 shape: {shape}; {result['steps']} timed steps after {result['warmup']} warm-up, "
              f"{result['reps']} repetition(s), arms interleaved, each in a fresh process", "",
              "| arm | ms/step | tokens/s | x fp32 eager | x compile+autocast bf16 | MFU | peak mem GiB | "
