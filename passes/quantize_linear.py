@@ -238,6 +238,23 @@ class _Fp8Linear(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------------------------------------------
+# CPU int8 inference kernel
+# ------------------------------------------------------------------------------------------------------
+# HACK(Inductor's lowering of aten._weight_int8pack_mm asserts when an input is an unrealized pointwise
+# value, e.g. the output of an RMSNorm, on torch 2.13): an opaque custom op makes Inductor call the aten
+# kernel as an extern with realized inputs. Remove when the lowering realizes its inputs.
+@torch.library.custom_op("effpass_quant::weight_int8pack_mm", mutates_args=())
+def weight_int8pack_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x @ (qweight * scales[:, None]).T`` via ``aten._weight_int8pack_mm`` (no autograd: inference only)."""
+    return torch.ops.aten._weight_int8pack_mm(x.contiguous(), qweight, scales.to(x.dtype))
+
+
+@weight_int8pack_mm.register_fake
+def _(x, qweight, scales):
+    return x.new_empty(x.shape[0], qweight.shape[0])
+
+
+# ------------------------------------------------------------------------------------------------------
 # the module
 # ------------------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
@@ -371,7 +388,7 @@ class QuantizedLinear(nn.Module):
             return F.linear(x, self.dequantize(x.dtype), self.bias.to(x.dtype) if self.bias is not None else None)
         x2d = x.reshape(-1, shape[-1])
         if kernel == "aten._weight_int8pack_mm":
-            y = torch.ops.aten._weight_int8pack_mm(x2d.contiguous(), self.qweight, self.scales.to(x.dtype))
+            y = weight_int8pack_mm(x2d, self.qweight, self.scales)
         else:
             from . import _quant_kernels as qk
 
