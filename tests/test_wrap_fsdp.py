@@ -218,7 +218,7 @@ def scenario_hsdp(rank, world, out_dir):
     _train(model, _adamw(model.parameters()), _local_batch(tokens, rank, world), 2)
     p = next(model.parameters())
     return {"ref": {n: p.detach() for n, p in ref.named_parameters()}, "final": _full_params(model),
-            "placements": [str(x) for x in p.placements], "local_numel": p.to_local().numel(), "numel": p.numel()}
+            "placements": [x.__class__.__name__[0] + (f"({x.dim})" if hasattr(x, "dim") else "") for x in p.placements], "local_numel": p.to_local().numel(), "numel": p.numel()}
 
 
 SCENARIOS = {"train": scenario_train, "passes": scenario_passes, "inductor": scenario_inductor,
@@ -300,7 +300,7 @@ def test_wrap_fsdp_inductor_lowering_matches_one_process(tmp_path):
 def test_wrap_fsdp_four_ranks_hybrid_mesh(tmp_path):
     for r in spawn("hsdp", 4, tmp_path):
         _assert_matches_reference(r, atol=1e-6)
-        assert r["placements"] == ["Replicate()", "Shard(dim=0)"]
+        assert r["placements"] == ["R", "S(0)"]  # (replicate, shard) mesh
         assert r["local_numel"] * 2 == r["numel"]
 
 
