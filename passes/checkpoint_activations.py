@@ -184,6 +184,9 @@ class CheckpointActivations(effpass.Pass):
             blocks=len(blocks),
         )
         ctx.notes["checkpoint_activations"] = dict(stats)
+        # the backward graph sees only the inputs it keeps; views of other inputs are not activations either
+        ctx.notes["_checkpoint_input_storages"] = {_storage_key(tensor_meta(n)) for n in graph.find_nodes(op="placeholder")
+                                                   if isinstance(tensor_meta(n), torch.Tensor)}
         return effpass.PassResult(changed=True, stats=stats)
 
     # -- post-grad phase: measure ------------------------------------------------------------------------
@@ -192,7 +195,8 @@ class CheckpointActivations(effpass.Pass):
             return None
         saved = [n for n in gm.graph.find_nodes(op="placeholder") if not str(n.target).startswith("tangents")]
         inputs = [n for n in saved if str(n.target).startswith("primals")]
-        return effpass.PassResult(stats={"saved_bytes_measured": activation_bytes(saved, inputs)})
+        exclude = ctx.notes.get("_checkpoint_input_storages", set())
+        return effpass.PassResult(stats={"saved_bytes_measured": activation_bytes(saved, inputs, exclude)})
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -385,10 +389,10 @@ def _storage_key(val: torch.Tensor):
         return id(val)
 
 
-def activation_bytes(saved: Iterable[fx.Node], inputs: Iterable[fx.Node] = ()) -> int:
+def activation_bytes(saved: Iterable[fx.Node], inputs: Iterable[fx.Node] = (), exclude: Iterable = ()) -> int:
     """Bytes of the saved tensors, each storage once, leaving out storages of graph inputs (parameters and
-    batch tensors are alive anyway)."""
-    exclude = {_storage_key(v) for v in (tensor_meta(n) for n in inputs) if isinstance(v, torch.Tensor)}
+    batch tensors are alive anyway) and the storages in ``exclude``."""
+    exclude = set(exclude) | {_storage_key(v) for v in (tensor_meta(n) for n in inputs) if isinstance(v, torch.Tensor)}
     sizes: dict[Any, int] = {}
     for n in saved:
         v = tensor_meta(n)

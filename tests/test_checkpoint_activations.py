@@ -64,29 +64,52 @@ def _joint(case):
 # ------------------------------------------------------------------------------------------------------
 # every policy: same gradients, fewer saved bytes, as promised
 # ------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["llama", "gpt2", "bert", "demo"])
-def test_policies_keep_gradients_and_cut_saved_bytes(name):
-    case = model_case(name)
-    ref, _, _ = _train_step(case, [])
-    after = {}
-    for label, p in [("ops", CheckpointActivations()), ("full", CheckpointActivations(policy="full")),
-                     ("budget", CheckpointActivations(budget=0.5))]:
-        grads, rep, _ = _train_step(case, [p])
-        _assert_grads_equal(grads, ref)
-        st = rep.stats(NAME)
-        assert st["blocks"] == case.num_layers, st
-        assert st["saved_bytes_measured"] == st["saved_bytes_after"], st  # plan == real partition
-        assert st["saved_bytes_after"] < st["saved_bytes_before"], st
-        assert st["recompute_flops_added"] > 0, st
-        after[label] = st
-        if label == "budget":  # the promise: at most half the no-checkpointing bytes
-            assert st["budget_met"] and st["saved_bytes_after"] <= 0.5 * st["saved_bytes_before"], st
-        # per graph and in total: one training graph here, so both agree
-        per_graph = [g.stats(NAME) for g in rep.graphs if g.stats(NAME)]
-        assert len(per_graph) == 1 and per_graph[0]["saved_bytes_after"] == st["saved_bytes_after"]
-    # "full" keeps only block inputs: never more than the op-level policy
-    assert after["full"]["saved_bytes_after"] <= after["ops"]["saved_bytes_after"]
-    assert after["full"]["recompute_flops_added"] > after["ops"]["recompute_flops_added"]
+_REFS: dict = {}
+
+
+def _reference(name):
+    """Gradients of the compiled model without checkpointing (computed once per model)."""
+    if name not in _REFS:
+        case = model_case(name)
+        _REFS[name] = (case, _train_step(case, [])[0])
+    return _REFS[name]
+
+
+_POLICIES = {"ops": {}, "full": {"policy": "full"}, "budget": {"budget": 0.5}}
+
+
+@pytest.mark.parametrize("policy", [
+    # every policy on llama and the default on all models in the quick run; the rest is marked slow
+    pytest.param((m, p), marks=[pytest.mark.slow] if (p != "ops" and m != "llama") else [], id=f"{m}-{p}")
+    for m in ("llama", "gpt2", "bert", "demo") for p in _POLICIES])
+def test_policies_keep_gradients_and_cut_saved_bytes(policy):
+    name, label = policy
+    case, ref = _reference(name)
+    grads, rep, _ = _train_step(case, [CheckpointActivations(**_POLICIES[label])])
+    _assert_grads_equal(grads, ref)
+    st = rep.stats(NAME)
+    assert st["blocks"] == case.num_layers, st
+    assert st["saved_bytes_measured"] == st["saved_bytes_after"], st  # plan == real partition
+    assert st["saved_bytes_after"] < st["saved_bytes_before"], st
+    assert st["recompute_flops_added"] > 0, st
+    # the promises, from tensor metadata: "budget" at most half the no-checkpointing bytes; "full" keeps
+    # only block inputs, so at most what the op-level policy keeps; "ops" at least a quarter less
+    if label == "budget":
+        assert st["budget_met"] and st["saved_bytes_after"] <= 0.5 * st["saved_bytes_before"], st
+    elif label == "ops":
+        assert st["saved_bytes_after"] <= 0.75 * st["saved_bytes_before"], st
+    else:
+        ops = partition_stats_of(case, CheckpointActivations())
+        assert st["saved_bytes_after"] <= ops["saved_bytes_after"], (st, ops)
+        assert st["recompute_flops_added"] > ops["recompute_flops_added"]
+    # per graph and in total: the graphs' numbers add up to the total (GPT-2 has a second graph for the loss)
+    per_graph = [g.stats(NAME) for g in rep.graphs if g.stats(NAME)]
+    assert sum(g["saved_bytes_after"] for g in per_graph) == st["saved_bytes_after"]
+
+
+def partition_stats_of(case, p):
+    """The pass's statistics without training: compile and run forward+backward once."""
+    return _train_step(case, [p])[1].stats(NAME)
 
 
 def test_ops_policy_saves_matmul_outputs_and_recomputes_pointwise():
@@ -124,7 +147,7 @@ def test_full_policy_saves_only_values_crossing_blocks():
 # ------------------------------------------------------------------------------------------------------
 # dropout: the recomputed forward uses the same random numbers
 # ------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["gpt2", "demo"])
+@pytest.mark.parametrize("name", ["gpt2", pytest.param("demo", marks=pytest.mark.slow)])
 def test_dropout_is_recomputed_with_the_same_random_numbers(name):
     case = model_case(name, dropout=0.1, train=True)
     ref, _, ref_loss = _train_step(case, [], seed=3)
@@ -133,9 +156,9 @@ def test_dropout_is_recomputed_with_the_same_random_numbers(name):
     assert st["recomputed_rng_ops"] > 0, st  # dropout really is replayed in the backward
     assert torch.equal(loss, ref_loss)
     _assert_grads_equal(grads, ref)
-    # the test can fail: another seed draws other masks and gives other gradients
-    other, _, _ = _train_step(case, [], seed=4)
-    assert any(not torch.allclose(other[k], ref[k]) for k in ref)
+    # the test can fail: another seed draws other masks and gives another loss
+    _, _, other_loss = _train_step(case, [], seed=4)
+    assert not torch.equal(other_loss, ref_loss)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -149,7 +172,7 @@ def test_budget_recomputes_no_more_flops_than_torch_memory_budget():
     block_of = find_blocks(fwd, (), model)
     before = partition_stats(gm, nf)["saved_bytes"]
     results = []
-    for frac in (0.3, 0.7):
+    for frac in (0.5,):  # the bench compares more budgets
         ts = partition_stats(gm, nf, memory_budget=frac)
         _plan, met, es = plan_budget(gm, fwd, block_of, ts["saved_bytes"], nf, before_bytes=before)
         assert met and es["saved_bytes"] <= ts["saved_bytes"]
@@ -182,7 +205,7 @@ def test_targets_limit_checkpointing_to_one_layer():
 
 def test_targets_matching_nothing_is_an_error():
     case = model_case("llama")
-    with pytest.raises(effpass.EffpassPassError, match="matches no"):
+    with pytest.raises(Exception, match="targets pattern 'model.blocks.\\*' matches no module"):
         _train_step(case, [CheckpointActivations(targets=["model.blocks.*"])])
 
 
