@@ -95,9 +95,9 @@ def _assert_same(a, b):
 
 
 @pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("value", [float("inf"), float("nan")])
-def test_scale_loss_skips_poisoned_steps_and_loses_nothing(fused, value):
-    case = model_case("demo")
+def test_scale_loss_skips_poisoned_steps_and_loses_nothing(fused):
+    """An inf gradient at step 1 and a NaN gradient at step 2."""
+    case = model_case("demo", layers=1)
     compiled = effpass.compile(case.model, passes=[ApplyAutocast(dtype=FP16), ScaleLoss(init_scale=2.0 ** 12)],
                                lowering="eager")
     scaler = loss_scaler(compiled)
@@ -108,7 +108,7 @@ def test_scale_loss_skips_poisoned_steps_and_loses_nothing(fused, value):
         for i in range(5):
             loss = loss_of(compiled(**case.inputs))
             loss.backward()
-            _poison(case.model, i, poisoned, value)
+            _poison(case.model, i, poisoned, float("inf") if i == 1 else float("nan"))
             before = _snapshot(case.model, opt)
             scale_before = scaler.get_scale()
             scaler.step(opt)
