@@ -11,7 +11,8 @@ What it does
     Policies (``policy`` / ``budget`` options):
 
     * ``"ops"`` (default): save the outputs of matmuls, convolutions and attention; recompute
-      pointwise ops, norms, softmax and views from them.
+      pointwise ops, norms, softmax and views from them (a pointwise value is saved instead only when
+      that costs no extra bytes and no extra recompute, e.g. a residual ``add`` after a projection).
     * ``"full"``: per block, save only the block's inputs; everything inside a block is recomputed.
     * ``budget=0.4`` / ``budget="6GiB"``: keep the saved activations under the budget (a fraction of the
       bytes saved without checkpointing, or absolute bytes) with the least recompute FLOPs effpass can
@@ -164,6 +165,8 @@ class CheckpointActivations(effpass.Pass):
         stats: dict[str, Any] = {}
         if self.budget is None:
             plan = plan_policy(in_scope, block_of, self.policy, extra)
+            if self.policy == "ops":
+                plan = refine_free_saves(gm, in_scope, block_of, plan)
         else:
             budget_bytes = (parse_bytes(self.budget) if isinstance(self.budget, str)
                             else int(self.budget * before["saved_bytes"]))
@@ -350,6 +353,24 @@ def plan_policy(nodes: list[fx.Node], block_of: dict[fx.Node, str], policy: str,
             plan[n] = (MUST_SAVE if save else RECOMPUTE, ids[n])
     _copy_to_getitems(nodes, plan)
     return plan
+
+
+def refine_free_saves(gm: fx.GraphModule, nodes: list[fx.Node], block_of: dict[fx.Node, str], plan: Plan) -> Plan:
+    """Also save values whose saving lowers the saved bytes without adding recompute, or the recompute
+    without adding bytes: e.g. the residual ``add`` after ``o_proj``: saved, it makes the matmul output
+    dead in the backward and its own recompute disappears. One pass over the candidates (cost model)."""
+    ids = _block_ids(nodes, block_of)
+    model = _CostModel(gm, nodes, ids)
+    saved = {n for n, (p, _) in plan.items() if p is MUST_SAVE and _multi_output_parent(n) is None}
+    b0, f0 = model.evaluate(saved)
+    for n in nodes:
+        if n in saved or n not in plan or _multi_output_parent(n) is not None or _is_view_or_free(n):
+            continue
+        b, f = model.evaluate(saved | {n})
+        if (b < b0 and f <= f0) or (b <= b0 and f < f0):
+            saved.add(n)
+            b0, f0 = b, f
+    return _plan_from_saved(nodes, ids, saved)
 
 
 def _copy_to_getitems(nodes: list[fx.Node], plan: Plan) -> None:
