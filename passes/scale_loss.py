@@ -201,7 +201,10 @@ class LossScaler:
             return
         scale = self.scale_tensor
         if new_scale is not None:
-            scale.fill_(float(new_scale)) if not isinstance(new_scale, torch.Tensor) else scale.copy_(new_scale)
+            if isinstance(new_scale, torch.Tensor):
+                scale.copy_(new_scale.reshape(scale.shape))
+            else:
+                scale.fill_(float(new_scale))
             self._found_inf.clear()
             self._unscaled.clear()
             return
