@@ -283,6 +283,36 @@ def test_scale_loss_skips_graph_without_loss():
     scaler.update()
 
 
+def test_scale_loss_unscale_then_clip_matches_grad_scaler():
+    case = model_case("demo", layers=1)
+    eager = copy.deepcopy(case.model)
+    compiled = effpass.compile(case.model, passes=[ApplyAutocast(dtype=FP16), ScaleLoss()], lowering="eager")
+    scaler, gs = loss_scaler(compiled), torch.amp.GradScaler("cpu")
+    opt = torch.optim.SGD(case.model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(eager.parameters(), lr=0.5)
+    for _ in range(2):
+        loss_of(compiled(**case.inputs)).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(case.model.parameters(), 0.1)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        with torch.autocast("cpu", FP16):
+            ref_loss = loss_of(eager(**case.inputs))
+        gs.scale(ref_loss).backward()
+        gs.unscale_(ref_opt)
+        torch.nn.utils.clip_grad_norm_(eager.parameters(), 0.1)
+        gs.step(ref_opt)
+        gs.update()
+        ref_opt.zero_grad()
+    for (n, p), q in zip(case.model.named_parameters(), eager.parameters()):
+        assert torch.equal(p, q), n
+    with pytest.raises(RuntimeError, match="without a step"):
+        scaler.update()
+    scaler.update(new_scale=8.0)
+    assert scaler.get_scale() == 8.0
+
+
 def test_scale_loss_keeps_module_paths_for_scoping():
     """The forward wrapper must not hide module names: apply_autocast's exclude still makes its island."""
     case = model_case("demo", layers=1)
