@@ -143,6 +143,16 @@ def run_arm(arm: str, device: str) -> dict:
 
         ps = partition_stats(joint["gm"], memory_budget=budget)
         result.update(saved_bytes_after=ps["saved_bytes"], recompute_flops_after=ps["recompute_flops"])
+        if arm == "torch_budget":  # like for like: effpass's budget mode given the bytes torch's knapsack reached
+            from effpass.passes.checkpoint_activations import find_blocks, forward_nodes, plan_budget
+
+            gm = joint["gm"]
+            fwd = [n for n in forward_nodes(gm.graph) if n.op == "call_function"]
+            before = partition_stats(gm)["saved_bytes"]
+            _, met, es = plan_budget(gm, fwd, find_blocks(fwd, (), model), ps["saved_bytes"], None,
+                                     before_bytes=before)
+            result["effpass_at_same_bytes"] = {"saved_bytes": es["saved_bytes"], "recompute_flops": es["recompute_flops"],
+                                               "budget_met": met}
     return result
 
 
@@ -223,6 +233,13 @@ def markdown(doc: dict) -> str:
                      f"| {arm} | {r['saved_bytes_hook'] / 2**20:.2f} MiB | {r.get('saved_vs_none', 1):.2f} | - | ")
         lines[-1] += (f"{fl / 1e9:.3f} GFLOP | " if fl is not None else "- | ") + \
             f"{r['step_s_median'] * 1e3:.1f} ms | {r.get('step_vs_none', 1):.2f} | {peak} |"
+    tb = doc["arms"].get("torch_budget", {}).get("effpass_at_same_bytes")
+    if tb:
+        t = doc["arms"]["torch_budget"]
+        lines += ["", f"Like for like on the same joint graph: torch's knapsack (activation_memory_budget=0.5) saves "
+                  f"{t['saved_bytes_after']:,} bytes and recomputes {t['recompute_flops_after']:,} FLOPs; effpass's budget "
+                  f"mode given those bytes saves {tb['saved_bytes']:,} bytes and recomputes {tb['recompute_flops']:,} FLOPs "
+                  f"({'effpass' if tb['recompute_flops'] < t['recompute_flops_after'] else 'torch'} recomputes fewer)."]
     lines += ["", "Recompute FLOPs: forward ops the backward graph recomputes (torch's FLOP formulas for "
               "matmul/attention, one per element otherwise); for torch_budget analysed on the same joint graph. "
               "CPU step times are noisy (2 shared cores): compare ratios within this run only.", ""]
