@@ -57,7 +57,7 @@ def prepare(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None =
     return model
 
 
-def _run_module_phase(model: torch.nn.Module, backend: EffpassBackend):
+def _run_module_phase(model: torch.nn.Module, backend: EffpassBackend, compile_kwargs: dict | None = None):
     import os
 
     from .dump import DumpInstrument
@@ -68,7 +68,7 @@ def _run_module_phase(model: torch.nn.Module, backend: EffpassBackend):
         os.makedirs(report.dump_path, exist_ok=True)
     ctx = backend.manager.run_module_phase(
         model, report, device=_device_of_model(model), lowering=backend.options.lowering,
-        backend_factory=lambda: backend)
+        backend_factory=lambda: backend, compile_kwargs=dict(compile_kwargs or {}))
     if backend.dump and report.dump_path:
         backend.dump.write_index(report)
     return ctx
@@ -90,7 +90,7 @@ def compile(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None =
     opts = _options(passes, dump_dir, lowering, strict, bisect, disable, inductor_config, mode,
                     _device_of_model(model))
     backend = EffpassBackend(opts, model=model)
-    ctx = _run_module_phase(model, backend)
+    ctx = _run_module_phase(model, backend, {"fullgraph": fullgraph, "dynamic": dynamic})
     _BACKENDS[model] = backend
     if not ctx.compile_root:  # a module-level pass compiled the units itself (e.g. FSDP per block)
         return model

@@ -79,6 +79,9 @@ class PassContext:
     #: module phase only: ``backend_factory()`` returns an effpass backend for this pipeline
     backend_factory: Any = None
     lowering: str = "inductor"
+    #: module phase only: the caller's torch.compile arguments (fullgraph, dynamic), for passes that
+    #: compile submodules themselves
+    compile_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def allows(self, node: fx.Node) -> bool:
         """Whether this pass may act on ``node`` (targets/exclude globs and skip/only decorators)."""

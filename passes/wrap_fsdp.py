@@ -212,7 +212,8 @@ class WrapFSDP(effpass.Pass):
             if backend is not None:
                 unit._orig_forward = unit.forward
                 caller = _fresh_caller(unit.forward.__func__, f"effpass_fsdp_unit_{compiled}")
-                compiled_fn = torch.compile(caller, backend=_UnitBackend(backend, name, type(unit)))
+                compiled_fn = torch.compile(caller, backend=_UnitBackend(backend, name, type(unit)),
+                                            **ctx.compile_kwargs)
                 unit.forward = types.MethodType(compiled_fn, unit)
                 compiled += 1
         # NOTE(ordering): the root last, so it owns only the parameters outside the units; its
