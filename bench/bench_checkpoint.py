@@ -90,6 +90,15 @@ def run_arm(arm: str, device: str) -> dict:
         def _capture(gm, ctx):
             if ctx.graph_kind == "joint":
                 joint["gm"] = gm
+                # analyse inside the compile: partitioning a graph with random ops needs its fake mode
+                if arm == "torch_budget":
+                    joint["analysis"] = analyse_budget(gm, model, budget)
+                else:
+                    from effpass.passes.checkpoint_activations import partition_stats
+
+                    ps = partition_stats(gm)
+                    joint["analysis"] = {"saved_bytes_after": ps["saved_bytes"],
+                                         "recompute_flops_after": ps["recompute_flops"]}
         passes = ["capture_joint_for_bench"]
     compiled = effpass.compile(model, passes=passes, lowering=cfg["lowering"], dump_dir=None)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -138,22 +147,21 @@ def run_arm(arm: str, device: str) -> dict:
     if st:
         result.update({k: st[k] for k in ("saved_bytes_before", "saved_bytes_after", "recompute_flops_added",
                                           "recompute_flops_after") if k in st})
-    if "gm" in joint:
-        from effpass.passes.checkpoint_activations import partition_stats
-
-        ps = partition_stats(joint["gm"], memory_budget=budget)
-        result.update(saved_bytes_after=ps["saved_bytes"], recompute_flops_after=ps["recompute_flops"])
-        if arm == "torch_budget":  # like for like: effpass's budget mode given the bytes torch's knapsack reached
-            from effpass.passes.checkpoint_activations import find_blocks, forward_nodes, plan_budget
-
-            gm = joint["gm"]
-            fwd = [n for n in forward_nodes(gm.graph) if n.op == "call_function"]
-            before = partition_stats(gm)["saved_bytes"]
-            _, met, es = plan_budget(gm, fwd, find_blocks(fwd, (), model), ps["saved_bytes"], None,
-                                     before_bytes=before)
-            result["effpass_at_same_bytes"] = {"saved_bytes": es["saved_bytes"], "recompute_flops": es["recompute_flops"],
-                                               "budget_met": met}
+    result.update(joint.get("analysis", {}))
     return result
+
+
+def analyse_budget(gm, model, budget: float) -> dict:
+    """torch's knapsack at ``budget`` on this joint graph, and effpass's budget mode given the bytes it reached."""
+    from effpass.passes.checkpoint_activations import find_blocks, forward_nodes, partition_stats, plan_budget
+
+    ps = partition_stats(gm, memory_budget=budget)
+    fwd = [n for n in forward_nodes(gm.graph) if n.op == "call_function"]
+    before = partition_stats(gm)["saved_bytes"]
+    _, met, es = plan_budget(gm, fwd, find_blocks(fwd, (), model), ps["saved_bytes"], None, before_bytes=before)
+    return {"saved_bytes_after": ps["saved_bytes"], "recompute_flops_after": ps["recompute_flops"],
+            "effpass_at_same_bytes": {"saved_bytes": es["saved_bytes"], "recompute_flops": es["recompute_flops"],
+                                      "budget_met": met}}
 
 
 def versions(device: str) -> dict:
