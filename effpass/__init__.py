@@ -36,7 +36,7 @@ def _source_digest() -> str:
 
 
 from .pass_api import (Pass, PassResult, Phase, register_pass, registered_passes, make_pass,  # noqa: E402
-                       get_pass_class, RESERVED_PASS_NAMES, PassOptionError)
+                       get_pass_class, RESERVED_PASS_NAMES, PassOptionError, register_extension)
 from .scope import skip, only, TargetMatchError  # noqa: E402
 from .manager import PassContext, PipelineError, EffpassPassError, order_passes  # noqa: E402
 from .config import parse_options, default_pipeline  # noqa: E402
@@ -44,9 +44,21 @@ from .report import CompileReport, GraphReport, PassRecord  # noqa: E402
 from .api import compile, prepare, report, backend_of  # noqa: E402
 from .backend import EffpassBackend  # noqa: E402
 
+
+
+def __getattr__(name: str):
+    """Helpers that passes register (``effpass.loss_scaler``, ``effpass.lora``), loaded on first use."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    from .pass_api import get_extension
+
+    return get_extension(name)
+
+
 __all__ = [
     "compile", "prepare", "report", "backend_of", "register_pass", "registered_passes", "make_pass",
     "get_pass_class", "skip", "only", "Pass", "PassResult", "PassContext", "Phase", "EffpassBackend",
     "parse_options", "default_pipeline", "order_passes", "CompileReport", "GraphReport", "PassRecord",
     "PipelineError", "EffpassPassError", "TargetMatchError", "PassOptionError", "RESERVED_PASS_NAMES",
+    "register_extension",
 ]

@@ -286,10 +286,11 @@ def effpass_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
     backend = _STRING_BACKENDS.get(key)
     if backend is None:
         opts = parse_options(options, mode=mode, device=_device_of(example_inputs))
-        module_only = [p.name for p in opts.passes if set(type(p).phases()) == {Phase.MODULE}]
+        module_only = [p.name for p in opts.passes
+                       if set(type(p).phases()) == {Phase.MODULE} or type(p).requires_module_phase]
         if module_only:
             raise ValueError(
-                f"pass(es) {module_only} act only on the eager model (module level), which the string backend "
+                f"pass(es) {module_only} must act on the eager model (module level), which the string backend "
                 "never sees; use effpass.compile(model, passes=[...]) or effpass.prepare(model, passes=[...]) first")
         backend = EffpassBackend(opts)
         _STRING_BACKENDS[key] = backend

@@ -112,6 +112,8 @@ class Pass:
 
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
+    #: True for passes that only work when their module hook ran (the string backend rejects them)
+    requires_module_phase: ClassVar[bool] = False
     run_after: ClassVar[tuple[str, ...]] = ()
     conflicts_with: ClassVar[tuple[str, ...]] = ()
 
@@ -392,6 +394,34 @@ def _load_plugins() -> None:
         pass
     for mod in sorted(names):
         importlib.import_module(mod)
+
+
+_EXTENSIONS: dict[str, Any] = {}
+
+
+def register_extension(name: str, obj: Any = None):
+    """Expose ``obj`` as ``effpass.<name>`` (a pass's user-facing helper such as ``effpass.loss_scaler``).
+
+    The core never imports a concrete pass: ``effpass.<name>`` loads the pass plugins on first access
+    and returns what they registered here. Usable as a decorator.
+    """
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"extension name {name!r} must be a Python identifier")
+
+    def put(o):
+        if name in _EXTENSIONS and _EXTENSIONS[name] is not o:
+            raise ValueError(f"an effpass extension named {name!r} is already registered")
+        _EXTENSIONS[name] = o
+        return o
+
+    return put if obj is None else put(obj)
+
+
+def get_extension(name: str) -> Any:
+    _load_plugins()
+    if name not in _EXTENSIONS:
+        raise AttributeError(f"module 'effpass' has no attribute {name!r}")
+    return _EXTENSIONS[name]
 
 
 def registered_passes() -> dict[str, type[Pass]]:

@@ -97,6 +97,7 @@ def decorated_instances() -> list[torch.nn.Module]:
 # module paths of nodes
 # ------------------------------------------------------------------------------------------------------
 _BRACKET = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
+_BOUND_SELF = re.compile(r"\.?[^.]+\.__self__")
 
 
 def normalize_module_path(path: str) -> str:
@@ -108,6 +109,9 @@ def normalize_module_path(path: str) -> str:
             break
     p = p.replace("._modules", "")
     p = _BRACKET.sub(r".\1", p)
+    # A forward stored on the instance as a bound method shows up as "<attr>.__self__": the object it is
+    # bound to is the module that holds it, so the two segments name nothing.
+    p = _BOUND_SELF.sub("", p)
     return p.strip(".")
 
 

@@ -377,3 +377,15 @@ def unmerge(model: nn.Module) -> int:
     for m in mods:
         m.unmerge()
     return len(mods)
+
+
+def _register_namespace() -> None:
+    """``effpass.lora`` is this module (save, load, merge, unmerge)."""
+    import sys
+
+    import effpass
+
+    effpass.register_extension("lora", sys.modules[__name__])
+
+
+_register_namespace()

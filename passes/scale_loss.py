@@ -258,13 +258,17 @@ class LossScaler:
     def _check_and_unscale(self, optimizer, inv_scale: torch.Tensor) -> torch.Tensor:
         found_inf = torch.zeros((), dtype=torch.float32, device=self.scale_tensor.device)
         groups: dict[tuple, list[torch.Tensor]] = {}
+        sharded = False
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     raise TypeError("scale_loss does not support sparse gradients")
-                groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+                grad = p.grad
+                if hasattr(grad, "to_local"):  # an FSDP2 DTensor: each rank checks and unscales its shard
+                    grad, sharded = grad.to_local(), True
+                groups.setdefault((grad.device, grad.dtype), []).append(grad)
         per_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         with torch.no_grad():
             for (device, _), grads in groups.items():
@@ -274,6 +278,9 @@ class LossScaler:
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, f, inv)
             for f, _ in per_device.values():
                 found_inf = found_inf + f.to(found_inf.device)
+        if sharded and torch.distributed.is_available() and torch.distributed.is_initialized():
+            # NOTE: every rank must make the same skip decision, so an overflow in any shard counts.
+            torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX)
         return found_inf
 
     def _check_loss_was_scaled(self) -> None:
@@ -294,6 +301,7 @@ class LossScaler:
         self._manual_scaling = True  # checked once
 
 
+@effpass.register_extension("loss_scaler")
 def loss_scaler(model: torch.nn.Module) -> LossScaler:
     """The :class:`LossScaler` of a model prepared or compiled with ``ScaleLoss`` (compiled or not)."""
     inner = getattr(model, "_orig_mod", model)
@@ -354,6 +362,9 @@ class ScaleLoss(effpass.Pass):
         scaler = ScaleLoss.scaler(model)
         scaler.step(optimizer); scaler.update() # unscale, skip on inf/NaN, adapt the scale
     """
+
+    # NOTE: the loss is routed through the scale only by the module hook (a wrapper on forward).
+    requires_module_phase = True
 
     init_scale: float = field(default=2.0 ** 16, metadata={"doc": "initial loss scale"})
     growth_factor: float = field(default=2.0, metadata={"doc": "scale multiplier after growth_interval clean steps"})

@@ -24,6 +24,8 @@ def test_normalize_dynamo_module_paths():
     assert normalize_module_path("L['self'].model.layers.0.self_attn") == "model.layers.0.self_attn"
     assert normalize_module_path("L['self']._modules['layers']._modules['3']") == "layers.3"
     assert normalize_module_path("L['self']") == ""
+    assert normalize_module_path("L['self']._wrapper.__self__.lm_head") == "lm_head"
+    assert normalize_module_path("L['self'].model._fwd.__self__.layers.0") == "model.layers.0"
 
 
 def test_globs_select_modules_on_llama():
