@@ -91,7 +91,8 @@ def test_policies_keep_gradients_and_cut_saved_bytes(policy):
     assert st["blocks"] == case.num_layers, st
     assert st["saved_bytes_measured"] == st["saved_bytes_after"], st  # plan == real partition
     assert st["saved_bytes_after"] < st["saved_bytes_before"], st
-    assert st["recompute_flops_added"] > 0, st
+    if label != "ops":  # "ops" may even recompute less than the unmarked partitioner (it saves softmax outputs)
+        assert st["recompute_flops_added"] > 0, st
     # the promises, from tensor metadata: "budget" at most half the no-checkpointing bytes; "full" keeps
     # only block inputs, so at most what the op-level policy keeps; "ops" at least a quarter less
     if label == "budget":
