@@ -127,7 +127,7 @@ def test_module_level_pass_through_string_backend_is_a_clear_error():
             return effpass.PassResult(True)
 
     m = torch.compile(torch.nn.Linear(2, 2), backend="effpass", options={"passes": {"freeze_everything": {}}})
-    with pytest.raises(Exception, match=r"act only on the eager model.*effpass.compile"):
+    with pytest.raises(Exception, match=r"must act on the eager model.*effpass.compile"):
         m(torch.randn(1, 2))
     # and through effpass.compile it runs at module level, before the optimizer is built
     lin = torch.nn.Linear(2, 2)
