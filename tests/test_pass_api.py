@@ -101,3 +101,22 @@ def test_dtype_options_accept_json_strings(registry_snapshot):
     assert effpass.make_pass("cast_things", {"dtype": "float16"}).dtype is torch.float16
     with pytest.raises(TypeError, match="'int9' is not a dtype"):
         effpass.make_pass("cast_things", {"dtype": "int9"})
+
+
+def test_passes_expose_helpers_as_effpass_attributes_without_the_core_importing_them():
+    import importlib
+
+    assert effpass.loss_scaler is importlib.import_module("effpass.passes.scale_loss").loss_scaler
+    assert effpass.lora is importlib.import_module("effpass.passes.lora")
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_helper'"):
+        effpass.no_such_helper
+    with pytest.raises(ValueError, match="already registered"):
+        effpass.register_extension("lora", object())
+    # the core package itself names no concrete pass module
+    import pathlib
+
+    core = pathlib.Path(effpass.__file__).parent
+    for f in core.glob("*.py"):
+        text = f.read_text()
+        for name in effpass.RESERVED_PASS_NAMES:
+            assert f"effpass.passes.{name}" not in text and f"passes import {name}" not in text, (f, name)
