@@ -171,8 +171,13 @@ class CheckpointActivations(effpass.Pass):
             budget_bytes = (parse_bytes(self.budget) if isinstance(self.budget, str)
                             else int(self.budget * before["saved_bytes"]))
             plan, met, after = plan_budget(gm, in_scope, block_of, budget_bytes, num_fwd, extra,
-                                           before["saved_bytes"])
-            stats.update(budget_bytes=budget_bytes, budget_met=met)
+                                           before["saved_bytes"], allow_torch=not self.targets)
+            stats.update(budget_bytes=budget_bytes, budget_met=met, torch_solver=isinstance(plan, TorchBudget))
+            if isinstance(plan, TorchBudget):
+                # torch's knapsack was best: let the partitioner run it on this graph (per-graph override)
+                stats["torch_budget_fraction"] = plan.fraction
+                next(iter(graph.nodes)).meta["memory_budget"] = float(plan.fraction)
+                plan = {}
         mark_graph(plan)
         if self.budget is None:
             after = partition_stats(gm, num_fwd)
@@ -432,27 +437,47 @@ def activation_bytes(saved: Iterable[fx.Node], inputs: Iterable[fx.Node] = (), e
 
 def node_flops(node: fx.Node) -> int:
     """FLOPs of one node: torch's flop formulas for matmuls/convs/attention; one per output element for
-    other compute ops; zero for views."""
-    if node.op != "call_function" or _is_view_or_free(node):
+    other compute ops; zero for views. A ``run_with_rng_state(state, op, *args)`` node (a random op the
+    partitioner replays in the backward) counts as its op."""
+    if node.op != "call_function":
+        return 0
+    target, args = node.target, node.args
+    if "run_with_rng_state" in str(getattr(target, "__name__", target)) and len(args) >= 2:
+        target, args = args[1], args[2:]
+    return _op_flops(target, args, node.kwargs, tensor_meta(node))
+
+
+def _op_flops(target, args, kwargs, out) -> int:
+    packet = target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target
+    if target is operator.getitem or (isinstance(target, torch._ops.OpOverload) and (
+            target.is_view or packet in (_aten.detach, _aten.alias, _aten.lift_fresh_copy, _aten.sym_size))):
         return 0
     from torch.utils.flop_counter import flop_registry
+    import torch.utils._pytree as pytree
 
-    fn = flop_registry.get(_packet(node))
+    metas = pytree.tree_map(lambda a: tensor_meta(a) if isinstance(a, fx.Node) else a, (args, kwargs))
+    fn = flop_registry.get(packet)
     if fn is not None:
-        import torch.utils._pytree as pytree
-
-        args, kwargs = pytree.tree_map(lambda a: tensor_meta(a) if isinstance(a, fx.Node) else a,
-                                       (node.args, node.kwargs))
         try:
-            return int(fn(*args, **kwargs, out_val=tensor_meta(node)))
+            return int(fn(*metas[0], **metas[1], out_val=out))
         except Exception:
             pass
-    val = tensor_meta(node)
-    if isinstance(val, torch.Tensor):
-        return _nbytes(val) // max(val.element_size(), 1)
-    if isinstance(val, (list, tuple)):
-        return sum(_nbytes(v) // max(v.element_size(), 1) for v in val if isinstance(v, torch.Tensor))
-    return 0
+    if packet in _SAVE_PACKETS and "attention" in str(packet):
+        flops = _attention_flops(metas[0])  # e.g. the CPU flash op, which torch's flop counter lacks
+        if flops is not None:
+            return flops
+    vals = out if isinstance(out, (list, tuple)) else [out]
+    return sum(_nbytes(v) // max(v.element_size(), 1) for v in vals if isinstance(v, torch.Tensor))
+
+
+def _attention_flops(args) -> int | None:
+    """``q @ k^T`` and ``p @ v`` of an attention op from its (B, H, S, D) q/k/v arguments (GQA: k/v may
+    have fewer heads; the kernel broadcasts them)."""
+    qkv = list(args[:3])
+    if len(qkv) < 3 or not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in qkv):
+        return None
+    (b, hq, sq, d), (_, _, sk, _), (_, _, _, dv) = (tuple(int(x) for x in t.shape) for t in qkv)
+    return 2 * b * hq * sq * sk * (d + dv)
 
 
 def _copy_gm(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
@@ -487,6 +512,7 @@ def partition_stats(gm: fx.GraphModule, num_fwd_outputs: int | None = None, *, p
         for n in copy.graph.nodes:
             n.meta.pop("recompute", None)
             n.meta.pop("ac_graph_id", None)
+            n.meta.pop("memory_budget", None)
     if plan:
         mark_graph({env[n]: p for n, p in plan.items()})
     fwd_names = {n.name: n for n in forward_nodes(copy.graph) if n.op == "call_function"}
@@ -496,6 +522,7 @@ def partition_stats(gm: fx.GraphModule, num_fwd_outputs: int | None = None, *, p
     saved = [n for n in bw.graph.find_nodes(op="placeholder") if not str(n.target).startswith("tangents")]
     inputs = [n for n in copy.graph.find_nodes(op="placeholder")]
     recomputed = [n for n in bw.graph.nodes if n.op == "call_function" and n.name in fwd_names]
+    replayed = [n for n in bw.graph.nodes if n.op == "call_function" and "run_with_rng_state" in str(n.target)]
     return {
         "saved": [n.name for n in saved if isinstance(tensor_meta(n), torch.Tensor)
                   and not str(n.target).startswith("primals")],
@@ -505,7 +532,7 @@ def partition_stats(gm: fx.GraphModule, num_fwd_outputs: int | None = None, *, p
         "saved_bytes": activation_bytes(saved, inputs),
         "saved_tensors": sum(1 for n in saved if isinstance(tensor_meta(n), torch.Tensor)
                              and not str(n.target).startswith("primals")),
-        "recompute_flops": sum(node_flops(n) for n in recomputed),
+        "recompute_flops": sum(node_flops(n) for n in recomputed + replayed),
         "recomputed": [n.name for n in recomputed],
     }
 
@@ -565,26 +592,39 @@ class _CostModel:
         return sum(self.size(n) for n in stored), sum(self.flops.get(n, 0) for n in recomputed)
 
 
+@dataclass(frozen=True)
+class TorchBudget:
+    """A budget plan that is torch's own ``activation_memory_budget`` knapsack at ``fraction``: applied by
+    ``node.meta["memory_budget"]`` on the joint graph (the partitioner's per-graph override), no marks."""
+
+    fraction: float
+
+
 def plan_budget(gm: fx.GraphModule, nodes: list[fx.Node], block_of: dict[fx.Node, str], budget_bytes: int,
-                num_fwd: int, extra_save=frozenset(), before_bytes: int | None = None) -> tuple[Plan, bool, dict]:
+                num_fwd: int, extra_save=frozenset(), before_bytes: int | None = None, *,
+                allow_torch: bool = True) -> tuple[Plan | TorchBudget, bool, dict]:
     """Marks that keep saved activations under ``budget_bytes`` with the fewest recompute FLOPs found, and
     whether the budget is met. Every candidate plan is checked by partitioning a copy of the graph:
 
     1. per block (block outputs always saved, so recompute never reaches into an earlier block): from
        "full", save values greedily by recompute FLOPs avoided per byte;
-    2. seeded by torch's own ``activation_memory_budget`` knapsack at the largest budget that fits
-       (found by bisection), then filled greedily with what still fits.
+    2. torch's own ``activation_memory_budget`` knapsack at the largest fraction whose saved bytes fit
+       (bisection), taken as it is (a :class:`TorchBudget` plan: the partitioner reruns torch's solver,
+       so its choice is reproduced exactly) and, as marks, improved: values it saves that avoid little
+       recompute per byte are dropped, then the freed bytes are filled greedily.
 
-    The plan with the fewest recompute FLOPs under the budget wins (so effpass never recomputes more than
-    torch's knapsack at the bytes that knapsack reached); when none fits, the one with the fewest bytes.
+    The plan with the fewest recompute FLOPs under the budget wins, so effpass never recomputes more than
+    torch's knapsack at the bytes that knapsack reaches; when none fits, the one with the fewest bytes.
+    ``allow_torch=False`` (a ``targets`` scope: torch's solver is global) leaves out torch's plan itself.
     Returns (plan, budget met, the plan's partition statistics).
     """
     ids = _block_ids(nodes, block_of)
     extra = {n for n in nodes if _packet(n) in extra_save}
-    plans: list[tuple[Plan, dict]] = []
+    plans: list[tuple[Plan | TorchBudget, dict]] = []
 
-    def check(plan: Plan) -> None:
+    def check(plan: Plan) -> dict:
         plans.append((plan, partition_stats(gm, num_fwd, plan=plan)))
+        return plans[-1][1]
 
     # 1. per-block greedy
     model = _CostModel(gm, nodes, ids)
@@ -592,23 +632,30 @@ def plan_budget(gm: fx.GraphModule, nodes: list[fx.Node], block_of: dict[fx.Node
              and n not in model.boundary]
     target = budget_bytes
     for _ in range(3):
-        plan = _plan_from_saved(nodes, ids, _greedy(model, cands, extra & set(cands), target))
-        check(plan)
-        real = plans[-1][1]["saved_bytes"]
+        real = check(_plan_from_saved(nodes, ids, _greedy(model, cands, extra & set(cands), target)))["saved_bytes"]
         if real <= budget_bytes:
             break
         target -= real - budget_bytes  # the model was optimistic: aim lower by the overshoot
 
-    # 2. torch's knapsack as a seed (one region: no forced block boundaries, as torch has none)
+    # 2. torch's knapsack (one region: no forced block boundaries, as torch has none)
     flat = {n: 1 for n in nodes}
     model = _CostModel(gm, nodes, flat)
     cands = [n for n in nodes if _multi_output_parent(n) is None and not _is_view_or_free(n)]
     if plans[-1][1]["saved_bytes"] > budget_bytes:  # below the per-block floor: recompute across blocks
         check(_plan_from_saved(nodes, flat, _greedy(model, cands, extra & set(cands), budget_bytes)))
-    seed = _torch_seed(gm, num_fwd, budget_bytes, set(nodes), before_bytes)
-    if seed is not None:
-        check(_plan_from_saved(nodes, flat, seed | extra))
-        check(_plan_from_saved(nodes, flat, _greedy(model, cands, seed | (extra & set(cands)), budget_bytes)))
+    found = _torch_seed(gm, num_fwd, budget_bytes, set(nodes), before_bytes)
+    if found is not None:
+        seed, frac, st = found
+        if allow_torch and not extra:
+            plans.append((TorchBudget(frac), st))
+        seed = (seed & set(cands)) | (extra & set(cands))
+        target = budget_bytes
+        for _ in range(2):
+            kept = _trim(model, seed, target)
+            real = check(_plan_from_saved(nodes, flat, _greedy(model, cands, kept, target)))["saved_bytes"]
+            if real <= budget_bytes:
+                break
+            target -= real - budget_bytes
 
     fits = [(st["recompute_flops"], st["saved_bytes"], i) for i, (_, st) in enumerate(plans)
             if st["saved_bytes"] <= budget_bytes]
@@ -617,6 +664,27 @@ def plan_budget(gm: fx.GraphModule, nodes: list[fx.Node], block_of: dict[fx.Node
         return plan, True, st
     i = min((st["saved_bytes"], i) for i, (_, st) in enumerate(plans))[1]
     return plans[i][0], False, plans[i][1]
+
+
+def _trim(model: "_CostModel", saved: set[fx.Node], budget: int) -> set[fx.Node]:
+    """Drop saved values, least recompute avoided per byte first, until the cost model is under ``budget``
+    with room to spare for refilling: every value whose saving avoids less than the median FLOPs per
+    byte goes, the others stay."""
+    saved = set(saved)
+    b0, f0 = model.evaluate(saved)
+    ratios = []
+    for n in saved:
+        b, f = model.evaluate(saved - {n})
+        ratios.append(((f - f0) / max(b0 - b, 1), n))
+    if not ratios:
+        return saved
+    ratios.sort(key=lambda r: r[0])
+    median = ratios[len(ratios) // 2][0]
+    out = {n for r, n in ratios if r >= median}
+    while ratios and model.evaluate(out)[0] > budget:  # still too big: drop from the cheapest kept
+        r, n = ratios.pop(0)
+        out.discard(n)
+    return out
 
 
 def _plan_from_saved(nodes: list[fx.Node], ids: dict[fx.Node, int], saved: set[fx.Node]) -> Plan:
@@ -639,8 +707,9 @@ def _is_view(node: fx.Node) -> bool:
 
 
 def _torch_seed(gm: fx.GraphModule, num_fwd: int, budget_bytes: int, scope: set[fx.Node],
-                before_bytes: int | None) -> set[fx.Node] | None:
-    """The values torch's ``activation_memory_budget`` knapsack saves at a budget whose saved bytes fit.
+                before_bytes: int | None) -> tuple[set[fx.Node], float, dict] | None:
+    """The values torch's ``activation_memory_budget`` knapsack saves at the largest fraction whose saved
+    bytes fit, that fraction and its partition statistics.
 
     torch's budget is a fraction between "save only inputs" and "no checkpointing": start from the
     fraction a linear model predicts, then bisect (at most eight partitions with a min-cut)."""
@@ -661,14 +730,14 @@ def _torch_seed(gm: fx.GraphModule, num_fwd: int, budget_bytes: int, scope: set[
         else:
             hi = frac
         frac = (lo + hi) / 2
-    if best is None:
-        return None
     seed = set()
     for name in best["saved"]:
         n = by_name.get(name)
-        if n is not None:
+        while n is not None and _is_view(n) and isinstance(n.args[0], fx.Node):
+            n = n.args[0]  # a saved view: save what it views
+        if n is not None and n in scope:
             seed.add(_multi_output_parent(n) or n)  # a saved getitem: save its op
-    return seed
+    return seed, lo, best
 
 
 def _greedy(model: _CostModel, candidates: list[fx.Node], forced: set[fx.Node], budget: int) -> set[fx.Node]:
