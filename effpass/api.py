@@ -60,8 +60,6 @@ def prepare(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None =
 def _run_module_phase(model: torch.nn.Module, backend: EffpassBackend, compile_kwargs: dict | None = None):
     import os
 
-    from .dump import DumpInstrument
-
     report = backend.report.module
     if backend.options.dump_dir:
         report.dump_path = os.path.join(backend.options.dump_dir, "module")

@@ -272,7 +272,6 @@ class EffpassBackend:
 # the string backend: torch.compile(model, backend="effpass", options={...})
 # ------------------------------------------------------------------------------------------------------
 _STRING_BACKENDS: dict[str, EffpassBackend] = {}
-_REPORT_BY_BACKEND: "weakref.WeakValueDictionary[int, EffpassBackend]" = weakref.WeakValueDictionary()
 
 
 def effpass_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None,

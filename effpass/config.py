@@ -201,8 +201,6 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
                 raise ValueError(f"inductor_config: unknown Inductor config key {key!r}")
     out.inductor_config = dict(inductor_config)
     if mode is not None:
-        import torch._inductor
-
         valid_modes = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
         if mode not in valid_modes:
             raise ValueError(f"mode {mode!r} is not valid; choose one of {valid_modes}")

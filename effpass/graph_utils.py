@@ -60,16 +60,21 @@ def snapshot_graph(graph: fx.Graph) -> fx.Graph:
 
 
 def restore_graph(graph: fx.Graph, snapshot: fx.Graph) -> None:
-    """Make ``graph`` equal to ``snapshot`` in place, keeping ``graph``'s placeholder nodes."""
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    # Reverse order erases every user before the node it uses.
+    """Make ``graph`` equal to ``snapshot`` in place, keeping ``graph``'s own placeholder nodes (callers
+    such as the partitioner know them by identity). Placeholders a failed pass added are removed."""
+    snap_ph = [n for n in snapshot.nodes if n.op == "placeholder"]
+    by_name = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    missing = [p.name for p in snap_ph if p.name not in by_name]
+    if missing:  # checked before anything is erased: the graph is left as the pass left it
+        raise RuntimeError(f"cannot roll back a pass that removed graph inputs {missing}")
+    keep = {by_name[p.name] for p in snap_ph}
+    # Reverse order erases every user before the node it uses; then the inputs the pass added.
     for n in reversed(list(graph.nodes)):
         if n.op != "placeholder":
             graph.erase_node(n)
-    snap_ph = [n for n in snapshot.nodes if n.op == "placeholder"]
-    if len(snap_ph) != len(placeholders):
-        raise RuntimeError("cannot roll back a pass that changed the graph's inputs")
-    val_map = dict(zip(snap_ph, placeholders))
+    for n in [n for n in graph.nodes if n not in keep]:
+        graph.erase_node(n)
+    val_map = {p: by_name[p.name] for p in snap_ph}
     out = graph.graph_copy(snapshot, val_map, return_output_node=True)
     out_val, out_node = out if isinstance(out, tuple) else (out, None)
     new_out = graph.output(out_val)

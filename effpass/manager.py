@@ -17,9 +17,9 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from .graph_utils import op_histogram, restore_graph, snapshot_graph, tensor_meta
+from .graph_utils import op_histogram, restore_graph, snapshot_graph
 from .pass_api import Pass, PassResult, Phase, PHASE_HOOKS
-from .report import CompileReport, GraphReport, PassRecord
+from .report import GraphReport, PassRecord
 from .scope import Scope
 
 __all__ = ["PassManager", "PassContext", "order_passes", "PipelineError", "EffpassPassError"]

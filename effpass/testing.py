@@ -180,7 +180,7 @@ def compile_and_compare(case: ModelCase, passes: Sequence[Any] | None = (), *, l
     semantics: the prepared eager model computes the same function). ``reference(model)`` may replace
     the eager forward (e.g. to run it under ``torch.autocast``).
     """
-    from .api import compile as effpass_compile, prepare  # noqa: F401
+    from .api import compile as effpass_compile
 
     torch._dynamo.reset()
     model = case.model

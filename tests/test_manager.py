@@ -116,3 +116,24 @@ def test_disable_list_and_env(monkeypatch):
     monkeypatch.setenv("EFFPASS_DISABLE", "count_linears")
     res = compile_and_compare(model_case("demo"), passes)
     assert [r.name for r in res.report.records()] == ["scale_linears_by_one"]
+
+
+def test_rollback_removes_placeholders_a_failed_pass_added():
+    import torch.fx as fx
+
+    from effpass.graph_utils import restore_graph, snapshot_graph
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    g.output(g.call_function(torch.relu, (x,)))
+    snap = snapshot_graph(g)
+    extra = g.placeholder("extra")  # a pass adds an input and rewires, then fails
+    out = next(n for n in g.nodes if n.op == "output")
+    with g.inserting_before(out):
+        add = g.call_function(torch.add, (out.args[0], extra))
+    out.args = (add,)
+    restore_graph(g, snap)
+    assert [n.op for n in g.nodes] == ["placeholder", "call_function", "output"]
+    assert next(iter(g.nodes)) is x  # the original input node survives (callers know it by identity)
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    assert torch.equal(gm(torch.tensor([-1.0, 2.0])), torch.tensor([0.0, 2.0]))
