@@ -199,3 +199,14 @@ def test_second_process_hits_the_caches_with_identical_results_and_stats(tmp_pat
     # the dump of the cache-hit run still has the joint-phase record
     index = json.loads((tmp_path / "dump1" / "graph_000" / "index.json").read_text())
     assert any(p["name"] == "count_mm_for_cache_test" and p["from_cache"] for p in index["passes"])
+
+
+def test_mode_reaches_the_backend_and_is_validated():
+    m = torch.compile(torch.nn.Linear(2, 2), backend="effpass", mode="fastest")
+    with pytest.raises(Exception, match=r"mode 'fastest' is not valid; choose one of \['default'"):
+        m(torch.randn(1, 2))
+    torch._dynamo.reset()
+    lin = torch.nn.Linear(2, 2)
+    m = torch.compile(lin, backend="effpass", mode="max-autotune-no-cudagraphs", options=None)
+    torch.testing.assert_close(m(torch.ones(1, 2)), lin(torch.ones(1, 2)))
+    assert effpass.backend_of().options.mode == "max-autotune-no-cudagraphs"
