@@ -151,17 +151,32 @@ def run_arm(arm: str, device: str) -> dict:
     return result
 
 
-def analyse_budget(gm, model, budget: float) -> dict:
-    """torch's knapsack at ``budget`` on this joint graph, and effpass's budget mode given the bytes it reached."""
+def analyse_budget(gm, model, budget: float, compare=(0.3, 0.5, 0.7)) -> dict:
+    """torch's knapsack at ``budget`` on this joint graph, and effpass's budget mode given the bytes torch's
+    knapsack reached at each fraction in ``compare`` (like for like: same graph, same byte budget)."""
+    from torch._functorch import config as fconfig
+
     from effpass.passes.checkpoint_activations import find_blocks, forward_nodes, partition_stats, plan_budget
 
-    ps = partition_stats(gm, memory_budget=budget)
+    with fconfig.patch(activation_memory_budget=1.0):  # this arm compiles under torch's budget: not for effpass
+        return _analyse_budget(gm, model, budget, compare, find_blocks, forward_nodes, partition_stats, plan_budget)
+
+
+def _analyse_budget(gm, model, budget, compare, find_blocks, forward_nodes, partition_stats, plan_budget) -> dict:
     fwd = [n for n in forward_nodes(gm.graph) if n.op == "call_function"]
     before = partition_stats(gm)["saved_bytes"]
-    _, met, es = plan_budget(gm, fwd, find_blocks(fwd, (), model), ps["saved_bytes"], None, before_bytes=before)
-    return {"saved_bytes_after": ps["saved_bytes"], "recompute_flops_after": ps["recompute_flops"],
-            "effpass_at_same_bytes": {"saved_bytes": es["saved_bytes"], "recompute_flops": es["recompute_flops"],
-                                      "budget_met": met}}
+    out = {}
+    rows = []
+    for frac in sorted(set(compare) | {budget}):
+        ps = partition_stats(gm, memory_budget=frac)
+        _, met, es = plan_budget(gm, fwd, find_blocks(fwd, (), model), ps["saved_bytes"], None, before_bytes=before)
+        rows.append({"fraction": frac, "torch_saved_bytes": ps["saved_bytes"], "torch_recompute_flops": ps["recompute_flops"],
+                     "effpass_saved_bytes": es["saved_bytes"], "effpass_recompute_flops": es["recompute_flops"],
+                     "budget_met": met})
+        if frac == budget:
+            out = {"saved_bytes_after": ps["saved_bytes"], "recompute_flops_after": ps["recompute_flops"]}
+    out["like_for_like"] = rows
+    return out
 
 
 def versions(device: str) -> dict:
@@ -241,15 +256,19 @@ def markdown(doc: dict) -> str:
                      f"| {arm} | {r['saved_bytes_hook'] / 2**20:.2f} MiB | {r.get('saved_vs_none', 1):.2f} | - | ")
         lines[-1] += (f"{fl / 1e9:.3f} GFLOP | " if fl is not None else "- | ") + \
             f"{r['step_s_median'] * 1e3:.1f} ms | {r.get('step_vs_none', 1):.2f} | {peak} |"
-    tb = doc["arms"].get("torch_budget", {}).get("effpass_at_same_bytes")
-    if tb:
-        t = doc["arms"]["torch_budget"]
-        lines += ["", f"Like for like on the same joint graph: torch's knapsack (activation_memory_budget=0.5) saves "
-                  f"{t['saved_bytes_after']:,} bytes and recomputes {t['recompute_flops_after']:,} FLOPs; effpass's budget "
-                  f"mode given those bytes saves {tb['saved_bytes']:,} bytes and recomputes {tb['recompute_flops']:,} FLOPs "
-                  f"({'effpass' if tb['recompute_flops'] < t['recompute_flops_after'] else 'torch'} recomputes fewer)."]
+    rows = doc["arms"].get("torch_budget", {}).get("like_for_like")
+    if rows:
+        lines += ["", "Like for like on the same joint graph: torch's knapsack at each `activation_memory_budget`, and "
+                  "effpass's budget mode given the bytes torch's knapsack reached:", "",
+                  "| torch budget | torch saved bytes | torch recompute FLOPs | effpass saved bytes | effpass recompute FLOPs | fewer FLOPs |",
+                  "|---|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {r['fraction']} | {r['torch_saved_bytes']:,} | {r['torch_recompute_flops']:,} | "
+                         f"{r['effpass_saved_bytes']:,} | {r['effpass_recompute_flops']:,} | "
+                         f"{'effpass' if r['effpass_recompute_flops'] < r['torch_recompute_flops'] else 'torch'} |")
     lines += ["", "Recompute FLOPs: forward ops the backward graph recomputes (torch's FLOP formulas for "
-              "matmul/attention, one per element otherwise); for torch_budget analysed on the same joint graph. "
+              "matmul/attention, attention by its q/k/v shapes, one per element otherwise); for torch_budget analysed "
+              "on the same joint graph. "
               "CPU step times are noisy (2 shared cores): compare ratios within this run only.", ""]
     return "\n".join(lines)
 
