@@ -222,6 +222,8 @@ class PassManager:
             record.traceback = traceback.format_exc(limit=8)
             if self.strict:
                 report.add(record)
+                for inst in self.instruments:
+                    inst.after_pass(report, record, None)
                 raise EffpassPassError(
                     f"pass {p.name!r} failed on {report.graph_id} ({ctx.graph_kind} graph): {type(e).__name__}: {e}; "
                     f"passes that ran before on this graph: {done or 'none'}") from e

@@ -137,3 +137,49 @@ def test_rollback_removes_placeholders_a_failed_pass_added():
     assert next(iter(g.nodes)) is x  # the original input node survives (callers know it by identity)
     gm = fx.GraphModule(torch.nn.Module(), g)
     assert torch.equal(gm(torch.tensor([-1.0, 2.0])), torch.tensor([0.0, 2.0]))
+
+
+CRASH_SCRIPT = """
+import os, sys, dataclasses, torch, effpass
+from effpass.testing import model_case
+
+@effpass.register_pass("crash_process", phase="joint")
+def crash_process(gm, ctx):
+    os._exit(3)   # the process dies mid-compile, after the torch-IR passes
+
+@effpass.register_pass("count_nodes_first")
+def count_nodes_first(gm, ctx):
+    return effpass.PassResult(False, {"nodes": len(gm.graph.nodes)})
+
+case = model_case("demo")
+m = effpass.compile(case.model, passes=["count_nodes_first", "crash_process"], lowering="eager", dump_dir=sys.argv[1])
+m(**case.inputs)
+"""
+
+
+def test_a_crash_mid_compile_leaves_a_readable_dump(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "crash.py"
+    script.write_text(CRASH_SCRIPT)
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "dump")], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 3
+    index = json.loads((tmp_path / "dump" / "graph_000" / "index.json").read_text())
+    assert [p["name"] for p in index["passes"]] == ["count_nodes_first"] and index["passes"][0]["stats"]["nodes"] > 0
+    assert (tmp_path / "dump" / "graph_000" / index["inputs"]["joint"]).exists()  # the joint input was written
+    assert not [f for f in (tmp_path / "dump" / "graph_000").iterdir() if f.name.startswith(".tmp-")]
+
+
+def test_strict_failure_is_recorded_in_the_dump(tmp_path):
+    import json
+
+    case = model_case("demo")
+    compiled = effpass.compile(case.model, passes=[effpass.make_pass("break_graph")], lowering="eager", strict=True,
+                               dump_dir=str(tmp_path))
+    with pytest.raises(Exception, match="break_graph"):
+        compiled(**case.inputs)
+    index = json.loads((tmp_path / "graph_000" / "index.json").read_text())
+    assert index["passes"][0]["name"] == "break_graph" and "deliberate failure" in index["passes"][0]["error"]
