@@ -53,7 +53,10 @@ checkpointing policy sees the fused op instead of the ``S x S`` intermediates.
 Invariants: only nodes of matched sites are replaced; every new node carries the replaced node's
 ``nn_module_stack`` and a fake ``example_value``; placeholders are never added or removed. Fully masked
 rows: eager attention gives NaN (``-inf`` fill) or a uniform row (finite fill) where SDPA may give NaN or
-0; the outputs of rows with at least one unmasked key are equal.
+0; the outputs of rows with at least one unmasked key are equal. On CPU, a site whose mask may hold such
+rows (any mask computed from the inputs, e.g. a padding mask) calls SDPA's math reference
+(``aten._scaled_dot_product_attention_math``, stat ``math_reference``): the fused CPU kernel's backward
+is wrong on fully masked rows with a finite fill (HF's ``finfo.min``), the math reference is exact.
 """
 from __future__ import annotations
 
@@ -496,6 +499,12 @@ def _is_causal(site: _Site, const: _ConstEval) -> bool:
     return bool((allowed == tril).all())
 
 
+def _rows_nonempty(site: _Site, const: _ConstEval) -> bool:
+    """True when the mask is a known constant in which every query row attends to at least one key."""
+    allowed = _causal_allowed(site, const)
+    return isinstance(allowed, torch.Tensor) and allowed.dim() >= 1 and bool(allowed.any(-1).all())
+
+
 # ------------------------------------------------------------------------------------------------------
 # the pass
 # ------------------------------------------------------------------------------------------------------
@@ -546,7 +555,7 @@ class FuseAttention(effpass.Pass):
         graph = gm.graph
         const = _ConstEval(gm, ctx, self.assume_constant_buffers, self.max_mask_eval_elements)
         stats = {"fused": 0, "causal": 0, "attn_mask": 0, "gqa": 0, "dropout": 0, "flash_attn": 0,
-                 "skipped": 0}
+                 "math_reference": 0, "skipped": 0}
         skipped = []
         for sm in [n for n in graph.nodes if _is_softmax(n)]:
             if not ctx.allows(sm):
@@ -618,11 +627,25 @@ class FuseAttention(effpass.Pass):
             if attn_mask is not None and mask_dim < 2:
                 # NOTE: SDPA needs at least a (q_len, kv_len) mask; a broadcast view costs nothing
                 attn_mask = call(torch.broadcast_to, attn_mask, tuple(_shape(site.qk)[-2:]))
-            kwargs = dict(attn_mask=attn_mask, dropout_p=site.dropout_p, is_causal=causal, scale=site.scale)
-            if rep > 1:
-                kwargs["enable_gqa"] = True
-            fn = _attention_fn(self.kernel)
-            fused = call(fn, site.q, k_base, v_base, **kwargs)
+            # NOTE(audit): torch's fused CPU SDPA kernel computes WRONG GRADIENTS (forward is right) for a
+            # query row whose keys are all masked with a finite fill (HF's finfo.min, or -1e4): e.g.
+            # left-padded Llama/GPT-2 batches, whose padded query rows attend to nothing. Where such rows
+            # cannot be ruled out at compile time (a mask from the inputs) on CPU, call SDPA's math
+            # reference instead, which matches eager attention exactly (forward and backward).
+            # (the forward is right, so graphs where no gradient flows into q/k/v keep the fused kernel)
+            needs_grad = any(getattr(_val(t), "requires_grad", True) for t in (site.q, site.k_t, site.v))
+            math_ref = (attn_mask is not None and qv.device.type == "cpu" and needs_grad
+                        and not _rows_nonempty(site, const))
+            if math_ref:
+                fused = call(operator.getitem, call(
+                    torch.ops.aten._scaled_dot_product_attention_math.default, site.q, k_base, v_base,
+                    attn_mask, site.dropout_p, causal, None, scale=site.scale, enable_gqa=rep > 1), 0)
+            else:
+                kwargs = dict(attn_mask=attn_mask, dropout_p=site.dropout_p, is_causal=causal, scale=site.scale)
+                if rep > 1:
+                    kwargs["enable_gqa"] = True
+                fn = _attention_fn(self.kernel)
+                fused = call(fn, site.q, k_base, v_base, **kwargs)
         _set_meta(new_nodes, site.pv)
         site.pv.replace_all_uses_with(fused)
         dead = [site.pv, *site.chain]
@@ -634,7 +657,8 @@ class FuseAttention(effpass.Pass):
         stats["attn_mask"] += int(attn_mask is not None)
         stats["gqa"] += int(rep > 1)
         stats["dropout"] += int(site.dropout_p > 0)
-        stats["flash_attn"] += int(self.kernel != "sdpa" and _flash_available())
+        stats["flash_attn"] += int(self.kernel != "sdpa" and _flash_available() and not math_ref)
+        stats["math_reference"] += int(math_ref)
 
 
 def _erase_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:
