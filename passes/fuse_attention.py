@@ -637,6 +637,11 @@ class FuseAttention(effpass.Pass):
             math_ref = (attn_mask is not None and qv.device.type == "cpu" and needs_grad
                         and not _rows_nonempty(site, const))
             if math_ref:
+                if site.allowed and not site.additive:
+                    # a boolean mask: F.scaled_dot_product_attention converts it to 0 / -inf before it
+                    # dispatches; the math op would ADD the booleans (True = +1) to the scores
+                    attn_mask = call(torch.masked_fill, call(torch.zeros_like, attn_mask, dtype=qv.dtype),
+                                     call(torch.logical_not, attn_mask), float("-inf"))
                 fused = call(operator.getitem, call(
                     torch.ops.aten._scaled_dot_product_attention_math.default, site.q, k_base, v_base,
                     attn_mask, site.dropout_p, causal, None, scale=site.scale, enable_gqa=rep > 1), 0)
