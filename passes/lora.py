@@ -365,10 +365,26 @@ def load(model: nn.Module, path: str | os.PathLike, *, trainable: bool = False) 
 def merge(model: nn.Module) -> int:
     """Fold every adapter into its base weight (``W += scaling * B @ A``); the forward then skips the
     adapter branch, so a compiled merged model has no adapter ops. Returns the number merged."""
-    mods = lora_modules(getattr(model, "_orig_mod", model)).values()
-    for m in mods:
-        m.merge()
-    return len(mods)
+    root = getattr(model, "_orig_mod", model)
+    mods = lora_modules(root)
+    # NOTE(audit): a base weight shared with another parameter (GPT-2's lm_head is tied to the token
+    # embedding) must not be merged: ``W += B @ A`` would change the embedding as well, silently changing
+    # the model. Those adapters stay unmerged (the forward then still adds their branch: same function).
+    uses = Counter(id(p) for _, p in root.named_parameters(remove_duplicate=False))
+    tied = sorted(n for n, m in mods.items() if not m.merged
+                  and uses[id(getattr(m.base_layer, "weight", None))] > 1)
+    if tied:
+        import warnings
+
+        warnings.warn(f"effpass.lora.merge: left {tied} unmerged: their base weight is tied to another "
+                      "parameter (merging would change that one too); their adapter branch stays active",
+                      stacklevel=2)
+    merged = 0
+    for n, m in mods.items():
+        if n not in tied:
+            m.merge()
+            merged += 1
+    return merged
 
 
 def unmerge(model: nn.Module) -> int:
