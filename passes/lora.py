@@ -131,10 +131,12 @@ class LoRALinear(nn.Module):
         result = self.base_layer(x)
         if self.merged:
             return result
-        dtype = result.dtype
         x = x.to(self.lora_A.weight.dtype)
-        result = result + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
-        return result.to(dtype)
+        # NOTE(audit): ``type_as(result)``, not ``.to(result.dtype)``: Dynamo bakes ``result.dtype`` into
+        # the graph as the dtype seen while tracing (fp32), so once apply_autocast wraps the graph the
+        # adapter output was cast back to fp32 where eager torch.autocast keeps bf16 (~1% gradient
+        # difference). ``type_as`` stays a graph op that follows the dtype at run time.
+        return result + (self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling).type_as(result)
 
     # -- merging -------------------------------------------------------------------------------------
     def delta_weight(self) -> torch.Tensor:
