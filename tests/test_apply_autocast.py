@@ -230,7 +230,9 @@ def test_apply_autocast_default_is_off_on_cpu():
 
 
 _SECOND_PROCESS = """
-import json, torch, effpass
+import json, os, torch, effpass
+# Inductor's CPU cache key includes the thread count: match the parent (pytest-xdist workers use 1).
+torch.set_num_threads(int(os.environ["EFFPASS_PARENT_THREADS"]))
 from torch._dynamo.utils import counters
 from effpass.passes import ApplyAutocast
 from effpass.testing import model_case, loss_of
@@ -259,7 +261,7 @@ def test_apply_autocast_inductor_and_compile_cache_in_second_process():
     # A second process with the same cache directory hits the AOTAutograd cache: the autocast nodes are
     # marked cacheable (otherwise every mixed-precision graph would bypass it).
     p = subprocess.run([sys.executable, "-c", _SECOND_PROCESS], capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ))
+                       env={**os.environ, "EFFPASS_PARENT_THREADS": str(torch.get_num_threads())})
     line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
     assert line is not None, p.stderr[-3000:]
     got = json.loads(line[len("RESULT "):])
