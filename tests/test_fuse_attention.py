@@ -49,7 +49,10 @@ def test_fuses_every_layer_of_real_models(name):
     before, after = {}, {}
     for r in _records(res.compiled):
         before.update(r.ops_before), after.update(r.ops_after)
-    assert after.get(SDPA, 0) == case.num_layers
+    # CPU sites with an input-dependent mask use SDPA's exact math op when gradients flow (the fused CPU
+    # kernel's backward is wrong on fully masked rows): either way one attention op per layer.
+    assert after.get(SDPA, 0) + after.get("aten._scaled_dot_product_attention_math", 0) == case.num_layers
+    assert after.get("aten._scaled_dot_product_attention_math", 0) == stats.get("math_reference", 0)
     assert before.get("F.softmax", 0) + before.get("torch.softmax", 0) + before.get(".softmax", 0) == case.num_layers
     assert not any("softmax" in k for k in after), after
     if name in ("llama", "demo"):  # GQA: 4 query heads, 2 KV heads, K/V no longer repeated
