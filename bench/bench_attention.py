@@ -28,6 +28,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import timed  # noqa: E402
+
 ARMS = ("naive", "sdpa", "compile", "effpass")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -121,17 +124,7 @@ def run_arm(arm: str, device: str, quick: bool, reps: int) -> list[dict]:
                     torch.cuda.reset_peak_memory_stats()
                 times = []
                 for _ in range(reps):
-                    if device == "cuda":
-                        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        e0.record()
-                        step()
-                        e1.record()
-                        torch.cuda.synchronize()
-                        times.append(e0.elapsed_time(e1) / 1e3)
-                    else:
-                        t = time.perf_counter()
-                        step()
-                        times.append(time.perf_counter() - t)
+                    times.append(timed(step, device == "cuda"))
                 med = statistics.median(times)
                 row.update(median_ms=round(med * 1e3, 3), min_ms=round(min(times) * 1e3, 3),
                            tflops=round(flops(b, s, h, d, True, "fwd" if mode == "fwd" else "fwd+bwd") / med / 1e12, 3))

@@ -35,6 +35,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import timed  # noqa: E402
+
 ARMS = ("none", "torch_block_ckpt", "torch_budget", "effpass_ops", "effpass_full", "effpass_budget")
 
 
@@ -129,17 +132,7 @@ def run_arm(arm: str, device: str) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     for _ in range(cfg["steps"]):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t)
+        times.append(timed(step, cuda))
     result = {"arm": arm, "step_s_median": statistics.median(times), "step_s_min": min(times),
               "compile_s": compile_s, "saved_bytes_hook": sum(saved.values()),
               "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None}
