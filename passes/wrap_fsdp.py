@@ -32,11 +32,10 @@ and loss-scaler state).
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import types
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist

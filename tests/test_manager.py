@@ -1,6 +1,5 @@
 """The pass manager: ordering, conflicts, cycles, bisect, disable, fallback, strict, provenance."""
 import dataclasses
-import warnings
 
 import pytest
 import torch
