@@ -227,16 +227,19 @@ def compile_and_compare(case: ModelCase, passes: Sequence[Any] | None = (), *, l
 @contextlib.contextmanager
 def dynamo_counters() -> Iterator[dict[str, int]]:
     """Counts graph breaks, graphs compiled and recompiles inside the block (filled in on exit)."""
-    from torch._dynamo.utils import counters
+    from torch._dynamo import utils
 
-    counters.clear()
+    utils.counters.clear()
+    utils.clear_compilation_metrics()
     out: dict[str, int] = {}
     try:
         yield out
     finally:
+        counters = utils.counters
         out["graph_breaks"] = sum(counters["graph_break"].values())
         out["unique_graphs"] = counters["stats"]["unique_graphs"]
-        out["recompiles"] = sum(v for k, v in counters["recompiles"].items()) if "recompiles" in counters else 0
+        # Dynamo's counters have no recompile count; each compile's metrics carry the reason of a recompile.
+        out["recompiles"] = sum(1 for m in utils.get_compilation_metrics() if getattr(m, "recompile_reason", None))
         out["frames"] = counters["frames"]["ok"]
 
 

@@ -210,3 +210,13 @@ def test_mode_reaches_the_backend_and_is_validated():
     m = torch.compile(lin, backend="effpass", mode="max-autotune-no-cudagraphs", options=None)
     torch.testing.assert_close(m(torch.ones(1, 2)), lin(torch.ones(1, 2)))
     assert effpass.backend_of().options.mode == "max-autotune-no-cudagraphs"
+
+
+def test_dynamo_counters_count_recompiles():
+    """The recompile oracle used across the suite can fail: a shape change without dynamic shapes recompiles."""
+    f = torch.compile(lambda x: x.sin() + 1, backend="eager", dynamic=False)
+    with dynamo_counters() as counts:
+        f(torch.randn(3))
+        f(torch.randn(3))
+        f(torch.randn(4))
+    assert counts["recompiles"] == 1 and counts["frames"] == 2
