@@ -29,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = r'''
 import os, sys, time, json, dataclasses
 import torch, effpass
-from effpass.models import DemoConfig, DemoLM
+from effpass.testing.models import DemoConfig, DemoLM
 arm, layers = sys.argv[1], int(sys.argv[2])
 torch.manual_seed(0)
 model = DemoLM(DemoConfig(n_layers=layers))
@@ -76,7 +76,7 @@ def manager_scaling(sizes=(1, 2, 4, 8, 16)) -> list[dict]:
 
     import effpass
     from effpass.manager import PassManager
-    from effpass.models import DemoConfig, DemoLM
+    from effpass.testing.models import DemoConfig, DemoLM
     from effpass.pass_api import Phase
     from effpass.report import GraphReport
 

@@ -36,7 +36,8 @@ def _source_digest() -> str:
 
 
 from .pass_api import (Pass, PassResult, Phase, register_pass, registered_passes, make_pass,  # noqa: E402
-                       get_pass_class, RESERVED_PASS_NAMES, PassOptionError, register_extension)
+                       get_pass_class, reserved_pass_names, PassOptionError, register_extension,
+                       register_command, register_cacheable_function)
 from .scope import skip, only, TargetMatchError  # noqa: E402
 from .manager import PassContext, PipelineError, EffpassPassError, order_passes  # noqa: E402
 from .config import parse_options, default_pipeline  # noqa: E402
@@ -59,6 +60,6 @@ __all__ = [
     "compile", "prepare", "report", "backend_of", "register_pass", "registered_passes", "make_pass",
     "get_pass_class", "skip", "only", "Pass", "PassResult", "PassContext", "Phase", "EffpassBackend",
     "parse_options", "default_pipeline", "order_passes", "CompileReport", "GraphReport", "PassRecord",
-    "PipelineError", "EffpassPassError", "TargetMatchError", "PassOptionError", "RESERVED_PASS_NAMES",
-    "register_extension",
+    "PipelineError", "EffpassPassError", "TargetMatchError", "PassOptionError", "reserved_pass_names",
+    "register_extension", "register_command", "register_cacheable_function",
 ]

@@ -27,12 +27,10 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from .config import Options, describe_options, parse_options
 from .dump import DumpInstrument, RecordStore, claim_graph_dir
 from .manager import PassManager
-from .pass_api import Phase
+from .pass_api import Phase, cacheable_functions
 from .report import CompileReport, GraphReport, PassRecord
 
 __all__ = ["EffpassBackend", "effpass_backend"]
-
-_AUTOCAST_FUNCTIONS = ("torch.amp.autocast_mode._enter_autocast", "torch.amp.autocast_mode._exit_autocast")
 
 
 def _device_of(example_inputs: Sequence[Any]) -> torch.device:
@@ -44,7 +42,7 @@ def _device_of(example_inputs: Sequence[Any]) -> torch.device:
 
 def copy_dynamo_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of Dynamo's GraphModule that passes may edit freely (Dynamo keeps the original)."""
-    from .graph_utils import snapshot_graph
+    from .graph import snapshot_graph
 
     graph = snapshot_graph(gm.graph)
     for old, new in zip(gm.graph.find_nodes(op="placeholder"), graph.find_nodes(op="placeholder")):
@@ -143,11 +141,11 @@ class EffpassBackend:
 
         inductor: dict[str, Any] = {}
         functorch: dict[str, Any] = {"force_non_lazy_backward_lowering": True}
-        # NOTE(caching): the autocast enter/exit calls are fixed by their arguments, so graphs holding
-        # them are safe to cache; without this the AOTAutograd cache bypasses every mixed-precision graph.
+        # NOTE(caching): functions that passes declared cacheable (e.g. apply_autocast's enter/exit
+        # calls, fixed by their arguments); without this the caches bypass every graph calling them.
         marked = dict(ic.unsafe_marked_cacheable_functions)
-        for name in _AUTOCAST_FUNCTIONS:
-            marked.setdefault(name, torch.__version__)
+        for name, version in cacheable_functions().items():
+            marked.setdefault(name, version)
         inductor["unsafe_marked_cacheable_functions"] = marked
         for p in self.manager.active:
             for k, v in (p.compile_config(common) or {}).items():

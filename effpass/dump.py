@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from .graph_utils import runnable_source
+from .graph import runnable_source
 from .manager import Instrument
 from .report import GraphReport, PassRecord
 

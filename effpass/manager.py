@@ -17,7 +17,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from .graph_utils import op_histogram, restore_graph, snapshot_graph
+from .graph import op_histogram, restore_graph, snapshot_graph
 from .pass_api import Pass, PassResult, Phase, PHASE_HOOKS
 from .report import GraphReport, PassRecord
 from .scope import Scope

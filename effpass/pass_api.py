@@ -36,8 +36,12 @@ import torch
 
 __all__ = [
     "Phase", "PassResult", "Pass", "FunctionPass", "register_pass", "get_pass_class", "registered_passes",
-    "RESERVED_PASS_NAMES", "make_pass", "PassOptionError",
+    "reserved_pass_names", "make_pass", "PassOptionError", "register_extension", "register_command",
+    "registered_commands", "Command", "register_cacheable_function", "cacheable_functions",
 ]
+
+#: The package whose modules hold the built-in passes (their names are reserved).
+BUILTIN_PACKAGE = "effpass.passes"
 
 
 class Phase(str, enum.Enum):
@@ -53,12 +57,6 @@ PHASE_HOOKS: dict[Phase, str] = {
     Phase.JOINT: "transform_joint",
     Phase.POST_GRAD: "transform_post_grad",
 }
-
-#: Names of the built-in passes (reserved: a user pass may not take them).
-RESERVED_PASS_NAMES = (
-    "apply_autocast", "scale_loss", "checkpoint_activations", "inject_lora", "quantize_linear",
-    "fuse_attention", "wrap_fsdp",
-)
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9]*(_[a-z0-9]+)*$")
 
@@ -337,9 +335,12 @@ def register_pass(name: str, *, run_after: Iterable[str] = (), conflicts_with: I
         raise ValueError(f"phase {phase!r} is not valid; choose one of {[p.value for p in Phase]}") from None
 
     def wrap(obj):
-        builtin = obj.__module__.startswith("effpass.passes")
-        if name in RESERVED_PASS_NAMES and not builtin:
-            raise ValueError(f"pass name {name!r} is reserved for a built-in pass; reserved: {list(RESERVED_PASS_NAMES)}")
+        if not _is_builtin(obj):
+            # NOTE(reserved names): a built-in pass's name is reserved, whichever is registered first.
+            _load_builtins()
+            if name in reserved_pass_names():
+                raise ValueError(f"pass name {name!r} is reserved for a built-in pass; reserved: "
+                                 f"{sorted(reserved_pass_names())}")
         if name in _REGISTRY and not replace and _REGISTRY[name].__qualname__ != getattr(obj, "__qualname__", None):
             raise ValueError(f"a pass named {name!r} is already registered ({_REGISTRY[name].__qualname__}); "
                              "pass replace=True to override it")
@@ -377,6 +378,23 @@ def _camel(name: str) -> str:
     return "".join(part.capitalize() for part in name.split("_"))
 
 
+def _is_builtin(obj: Any) -> bool:
+    mod = getattr(obj, "__module__", "") or ""
+    return mod == BUILTIN_PACKAGE or mod.startswith(BUILTIN_PACKAGE + ".")
+
+
+def reserved_pass_names() -> frozenset[str]:
+    """Names registered by the built-in passes: a plugin or user pass may not take them."""
+    _load_builtins()
+    return frozenset(n for n, k in _REGISTRY.items() if _is_builtin(k))
+
+
+def _load_builtins() -> None:
+    import importlib
+
+    importlib.import_module(BUILTIN_PACKAGE)
+
+
 def _load_plugins() -> None:
     """Import the modules named by the ``effpass.passes`` entry points (the built-ins are one of them)."""
     global _PLUGINS_LOADED
@@ -386,7 +404,7 @@ def _load_plugins() -> None:
     import importlib
     import importlib.metadata as md
 
-    names = {"effpass.passes"}
+    names = {BUILTIN_PACKAGE}
     try:
         for ep in md.entry_points(group="effpass.passes"):
             names.add(ep.value.split(":")[0])
@@ -422,6 +440,59 @@ def get_extension(name: str) -> Any:
     if name not in _EXTENSIONS:
         raise AttributeError(f"module 'effpass' has no attribute {name!r}")
     return _EXTENSIONS[name]
+
+
+# ------------------------------------------------------------------------------------------------------
+# what passes contribute to the core besides hooks: CLI commands and cacheable functions
+# ------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Command:
+    """A subcommand of the ``effpass`` command line, contributed by a pass or plugin."""
+
+    name: str
+    help: str
+    add_arguments: Callable[[Any], None]  # argparse.ArgumentParser -> None
+    run: Callable[[Any], int]  # argparse.Namespace -> exit code
+
+
+_COMMANDS: dict[str, Command] = {}
+_CORE_COMMANDS = ("passes", "inspect", "demo")
+
+
+def register_command(name: str, *, help: str, add_arguments: Callable[[Any], None],
+                     run: Callable[[Any], int]) -> Command:
+    """Add ``effpass NAME`` to the command line (wrap_fsdp registers ``effpass estimate`` this way)."""
+    if not isinstance(name, str) or not re.match(r"^[a-z][a-z0-9-]*$", name):
+        raise ValueError(f"command name {name!r} must be lower-case letters, digits and dashes")
+    if name in _CORE_COMMANDS:
+        raise ValueError(f"command name {name!r} is taken by effpass itself; taken: {list(_CORE_COMMANDS)}")
+    if name in _COMMANDS and _COMMANDS[name].run is not run:
+        raise ValueError(f"an effpass command named {name!r} is already registered")
+    _COMMANDS[name] = cmd = Command(name, help, add_arguments, run)
+    return cmd
+
+
+def registered_commands() -> dict[str, Command]:
+    _load_plugins()
+    return dict(_COMMANDS)
+
+
+_CACHEABLE: dict[str, str] = {}
+
+
+def register_cacheable_function(qualified_name: str, version: str | None = None) -> None:
+    """Declare a Python function that graphs may call as safe for Inductor's caches (its behaviour is
+    fixed by its arguments), e.g. ``torch.amp.autocast_mode._enter_autocast``. Without this, every graph
+    holding a call to it bypasses the FX-graph and AOTAutograd caches."""
+    if not isinstance(qualified_name, str) or "." not in qualified_name:
+        raise ValueError(f"expected a dotted function name, got {qualified_name!r}")
+    _CACHEABLE[qualified_name] = version or torch.__version__
+
+
+def cacheable_functions() -> dict[str, str]:
+    """``{qualified name: version}`` of the functions passes declared cacheable."""
+    _load_plugins()
+    return dict(_CACHEABLE)
 
 
 def registered_passes() -> dict[str, type[Pass]]:

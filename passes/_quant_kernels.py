@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .quantize_linear import NF4_CODE, dequantize_int4, dequantize_int8, dequantize_nf4
+from ._quant_formats import NF4_CODE, dequantize_int4, dequantize_int8, dequantize_nf4
 
 __all__ = ["quantized_mm", "int8_mm", "int4_mm", "nf4_mm"]
 

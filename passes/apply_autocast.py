@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 
 import effpass
-from effpass.graph_utils import op_name, tensor_meta
+from effpass.graph import op_name, tensor_meta
 from effpass.scope import module_path_of_node
 
 __all__ = ["ApplyAutocast", "node_dtypes", "dtype_counts", "is_autocast_enter", "is_autocast_exit"]

@@ -56,7 +56,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 import effpass
-from effpass.graph_utils import tensor_meta
+from effpass.graph import tensor_meta
 from effpass.scope import module_stack_of_node
 
 __all__ = ["CheckpointActivations", "parse_bytes", "partition_stats", "mark_graph", "find_blocks"]

@@ -37,6 +37,9 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
+import effpass
+from effpass.graph import transformer_blocks
+
 __all__ = ["estimate", "estimate_table", "max_model_params", "MODES", "PRESETS", "model_shape"]
 
 MODES = ("none", "zero1", "zero2", "zero3", "hsdp")
@@ -46,7 +49,6 @@ _GIB = 1024 ** 3
 def model_shape(model: nn.Module) -> dict[str, int]:
     """layers, hidden, heads, vocab and the largest unit's parameter count, read from the module tree
     (and ``model.config`` when it is a Hugging Face model)."""
-    from .wrap_fsdp import find_units
 
     cfg = getattr(model, "config", None)
 
@@ -57,7 +59,7 @@ def model_shape(model: nn.Module) -> dict[str, int]:
                 return v
         return default
 
-    units = find_units(model)
+    units = transformer_blocks(model)
     embeds = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     hidden = pick("hidden_size", "n_embd", "dim", default=embeds[0].embedding_dim if embeds else 0)
     vocab = pick("vocab_size", default=max((e.num_embeddings for e in embeds), default=0))
@@ -206,6 +208,23 @@ def max_model_params(world_size: int, gpu_bytes: float = 80e9, *, mode: str = "z
     else:
         raise ValueError(f"unknown sharding mode {mode!r}; choose from {list(MODES)}")
     return int(budget / per_param)
+
+
+def _add_arguments(parser) -> None:
+    parser.add_argument("--params", type=float, help="parameter count, e.g. 8e9")
+    parser.add_argument("--world-size", dest="world_size", type=int)
+    parser.add_argument("--batch", type=int)
+    parser.add_argument("--seq", type=int)
+
+
+def _run(args) -> int:
+    print(estimate_table(**{k: getattr(args, k) for k in ("params", "world_size", "batch", "seq")
+                            if getattr(args, k, None) is not None}))
+    return 0
+
+
+effpass.register_command("estimate", help="per-rank memory for a model under each sharding mode (wrap_fsdp)",
+                         add_arguments=_add_arguments, run=_run)
 
 
 if __name__ == "__main__":  # pragma: no cover - quick look: python -m effpass.passes.fsdp_estimate

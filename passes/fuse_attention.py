@@ -70,7 +70,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 import effpass
-from effpass.graph_utils import op_name, tensor_meta
+from effpass.graph import op_name, tensor_meta
 from effpass.scope import module_path_of_node
 
 __all__ = ["FuseAttention"]

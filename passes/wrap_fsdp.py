@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import effpass
+from effpass.graph import transformer_blocks
 
 from .fsdp_estimate import estimate, estimate_table, max_model_params  # noqa: F401  (re-exported)
 
@@ -50,22 +51,8 @@ __all__ = ["WrapFSDP", "find_units", "estimate", "estimate_table", "max_model_pa
 
 
 def find_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's repeated blocks: entries of every ``ModuleList`` whose (>= 2) entries share one class.
-
-    Nested repeated lists (a block inside a block) are not units of their own: the outermost wins.
-    """
-    units: list[tuple[str, nn.Module]] = []
-    for name, mod in model.named_modules():
-        if not isinstance(mod, nn.ModuleList) or len(mod) < 2:
-            continue
-        kinds = {type(m) for m in mod}
-        if len(kinds) != 1:
-            continue
-        prefix = f"{name}." if name else ""
-        if any((prefix).startswith(u + ".") for u, _ in units):
-            continue  # inside an already found unit
-        units += [(f"{prefix}{i}", m) for i, m in enumerate(mod)]
-    return units
+    """The FSDP units: the model's repeated blocks (:func:`effpass.graph.transformer_blocks`)."""
+    return transformer_blocks(model)
 
 
 def build_mesh(replicate: int = 1, device_type: str | None = None):

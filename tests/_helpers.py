@@ -4,7 +4,7 @@ import dataclasses
 import torch
 
 import effpass
-from effpass.graph_utils import op_name
+from effpass.graph import op_name
 from effpass.pass_api import _REGISTRY
 
 LINEAR_TARGETS = (torch._C._nn.linear, torch.nn.functional.linear)

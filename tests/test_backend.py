@@ -150,7 +150,7 @@ def test_inductor_lowering_matches_eager(name, tmp_path):
 CACHE_SCRIPT = textwrap.dedent('''
     import json, sys, torch, effpass
     from torch._dynamo.utils import counters
-    from effpass.models import DemoConfig, DemoLM
+    from effpass.testing.models import DemoConfig, DemoLM
 
     @effpass.register_pass("count_mm_for_cache_test", phase="joint")
     def count_mm_for_cache_test(gm, ctx):

@@ -120,7 +120,7 @@ def test_disable_list_and_env(monkeypatch):
 def test_rollback_removes_placeholders_a_failed_pass_added():
     import torch.fx as fx
 
-    from effpass.graph_utils import restore_graph, snapshot_graph
+    from effpass.graph import restore_graph, snapshot_graph
 
     g = fx.Graph()
     x = g.placeholder("x")

@@ -31,7 +31,7 @@ def run_arm(arm: str, args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
     import effpass
-    from effpass.models import DemoConfig, DemoLM
+    from effpass.testing.models import DemoConfig, DemoLM
 
     device = _device(args.device)
     torch.manual_seed(0)
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     child_args = list(argv) if argv is not None else sys.argv[1:]
     results = {}
     for arm in ("eager", "effpass"):
-        proc = subprocess.run([sys.executable, "-m", "effpass.demo", *child_args, "--arm", arm],
+        proc = subprocess.run([sys.executable, "-m", "effpass.cli.demo", *child_args, "--arm", arm],
                               stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
         line = next((l for l in proc.stdout.splitlines() if l.startswith("EFFPASS_RESULT ")), None)
         if proc.returncode != 0 or line is None:

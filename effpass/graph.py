@@ -1,15 +1,21 @@
-"""Small helpers on FX graphs shared by the manager, the dumps and the passes."""
+"""Graph helpers shared by the core and every pass: public, for people who write their own passes.
+
+* reading graphs: :func:`op_name`, :func:`op_histogram`, :func:`tensor_meta`, :func:`placeholder_values`
+* joint graphs: :func:`is_tangent`, :func:`is_primal`, :func:`has_tangents`
+* rollback and dumps: :func:`snapshot_graph`, :func:`restore_graph`, :func:`runnable_source`
+* models: :func:`transformer_blocks` (the repeated layers of a model)
+"""
 from __future__ import annotations
 
 import collections
 import operator
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.fx as fx
 
 __all__ = ["op_name", "op_histogram", "snapshot_graph", "restore_graph", "runnable_source", "tensor_meta",
-           "placeholder_values", "erase_dead_code"]
+           "placeholder_values", "is_tangent", "is_primal", "has_tangents", "transformer_blocks"]
 
 
 def op_name(node: fx.Node) -> str:
@@ -91,10 +97,35 @@ def placeholder_values(graph: fx.Graph) -> list[Any]:
     return [tensor_meta(n) for n in graph.nodes if n.op == "placeholder"]
 
 
-def erase_dead_code(gm: fx.GraphModule) -> None:
-    """Dead-code elimination that keeps impure nodes (autocast enter/exit, RNG, in-place ops)."""
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
+def is_tangent(node: fx.Node) -> bool:
+    """A joint or backward graph's input that carries an output's gradient (``tangents_*``)."""
+    return node.op == "placeholder" and str(node.target).startswith("tangents")
+
+
+def is_primal(node: fx.Node) -> bool:
+    """A joint graph's forward input (``primals_*``: parameters, buffers and user inputs)."""
+    return node.op == "placeholder" and str(node.target).startswith("primals")
+
+
+def has_tangents(graph: fx.Graph) -> bool:
+    """Whether ``graph`` is a training graph (joint or backward) rather than a forward or inference one."""
+    return any(is_tangent(n) for n in graph.find_nodes(op="placeholder"))
+
+
+def transformer_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The model's repeated blocks: entries of every ``ModuleList`` whose (>= 2) entries share one class.
+
+    Nested repeated lists (a block inside a block) are not blocks of their own: the outermost wins.
+    """
+    blocks: list[tuple[str, torch.nn.Module]] = []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, torch.nn.ModuleList) or len(mod) < 2 or len({type(m) for m in mod}) != 1:
+            continue
+        prefix = f"{name}." if name else ""
+        if any(prefix.startswith(b + ".") for b, _ in blocks):
+            continue  # inside an already found block
+        blocks += [(f"{prefix}{i}", m) for i, m in enumerate(mod)]
+    return blocks
 
 
 def _import_line(name: str, obj: Any) -> str | None:
@@ -178,8 +209,3 @@ def _getattr_path(obj: Any, path: str) -> Any:
     for part in path.split("."):
         obj = getattr(obj, part)
     return obj
-
-
-def count_ops(graph: fx.Graph, names: Iterable[str]) -> int:
-    hist = op_histogram(graph)
-    return sum(hist.get(n, 0) for n in names)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .graph_utils import op_histogram
+from ..graph import op_histogram
 
 __all__ = ["ModelCase", "model_case", "MODEL_NAMES", "compile_and_compare", "CompareResult", "dynamo_counters",
            "loss_of", "op_histogram", "ops_before_after", "assert_close_tree", "grads_of", "train_steps"]
@@ -165,7 +165,7 @@ class CompareResult:
 
     @property
     def report(self):
-        from .api import report
+        from ..api import report
 
         return report(self.compiled)
 
@@ -180,7 +180,7 @@ def compile_and_compare(case: ModelCase, passes: Sequence[Any] | None = (), *, l
     semantics: the prepared eager model computes the same function). ``reference(model)`` may replace
     the eager forward (e.g. to run it under ``torch.autocast``).
     """
-    from .api import compile as effpass_compile
+    from ..api import compile as effpass_compile
 
     torch._dynamo.reset()
     model = case.model

@@ -1,0 +1,112 @@
+"""The ``effpass`` command line: ``passes``, ``inspect``, ``demo``, and the commands passes register
+(``effpass estimate`` comes from wrap_fsdp)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..inspect import table as _table
+from ..pass_api import registered_commands
+
+__all__ = ["main"]
+
+
+# ------------------------------------------------------------------------------------------------------
+def cmd_passes(args) -> int:
+    import torch
+
+    from ..config import default_pipeline
+    from ..manager import order_passes
+    from ..pass_api import registered_passes
+
+    passes = registered_passes()
+    device = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    defaults = [p.name for p in default_pipeline(device)]
+    if args.name:
+        from ..pass_api import get_pass_class
+
+        klass = get_pass_class(args.name)
+        print(f"{klass.name}: {klass.summary}")
+        print(f"  class: {klass.__module__}.{klass.__qualname__}")
+        print(f"  phases: {', '.join(p.value for p in klass.phases())}")
+        print(f"  run after: {', '.join(klass.run_after) or '-'};  conflicts with: {', '.join(klass.conflicts_with) or '-'}")
+        print(f"  default: {klass.default_note()}")
+        print("  options:")
+        import dataclasses
+
+        for f in dataclasses.fields(klass):
+            default = f.default if f.default is not dataclasses.MISSING else (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else "required")
+            print(f"    {f.name} = {default!r}: {f.metadata.get('doc', '')}")
+        return 0
+    if args.json:
+        print(json.dumps({n: {"phases": [p.value for p in k.phases()], "run_after": list(k.run_after),
+                               "conflicts_with": list(k.conflicts_with), "default": k.default_note(),
+                               "in_default_pipeline": n in defaults, "summary": k.summary}
+                          for n, k in sorted(passes.items())}, indent=1))
+        return 0
+    ordered = order_passes([k() for k in passes.values()]) if passes else []
+    rows = [("#", "pass", "phases", "runs after", "conflicts", f"on ({device.type})", "default")]
+    for i, p in enumerate(ordered):
+        k = type(p)
+        rows.append((str(i), k.name, ",".join(ph.value for ph in k.phases()), ",".join(k.run_after) or "-",
+                     ",".join(k.conflicts_with) or "-", "yes" if k.name in defaults else "no", k.default_note()[:80]))
+    print(_table(rows) if len(rows) > 1 else "(no passes registered)")
+    print(f"\ndefault pipeline on {device.type} (torch.compile(model, backend=\"effpass\")): "
+          f"{', '.join(defaults) or '(empty)'}")
+    print("order: passes run in the order above within each phase: module, torch_ir, joint, post_grad")
+    print("summaries and options: effpass passes NAME")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------
+def cmd_inspect(args) -> int:
+    from ..inspect import DumpError, diff_pass, format_dump, load_dump, to_json
+
+    try:
+        graphs = load_dump(args.dump_dir)
+        if args.diff:
+            sys.stdout.write(diff_pass(graphs, *args.diff))
+        elif args.json:
+            print(to_json(graphs))
+        else:
+            print(format_dump(graphs, ops=args.ops))
+    except DumpError as e:
+        raise SystemExit(f"effpass inspect: {e}") from None
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="effpass", description="effpass: graph passes for faster, leaner training")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    sp = sub.add_parser("passes", help="list registered passes: phases, ordering, defaults")
+    sp.add_argument("name", nargs="?", help="show one pass with its options")
+    sp.add_argument("--device", help="say what the default pipeline is on this device (cpu, cuda)")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_passes)
+
+    sp = sub.add_parser("inspect", help="show the graphs and passes of a dump, with statistics")
+    sp.add_argument("dump_dir")
+    sp.add_argument("--diff", nargs=2, metavar=("GRAPH", "PASS"), help="what PASS changed in GRAPH (unified diff)")
+    sp.add_argument("--ops", action="store_true", help="also show each pass's op-count changes")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_inspect)
+
+    sub.add_parser("demo", help="train the embedded Llama-style model eagerly and with effpass", add_help=False)
+
+    # Commands that passes and plugins contribute through the registry (e.g. wrap_fsdp's ``estimate``).
+    for name, command in sorted(registered_commands().items()):
+        sp = sub.add_parser(name, help=command.help)
+        command.add_arguments(sp)
+        sp.set_defaults(func=command.run)
+
+    if argv and argv[0] == "demo":
+        from .demo import main as demo_main
+
+        return demo_main(argv[1:])
+    args = p.parse_args(argv)
+    return args.func(args)
+

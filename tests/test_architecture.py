@@ -1,0 +1,104 @@
+"""The layout's rules, checked on the import graph (ast): the core never imports a pass or a tool, and
+no module of the package takes part in an import circle.
+
+    effpass/ core: api backend manager pass_api config scope graph report dump (+ __init__)
+    effpass/<tool>/: cli, inspect, integrations, planning, testing  -> may import the core
+    passes/ (effpass.passes)                                        -> may import the core and tools
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import networkx as nx
+
+import effpass
+
+ROOT = pathlib.Path(effpass.__file__).resolve().parent
+PASSES = ROOT.parent / "passes"
+CORE = {"effpass." + p.stem for p in ROOT.glob("*.py")} - {"effpass.__init__"} | {"effpass"}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    mods = {}
+    for base, pkg in ((ROOT, "effpass"), (PASSES, "effpass.passes")):
+        for f in base.rglob("*.py"):
+            parts = list(f.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            mods[".".join([pkg, *parts])] = f
+    return mods
+
+
+def _imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
+    """Every module of the package that ``name`` imports, at any depth of its code."""
+    is_pkg = path.name == "__init__.py"
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_pkg else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            # `from pkg import sub` imports the submodule when there is one
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in known else mod for a in node.names]
+        for t in targets:
+            while t and t not in known:  # `import effpass.passes.lora` -> the known module
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                out.add(t)
+    return out
+
+
+def _graph() -> nx.DiGraph:
+    mods = _modules()
+    g = nx.DiGraph()
+    for name, path in mods.items():
+        g.add_node(name)
+        for dep in _imports(name, path, set(mods)):
+            g.add_edge(name, dep)
+    return g
+
+
+def test_import_graph_sees_the_package():
+    g = _graph()
+    assert {"effpass", "effpass.backend", "effpass.passes", "effpass.passes.lora", "effpass.cli"} <= set(g)
+    assert g.has_edge("effpass.passes.lora", "effpass") or any(
+        d.startswith("effpass.") and not d.startswith("effpass.passes") for d in g.successors("effpass.passes.lora"))
+
+
+def test_core_and_tools_never_import_a_pass():
+    g = _graph()
+    bad = [(a, b) for a, b in g.edges if not a.startswith("effpass.passes") and b.startswith("effpass.passes")]
+    assert not bad, f"the core or a tool imports a pass module: {bad}"
+
+
+def test_core_never_imports_a_tool():
+    g = _graph()
+    bad = [(a, b) for a, b in g.edges if a in CORE and b not in CORE and not b.startswith("effpass.passes")]
+    assert not bad, f"a core module imports a tool above it: {bad}"
+
+
+def test_no_import_circles():
+    g = _graph()
+    # The package's __init__ re-exports the core (it imports every core module, and passes import it):
+    # circles through it are the ordinary package pattern, not design circles, so leave its edges out.
+    g.remove_edges_from([(a, b) for a, b in list(g.edges) if b == "effpass"])
+    cycles = list(nx.simple_cycles(g))
+    assert not cycles, f"import circles: {cycles}"
+
+
+def test_a_detector_that_can_fail(tmp_path):
+    """The walker resolves relative imports: a planted circle is found."""
+    a = tmp_path / "a.py"
+    a.write_text("from . import b\n")
+    b = tmp_path / "b.py"
+    b.write_text("def f():\n    from .a import x\n")
+    known = {"pkg.a", "pkg.b"}
+    assert _imports("pkg.a", a, known) == {"pkg.b"}
+    assert _imports("pkg.b", b, known) == {"pkg.a"}
