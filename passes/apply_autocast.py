@@ -71,6 +71,12 @@ def _bf16_supported_gpu() -> bool:
         return False
 
 
+# NOTE(caching): the enter/exit calls are fixed by their arguments, so graphs holding them are safe to cache;
+# without this the AOTAutograd cache bypasses every mixed-precision graph (user-written regions included).
+for _fn in (torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast):
+    effpass.register_cacheable_function(f"{_fn.__module__}.{_fn.__qualname__}")
+
+
 @effpass.register_pass("apply_autocast", run_after=("fuse_attention",))
 @dataclass(frozen=True, kw_only=True)
 class ApplyAutocast(effpass.Pass):
