@@ -103,7 +103,7 @@ def run_arm(arm: str, device: str) -> dict:
                     joint["analysis"] = {"saved_bytes_after": ps["saved_bytes"],
                                          "recompute_flops_after": ps["recompute_flops"]}
         passes = ["capture_joint_for_bench"]
-    compiled = effpass.compile(model, passes=passes, lowering=cfg["lowering"], dump_dir=None)
+    compiled = effpass.compile(model, passes=passes, lowering=cfg["lowering"], dump_dir=None, detailed_stats=True)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     saved: dict[int, int] = {}

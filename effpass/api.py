@@ -17,8 +17,8 @@ __all__ = ["compile", "prepare", "report", "backend_of"]
 _BACKENDS: "weakref.WeakKeyDictionary[torch.nn.Module, EffpassBackend]" = weakref.WeakKeyDictionary()
 
 
-def _options(passes, dump_dir, lowering, strict, bisect, disable, inductor_config, mode, device):
-    opts: dict[str, Any] = {"lowering": lowering, "strict": strict}
+def _options(passes, dump_dir, lowering, strict, bisect, disable, inductor_config, mode, device, detailed_stats=False):
+    opts: dict[str, Any] = {"lowering": lowering, "strict": strict, "detailed_stats": detailed_stats}
     if passes is not None:
         opts["passes"] = passes
     if dump_dir is not None:
@@ -41,7 +41,7 @@ def _device_of_model(model: torch.nn.Module) -> torch.device:
 def prepare(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None = None, *,
             dump_dir: str | None = None, lowering: str = "inductor", strict: bool = False,
             bisect: int | None = None, disable: Iterable[str] = (), inductor_config: dict | None = None,
-            mode: str | None = None) -> torch.nn.Module:
+            mode: str | None = None, detailed_stats: bool = False) -> torch.nn.Module:
     """Run the module-level phase of the pipeline on ``model`` in place and return it (as PEFT does).
 
     After this, the eager model computes what the compiled one will (reference semantics), and state
@@ -50,7 +50,7 @@ def prepare(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None =
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"effpass expects an nn.Module, got {type(model).__name__}")
     opts = _options(passes, dump_dir, lowering, strict, bisect, disable, inductor_config, mode,
-                    _device_of_model(model))
+                    _device_of_model(model), detailed_stats)
     backend = EffpassBackend(opts, model=model)
     _run_module_phase(model, backend)
     _BACKENDS[model] = backend
@@ -75,7 +75,8 @@ def _run_module_phase(model: torch.nn.Module, backend: EffpassBackend, compile_k
 def compile(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None = None, *,
             dump_dir: str | None = None, lowering: str = "inductor", strict: bool = False,
             bisect: int | None = None, disable: Iterable[str] = (), inductor_config: dict | None = None,
-            mode: str | None = None, fullgraph: bool = False, dynamic: bool | None = None) -> torch.nn.Module:
+            mode: str | None = None, fullgraph: bool = False, dynamic: bool | None = None,
+            detailed_stats: bool = False) -> torch.nn.Module:
     """Prepare ``model`` in place with the module-level passes, then compile it with the rest.
 
     Returns the compiled module; it wraps the same parameters as ``model``, so an optimizer built from
@@ -86,7 +87,7 @@ def compile(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None =
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"effpass.compile expects an nn.Module, got {type(model).__name__}")
     opts = _options(passes, dump_dir, lowering, strict, bisect, disable, inductor_config, mode,
-                    _device_of_model(model))
+                    _device_of_model(model), detailed_stats)
     backend = EffpassBackend(opts, model=model)
     ctx = _run_module_phase(model, backend, {"fullgraph": fullgraph, "dynamic": dynamic})
     _BACKENDS[model] = backend

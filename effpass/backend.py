@@ -26,6 +26,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .config import Options, describe_options, parse_options
 from .dump import DumpInstrument, RecordStore, claim_graph_dir
+from .graph import has_tangents, snapshot_graph
 from .manager import PassManager
 from .pass_api import Phase, cacheable_functions
 from .report import CompileReport, GraphReport, PassRecord
@@ -42,8 +43,6 @@ def _device_of(example_inputs: Sequence[Any]) -> torch.device:
 
 def copy_dynamo_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of Dynamo's GraphModule that passes may edit freely (Dynamo keeps the original)."""
-    from .graph import snapshot_graph
-
     graph = snapshot_graph(gm.graph)
     for old, new in zip(gm.graph.find_nodes(op="placeholder"), graph.find_nodes(op="placeholder")):
         if hasattr(old, "_dynamo_source"):
@@ -71,12 +70,11 @@ class _PhaseHook(CustomGraphPass):
 
 
 def _kind_of(phase: Phase, gm: fx.GraphModule, report: GraphReport) -> str:
-    has_tangents = any(n.op == "placeholder" and str(n.target).startswith("tangents")
-                       for n in gm.graph.nodes)
+    training = has_tangents(gm.graph)
     if phase is Phase.JOINT:
-        report.notes["_training"] = has_tangents
-        return "joint" if has_tangents else "inference"
-    if has_tangents:
+        report.notes["_training"] = training
+        return "joint" if training else "inference"
+    if training:
         return "backward"
     return "forward" if report.notes.get("_training") else "inference"
 
@@ -108,7 +106,8 @@ class EffpassBackend:
             report.dump_path = claim_graph_dir(self.options.dump_dir, "graph")
             report.graph_id = report.dump_path.rsplit("/", 1)[-1]
         self.report.graphs.append(report)
-        common = dict(model=self.model, device=_device_of(example_inputs), lowering=self.options.lowering)
+        common = dict(model=self.model, device=_device_of(example_inputs), lowering=self.options.lowering,
+                      detailed_stats=self.options.detailed_stats)
 
         if self.manager.passes_for(Phase.TORCH_IR):
             gm = copy_dynamo_graph_module(gm)

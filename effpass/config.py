@@ -26,6 +26,8 @@ OPTION_DOCS = {
     "bisect": "run only the first N passes of the ordered pipeline (debugging)",
     "disable": "pass names to leave out of the pipeline",
     "inductor_config": "extra torch._inductor.config patches applied around lowering",
+    "detailed_stats": "also compute statistics that cost extra compile work (e.g. checkpoint_activations' "
+                      "saved bytes before/after from two extra partitions); on whenever dump_dir is set",
 }
 
 #: Environment variables effpass reads (all of them, here and nowhere else).
@@ -48,6 +50,7 @@ class Options:
     disable: tuple[str, ...] = ()
     inductor_config: dict[str, Any] = field(default_factory=dict)
     mode: str | None = None
+    detailed_stats: bool = False
     #: True when the user gave no pipeline (the default pipeline was chosen for them).
     default_pipeline: bool = False
 
@@ -173,6 +176,11 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {type(strict).__name__} {strict!r}")
     out.strict = strict
+
+    detailed = options.get("detailed_stats", False)
+    if not isinstance(detailed, bool):
+        raise TypeError(f"detailed_stats must be a bool, got {type(detailed).__name__} {detailed!r}")
+    out.detailed_stats = detailed or out.dump_dir is not None
 
     bisect = options.get("bisect")
     if bisect is not None and (isinstance(bisect, bool) or not isinstance(bisect, int) or bisect < 0):

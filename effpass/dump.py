@@ -61,7 +61,6 @@ class DumpInstrument(Instrument):
     def __init__(self, options_summary: dict[str, Any] | None = None):
         self.options_summary = options_summary or {}
         self._counters: dict[str, int] = {}
-        self._inputs: dict[str, dict[str, str]] = {}
         #: files written per graph and phase group, so the record store can replay them on a cache hit
         self.written: dict[str, dict[str, str]] = {}
 
@@ -84,7 +83,6 @@ class DumpInstrument(Instrument):
         if not report.dump_path:
             return
         name = self._write_graph(report, f"input_{graph_kind}", gm, f"effpass dump: {report.graph_id}, {graph_kind} graph as received")
-        self._inputs.setdefault(report.graph_id, {})[graph_kind] = name
         report.notes.setdefault("_dump_inputs", {})[graph_kind] = name
         self.write_index(report)
 

@@ -3,19 +3,25 @@
 * reading graphs: :func:`op_name`, :func:`op_histogram`, :func:`tensor_meta`, :func:`placeholder_values`
 * joint graphs: :func:`is_tangent`, :func:`is_primal`, :func:`has_tangents`
 * rollback and dumps: :func:`snapshot_graph`, :func:`restore_graph`, :func:`runnable_source`
+* module paths: :func:`normalize_module_path`, :func:`module_stack_of_node`, :func:`module_path_of_node`,
+  :func:`source_path` (the parameter or buffer a torch-IR placeholder stands for), :func:`is_buffer_source`
+* nodes a pass creates: :func:`copy_provenance`, :func:`infer_fake_values`
 * models: :func:`transformer_blocks` (the repeated layers of a model)
 """
 from __future__ import annotations
 
 import collections
 import operator
-from typing import Any
+import re
+from typing import Any, Iterable
 
 import torch
 import torch.fx as fx
 
 __all__ = ["op_name", "op_histogram", "snapshot_graph", "restore_graph", "runnable_source", "tensor_meta",
-           "placeholder_values", "is_tangent", "is_primal", "has_tangents", "transformer_blocks"]
+           "placeholder_values", "is_tangent", "is_primal", "has_tangents", "transformer_blocks",
+           "normalize_module_path", "module_stack_of_node", "module_path_of_node", "source_path", "is_buffer_source",
+           "PROVENANCE_KEYS", "copy_provenance", "infer_fake_values"]
 
 
 def op_name(node: fx.Node) -> str:
@@ -113,19 +119,124 @@ def has_tangents(graph: fx.Graph) -> bool:
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The model's repeated blocks: entries of every ``ModuleList`` whose (>= 2) entries share one class.
+    """The model's repeated blocks (transformer layers): the entries of every ``ModuleList`` whose entries
+    share one class (a one-layer model has one block).
 
     Nested repeated lists (a block inside a block) are not blocks of their own: the outermost wins.
     """
     blocks: list[tuple[str, torch.nn.Module]] = []
     for name, mod in model.named_modules():
-        if not isinstance(mod, torch.nn.ModuleList) or len(mod) < 2 or len({type(m) for m in mod}) != 1:
+        if not isinstance(mod, torch.nn.ModuleList) or len(mod) < 1 or len({type(m) for m in mod}) != 1:
             continue
         prefix = f"{name}." if name else ""
         if any(prefix.startswith(b + ".") for b, _ in blocks):
             continue  # inside an already found block
         blocks += [(f"{prefix}{i}", m) for i, m in enumerate(mod)]
     return blocks
+
+
+# ------------------------------------------------------------------------------------------------------
+# module paths: where a node or a graph input came from
+# ------------------------------------------------------------------------------------------------------
+_BRACKET = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
+_BOUND_SELF = re.compile(r"\.?[^.]+\.__self__")
+
+
+def normalize_module_path(path: str) -> str:
+    """Dynamo's ``"L['self'].model.layers.0"`` (or ``._modules['layers']['0']``) -> ``"model.layers.0"``."""
+    p = path
+    for prefix in ("L['self']", 'L["self"]', "L['mod']", "L['fn']", "self"):
+        if p.startswith(prefix):
+            p = p[len(prefix):]
+            break
+    p = p.replace("._modules", "")
+    p = _BRACKET.sub(r".\1", p)
+    # A forward stored on the instance as a bound method shows up as "<attr>.__self__": the object it is
+    # bound to is the module that holds it, so the two segments name nothing.
+    p = _BOUND_SELF.sub("", p)
+    return p.strip(".")
+
+
+def module_stack_of_node(node: torch.fx.Node) -> list[tuple[str, type | None]]:
+    """[(module path, module class)] from outermost to innermost for a node (empty when unknown)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    out = []
+    for value in stack.values():
+        path, klass = value if isinstance(value, tuple) else (value, None)
+        if isinstance(klass, str):
+            klass = None
+        out.append((normalize_module_path(str(path)), klass))
+    return out
+
+
+def module_path_of_node(node: torch.fx.Node) -> str:
+    stack = module_stack_of_node(node)
+    return stack[-1][0] if stack else ""
+
+
+def source_path(node: torch.fx.Node) -> str:
+    """torch-IR graphs: the dotted name of the parameter or buffer a placeholder stands for, read from
+    Dynamo's ``_dynamo_source`` (``L['self']._modules['q_proj']._parameters['weight']`` ->
+    ``"q_proj.weight"``); "" for user inputs and nodes without a source."""
+    source = getattr(node, "_dynamo_source", None)
+    if source is None:
+        return ""
+    name = getattr(source, "name", "")
+    name = name() if callable(name) else str(name)
+    if "_parameters" not in name and "_buffers" not in name:
+        return ""  # a user input (L['args'][0], L['input_ids']) or another local
+    return normalize_module_path(name).replace("._parameters.", ".").replace("._buffers.", ".")
+
+
+def is_buffer_source(node: torch.fx.Node) -> bool:
+    """Whether a torch-IR placeholder stands for a registered buffer of the model."""
+    source = getattr(node, "_dynamo_source", None)
+    name = getattr(source, "name", "") if source is not None else ""
+    return "_buffers" in (name() if callable(name) else str(name))
+
+
+# ------------------------------------------------------------------------------------------------------
+# metadata of nodes a pass creates
+# ------------------------------------------------------------------------------------------------------
+#: meta keys that say where a node came from (copied onto the nodes that replace it)
+PROVENANCE_KEYS = ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr")
+
+
+def copy_provenance(dst: torch.fx.Node, src: torch.fx.Node, *, values: bool = False) -> None:
+    """Give ``dst`` the provenance of ``src`` (and its example value, with ``values=True``)."""
+    keys = PROVENANCE_KEYS + (("example_value", "val") if values else ())
+    for key in keys:
+        if key in src.meta:
+            dst.meta[key] = src.meta[key]
+
+
+def infer_fake_values(nodes: Iterable[torch.fx.Node]) -> bool:
+    """Compute ``meta["example_value"]`` for new ``call_function`` nodes (in graph order) by running them
+    under the fake mode of their inputs' example values, as Dynamo records them for its own nodes. Best
+    effort: returns False (leaving the rest unset) when there is no fake mode or an op fails on fake
+    tensors; AOTAutograd re-traces the graph anyway, so only passes that read values later care."""
+    from torch._guards import detect_fake_mode
+
+    nodes = list(nodes)
+    inputs = [tensor_meta(a) for n in nodes for a in n.all_input_nodes]
+    fake_mode = detect_fake_mode([v for v in inputs if isinstance(v, torch.Tensor)])
+    if fake_mode is None:
+        return False
+    env: dict[torch.fx.Node, Any] = {}
+
+    def value(a):
+        return env[a] if a in env else tensor_meta(a)
+
+    with fake_mode:
+        for n in nodes:
+            args = torch.fx.node.map_arg(n.args, value)
+            kwargs = torch.fx.node.map_arg(n.kwargs, value)
+            try:
+                env[n] = n.target(*args, **kwargs)
+            except Exception:  # noqa: BLE001 - metadata is best effort
+                return False
+            n.meta["example_value"] = env[n]
+    return True
 
 
 def _import_line(name: str, obj: Any) -> str | None:

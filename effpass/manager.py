@@ -83,6 +83,9 @@ class PassContext:
     #: compile submodules themselves
     compile_kwargs: dict[str, Any] = field(default_factory=dict)
 
+    #: compute statistics that cost extra work (a dump is written or the user asked: ``detailed_stats``)
+    detailed_stats: bool = False
+
     def allows(self, node: fx.Node) -> bool:
         """Whether this pass may act on ``node`` (targets/exclude globs and skip/only decorators)."""
         return self.scope.allows(node)
@@ -90,21 +93,6 @@ class PassContext:
     def find_pass(self, name: str) -> Pass | None:
         """The pipeline's pass called ``name`` (to read another pass's options), or None."""
         return next((p for p in self.pipeline if p.name == name), None)
-
-    @property
-    def is_training(self) -> bool:
-        return self.graph_kind in ("joint", "forward", "backward")
-
-    def placeholder_sources(self, gm: fx.GraphModule) -> dict[fx.Node, str]:
-        """torch-IR only: placeholder -> fully qualified parameter/buffer name (inputs are absent)."""
-        names = gm.meta.get("dynamo_flat_name_to_original_fqn", {}) if hasattr(gm, "meta") else {}
-        out = {}
-        for n in gm.graph.nodes:
-            if n.op == "placeholder" and n.name in names:
-                out[n] = names[n.name]
-            elif n.op == "placeholder" and n.target in names:
-                out[n] = names[n.target]
-        return out
 
 
 class Instrument:

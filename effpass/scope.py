@@ -11,12 +11,13 @@
 from __future__ import annotations
 
 import fnmatch
-import re
 import weakref
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
+
+from .graph import module_path_of_node, module_stack_of_node, normalize_module_path  # noqa: F401
 
 __all__ = ["skip", "only", "Scope", "module_path_of_node", "normalize_module_path", "TargetMatchError"]
 
@@ -87,49 +88,6 @@ def rules_of(obj) -> tuple[frozenset[str], frozenset[str] | None]:
         if _ONLY_ATTR in inst:
             only_names = (only_names or frozenset()) | inst[_ONLY_ATTR]
     return skip_names, only_names
-
-
-def decorated_instances() -> list[torch.nn.Module]:
-    return list(_INSTANCE_RULES.keys())
-
-
-# ------------------------------------------------------------------------------------------------------
-# module paths of nodes
-# ------------------------------------------------------------------------------------------------------
-_BRACKET = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
-_BOUND_SELF = re.compile(r"\.?[^.]+\.__self__")
-
-
-def normalize_module_path(path: str) -> str:
-    """Dynamo's ``"L['self'].model.layers.0"`` (or ``._modules['layers']['0']``) -> ``"model.layers.0"``."""
-    p = path
-    for prefix in ("L['self']", 'L["self"]', "L['mod']", "self"):
-        if p.startswith(prefix):
-            p = p[len(prefix):]
-            break
-    p = p.replace("._modules", "")
-    p = _BRACKET.sub(r".\1", p)
-    # A forward stored on the instance as a bound method shows up as "<attr>.__self__": the object it is
-    # bound to is the module that holds it, so the two segments name nothing.
-    p = _BOUND_SELF.sub("", p)
-    return p.strip(".")
-
-
-def module_stack_of_node(node: torch.fx.Node) -> list[tuple[str, type | None]]:
-    """[(module path, module class)] from outermost to innermost for a node (empty when unknown)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    out = []
-    for value in stack.values():
-        path, klass = value if isinstance(value, tuple) else (value, None)
-        if isinstance(klass, str):
-            klass = None
-        out.append((normalize_module_path(str(path)), klass))
-    return out
-
-
-def module_path_of_node(node: torch.fx.Node) -> str:
-    stack = module_stack_of_node(node)
-    return stack[-1][0] if stack else ""
 
 
 def _prefixes(path: str) -> list[str]:

@@ -36,8 +36,7 @@ import torch
 import torch.fx as fx
 
 import effpass
-from effpass.graph import op_name, tensor_meta
-from effpass.scope import module_path_of_node
+from effpass.graph import copy_provenance, module_path_of_node, op_name, tensor_meta
 
 __all__ = ["ApplyAutocast", "node_dtypes", "dtype_counts", "is_autocast_enter", "is_autocast_exit"]
 
@@ -198,8 +197,7 @@ class ApplyAutocast(effpass.Pass):
                 if arg not in casts:
                     with graph.inserting_after(enter):
                         c = graph.call_method("to", (arg, torch.float32))
-                    c.meta = {k: v for k, v in arg.meta.items() if k in ("example_value", "val", "nn_module_stack",
-                                                                         "stack_trace", "source_fn_stack")}
+                    copy_provenance(c, arg, values=True)
                     casts[arg] = c
                 n.replace_input_with(arg, casts[arg])
 

@@ -56,8 +56,8 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 import effpass
-from effpass.graph import tensor_meta
-from effpass.scope import module_stack_of_node
+from effpass.graph import is_primal, is_tangent, module_path_of_node, module_stack_of_node, tensor_meta, \
+    transformer_blocks
 
 __all__ = ["CheckpointActivations", "parse_bytes", "partition_stats", "mark_graph", "find_blocks"]
 
@@ -163,9 +163,12 @@ class CheckpointActivations(effpass.Pass):
             return effpass.PassResult(skipped=[{"site": "graph", "reason": "no forward node in targets"}])
         block_of = find_blocks(in_scope, self.targets, ctx.model)
         num_fwd = num_forward_outputs(gm)
-        before = partition_stats(gm, num_fwd)
+        # NOTE(cost): partitioning a copy of the graph costs about as much as the real partition; it is
+        # done only where the plan needs it (budget mode) or a dump/report asked for detailed statistics.
+        before = partition_stats(gm, num_fwd) if (self.budget is not None or ctx.detailed_stats) else None
         extra = {p for p in (_packet_of_name(s) for s in self.save_ops) if p is not None}
         stats: dict[str, Any] = {}
+        after = None
         if self.budget is None:
             plan = plan_policy(in_scope, block_of, self.policy, extra, self.recompute_modules)
             if self.policy == "ops":
@@ -182,18 +185,21 @@ class CheckpointActivations(effpass.Pass):
                 next(iter(graph.nodes)).meta["memory_budget"] = float(plan.fraction)
                 plan = {}
         mark_graph(plan)
-        if self.budget is None:
+        if before is not None and after is None:
             after = partition_stats(gm, num_fwd)
         blocks = sorted({b for b in block_of.values() if b})
         stats.update(
-            saved_bytes_before=before["saved_bytes"], saved_bytes_after=after["saved_bytes"],
-            recompute_flops_before=before["recompute_flops"], recompute_flops_after=after["recompute_flops"],
-            recompute_flops_added=after["recompute_flops"] - before["recompute_flops"],
             marked_save=sum(1 for p in plan.values() if p[0] is MUST_SAVE),
             marked_recompute=sum(1 for p in plan.values() if p[0] is RECOMPUTE),
-            recomputed_rng_ops=after["recomputed_rng_ops"],
             blocks=len(blocks),
         )
+        if before is not None:
+            stats.update(
+                saved_bytes_before=before["saved_bytes"], saved_bytes_after=after["saved_bytes"],
+                recompute_flops_before=before["recompute_flops"], recompute_flops_after=after["recompute_flops"],
+                recompute_flops_added=after["recompute_flops"] - before["recompute_flops"],
+                recomputed_rng_ops=after["recomputed_rng_ops"],
+            )
         ctx.notes["checkpoint_activations"] = dict(stats)
         # the backward graph sees only the inputs it keeps; views of other inputs are not activations either
         ctx.notes["_checkpoint_input_storages"] = {_storage_key(tensor_meta(n)) for n in graph.find_nodes(op="placeholder")
@@ -204,8 +210,8 @@ class CheckpointActivations(effpass.Pass):
     def transform_post_grad(self, gm: fx.GraphModule, ctx) -> effpass.PassResult | None:
         if ctx.graph_kind != "backward" or "checkpoint_activations" not in ctx.notes:
             return None
-        saved = [n for n in gm.graph.find_nodes(op="placeholder") if not str(n.target).startswith("tangents")]
-        inputs = [n for n in saved if str(n.target).startswith("primals")]
+        saved = [n for n in gm.graph.find_nodes(op="placeholder") if not is_tangent(n)]
+        inputs = [n for n in saved if is_primal(n)]
         exclude = ctx.notes.get("_checkpoint_input_storages", set())
         return effpass.PassResult(stats={"saved_bytes_measured": activation_bytes(saved, inputs, exclude)})
 
@@ -231,7 +237,7 @@ def forward_nodes(graph: fx.Graph) -> list[fx.Node]:
         if n.op == "output":
             continue
         if n.op == "placeholder":
-            if str(n.target).startswith("tangents"):
+            if is_tangent(n):
                 backward.add(n)
             else:
                 out.append(n)
@@ -270,23 +276,23 @@ def find_blocks(nodes: Iterable[fx.Node], targets: Iterable[str] = (), model: to
                 ) -> dict[fx.Node, str]:
     """node -> the block (module path) it belongs to, "" outside every block.
 
-    With ``targets`` a block is the outermost module whose name matches a glob; otherwise it is the
-    outermost numbered child of a container (``model.layers.3``, ``transformer.h.0``), i.e. one
-    transformer layer.
+    With ``targets`` a block is the outermost module whose name matches a glob; otherwise it is one
+    transformer layer: one of the model's repeated blocks (:func:`effpass.graph.transformer_blocks`), or,
+    when the model is unknown, the outermost numbered child of a module (``model.layers.3``).
     """
     targets = tuple(targets)
-    modules = dict(model.named_modules()) if model is not None else {}
+    blocks = {name for name, _ in transformer_blocks(model)} if model is not None else None
     cache: dict[tuple, str] = {}
     out = {}
     for n in nodes:
         stack = tuple(p for p, _ in module_stack_of_node(n))
         if stack not in cache:
-            cache[stack] = _block_of_stack(stack, targets, modules)
+            cache[stack] = _block_of_stack(stack, targets, blocks)
         out[n] = cache[stack]
     return out
 
 
-def _block_of_stack(stack: tuple[str, ...], targets: tuple[str, ...], modules: dict) -> str:
+def _block_of_stack(stack: tuple[str, ...], targets: tuple[str, ...], blocks: set[str] | None) -> str:
     path = stack[-1] if stack else ""
     parts = path.split(".") if path else []
     for i in range(1, len(parts) + 1):
@@ -294,10 +300,11 @@ def _block_of_stack(stack: tuple[str, ...], targets: tuple[str, ...], modules: d
         if targets:
             if any(fnmatch.fnmatchcase(prefix, g) for g in targets):
                 return prefix
-        elif _INDEX.match(parts[i - 1]) and i > 1:
-            parent = modules.get(".".join(parts[: i - 1]))
-            if parent is None or isinstance(parent, (torch.nn.ModuleList, torch.nn.Sequential)):
+        elif blocks is not None:
+            if prefix in blocks:
                 return prefix
+        elif _INDEX.match(parts[i - 1]) and i > 1:
+            return prefix
     return ""
 
 
@@ -348,9 +355,6 @@ Plan = dict  # fx.Node -> (CheckpointPolicy, ac_graph_id)
 def plan_policy(nodes: list[fx.Node], block_of: dict[fx.Node, str], policy: str, extra_save=frozenset(),
                 recompute_modules: tuple[str, ...] = ()) -> Plan:
     """Marks for the "ops" or "full" policy (no graph change yet)."""
-    import fnmatch
-
-    from effpass.scope import module_path_of_node
     ids = _block_ids(nodes, block_of)
     plan: Plan = {}
     for n in nodes:
@@ -529,19 +533,17 @@ def partition_stats(gm: fx.GraphModule, num_fwd_outputs: int | None = None, *, p
     patches = {} if memory_budget is None else {"activation_memory_budget": memory_budget}
     with fconfig.patch(patches):
         _fw, bw = min_cut_rematerialization_partition(copy, None, num_fwd_outputs=num_fwd_outputs)
-    saved = [n for n in bw.graph.find_nodes(op="placeholder") if not str(n.target).startswith("tangents")]
+    saved = [n for n in bw.graph.find_nodes(op="placeholder") if not is_tangent(n)]
     inputs = [n for n in copy.graph.find_nodes(op="placeholder")]
     recomputed = [n for n in bw.graph.nodes if n.op == "call_function" and n.name in fwd_names]
     replayed = [n for n in bw.graph.nodes if n.op == "call_function" and "run_with_rng_state" in str(n.target)]
     return {
-        "saved": [n.name for n in saved if isinstance(tensor_meta(n), torch.Tensor)
-                  and not str(n.target).startswith("primals")],
+        "saved": [n.name for n in saved if isinstance(tensor_meta(n), torch.Tensor) and not is_primal(n)],
         # recomputed random ops are replayed from their saved RNG state (functionalized by the partitioner)
         "recomputed_rng_ops": sum(1 for n in recomputed if _is_random(fwd_names[n.name])) + sum(
             1 for n in bw.graph.nodes if n.op == "call_function" and "run_with_rng_state" in str(n.target)),
         "saved_bytes": activation_bytes(saved, inputs),
-        "saved_tensors": sum(1 for n in saved if isinstance(tensor_meta(n), torch.Tensor)
-                             and not str(n.target).startswith("primals")),
+        "saved_tensors": sum(1 for n in saved if isinstance(tensor_meta(n), torch.Tensor) and not is_primal(n)),
         "recompute_flops": sum(node_flops(n) for n in recomputed + replayed),
         "recomputed": [n.name for n in recomputed],
     }

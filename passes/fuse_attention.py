@@ -70,8 +70,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 import effpass
-from effpass.graph import op_name, tensor_meta
-from effpass.scope import module_path_of_node
+from effpass.graph import (copy_provenance, infer_fake_values, is_buffer_source, module_path_of_node, op_name,
+                           tensor_meta)
 
 __all__ = ["FuseAttention"]
 
@@ -189,10 +189,7 @@ class _ConstEval:
         examples = list(ctx.example_inputs or [])
         if trust_buffers and len(examples) == len(placeholders):
             for n, x in zip(placeholders, examples):
-                src = getattr(n, "_dynamo_source", None)
-                name = getattr(src, "name", "") if src is not None else ""
-                name = name() if callable(name) else str(name)
-                if isinstance(x, torch.Tensor) and "_buffers" in name and not x.requires_grad:
+                if isinstance(x, torch.Tensor) and is_buffer_source(n) and not x.requires_grad:
                     self.known[n] = x
 
     def __call__(self, node: Any) -> Any:
@@ -713,23 +710,6 @@ def _attention_fn(kernel: str):
 
 def _set_meta(nodes: list[fx.Node], like: fx.Node) -> None:
     """Copy provenance from the replaced node and compute fake example values for the new nodes."""
-    from torch._guards import detect_fake_mode
-
     for n in nodes:
-        for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr"):
-            if key in like.meta:
-                n.meta[key] = like.meta[key]
-    vals = [_val(a) for n in nodes for a in n.all_input_nodes]
-    fake_mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
-    if fake_mode is None:
-        return
-    env: dict[fx.Node, Any] = {}
-    with fake_mode:
-        for n in nodes:
-            args = fx.node.map_arg(n.args, lambda a: env.get(a, _val(a)))
-            kwargs = fx.node.map_arg(n.kwargs, lambda a: env.get(a, _val(a)))
-            try:
-                env[n] = n.target(*args, **kwargs)
-            except Exception:  # metadata is best effort; AOTAutograd re-traces anyway
-                return
-            n.meta["example_value"] = env[n]
+        copy_provenance(n, like)
+    infer_fake_values(nodes)

@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 import effpass
-from effpass.scope import normalize_module_path
+from effpass.graph import copy_provenance, infer_fake_values, source_path
 
 from . import lora
 from .lora import LoRALinear, load, merge, save, unmerge  # noqa: F401  (the public helpers)
@@ -181,9 +181,7 @@ def _lora_a_placeholders(gm: fx.GraphModule, ctx) -> dict[fx.Node, str]:
         if isinstance(value, torch.Tensor) and id(value) in by_id:
             out[node] = by_id[id(value)]
             continue
-        source = getattr(node, "_dynamo_source", None)
-        name = getattr(source, "name", "") if source is not None else ""
-        path = normalize_module_path(name() if callable(name) else str(name)).replace("._parameters.", ".")
+        path = source_path(node)
         if path.endswith(".lora_A.weight"):
             out[node] = path[: -len(".lora_A.weight")]
     return out
@@ -204,19 +202,12 @@ def _merge_group(graph: fx.Graph, x: fx.Node, nodes: list[fx.Node]) -> None:
         parts = graph.call_function(torch.split, (fused, sizes, -1))
         for i, n in enumerate(nodes):
             part = graph.call_function(operator.getitem, (parts, i))
-            part.meta.update({k: v for k, v in n.meta.items() if k in ("example_value", "val", "nn_module_stack",
-                                                                        "source_fn_stack", "stack_trace")})
+            copy_provenance(part, n, values=True)
             n.replace_all_uses_with(part)
     for src in (cat, fused, parts):
-        src.meta["nn_module_stack"] = dict(first.meta.get("nn_module_stack", {}))
+        copy_provenance(src, first)
     # example values for passes that run after this one and read them (fake tensors, as Dynamo's)
-    vals = [x.meta.get("example_value")] + [w.meta.get("example_value") for w in weights]
-    mode = getattr(vals[0], "fake_mode", None)
-    if mode is not None and all(getattr(v, "fake_mode", None) is mode for v in vals):
-        with mode:
-            cat.meta["example_value"] = torch.cat(vals[1:], 0)
-            fused.meta["example_value"] = torch.nn.functional.linear(vals[0], cat.meta["example_value"])
-            if all(isinstance(s, int) for s in sizes):
-                parts.meta["example_value"] = torch.split(fused.meta["example_value"], sizes, -1)
+    if all(isinstance(s, int) for s in sizes):
+        infer_fake_values([cat, fused, parts])
     for n in nodes:
         graph.erase_node(n)

@@ -193,12 +193,6 @@ def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
 
 
-def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, module)
-
-
 def inject(model: nn.Module, names: Iterable[str], *, rank: int, alpha: float, dropout: float = 0.0,
            use_rslora: bool = False, init: str = "kaiming", dtype: torch.dtype | None = None,
            rank_of=None, alpha_of=None) -> list[str]:
@@ -216,7 +210,7 @@ def inject(model: nn.Module, names: Iterable[str], *, rank: int, alpha: float, d
             raise TypeError(f"module {name!r} is a {type(mod).__name__}, not a linear-like module")
         r = rank_of(name) if rank_of else rank
         a = alpha_of(name) if alpha_of else alpha
-        _set_submodule(model, name, LoRALinear(mod, r, a, dropout, use_rslora=use_rslora, init=init, dtype=dtype))
+        model.set_submodule(name, LoRALinear(mod, r, a, dropout, use_rslora=use_rslora, init=init, dtype=dtype))
         done.append(name)
     return done
 

@@ -87,10 +87,24 @@ class LossScaleCollapsedError(RuntimeError):
 # ------------------------------------------------------------------------------------------------------
 # the scaler the user steps with
 # ------------------------------------------------------------------------------------------------------
-class LossScaler:
-    """Unscales, checks and steps; updates the scale. Same contract and state_dict as GradScaler.
+class LossScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` whose scale lives on the model, where the compiled graph reads it.
 
-    >>> scaler = effpass.passes.scale_loss.loss_scaler(model)     # or ScaleLoss.scaler(model)
+    The unscale, the inf/NaN check, the skip, the scale update, ``state_dict`` and ``load_state_dict`` are
+    GradScaler's own code (so a state dict moves freely between the two, and the semantics are the same);
+    what differs:
+
+    * the scale and growth tracker are the model's buffers (``scale_tensor``), so ``model.to(device)``
+      moves them and the graph reads the current value without recompiling;
+    * the model's own loss is scaled inside the graph by ``effpass::scale_grad``; :meth:`scale` is only for
+      a loss computed outside the model, and returns the loss *unchanged in value* (its backward is
+      scaled), so what you log is the true loss;
+    * gradients of FSDP2 (DTensor) parameters are checked per shard and the found-inf flag is all-reduced,
+      so every rank makes the same skip decision;
+    * :class:`LossScaleCollapsedError` when the scale falls below ``min_scale`` (training would make no
+      progress), checked without an extra host sync on the fused-optimizer path.
+
+    >>> scaler = effpass.loss_scaler(model)                          # or ScaleLoss.scaler(model)
     >>> loss = model(**batch).loss; loss.backward()                 # the model scaled the gradients
     >>> scaler.step(optimizer); scaler.update(); optimizer.zero_grad()
     """
@@ -101,18 +115,19 @@ class LossScaler:
     def __init__(self, model: torch.nn.Module, *, init_scale: float, growth_factor: float, backoff_factor: float,
                  growth_interval: int, min_scale: float, enabled: bool, disabled_reason: str = ""):
         self._model_ref = weakref.ref(model)
-        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
-        self.growth_interval, self.min_scale, self.init_scale = growth_interval, min_scale, init_scale
-        self._enabled = enabled
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        super().__init__(device=device.type, init_scale=init_scale, growth_factor=growth_factor,
+                         backoff_factor=backoff_factor, growth_interval=growth_interval, enabled=enabled)
+        self.min_scale = min_scale
         self.disabled_reason = disabled_reason
-        self._found_inf: dict[int, torch.Tensor] = {}   # per optimizer stepped since the last update()
-        self._unscaled: set[int] = set()
         self._updates = 0
-        self._consecutive_skips = 0                       # known exactly only where we synced anyway
+        self._consecutive_skips = 0                       # known exactly only where GradScaler syncs anyway
         self._skipped = None                              # device tensor: skipped steps so far
         self._manual_scaling = False
+        #: set by the torch-IR hook when a compiled graph routes the model's loss through scale_grad
+        self._loss_scaled_in_graph = False
 
-    # -- state on the model ---------------------------------------------------------------------------
+    # -- the scale and tracker are the model's buffers (GradScaler reads and writes them in place) -----
     @property
     def _model(self) -> torch.nn.Module:
         m = self._model_ref()
@@ -121,142 +136,62 @@ class LossScaler:
         return m
 
     @property
+    def _scale(self) -> torch.Tensor | None:
+        return getattr(self._model, _SCALE_BUFFER) if self._enabled else None
+
+    @_scale.setter
+    def _scale(self, value) -> None:  # GradScaler's constructor sets None; the buffer is the scale
+        if value is not None:
+            self.scale_tensor.copy_(value)
+
+    @property
+    def _growth_tracker(self) -> torch.Tensor | None:
+        return getattr(self._model, _TRACKER_BUFFER) if self._enabled else None
+
+    @_growth_tracker.setter
+    def _growth_tracker(self, value) -> None:
+        if value is not None:
+            getattr(self._model, _TRACKER_BUFFER).copy_(value)
+
+    @property
     def scale_tensor(self) -> torch.Tensor:
         """The scale the graph reads (a 1-element fp32 buffer on the model; changed in place)."""
         return getattr(self._model, _SCALE_BUFFER)
-
-    @property
-    def _tracker(self) -> torch.Tensor:
-        return getattr(self._model, _TRACKER_BUFFER)
-
-    def is_enabled(self) -> bool:
-        return self._enabled
-
-    def get_scale(self) -> float:
-        """The current scale as a Python float (a host sync); 1.0 when disabled."""
-        return float(self.scale_tensor.item()) if self._enabled else 1.0
 
     @property
     def skipped_steps(self) -> int:
         """How many steps were skipped for inf/NaN gradients (a host sync)."""
         return 0 if self._skipped is None else int(self._skipped.item())
 
-    # -- the training-loop API ------------------------------------------------------------------------
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """Scale a loss computed outside the model (the model's own loss is scaled already).
-
-        Returns ``loss`` unchanged in value; its backward is scaled."""
+    # -- what differs from GradScaler ----------------------------------------------------------------------
+    def scale(self, outputs):
+        """Scale the backward of a loss computed outside the model (the model's own loss is scaled
+        already). Returns ``outputs`` unchanged in value."""
         if not self._enabled:
-            return loss
+            return outputs
+        if not isinstance(outputs, torch.Tensor):
+            raise TypeError(f"scale_loss: scale() takes one loss tensor, got {type(outputs).__name__}")
         self._manual_scaling = True
-        return scale_grad(loss, self.scale_tensor.to(loss.device))
-
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide ``optimizer``'s gradients by the scale in place (e.g. before gradient clipping)."""
-        if not self._enabled:
-            return
-        key = id(optimizer)
-        if key in self._unscaled:
-            raise RuntimeError("unscale_() was already called on this optimizer since the last update()")
-        if key in self._found_inf:
-            raise RuntimeError("unscale_() is being called after step(); call update() first")
-        inv = self.scale_tensor.double().reciprocal().float()
-        self._found_inf[key] = self._check_and_unscale(optimizer, inv)
-        self._unscaled.add(key)
+        return scale_grad(outputs, self.scale_tensor.to(outputs.device))
 
     def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs):
-        """Unscale the gradients and step, unless some gradient is inf/NaN: then skip the step entirely
-        (parameters and optimizer state untouched). Returns what ``optimizer.step`` returned, or None."""
-        if not self._enabled:
-            return optimizer.step(*args, **kwargs)
-        key = id(optimizer)
-        if key in self._found_inf and key not in self._unscaled:
-            raise RuntimeError("step() was already called on this optimizer since the last update()")
-        self._check_loss_was_scaled()
-        if getattr(optimizer, "_step_supports_amp_scaling", False) and key not in self._unscaled:
-            # Fused optimizers unscale and skip on device: no host sync (as GradScaler does it).
-            found_inf = self._check_and_unscale(optimizer, torch.ones((), device=self.scale_tensor.device))
-            self._found_inf[key] = found_inf
-            optimizer.grad_scale = self.scale_tensor
-            optimizer.found_inf = found_inf
-            try:
-                return optimizer.step(*args, **kwargs)
-            finally:
-                del optimizer.grad_scale
-                del optimizer.found_inf
-        if key not in self._unscaled:
-            self.unscale_(optimizer)
-        self._unscaled.discard(key)
-        if self._found_inf[key].item() == 0:   # the host sync GradScaler also does for unfused optimizers
-            self._consecutive_skips = 0
-            return optimizer.step(*args, **kwargs)
-        self._consecutive_skips += 1
-        return None
+        """GradScaler's ``step`` (unscale, skip on inf/NaN; fused optimizers skip on device), after
+        checking that some loss was scaled at all."""
+        if self._enabled:
+            self._check_loss_was_scaled()
+        return super().step(optimizer, *args, **kwargs)
 
-    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        """Lower the scale after a skipped step, raise it after ``growth_interval`` clean steps.
+    def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
+        # The same host sync as GradScaler's, also counting consecutive skips for the collapse check.
+        if sum(v.item() for v in optimizer_state["found_inf_per_device"].values()):
+            self._consecutive_skips += 1
+            return None
+        self._consecutive_skips = 0
+        return optimizer.step(*args, **kwargs)
 
-        Raises :class:`LossScaleCollapsedError` when the scale has fallen below ``min_scale``."""
-        if not self._enabled:
-            return
-        scale = self.scale_tensor
-        if new_scale is not None:
-            if isinstance(new_scale, torch.Tensor):
-                scale.copy_(new_scale.reshape(scale.shape))
-            else:
-                scale.fill_(float(new_scale))
-            self._found_inf.clear()
-            self._unscaled.clear()
-            return
-        if not self._found_inf:
-            raise RuntimeError("update() was called without a step(): no inf/NaN check was recorded")
-        found = list(self._found_inf.values())
-        combined = found[0].to(scale.device)
-        for f in found[1:]:
-            combined = combined + f.to(scale.device)
-        torch._amp_update_scale_(scale, self._tracker, combined, self.growth_factor, self.backoff_factor,
-                                 self.growth_interval)
-        skipped = (combined > 0).to(torch.int64)
-        self._skipped = skipped if self._skipped is None else self._skipped + skipped
-        self._found_inf.clear()
-        self._unscaled.clear()
-        self._updates += 1
-        if self.min_scale > 0 and (self._consecutive_skips > 0 or self._updates % self.check_every == 0):
-            value = float(scale.item())
-            if value < self.min_scale:
-                raise LossScaleCollapsedError(
-                    f"scale_loss: the loss scale fell to {value:g}, below min_scale={self.min_scale:g} "
-                    f"({self.skipped_steps} of {self._updates} steps skipped for inf/NaN gradients). Every "
-                    "step overflows, so training makes no progress. Check the loss for NaN/inf from the "
-                    "forward, use bf16 (ApplyAutocast(dtype=torch.bfloat16)), keep the overflowing module "
-                    "in fp32 (ApplyAutocast(exclude=[...])), or lower the learning rate; ScaleLoss(min_scale=0) "
-                    "turns this check off.")
-
-    def state_dict(self) -> dict[str, Any]:
-        """The scaler's state; the same keys as ``torch.amp.GradScaler.state_dict()`` (empty when disabled)."""
-        if not self._enabled:
-            return {}
-        return {"scale": self.get_scale(), "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
-                "growth_interval": self.growth_interval, "_growth_tracker": int(self._tracker.item())}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore from :meth:`state_dict` (or from a ``GradScaler`` state dict)."""
-        if not self._enabled:
-            return
-        if not state:
-            raise RuntimeError("the state dict is empty: it was saved from a disabled scaler")
-        missing = [k for k in ("scale", "_growth_tracker") if k not in state]
-        if missing:
-            raise ValueError(f"scale_loss state dict lacks {missing}; it has {sorted(state)}")
-        self.scale_tensor.fill_(float(state["scale"]))
-        self._tracker.fill_(int(state["_growth_tracker"]))
-        self.growth_factor = float(state.get("growth_factor", self.growth_factor))
-        self.backoff_factor = float(state.get("backoff_factor", self.backoff_factor))
-        self.growth_interval = int(state.get("growth_interval", self.growth_interval))
-
-    # -- helpers --------------------------------------------------------------------------------------
-    def _check_and_unscale(self, optimizer, inv_scale: torch.Tensor) -> torch.Tensor:
-        found_inf = torch.zeros((), dtype=torch.float32, device=self.scale_tensor.device)
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        """GradScaler's check-and-unscale, per shard for FSDP2 (DTensor) gradients, with the found-inf
+        flag all-reduced across ranks."""
         groups: dict[tuple, list[torch.Tensor]] = {}
         sharded = False
         for group in optimizer.param_groups:
@@ -269,36 +204,57 @@ class LossScaler:
                 if hasattr(grad, "to_local"):  # an FSDP2 DTensor: each rank checks and unscales its shard
                     grad, sharded = grad.to_local(), True
                 groups.setdefault((grad.device, grad.dtype), []).append(grad)
-        per_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        per_device: dict[torch.device, torch.Tensor] = {}
         with torch.no_grad():
             for (device, _), grads in groups.items():
                 if device not in per_device:
-                    per_device[device] = (torch.zeros((), dtype=torch.float32, device=device), inv_scale.to(device))
-                f, inv = per_device[device]
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, f, inv)
-            for f, _ in per_device.values():
-                found_inf = found_inf + f.to(found_inf.device)
-        if sharded and torch.distributed.is_available() and torch.distributed.is_initialized():
-            # NOTE: every rank must make the same skip decision, so an overflow in any shard counts.
-            torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX)
-        return found_inf
+                    per_device[device] = found_inf.to(device, copy=True)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, per_device[device], inv_scale.to(device))
+            if sharded and torch.distributed.is_available() and torch.distributed.is_initialized():
+                # NOTE: every rank must make the same skip decision, so an overflow in any shard counts.
+                for f in per_device.values():
+                    torch.distributed.all_reduce(f, op=torch.distributed.ReduceOp.MAX)
+        return per_device or {found_inf.device: found_inf}
 
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """GradScaler's ``update``; raises :class:`LossScaleCollapsedError` when the scale has fallen
+        below ``min_scale``."""
+        if not self._enabled:
+            return
+        if new_scale is None:
+            found = [f for st in self._per_optimizer_states.values() for f in st["found_inf_per_device"].values()]
+            if not found:  # GradScaler asserts here; a user error deserves a RuntimeError that says what to do
+                raise RuntimeError("update() was called without a step(): no inf/NaN check was recorded; call "
+                                   "scaler.step(optimizer) (or scaler.unscale_(optimizer)) first")
+            if found:
+                skipped = (sum(f.to(self.scale_tensor.device) for f in found) > 0).to(torch.int64)
+                self._skipped = skipped if self._skipped is None else self._skipped + skipped
+                self._updates += 1
+        elif isinstance(new_scale, (int, float)):
+            new_scale = float(new_scale)
+        super().update(new_scale)
+        if new_scale is None and self.min_scale > 0 and (
+                self._consecutive_skips > 0 or self._updates % self.check_every == 0):
+            value = float(self.scale_tensor.item())
+            if value < self.min_scale:
+                raise LossScaleCollapsedError(
+                    f"scale_loss: the loss scale fell to {value:g}, below min_scale={self.min_scale:g} "
+                    f"({self.skipped_steps} of {self._updates} steps skipped for inf/NaN gradients). Every "
+                    "step overflows, so training makes no progress. Check the loss for NaN/inf from the "
+                    "forward, use bf16 (ApplyAutocast(dtype=torch.bfloat16)), keep the overflowing module "
+                    "in fp32 (ApplyAutocast(exclude=[...])), or lower the learning rate; ScaleLoss(min_scale=0) "
+                    "turns this check off.")
+
+    # -- helpers --------------------------------------------------------------------------------------
     def _check_loss_was_scaled(self) -> None:
-        if self._manual_scaling:
+        if self._manual_scaling or self._loss_scaled_in_graph:
             return
-        model = self._model
-        if getattr(model, "_effpass_eager_scaled", False):
+        if getattr(self._model, "_effpass_eager_scaled", False):
             return
-        try:
-            scaled = effpass.report(model).stats("scale_loss").get("scaled_losses", 0)
-        except ValueError:
-            scaled = 0
-        if not scaled:
-            raise RuntimeError(
-                "scale_loss: no loss was scaled: the model's output held no scalar loss that requires grad "
-                "(did the forward get labels?). Return the loss from the model, or scale a loss computed "
-                "outside it with `loss = scaler.scale(loss)` before backward()")
-        self._manual_scaling = True  # checked once
+        raise RuntimeError(
+            "scale_loss: no loss was scaled: the model's output held no scalar loss that requires grad "
+            "(did the forward get labels?). Return the loss from the model, or scale a loss computed "
+            "outside it with `loss = scaler.scale(loss)` before backward()")
 
 
 @effpass.register_extension("loss_scaler")
@@ -438,6 +394,10 @@ class ScaleLoss(effpass.Pass):
             return effpass.PassResult(stats={"scaled_losses": 0}, skipped=[{"site": "graph",
                                                                            "reason": scaler.disabled_reason}])
         n = sum(1 for node in gm.graph.nodes if node.op == "call_function" and node.target in _SCALE_GRAD_TARGETS)
+        if n and scaler is not None:
+            # NOTE(state): the scaler checks at step() that a loss was scaled; the torch-IR phase runs on
+            # every compile (cache hits included), so this is where a compiled graph tells it.
+            scaler._loss_scaled_in_graph = True
         if n == 0:
             why = ("the graph returns no scalar loss that requires grad (inference, or a forward without labels); "
                    "scale a loss computed outside the model with scaler.scale(loss)")

@@ -26,6 +26,6 @@ cmd=${1:-test}
 shift || true
 case "$cmd" in
   demo) exec "$VENV/bin/effpass" demo "$@" ;;
-  test) exec "$VENV/bin/python" -m pytest -q -n "${EFFPASS_TEST_WORKERS:-2}" -p no:cacheprovider "$@" tests ;;
+  test) exec "$VENV/bin/python" -m pytest -q -rs -n "${EFFPASS_TEST_WORKERS:-2}" -p no:cacheprovider "$@" tests ;;
   *) echo "usage: bash scripts/dev.sh demo|test [args]" >&2; exit 2 ;;
 esac

@@ -415,8 +415,8 @@ def test_dropout_in_eval_is_dropped():
 # ------------------------------------------------------------------------------------------------------
 # property test
 # ------------------------------------------------------------------------------------------------------
-hypothesis = pytest.importorskip("hypothesis")
-st = hypothesis.strategies
+import hypothesis  # noqa: E402  (a dev dependency: imported plainly, never skipped)
+import hypothesis.strategies as st  # noqa: E402
 
 
 @hypothesis.settings(max_examples=25, deadline=None, derandomize=True)

@@ -338,3 +338,19 @@ def test_scale_loss_options_and_api_errors():
         loss_scaler(nn.Linear(2, 2))
     assert ScaleLoss.scaler is loss_scaler
     assert ScaleLoss.enabled_by_default("cpu") is False
+
+
+def test_loss_scaler_is_a_grad_scaler_and_state_dicts_move_both_ways():
+    """The scaler reuses GradScaler's code: a GradScaler checkpoint restores into effpass's scaler and back."""
+    case = model_case("demo", layers=1)
+    _, scales, compiled, _ = _run_effpass(case.fresh(), 3, inject={1})
+    scaler = loss_scaler(compiled)
+    assert isinstance(scaler, torch.amp.GradScaler)
+    theirs = torch.amp.GradScaler("cpu", init_scale=2.0 ** 7, growth_interval=11)
+    theirs.scale(torch.ones((), requires_grad=True))            # GradScaler makes its scale lazily
+    scaler.load_state_dict(theirs.state_dict())
+    assert scaler.get_scale() == 2.0 ** 7 and scaler.state_dict() == theirs.state_dict()
+    assert float(scaler.scale_tensor) == 2.0 ** 7                 # the graph reads the restored scale
+    back = torch.amp.GradScaler("cpu")
+    back.load_state_dict(loss_scaler(_run_effpass(case.fresh(), 3, inject={1})[2]).state_dict())
+    assert back.get_scale() == scales[-1]

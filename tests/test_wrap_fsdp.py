@@ -154,16 +154,8 @@ def _other_passes():
     """The other built-in passes that exist now, with options that act on the tiny Llama."""
     import effpass.passes as P
 
-    out = []
-    if hasattr(P, "FuseAttention"):
-        out.append(P.FuseAttention())
-    if hasattr(P, "ApplyAutocast"):
-        out.append(P.ApplyAutocast(dtype=torch.bfloat16))
-    if hasattr(P, "CheckpointActivations"):
-        out.append(P.CheckpointActivations())
-    if hasattr(P, "InjectLoRA"):
-        out.append(P.InjectLoRA(rank=4, targets=["model.layers.*.self_attn.q_proj", "model.layers.*.self_attn.v_proj"]))
-    return out
+    return [P.FuseAttention(), P.ApplyAutocast(dtype=torch.bfloat16), P.CheckpointActivations(),
+            P.InjectLoRA(rank=4, targets=["model.layers.*.self_attn.q_proj", "model.layers.*.self_attn.v_proj"])]
 
 
 def scenario_passes(rank, world, out_dir):
@@ -262,8 +254,6 @@ def test_wrap_fsdp_two_ranks_match_one_process_and_resume_exactly(tmp_path):
 
 def test_wrap_fsdp_other_passes_act_inside_sharded_units(tmp_path):
     others = [p.name for p in _other_passes()]
-    if not others:
-        pytest.skip("no other built-in pass is present")
     results = spawn("passes", 2, tmp_path)
     for r in results:
         assert not r["failures"], r["failures"]
@@ -370,7 +360,7 @@ def test_wrap_fsdp_mixed_precision_policy_from_apply_autocast():
     assert WrapFSDP().mixed_precision().param_dtype is None
     mp_ = WrapFSDP(param_dtype=torch.bfloat16).mixed_precision()
     assert mp_.param_dtype == torch.bfloat16 and mp_.reduce_dtype == torch.float32
-    if hasattr(P, "ApplyAutocast"):
+    if True:  # the mixed-precision policy follows apply_autocast when the pipeline has it
         class Ctx:
             def find_pass(self, name):
                 return P.ApplyAutocast(dtype=torch.float16) if name == "apply_autocast" else None

@@ -35,10 +35,11 @@ def cmd_passes(args) -> int:
         print("  options:")
         import dataclasses
 
+        docs = klass.option_docs()
         for f in dataclasses.fields(klass):
             default = f.default if f.default is not dataclasses.MISSING else (
                 f.default_factory() if f.default_factory is not dataclasses.MISSING else "required")
-            print(f"    {f.name} = {default!r}: {f.metadata.get('doc', '')}")
+            print(f"    {f.name} = {default!r}: {docs[f.name]}")
         return 0
     if args.json:
         print(json.dumps({n: {"phases": [p.value for p in k.phases()], "run_after": list(k.run_after),

@@ -136,10 +136,15 @@ def assert_close_tree(actual, expected, *, atol: float = 1e-5, rtol: float = 1e-
         for k in expected:
             assert_close_tree(actual[k], expected[k], atol=atol, rtol=rtol, what=f"{what}[{k}]")
     elif isinstance(expected, (tuple, list)):
+        assert isinstance(actual, (tuple, list)) and len(actual) == len(expected), (
+            f"{what}: {len(actual) if isinstance(actual, (tuple, list)) else type(actual).__name__} items, "
+            f"expected {len(expected)}")
         for i, (a, e) in enumerate(zip(actual, expected)):
             assert_close_tree(a, e, atol=atol, rtol=rtol, what=f"{what}[{i}]")
     elif isinstance(expected, torch.Tensor):
         torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+    else:
+        assert actual == expected, f"{what}: {actual!r} != {expected!r}"
 
 
 def _outputs(out):

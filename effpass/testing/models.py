@@ -151,7 +151,3 @@ class DemoLM(nn.Module):
             return logits
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), labels[:, 1:].reshape(-1))
         return loss, logits
-
-    def num_params(self, matmul_only: bool = True) -> int:
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.embed.weight.numel() if matmul_only else n
