@@ -44,6 +44,7 @@ from .config import parse_options, default_pipeline  # noqa: E402
 from .report import CompileReport, GraphReport, PassRecord  # noqa: E402
 from .api import compile, prepare, report, backend_of  # noqa: E402
 from .backend import EffpassBackend  # noqa: E402
+from .inspect import html as _html_renderer  # noqa: E402,F401  (registers CompileReport.to_html)
 
 
 

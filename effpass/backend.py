@@ -56,6 +56,25 @@ def copy_dynamo_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return new_gm
 
 
+def _dynamo_context() -> dict[str, Any]:
+    """Dynamo's compile id of the graph being compiled ("frame/recompile") and the graph-break reasons
+    it has counted in this process so far (for reports: graph breaks and recompiles)."""
+    out: dict[str, Any] = {}
+    try:
+        from torch._guards import CompileContext
+
+        cid = CompileContext.current_compile_id()
+        if cid is not None:
+            out["compile_id"] = str(cid)
+            out["frame_id"], out["frame_compile_id"] = cid.frame_id, cid.frame_compile_id
+        from torch._dynamo.utils import counters
+
+        out["graph_breaks"] = {str(k): int(v) for k, v in counters["graph_break"].items()}
+    except Exception:  # pragma: no cover - reporting must never break a compile
+        pass
+    return out
+
+
 class _PhaseHook(CustomGraphPass):
     """An Inductor hook running one effpass phase on one Dynamo graph's joint or post-grad graphs."""
 
@@ -91,6 +110,7 @@ class EffpassBackend:
         self.manager = PassManager(self.options.passes, strict=self.options.strict, bisect=self.options.bisect,
                                    disable=self.options.disable, instruments=[self.dump] if self.dump else [])
         self.report = report or CompileReport()
+        self.report.options = describe_options(self.options)
         self._model_ref = weakref.ref(model) if model is not None else None
         self.store = RecordStore()
         self._count = 0
@@ -108,6 +128,7 @@ class EffpassBackend:
             report.dump_path = claim_graph_dir(self.options.dump_dir, "graph")
             report.graph_id = report.dump_path.rsplit("/", 1)[-1]
         self.report.graphs.append(report)
+        report.notes["dynamo"] = _dynamo_context()
         common = dict(model=self.model, device=_device_of(example_inputs), lowering=self.options.lowering)
 
         if self.manager.passes_for(Phase.TORCH_IR):
@@ -125,13 +146,13 @@ class EffpassBackend:
 
         if late:
             self._save_or_replay(report, key, late, n_records, files_before)
-        if self.dump:
-            self.dump.write_index(report)
         # Where compile time went: lowering (Inductor or AOTAutograd, with the late phases' hooks inside)
         # and everything else effpass did around it (bench/bench_pipeline_cost.py reads these).
         late_ms = sum(r.ms for r in report.records if r.phase in ("joint", "post_grad") and not r.from_cache)
         report.timing = {"total_ms": (time.perf_counter() - t_start) * 1e3,
                          "lower_ms": (t_lowered - t_lower) * 1e3 - late_ms, "late_pass_ms": late_ms}
+        if self.dump:
+            self.dump.write_index(report)  # last: with timing (its presence marks a finished compile)
         return compiled
 
     # -- lowering -------------------------------------------------------------------------------------

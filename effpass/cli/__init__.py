@@ -64,6 +64,15 @@ def cmd_passes(args) -> int:
 def cmd_inspect(args) -> int:
     from ..inspect import DumpError, diff_pass, format_dump, load_dump, to_json
 
+    if args.html:
+        from ..inspect.html import write_dump_html
+
+        problems = write_dump_html(args.dump_dir, args.html)
+        for prob in problems:
+            print(f"effpass inspect: {prob}", file=sys.stderr)
+        print(f"wrote {args.html}")
+        # a page is written even for a bad dump (it says what is wrong); the status says whether it had graphs
+        return 0 if not any(p.startswith(("no effpass dump", repr(args.dump_dir))) for p in problems) else 1
     try:
         graphs = load_dump(args.dump_dir)
         if args.diff:
@@ -93,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--diff", nargs=2, metavar=("GRAPH", "PASS"), help="what PASS changed in GRAPH (unified diff)")
     sp.add_argument("--ops", action="store_true", help="also show each pass's op-count changes")
     sp.add_argument("--json", action="store_true")
+    sp.add_argument("--html", metavar="OUT.html", help="write a self-contained HTML report (charts, diffs) to OUT.html")
     sp.set_defaults(func=cmd_inspect)
 
     sub.add_parser("demo", help="train the embedded Llama-style model eagerly and with effpass", add_help=False)
