@@ -135,7 +135,8 @@ class EffpassBackend:
             gm = copy_dynamo_graph_module(gm)
             self.manager.run_graph_phase(Phase.TORCH_IR, gm, report, "torch_ir", example_inputs=example_inputs,
                                          **common)
-        late = [p for p in (Phase.JOINT, Phase.POST_GRAD) if self.manager.passes_for(p)]
+        late = [p for p in (Phase.JOINT, Phase.POST_GRAD) if self.manager.passes_for(p)
+                and self.options.lowering != "tensorrt"]  # TensorRT lowers without AOTAutograd's phases
         key = self._record_key(gm, example_inputs) if late else ""
         n_records = len(report.records)
         files_before = set(self.dump.written.get(report.graph_id, {})) if self.dump else set()
@@ -186,6 +187,8 @@ class EffpassBackend:
             if self.options.lowering == "eager":
                 with torch._inductor.config.patch(inductor_patches):
                     return self._lower_eager(gm, example_inputs, report, common)
+            if self.options.lowering == "tensorrt":
+                return self._lower_tensorrt(gm, example_inputs)
             return self._lower_inductor(gm, example_inputs, report, common, inductor_patches)
 
     def _lower_inductor(self, gm, example_inputs, report, common, patches):
@@ -201,6 +204,23 @@ class EffpassBackend:
                 existing = getattr(ic, key)
                 patches[key] = hook if existing is None else [hook, *(existing if isinstance(existing, list) else [existing])]
         return compile_fx(gm, example_inputs, config_patches=patches)
+
+    def _lower_tensorrt(self, gm, example_inputs):
+        """Hand the transformed torch-IR graph to torch_tensorrt's Dynamo backend (inference).
+
+        UNTESTED: written without a GPU or torch_tensorrt (tests/test_export_onnx.py has the GPU test).
+        Joint and post-grad passes do not run: TensorRT does its own lowering without AOTAutograd's phases.
+        """
+        import warnings
+
+        import torch_tensorrt  # noqa: F401  (importing it registers the "torch_tensorrt" Dynamo backend)
+        from torch._dynamo.backends.registry import lookup_backend
+
+        late = [p.name for p in self.manager.passes_for(Phase.JOINT) + self.manager.passes_for(Phase.POST_GRAD)]
+        if late:
+            warnings.warn(f"effpass: lowering='tensorrt' runs no joint/post-grad passes; skipped: {late}",
+                          RuntimeWarning, stacklevel=2)
+        return lookup_backend("torch_tensorrt")(gm, example_inputs)
 
     def _lower_eager(self, gm, example_inputs, report, common):
         from torch._dynamo.backends.common import aot_autograd

@@ -10,9 +10,10 @@ AOTAutograd and are not part of an inference export (a warning names any that we
 * int8 weights stay int8 in the file: each quantized linear (recognised by :func:`quantized_linear_parts`:
   effpass's ``QuantizedLinear(scheme="int8")`` or an ``nn.Linear`` whose weight is a torchao
   ``Int8Tensor``) becomes ``DequantizeLinear(int8 initializer, per-row scales, axis=0)`` followed by the
-  matmul. The exporter's graph optimiser is turned off (``optimize=False``): its constant folding turns
-  ``DequantizeLinear`` of an initializer back into an fp32 initializer; the export checks that every
-  int8 weight is still an INT8 initializer in the saved file and raises if not.
+  matmul. The exporter's graph optimiser (torch's default ``optimize=True``; here off unless asked for)
+  constant-folds a Cast/Mul dequantisation of an int8 initializer back into an fp32 initializer, but
+  leaves ``DequantizeLinear`` alone; the export checks that every int8 weight is still an INT8
+  initializer in the saved file and raises if not.
 * Other packed weights (int4, NF4) are exported through their module's reference dequantisation code
   (packed uint8 initializers plus unpacking ops); fp8 weights are exported in their high precision.
 * Fused attention (``aten.scaled_dot_product_attention``) exports as torch's exporter translates it: the
@@ -26,6 +27,7 @@ import copy
 import dataclasses
 import importlib.util
 import os
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -69,8 +71,8 @@ def quantized_linear_parts(module: nn.Module) -> QuantizedLinearParts | None:
     * effpass's ``QuantizedLinear`` with ``scheme="int8"`` and no full-precision outlier columns
       (duck-typed: ``scheme``, ``qweight``, ``scales``, ``outlier_idx`` attributes);
     * an ``nn.Linear`` whose ``weight`` is a torchao ``Int8Tensor`` (torchao >= 0.18: ``qdata`` int8
-      [N, K], ``scale`` [N] / [N, 1] or one per tensor, symmetric: no ``zero_point``, weight-only: no
-      ``act_quant_kwargs``).
+      [N, K], ``scale`` [N] / [N, 1] or one per tensor, symmetric: ``zero_point`` None or all zero,
+      weight-only: no ``act_quant_kwargs``).
     """
     if getattr(module, "scheme", None) == "int8" and isinstance(getattr(module, "qweight", None), torch.Tensor):
         q, s = module.qweight, getattr(module, "scales", None)
@@ -83,8 +85,10 @@ def quantized_linear_parts(module: nn.Module) -> QuantizedLinearParts | None:
     if isinstance(module, nn.Linear):
         w = module.weight
         q, s = getattr(w, "qdata", None), getattr(w, "scale", None)
+        zp = getattr(w, "zero_point", None)
+        symmetric = zp is None or (isinstance(zp, torch.Tensor) and not bool(zp.any()))
         if (isinstance(q, torch.Tensor) and isinstance(s, torch.Tensor) and q.dtype == torch.int8 and q.dim() == 2
-                and getattr(w, "zero_point", None) is None and getattr(w, "act_quant_kwargs", None) is None):
+                and symmetric and getattr(w, "act_quant_kwargs", None) is None):
             n = q.shape[0]
             if s.numel() == n:
                 s = s.reshape(-1)
@@ -256,7 +260,7 @@ class _ExportModule(nn.Module):
 
 def export_onnx(model: nn.Module, example_inputs, path: str, passes: Sequence | dict | None = None, *,
                 opset: int | None = None, inplace: bool = False, dump_dir: str | None = None,
-                check: bool = True, strict: bool = False) -> ExportResult:
+                check: bool = True, strict: bool = False, optimize: bool = False) -> ExportResult:
     """Apply ``passes`` to ``model`` and write its transformed inference graph to ``path`` as ONNX.
 
     ``example_inputs``: a tensor, a tuple of positional inputs or a dict of keyword inputs (shapes are
@@ -264,6 +268,8 @@ def export_onnx(model: nn.Module, example_inputs, path: str, passes: Sequence | 
     unless ``inplace=True`` (module-level passes such as ``quantize_linear`` change it). ``check=True``
     runs the file in onnxruntime on the CPU and records its error against the transformed PyTorch graph
     (``ExportResult.max_rel_error``). ``opset``: the ONNX opset (default: the exporter's).
+    ``optimize=True`` runs the exporter's graph optimiser (fewer nodes; it also folds constants such as
+    rotary tables into new fp32 initializers, so the file stores more than the model's tensors).
     """
     _require("onnx", "onnxscript", *(("onnxruntime",) if check else ()))
     if not isinstance(model, nn.Module):
@@ -379,9 +385,11 @@ def export_onnx(model: nn.Module, example_inputs, path: str, passes: Sequence | 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            # NOTE(int8): optimize=False: the optimiser's constant folding would turn DequantizeLinear of an
-            # int8 initializer into an fp32 initializer (checked below).
-            onnx_export(wrapper, export_args, path, dynamo=True, optimize=False, opset_version=opset,
+            # NOTE(int8): the optimiser's constant folding turns a Cast/Mul dequantisation of an int8
+            # initializer (what a module's reference dequantize code exports as) back into an fp32
+            # initializer; it leaves DequantizeLinear alone. Hence DequantizeLinear, and the check below.
+            # Off by default so the file stores exactly the model's tensors (no folded rotary tables).
+            onnx_export(wrapper, export_args, path, dynamo=True, optimize=optimize, opset_version=opset,
                         input_names=input_names, output_names=output_names,
                         custom_translation_table=_onnx_translations(), external_data=_needs_external(model),
                         verbose=False, report=False)
@@ -389,9 +397,10 @@ def export_onnx(model: nn.Module, example_inputs, path: str, passes: Sequence | 
         bad = _non_core_ops(gm)
         if bad:
             names = "; ".join(f"{op} (node {n.name}, {_op_origin(n)})" for op, n in bad)
+            first = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).split(". ")[0][:300]
             raise OnnxExportError(f"ONNX cannot express op(s): {names}. Leave that pass out of the export "
                                   f"(passes=[...]) or give the op an ONNX translation. Exporter: "
-                                  f"{type(e).__name__}: {str(e).splitlines()[0][:300]}") from e
+                                  f"{type(e).__name__}: {first}") from e
         raise OnnxExportError(f"torch.onnx.export failed on the transformed graph (passes: "
                               f"{[p.name for p in backend.manager.active]}): {type(e).__name__}: {e}") from e
 
