@@ -241,10 +241,7 @@ def _charts(graphs: list[dict[str, Any]]) -> str:
             if r.get("changed"):
                 ops_rows.append((label, [(r.get("nodes_before", 0), "b-before", "before"),
                                          (r.get("nodes_after", 0), "b-after", "after")]))
-        t = g.get("timing") or {}
-        if t.get("lower_ms"):
-            time_rows.append((f"{g['_name']} lowering (no passes)", [(float(t["lower_ms"]), "b-lower", "")]))
-    out = [_svg_bars("Time per pass and lowering (ms)", time_rows, cid="chart-time"),
+    out = [_svg_bars("Time per pass (ms; lowering times are in the graph table)", time_rows, cid="chart-time"),
            _svg_bars("Saved-for-backward bytes per graph, before and after", saved_rows, fmt=_bytes_short,
                      cid="chart-saved"),
            _svg_bars("Graph nodes before and after each changing pass", ops_rows, cid="chart-nodes")]
@@ -403,12 +400,13 @@ table{border-collapse:collapse;margin:6px 0} th,td{border:1px solid #ddd;padding
 th{background:#f5f5f7} td.num{text-align:right;white-space:nowrap} code{font-size:12px}
 tr.changed td.res{color:#0a7a2f;font-weight:600} tr.failed td.res{color:#b00020;font-weight:600}
 tr.unchanged td.res{color:#777} .problems{border:2px solid #b00020;background:#fff4f4;padding:8px 14px}
-.problems li{margin:2px 0} .warn{color:#b05a00} .stat{display:inline-block;margin-right:8px}
+.problems li{margin:2px 0} .warn{color:#b05a00} .stat{display:inline-block;margin-right:8px;white-space:nowrap}
 pre{background:#fafafa;border:1px solid #eee;padding:8px;overflow:auto;max-height:600px;font-size:12px}
 pre .add{color:#0a7a2f;background:#eaffea} pre .del{color:#b00020;background:#ffecec} pre .hunk{color:#555}
 details{margin:2px 0} summary{cursor:pointer} figure.chart{margin:10px 0} figcaption{font-weight:600}
 svg .lbl,svg .val{font:11px system-ui,sans-serif;fill:#333} .b-time{fill:#4f7cd9} .b-lower{fill:#aab4c8}
 .b-before{fill:#d98b4f} .b-after{fill:#4fa36b} button{margin-right:6px}
+table.passes td:last-child{max-width:420px;overflow-wrap:anywhere}
 """
 
 _JS = """
@@ -437,6 +435,8 @@ def render_html(graphs: list[dict[str, Any]], problems: Iterable[str] = (), *, s
     versions = sorted({str(g.get("effpass_version", "?")) for g in graphs}) or ["?"]
     sections = []
     for g in graphs:
+        if g["_name"] == "module" and not g["passes"]:
+            continue  # no module-level pass ran
         if g.get("_broken"):
             files = "".join(f"<li>{_e(f)}</li>" for f in g.get("_files", []))
             sections.append(f'<section class="graph" id="g-{_e(g["_name"])}"><h3>{_e(g["_name"])} (no index)</h3>'
