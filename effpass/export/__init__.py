@@ -16,8 +16,9 @@ AOTAutograd and are not part of an inference export (a warning names any that we
   initializer in the saved file and raises if not.
 * Other packed weights (int4, NF4) are exported through their module's reference dequantisation code
   (packed uint8 initializers plus unpacking ops); fp8 weights are exported in their high precision.
-* Fused attention (``aten.scaled_dot_product_attention``) exports as torch's exporter translates it: the
-  ONNX ``Attention`` op at opset >= 23, its decomposition (MatMul/Softmax) below.
+* Fused attention (``aten.scaled_dot_product_attention``) exports as torch's exporter translates it: one
+  ONNX ``Attention`` op at ``opset=23`` (onnxruntime 1.32 runs it), its decomposition (MatMul/Softmax)
+  at the exporter's default opset (20 with torch 2.13).
 * An op ONNX cannot express raises :class:`OnnxExportError` naming the op and the pass that produced it
   (``node.meta["effpass_pass"]``), or the module it came from.
 """
