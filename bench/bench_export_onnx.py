@@ -42,8 +42,6 @@ def _ort(path, feeds):
 
 
 def measure(name: str, arm: str, d: str) -> dict:
-    import onnx
-
     import effpass
     from effpass.passes import FuseAttention, QuantizeLinear
     from effpass.testing import model_case

@@ -213,8 +213,11 @@ class EffpassBackend:
         """
         import warnings
 
-        import torch_tensorrt  # noqa: F401  (importing it registers the "torch_tensorrt" Dynamo backend)
+        import importlib
+
         from torch._dynamo.backends.registry import lookup_backend
+
+        importlib.import_module("torch_tensorrt")  # importing it registers the "torch_tensorrt" Dynamo backend
 
         late = [p.name for p in self.manager.passes_for(Phase.JOINT) + self.manager.passes_for(Phase.POST_GRAD)]
         if late:

@@ -9,7 +9,6 @@ DequantizeLinear per int8 linear, one Softmax per attention layer), the stored w
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import warnings
 
@@ -18,7 +17,7 @@ import torch
 from torch import nn
 
 import effpass
-from effpass.export import OnnxExportError, export_onnx, quantized_linear_parts, stored_initializer_bytes
+from effpass.export import OnnxExportError, export_onnx, quantized_linear_parts
 from effpass.testing import model_case
 
 onnx = pytest.importorskip("onnx")
@@ -130,7 +129,7 @@ def test_adapter_recognises_effpass_and_torchao_int8_and_exports_torchao(tmp_pat
     assert quantized_linear_parts(QuantizedLinear.from_linear(lin, scheme="int4", group_size=32)) is None
     assert quantized_linear_parts(lin) is None
 
-    torchao = pytest.importorskip("torchao")
+    pytest.importorskip("torchao")
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
     model = _MLP()

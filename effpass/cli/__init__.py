@@ -130,7 +130,7 @@ def cmd_export(args) -> int:
     print(f"wrote {res.path} ({'pretrained weights' if pretrained else 'random weights from the config'}; "
           f"KV cache off; input shapes fixed to batch={args.batch}, seq={args.seq})")
     print(f"  inputs {res.input_names} -> outputs {res.output_names}")
-    print(f"  stored weights: " + ", ".join(f"{k} {v:,} B" for k, v in sorted(res.initializer_bytes.items())))
+    print("  stored weights: " + ", ".join(f"{k} {v:,} B" for k, v in sorted(res.initializer_bytes.items())))
     print(f"  int8 linears (DequantizeLinear): {len(res.int8_linears)};  dequantized in-graph: {len(res.dequantized_linears)}")
     for name, err in res.max_rel_error.items():
         print(f"  onnxruntime (CPU) vs the transformed PyTorch graph, {name}: max relative error {err:.2e}")

@@ -337,18 +337,23 @@ def export_onnx(model: nn.Module, example_inputs, path: str, passes: Sequence | 
 
         return run
 
-    torch._dynamo.reset()
     compiled = torch.compile(model, backend=capture, fullgraph=True, dynamic=False)
-    try:
-        with torch.no_grad():
-            ref = compiled(*args, **kwargs)
-    except Exception as e:
-        if "graph break" in str(e).lower() or type(e).__name__ in ("Unsupported", "UserError"):
-            raise OnnxExportError(f"export needs the model as one graph, but Dynamo could not capture it whole: "
-                                  f"{type(e).__name__}: {str(e).splitlines()[0]}") from e
-        raise
-    finally:
+    for attempt in range(2):
+        try:
+            with torch.no_grad():
+                ref = compiled(*args, **kwargs)
+        except Exception as e:
+            if "graph break" in str(e).lower() or type(e).__name__ in ("Unsupported", "UserError"):
+                raise OnnxExportError(f"export needs the model as one graph, but Dynamo could not capture it "
+                                      f"whole: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+            raise
+        if captured:
+            break
+        # Dynamo reused code compiled earlier for this model without calling our backend: start afresh
+        # (only then: a reset drops every compiled function of the process).
         torch._dynamo.reset()
+    if not captured:
+        raise OnnxExportError("Dynamo did not hand a graph to the exporter's backend")
     gm, graph_inputs = captured[-1]
     graph_out = list(last_out)
 
@@ -465,7 +470,7 @@ def stored_initializer_bytes(model_proto) -> dict[str, int]:
     """Bytes of the weights stored in an ONNX model (its initializers and Constant-node tensors), by data
     type, from shapes and element sizes: not the file size (which adds per-node metadata)."""
     import onnx
-    from onnx import helper, numpy_helper  # noqa: F401
+    from onnx import helper
 
     out: dict[str, int] = {}
 
