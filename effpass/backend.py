@@ -55,6 +55,25 @@ def copy_dynamo_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return new_gm
 
 
+def _dynamo_context() -> dict[str, Any]:
+    """Dynamo's compile id of the graph being compiled ("frame/recompile") and the graph-break reasons
+    it has counted in this process so far (for reports: graph breaks and recompiles)."""
+    out: dict[str, Any] = {}
+    try:
+        from torch._guards import CompileContext
+
+        cid = CompileContext.current_compile_id()
+        if cid is not None:
+            out["compile_id"] = str(cid)
+            out["frame_id"], out["frame_compile_id"] = cid.frame_id, cid.frame_compile_id
+        from torch._dynamo.utils import counters
+
+        out["graph_breaks"] = {str(k): int(v) for k, v in counters["graph_break"].items()}
+    except Exception:  # pragma: no cover - reporting must never break a compile
+        pass
+    return out
+
+
 class _PhaseHook(CustomGraphPass):
     """An Inductor hook running one effpass phase on one Dynamo graph's joint or post-grad graphs."""
 
@@ -89,6 +108,7 @@ class EffpassBackend:
         self.manager = PassManager(self.options.passes, strict=self.options.strict, bisect=self.options.bisect,
                                    disable=self.options.disable, instruments=[self.dump] if self.dump else [])
         self.report = report or CompileReport()
+        self.report.options = describe_options(self.options)
         self._model_ref = weakref.ref(model) if model is not None else None
         self.store = RecordStore()
         self._count = 0
@@ -106,6 +126,7 @@ class EffpassBackend:
             report.dump_path = claim_graph_dir(self.options.dump_dir, "graph")
             report.graph_id = report.dump_path.rsplit("/", 1)[-1]
         self.report.graphs.append(report)
+        report.notes["dynamo"] = _dynamo_context()
         common = dict(model=self.model, device=_device_of(example_inputs), lowering=self.options.lowering,
                       detailed_stats=self.options.detailed_stats)
 
@@ -113,7 +134,8 @@ class EffpassBackend:
             gm = copy_dynamo_graph_module(gm)
             self.manager.run_graph_phase(Phase.TORCH_IR, gm, report, "torch_ir", example_inputs=example_inputs,
                                          **common)
-        late = [p for p in (Phase.JOINT, Phase.POST_GRAD) if self.manager.passes_for(p)]
+        late = [p for p in (Phase.JOINT, Phase.POST_GRAD) if self.manager.passes_for(p)
+                and self.options.lowering != "tensorrt"]  # TensorRT lowers without AOTAutograd's phases
         key = self._record_key(gm, example_inputs) if late else ""
         n_records = len(report.records)
         files_before = set(self.dump.written.get(report.graph_id, {})) if self.dump else set()
@@ -124,13 +146,13 @@ class EffpassBackend:
 
         if late:
             self._save_or_replay(report, key, late, n_records, files_before)
-        if self.dump:
-            self.dump.write_index(report)
         # Where compile time went: lowering (Inductor or AOTAutograd, with the late phases' hooks inside)
         # and everything else effpass did around it (bench/bench_pipeline_cost.py reads these).
         late_ms = sum(r.ms for r in report.records if r.phase in ("joint", "post_grad") and not r.from_cache)
         report.timing = {"total_ms": (time.perf_counter() - t_start) * 1e3,
                          "lower_ms": (t_lowered - t_lower) * 1e3 - late_ms, "late_pass_ms": late_ms}
+        if self.dump:
+            self.dump.write_index(report)  # last: with timing (its presence marks a finished compile)
         return compiled
 
     # -- lowering -------------------------------------------------------------------------------------
@@ -164,6 +186,8 @@ class EffpassBackend:
             if self.options.lowering == "eager":
                 with torch._inductor.config.patch(inductor_patches):
                     return self._lower_eager(gm, example_inputs, report, common)
+            if self.options.lowering == "tensorrt":
+                return self._lower_tensorrt(gm, example_inputs)
             return self._lower_inductor(gm, example_inputs, report, common, inductor_patches)
 
     def _lower_inductor(self, gm, example_inputs, report, common, patches):
@@ -179,6 +203,26 @@ class EffpassBackend:
                 existing = getattr(ic, key)
                 patches[key] = hook if existing is None else [hook, *(existing if isinstance(existing, list) else [existing])]
         return compile_fx(gm, example_inputs, config_patches=patches)
+
+    def _lower_tensorrt(self, gm, example_inputs):
+        """Hand the transformed torch-IR graph to torch_tensorrt's Dynamo backend (inference).
+
+        UNTESTED: written without a GPU or torch_tensorrt (tests/test_export_onnx.py has the GPU test).
+        Joint and post-grad passes do not run: TensorRT does its own lowering without AOTAutograd's phases.
+        """
+        import warnings
+
+        import importlib
+
+        from torch._dynamo.backends.registry import lookup_backend
+
+        importlib.import_module("torch_tensorrt")  # importing it registers the "torch_tensorrt" Dynamo backend
+
+        late = [p.name for p in self.manager.passes_for(Phase.JOINT) + self.manager.passes_for(Phase.POST_GRAD)]
+        if late:
+            warnings.warn(f"effpass: lowering='tensorrt' runs no joint/post-grad passes; skipped: {late}",
+                          RuntimeWarning, stacklevel=2)
+        return lookup_backend("torch_tensorrt")(gm, example_inputs)
 
     def _lower_eager(self, gm, example_inputs, report, common):
         from torch._dynamo.backends.common import aot_autograd

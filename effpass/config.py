@@ -16,11 +16,12 @@ from .pass_api import Pass, get_pass_class, make_pass, registered_passes
 
 __all__ = ["Options", "parse_options", "env_overrides", "default_pipeline", "OPTION_DOCS"]
 
-LOWERINGS = ("inductor", "eager")
+LOWERINGS = ("inductor", "eager", "tensorrt")
 
 OPTION_DOCS = {
     "passes": "the pipeline: {name: {option: value}} or a list of names / pass objects; omitted: the default pipeline",
-    "lowering": "'inductor' (default: Triton on GPU, C++ on CPU) or 'eager' (AOTAutograd without Inductor)",
+    "lowering": "'inductor' (default: Triton on GPU, C++ on CPU), 'eager' (AOTAutograd without Inductor) or "
+                "'tensorrt' (torch_tensorrt on a CUDA GPU, inference; untested)",
     "dump_dir": "folder for per-graph dumps (input graph, one file per changing pass, index.json)",
     "strict": "raise when a pass fails instead of falling back to the graph before it",
     "bisect": "run only the first N passes of the ordered pipeline (debugging)",
@@ -88,6 +89,20 @@ def default_pipeline(device=None) -> list[Pass]:
         if klass.enabled_by_default(device) and Phase.MODULE not in klass.phases():
             out.append(klass())
     return out
+
+
+def _tensorrt_missing() -> list[str]:
+    """What ``lowering="tensorrt"`` needs and this machine lacks (empty when it can run)."""
+    import importlib.util
+
+    import torch
+
+    missing = []
+    if importlib.util.find_spec("torch_tensorrt") is None:
+        missing.append("torch_tensorrt (pip install 'effpass[tensorrt]')")
+    if not torch.cuda.is_available():
+        missing.append("a CUDA device")
+    return missing
 
 
 def _check_dump_dir(path: Any) -> str:
@@ -167,6 +182,11 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
     lowering = options.get("lowering", "inductor")
     if lowering not in LOWERINGS:
         raise ValueError(f"lowering {lowering!r} is not valid; choose one of {list(LOWERINGS)}")
+    if lowering == "tensorrt":
+        missing = _tensorrt_missing()
+        if missing:
+            raise RuntimeError(f"lowering='tensorrt' needs {' and '.join(missing)}, which this machine lacks; "
+                               f"use lowering='inductor' or 'eager' here")
     out.lowering = lowering
 
     if options.get("dump_dir") is not None:

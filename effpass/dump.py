@@ -20,7 +20,7 @@ from .graph import runnable_source
 from .manager import Instrument
 from .report import GraphReport, PassRecord
 
-__all__ = ["DumpInstrument", "write_atomic", "claim_graph_dir", "RecordStore", "INDEX"]
+__all__ = ["DumpInstrument", "write_atomic", "claim_graph_dir", "RecordStore", "INDEX", "graph_index"]
 
 INDEX = "index.json"
 
@@ -97,14 +97,35 @@ class DumpInstrument(Instrument):
     def write_index(self, report: GraphReport) -> None:
         if not report.dump_path:
             return
-        index = {
-            "graph_id": report.graph_id,
-            "cache": report.cache,
-            "options": self.options_summary,
-            "inputs": report.notes.get("_dump_inputs", {}),
-            "passes": [r.to_json() for r in report.records],
-        }
+        index = graph_index(report, self.options_summary)
         write_atomic(os.path.join(report.dump_path, INDEX), json.dumps(index, indent=1, default=str))
+
+
+def graph_index(report: GraphReport, options_summary: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What ``index.json`` holds for one graph (also what ``effpass.report(model).to_html()`` renders).
+
+    ``timing`` is written when the backend call finished (its absence marks a compile that did not
+    finish); ``dynamo`` names Dynamo's compile id (frame/recompile) and the graph-break reasons Dynamo
+    had counted in this process so far. ``memory_plan`` (a JSON-able dict a memory planner leaves in
+    ``report.notes["memory_plan"]``) is copied when present: the HTML report renders it.
+    """
+    from . import __version__
+
+    index: dict[str, Any] = {
+        "effpass_version": __version__,
+        "graph_id": report.graph_id,
+        "cache": report.cache,
+        "options": options_summary or {},
+        "inputs": report.notes.get("_dump_inputs", {}),
+        "passes": [r.to_json() for r in report.records],
+    }
+    if report.timing:
+        index["timing"] = dict(report.timing)
+    if report.notes.get("dynamo"):
+        index["dynamo"] = report.notes["dynamo"]
+    if report.notes.get("memory_plan") is not None:
+        index["memory_plan"] = report.notes["memory_plan"]
+    return index
 
 
 class RecordStore:

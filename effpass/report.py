@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from numbers import Number
 from typing import Any
 
-__all__ = ["PassRecord", "GraphReport", "CompileReport"]
+__all__ = ["PassRecord", "GraphReport", "CompileReport", "register_renderer"]
 
 
 @dataclass
@@ -65,6 +65,14 @@ class CompileReport:
 
     module: GraphReport = field(default_factory=lambda: GraphReport("module"))
     graphs: list[GraphReport] = field(default_factory=list)
+    #: the validated options, JSON-able (``effpass.config.describe_options``)
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def to_html(self, path: str) -> str:
+        """Write a self-contained HTML page of this report to ``path`` (returns the path). The renderer
+        lives in the tool package ``effpass.inspect.html``, registered under ``"html"`` (see
+        :func:`register_renderer`; ``import effpass`` registers it)."""
+        return _renderer("html")(self, path)
 
     def records(self, pass_name: str | None = None) -> list[PassRecord]:
         out = list(self.module.records)
@@ -89,6 +97,22 @@ class CompileReport:
                 flag = "ERROR " + r.error if r.error else ("changed" if r.changed else "unchanged")
                 lines.append(f"  {r.graph:<9} {r.name:<24} {flag:<10} {r.ms:8.1f} ms  {_fmt_stats(r.stats)}")
         return "\n".join(lines) or "(no passes ran)"
+
+
+# Renderers: the core must not import a tool, so tools register how to render a report in a format.
+_RENDERERS: dict[str, Any] = {}
+
+
+def register_renderer(fmt: str, fn) -> None:
+    """Register ``fn(report, path) -> path`` as the renderer of format ``fmt`` (e.g. ``"html"``)."""
+    _RENDERERS[fmt] = fn
+
+
+def _renderer(fmt: str):
+    if fmt not in _RENDERERS:
+        raise RuntimeError(f"no {fmt!r} renderer is registered (registered: {sorted(_RENDERERS)}); "
+                           f"`import effpass` registers the built-in ones (effpass.inspect.html)")
+    return _RENDERERS[fmt]
 
 
 def _merge(dicts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -26,6 +26,18 @@ cmd=${1:-test}
 shift || true
 case "$cmd" in
   demo) exec "$VENV/bin/effpass" demo "$@" ;;
-  test) exec "$VENV/bin/python" -m pytest -q -rs -n "${EFFPASS_TEST_WORKERS:-2}" -p no:cacheprovider "$@" tests ;;
+  test)
+    # The HTML report's test opens the page in a real headless Chromium (Debian's package). CI is a fresh
+    # root machine: install it when missing; elsewhere say how (the test skips without it).
+    if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
+      if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "effpass: installing chromium for the HTML report test (apt-get, ~2 min)" >&2
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
+          || echo "effpass: could not install chromium; tests/test_html_report.py will skip its browser checks" >&2
+      else
+        echo "effpass: chromium not found (apt-get install chromium); the HTML report's browser checks will skip" >&2
+      fi
+    fi
+    exec "$VENV/bin/python" -m pytest -q -rs -n "${EFFPASS_TEST_WORKERS:-2}" -p no:cacheprovider "$@" tests ;;
   *) echo "usage: bash scripts/dev.sh demo|test [args]" >&2; exit 2 ;;
 esac

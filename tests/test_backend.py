@@ -87,7 +87,7 @@ BAD_OPTIONS = [
     ({"passes": {"count_linears": {"targets": 5}}}, TypeError, r"count_linears.targets: expected a list, got int 5"),
     ({"passes": {"count_linears": 3}}, TypeError, r"options of pass 'count_linears' must be a dict, got int 3"),
     ({"passes": 3}, TypeError, r"passes must be a dict"),
-    ({"lowering": "tvm"}, ValueError, r"lowering 'tvm' is not valid; choose one of \['inductor', 'eager'\]"),
+    ({"lowering": "tvm"}, ValueError, r"lowering 'tvm' is not valid; choose one of \['inductor', 'eager', 'tensorrt'\]"),
     ({"strict": "yes"}, TypeError, r"strict must be a bool, got str 'yes'"),
     ({"bisect": -1}, ValueError, r"bisect must be a non-negative int"),
     ({"disable": ["no_such_pass"]}, ValueError, r"unknown pass 'no_such_pass'"),

@@ -65,6 +65,15 @@ def cmd_passes(args) -> int:
 def cmd_inspect(args) -> int:
     from ..inspect import DumpError, diff_pass, format_dump, load_dump, to_json
 
+    if args.html:
+        from ..inspect.html import write_dump_html
+
+        problems = write_dump_html(args.dump_dir, args.html)
+        for prob in problems:
+            print(f"effpass inspect: {prob}", file=sys.stderr)
+        print(f"wrote {args.html}")
+        # a page is written even for a bad dump (it says what is wrong); the status says whether it had graphs
+        return 0 if not any(p.startswith(("no effpass dump", repr(args.dump_dir))) for p in problems) else 1
     try:
         graphs = load_dump(args.dump_dir)
         if args.diff:
@@ -75,6 +84,58 @@ def cmd_inspect(args) -> int:
             print(format_dump(graphs, ops=args.ops))
     except DumpError as e:
         raise SystemExit(f"effpass inspect: {e}") from None
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------
+def _load_hf(source: str):
+    """A Hugging Face model from a config file / folder (random weights) or a saved model folder."""
+    import os
+
+    import torch
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    if not os.path.exists(source):
+        raise SystemExit(f"effpass export: {source!r} does not exist (give a config.json or a saved model folder)")
+    weights = os.path.isdir(source) and any(f.endswith((".safetensors", ".bin")) for f in os.listdir(source))
+    cfg = AutoConfig.from_pretrained(source)
+    for auto in (AutoModelForCausalLM, AutoModel):
+        try:
+            if weights:
+                return auto.from_pretrained(source, config=cfg), cfg, True
+            torch.manual_seed(0)
+            return auto.from_config(cfg), cfg, False
+        except ValueError:
+            continue
+    raise SystemExit(f"effpass export: no Hugging Face model class for config type {cfg.model_type!r}")
+
+
+def cmd_export(args) -> int:
+    import torch
+
+    from ..export import OnnxExportError, export_onnx
+
+    passes = None
+    if args.passes is not None:
+        passes = json.loads(args.passes) if args.passes.strip().startswith("{") else \
+            [p for p in args.passes.split(",") if p.strip()]
+    model, cfg, pretrained = _load_hf(args.source)
+    vocab = getattr(cfg, "vocab_size", None) or 256
+    g = torch.Generator().manual_seed(0)
+    inputs = {"input_ids": torch.randint(0, vocab, (args.batch, args.seq), generator=g)}
+    try:
+        res = export_onnx(model, inputs, args.out, passes=passes, opset=args.opset, inplace=True,
+                          check=not args.no_check, dump_dir=args.dump_dir)
+    except (OnnxExportError, ValueError, TypeError, ImportError) as e:
+        raise SystemExit(f"effpass export: {e}") from None
+    print(f"wrote {res.path} ({'pretrained weights' if pretrained else 'random weights from the config'}; "
+          f"KV cache off; input shapes fixed to batch={args.batch}, seq={args.seq})")
+    print(f"  inputs {res.input_names} -> outputs {res.output_names}")
+    print("  stored weights: " + ", ".join(f"{k} {v:,} B" for k, v in sorted(res.initializer_bytes.items())))
+    print(f"  int8 linears (DequantizeLinear): {len(res.int8_linears)};  dequantized in-graph: {len(res.dequantized_linears)}")
+    for name, err in res.max_rel_error.items():
+        print(f"  onnxruntime (CPU) vs the transformed PyTorch graph, {name}: max relative error {err:.2e}")
+    print(res.report.summary())
     return 0
 
 
@@ -94,7 +155,20 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--diff", nargs=2, metavar=("GRAPH", "PASS"), help="what PASS changed in GRAPH (unified diff)")
     sp.add_argument("--ops", action="store_true", help="also show each pass's op-count changes")
     sp.add_argument("--json", action="store_true")
+    sp.add_argument("--html", metavar="OUT.html", help="write a self-contained HTML report (charts, diffs) to OUT.html")
     sp.set_defaults(func=cmd_inspect)
+
+    sp = sub.add_parser("export", help="apply passes to a Hugging Face model (config or saved folder) and write ONNX")
+    sp.add_argument("source", help="a config.json, or a folder with one (random weights) or with saved weights")
+    sp.add_argument("out", help="the .onnx file to write")
+    sp.add_argument("--passes", help="comma-separated pass names, or JSON {name: {option: value}}; default: the "
+                                     "default pipeline")
+    sp.add_argument("--batch", type=int, default=1)
+    sp.add_argument("--seq", type=int, default=16)
+    sp.add_argument("--opset", type=int, default=None, help="ONNX opset (default: the exporter's)")
+    sp.add_argument("--dump-dir", default=None, help="also leave an effpass dump of the passes")
+    sp.add_argument("--no-check", action="store_true", help="skip the onnxruntime check")
+    sp.set_defaults(func=cmd_export)
 
     sub.add_parser("demo", help="train the embedded Llama-style model eagerly and with effpass", add_help=False)
 
