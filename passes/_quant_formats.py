@@ -89,8 +89,11 @@ class Int8WeightTensor(Int8Tensor):
     """torchao's ``Int8Tensor`` (symmetric, per output row) with a faster CPU inference path."""
 
     @classmethod
-    def from_float(cls, w: torch.Tensor) -> "Int8WeightTensor":
-        t = cls.from_hp(w.detach(), PerRow())
+    def from_float(cls, w: torch.Tensor) -> "Int8Tensor":
+        """2-D: an :class:`Int8WeightTensor`; 3-D (MoE experts, per expert and row): torchao's ``Int8Tensor``
+        (its ``select`` / ``index``, which the experts loop uses, build ``Int8Tensor``; the int8pack path is
+        2-D only anyway)."""
+        t = (cls if w.dim() == 2 else Int8Tensor).from_hp(w.detach(), PerRow())
         # NOTE(memory): symmetric: torchao stores an all-zero int8 zero point per row; drop it (one byte
         # per row, and dequantize_affine treats None as zero).
         if t.zero_point is not None and not bool(t.zero_point.any()):
@@ -107,7 +110,11 @@ def _(func, types, args, kwargs):
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
     if int8pack_applies(x, w):
         shape = x.shape
-        y = weight_int8pack_mm(x.reshape(-1, shape[-1]), w.qdata, w.scale.reshape(-1))
+        x2d = x.reshape(-1, shape[-1])
+        if torch.compiler.is_compiling():
+            y = weight_int8pack_mm(x2d, w.qdata, w.scale.reshape(-1))
+        else:  # NOTE(speed): eager decode calls this per linear per token; skip the custom op's overhead
+            y = torch.ops.aten._weight_int8pack_mm(x2d.contiguous(), w.qdata, w.scale.reshape(-1).to(x.dtype))
         y = y.reshape(*shape[:-1], w.shape[0])
         return y + bias.to(y.dtype) if bias is not None else y
     return _int8_torchao_linear(func, types, (x, w, bias), {})
