@@ -157,6 +157,8 @@ class Fp8Linear(nn.Linear):
 # outlier columns (kept in the original precision): buffers on the linear plus a forward hook
 # ------------------------------------------------------------------------------------------------------
 def _outlier_hook(mod: nn.Module, args, out):
+    if not mod.outlier_idx.numel():
+        return out
     x = args[0]
     return out + (x.index_select(-1, mod.outlier_idx) @ mod.outlier_weight.to(x.dtype).t()).to(out.dtype)
 
@@ -378,12 +380,15 @@ class QuantizeLinear(effpass.Pass):
         if self.outlier_threshold > 0:
             colmax = w.float().abs().amax(dim=0)
             idx = torch.nonzero(colmax > self.outlier_threshold * w.float().std()).flatten()
-        if not idx.numel():
+        if self.outlier_threshold <= 0:
             return w
+        # NOTE(state_dict): registered even when empty, so every linear of a model has the same keys
         lin.register_buffer("outlier_idx", idx)
         lin.register_buffer("outlier_weight", w[:, idx].clone())
         lin.register_forward_hook(_outlier_hook)
         lin._register_load_state_dict_pre_hook(_outlier_load_pre_hook, with_module=True)
+        if not idx.numel():
+            return w
         w = w.clone()
         w[:, idx] = 0  # the outlier columns no longer inflate the scales of the rest
         return w
