@@ -104,20 +104,30 @@ class Int8WeightTensor(Int8Tensor):
 _int8_torchao_linear = Int8Tensor._TORCH_FN_TABLE[Int8Tensor][F.linear]
 
 
-@Int8WeightTensor.implements_torch_function(F.linear)
-def _(func, types, args, kwargs):
-    x, w = args[0], args[1]
-    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+def _int8_linear(x, w, bias):
     if int8pack_applies(x, w):
         shape = x.shape
         x2d = x.reshape(-1, shape[-1])
         if torch.compiler.is_compiling():
             y = weight_int8pack_mm(x2d, w.qdata, w.scale.reshape(-1))
-        else:  # NOTE(speed): eager decode calls this per linear per token; skip the custom op's overhead
-            y = torch.ops.aten._weight_int8pack_mm(x2d.contiguous(), w.qdata, w.scale.reshape(-1).to(x.dtype))
+        else:  # NOTE(speed): eager decode calls this per linear per token: no custom op overhead
+            # (no cached cast of the scales: load_state_dict copies into them below autograd, unseen)
+            scales = w.scale.reshape(-1).to(x.dtype)
+            y = torch.ops.aten._weight_int8pack_mm(x2d.contiguous(), w.qdata, scales)
         y = y.reshape(*shape[:-1], w.shape[0])
         return y + bias.to(y.dtype) if bias is not None else y
-    return _int8_torchao_linear(func, types, (x, w, bias), {})
+    return _int8_torchao_linear(F.linear, (type(w),), (x, w, bias), {})
+
+
+def _int8_torch_function(cls, func, types, args=(), kwargs=None):
+    # NOTE(speed): F.linear is answered before torchao's generic table dispatch (per-call overhead in decode)
+    if func is F.linear and len(args) >= 2 and type(args[1]) is Int8WeightTensor:
+        kwargs = kwargs or {}
+        return _int8_linear(args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias"))
+    return Int8Tensor.__torch_function__.__func__(cls, func, types, args, kwargs)
+
+
+Int8WeightTensor.__torch_function__ = classmethod(_int8_torch_function)
 
 
 Int8WeightTensor.__module__ = "effpass.passes._quant_formats"
@@ -299,10 +309,15 @@ class Int4WeightTensor(TorchAOBaseTensor):
         return "dequantize+linear"
 
 
-@Int4WeightTensor.implements_torch_function(F.linear)
-def _(func, types, args, kwargs):
-    x, w = args[0], args[1]
-    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+def _int4_torch_function(cls, func, types, args=(), kwargs=None):
+    # NOTE(speed): F.linear is answered before torchao's generic table dispatch
+    if func is F.linear and len(args) >= 2 and type(args[1]) is Int4WeightTensor:
+        kwargs = kwargs or {}
+        return _int4_linear(args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias"))
+    return TorchAOBaseTensor.__torch_function__.__func__(cls, func, types, args, kwargs)
+
+
+def _int4_linear(x, w, bias):
     if w.kernel_for(x.device) == "triton_int4_mm":
         shape = x.shape
         y = INT4_KERNELS["triton"](x.reshape(-1, shape[-1]), w.qdata, w.scale, w.zero, w.group_size)
@@ -311,6 +326,7 @@ def _(func, types, args, kwargs):
     return F.linear(x, w.dequantize(x.dtype), bias.to(x.dtype) if bias is not None else None)
 
 
+Int4WeightTensor.__torch_function__ = classmethod(_int4_torch_function)
 Int4WeightTensor.__module__ = "effpass.passes._quant_formats"
 torch.serialization.add_safe_globals([Int8WeightTensor, NF4WeightTensor, NF4Tensor, SubclassTensorArgs,
                                       Int4WeightTensor])
