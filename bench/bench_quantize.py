@@ -171,9 +171,20 @@ def bench_decode(args, device):
                          "warmup_s": round(time.perf_counter() - t0, 2), "linear_weight_bytes": total,
                          "bytes_per_quantized_param": round(qbytes / qparams, 4) if qparams else None, "times": []}
         steps[name] = step
-    for _ in range(args.repeats):  # interleave arms
-        for name, step in steps.items():
-            results[name]["times"].append(time_steps(step, device, args.steps))
+    names = list(steps)
+    for rnd in range(args.repeats):  # interleave arms; a legacy/new pair runs back to back, order alternating
+        order = list(names)
+        if rnd % 2:
+            for i, n in enumerate(order):
+                if n.startswith("legacy_") and i + 1 < len(order) and order[i + 1] == "new_" + n[7:]:
+                    order[i], order[i + 1] = order[i + 1], order[i]
+        for name in order:
+            results[name]["times"].append(time_steps(steps[name], device, args.steps))
+    paired = {}  # median over rounds of legacy time / new time, measured back to back in each round
+    for name in names:
+        if name.startswith("new_") and "legacy_" + name[4:] in results:
+            old_t, new_t = results["legacy_" + name[4:]]["times"], results[name]["times"]
+            paired[name[4:]] = round(statistics.median(o / n for o, n in zip(old_t, new_t)), 3)
     bw = copy_bandwidth(device)
     for name, r in results.items():
         med = statistics.median(r.pop("times"))
@@ -191,6 +202,7 @@ def bench_decode(args, device):
         if old:
             before_after[name[4:]] = {"legacy_tokens_per_s": old["tokens_per_s"], "new_tokens_per_s": r["tokens_per_s"],
                                       "new_over_legacy": round(r["tokens_per_s"] / old["tokens_per_s"], 3),
+                                      "new_over_legacy_paired_median": paired.get(name[4:]),
                                       "legacy_bytes_per_param": old["bytes_per_quantized_param"],
                                       "new_bytes_per_param": r["bytes_per_quantized_param"]}
     return {"shape": shape, "copy_bandwidth_GB_per_s": bw, "arms": results, "before_after": before_after}
