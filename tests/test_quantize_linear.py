@@ -560,6 +560,23 @@ def test_quantized_linears_on_gpu_bf16(scheme):
         assert sqnr(F.linear(x1, dequantized_weight(lin, torch.bfloat16), lin.bias), lin(x1)) > 40
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not fp8_supported(), reason="needs a GPU with compute capability >= 8.9")
+@pytest.mark.parametrize("granularity", ["rowwise", "tensorwise"])
+def test_fp8_scaled_mm_matches_emulation_on_gpu(granularity):
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 384).cuda().bfloat16()
+    real = Fp8Linear.from_linear(copy.deepcopy(lin), granularity, False)
+    emu = Fp8Linear.from_linear(copy.deepcopy(lin), granularity, True)
+    x = torch.randn(40, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y, ye = real(x), emu(x)
+    assert sqnr(ye, y) > 35 and sqnr(lin(x), y) > 20
+    gy = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, real.weight), gy)
+    gxe, gwe = torch.autograd.grad(ye, (x, emu.weight), gy)
+    assert sqnr(gxe, gx) > 30 and sqnr(gwe, gw) > 30
+
+
 # ------------------------------------------------------------------------------------------------------
 # QLoRA
 # ------------------------------------------------------------------------------------------------------
