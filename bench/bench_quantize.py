@@ -1,4 +1,4 @@
-"""Benchmark of ``quantize_linear`` (issue 6, item 7).
+"""Benchmark of ``quantize_linear``: before/after the torchao rebuild side by side (issue 12, item 5).
 
     python bench/bench_quantize.py            # CPU: small shapes (numbers are CPU numbers and say so)
     python bench/bench_quantize.py --gpu      # CUDA: the issue's shapes
@@ -6,9 +6,12 @@
 Arms (one process; arms interleaved over ``--repeats`` rounds, median reported):
 
 * decode (b): batch 1, one new token per step, KV cache: a Llama-shaped model in fp32 / bf16 (eager and
-  ``torch.compile``) vs int8 / nf4 weight-only via effpass (eager prepared model and compiled). Reports
-  tokens/s, linear-weight bytes, achieved GB/s of weight traffic (weight bytes x tokens/s) and, on GPU,
-  the fraction of the measured device copy bandwidth.
+  ``torch.compile``) vs int8 / nf4 / int4 weight-only, each twice: ``legacy_*`` is the hand-written
+  ``QuantizedLinear`` of before the rebuild (kept in ``bench/_legacy_quant.py``), ``new_*`` the torchao-based
+  pass. Reports tokens/s, linear-weight bytes and bytes per quantized parameter, achieved GB/s of weight
+  traffic (weight bytes x tokens/s) and, on GPU, the fraction of the measured device copy bandwidth.
+* accuracy: the same model in fp32, quantized by each implementation: logits SQNR against fp32 and the
+  worst per-layer weight SQNR.
 * qlora (a, GPU only): TinyLlama-1.1B-shaped, T=2048: bf16 LoRA vs NF4 QLoRA via effpass, and PEFT +
   bitsandbytes when importable: tokens/s and peak memory.
 
@@ -31,6 +34,7 @@ import effpass
 from effpass.passes import QuantizeLinear
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # _legacy_quant
 
 
 def llama(hidden, inter, layers, heads, kv, vocab, dtype, device):
@@ -44,16 +48,40 @@ def llama(hidden, inter, layers, heads, kv, vocab, dtype, device):
     return tf.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
 
 
-def linear_bytes(model) -> int:
-    from effpass.passes.quantize_linear import QuantizedLinear
+def linear_bytes(model) -> tuple[int, int, int]:
+    """(bytes of every linear weight, bytes of the quantized ones, parameters of the quantized ones)."""
+    from _legacy_quant import QuantizedLinear
+    from effpass.passes.quantize_linear import is_quantized, weight_nbytes
 
-    total = 0
+    total = qbytes = qparams = 0
+    seen: set = set()
     for m in model.modules():
-        if isinstance(m, torch.nn.Linear):
-            total += m.weight.numel() * m.weight.element_size()
-        elif isinstance(m, QuantizedLinear):
-            total += m.weight_nbytes()
-    return total
+        if isinstance(m, QuantizedLinear):
+            b = m.weight_nbytes()
+            total, qbytes, qparams = total + b, qbytes + b, qparams + m.in_features * m.out_features
+        elif isinstance(m, torch.nn.Linear):
+            if is_quantized(m.weight):
+                b = weight_nbytes(m.weight, seen)
+                qbytes, qparams = qbytes + b, qparams + m.weight.numel()
+            else:
+                b = m.weight.numel() * m.weight.element_size()
+            total += b
+    return total, qbytes, qparams
+
+
+def quantize(model, impl: str, scheme: str, compiled: bool):
+    """Quantize every linear but lm_head with the legacy or the new implementation (in place)."""
+    kw = {"group_size": 128} if scheme == "int4" else {}
+    if impl == "legacy":
+        from _legacy_quant import legacy_prepare
+
+        legacy_prepare(model, scheme, exclude=["lm_head"], **kw)
+        return effpass.compile(model, passes=[], lowering="inductor") if compiled else model
+    passes = [QuantizeLinear(scheme=scheme, exclude=["lm_head"], **kw)]
+    if compiled:
+        return effpass.compile(model, passes=passes, lowering="inductor")
+    effpass.prepare(model, passes=passes)
+    return model
 
 
 def sync(device):
@@ -114,40 +142,49 @@ def bench_decode(args, device):
     else:  # small: ~50M matmul params (lm_head excluded from quantization, as usual)
         shape = dict(hidden=1024, inter=2816, layers=4, heads=16, kv=4, vocab=2048)
         base_dtype = torch.bfloat16
-    arms = {
-        "fp32_eager": (torch.float32, None, False),
-        "bf16_eager": (torch.bfloat16, None, False),
-        "int8_eager": (base_dtype, "int8", False),
-        "int8_fp32act_eager": (torch.float32, "int8", False),
-        "nf4_eager": (base_dtype, "nf4", False),
-    }
+    # name: (activation dtype, scheme, implementation, compiled)
+    arms = {"fp32_eager": (torch.float32, None, None, False), "bf16_eager": (torch.bfloat16, None, None, False)}
+    for scheme in ("int8", "nf4", "int4"):
+        for impl in ("legacy", "new"):
+            arms[f"{impl}_{scheme}_eager"] = (base_dtype, scheme, impl, False)
+    for impl in ("legacy", "new"):
+        arms[f"{impl}_int8_fp32act_eager"] = (torch.float32, "int8", impl, False)
     if args.compile:
-        arms.update({"bf16_compiled": (torch.bfloat16, None, True), "int8_effpass": (base_dtype, "int8", True)})
-    if device.type == "cuda":
-        arms.pop("fp32_eager")
-        arms.pop("int8_fp32act_eager")
-        arms["int4_effpass"] = (base_dtype, "int4", True)
+        arms["bf16_compiled"] = (torch.bfloat16, None, None, True)
+        for impl in ("legacy", "new"):
+            arms[f"{impl}_int8_compiled"] = (base_dtype, "int8", impl, True)
+    if device.type == "cuda":  # the legacy formats' Triton path is not in the bench copy
+        arms = {k: v for k, v in arms.items() if not k.startswith("legacy") and "fp32" not in k}
     steps, results = {}, {}
-    for name, (dtype, scheme, comp) in arms.items():
+    for name, (dtype, scheme, impl, comp) in arms.items():
         model = llama(dtype=dtype, device=device, **shape)
         if scheme:
-            passes = [QuantizeLinear(scheme=scheme, exclude=["lm_head"])]
-            if comp:
-                model = effpass.compile(model, passes=passes, lowering="inductor")
-            else:
-                effpass.prepare(model, passes=passes)
+            model = quantize(model, impl, scheme, comp)
         elif comp:
             model = torch.compile(model)
         t0 = time.perf_counter()
         step = decode_step_fn(model, device)
         time_steps(step, device, 3)  # warm-up (and compile)
+        total, qbytes, qparams = linear_bytes(model)
         results[name] = {"dtype": str(dtype).removeprefix("torch."), "scheme": scheme or "none",
-                         "compiled": comp, "warmup_s": round(time.perf_counter() - t0, 2),
-                         "linear_weight_bytes": linear_bytes(model), "times": []}
+                         "implementation": impl or "-", "compiled": comp,
+                         "warmup_s": round(time.perf_counter() - t0, 2), "linear_weight_bytes": total,
+                         "bytes_per_quantized_param": round(qbytes / qparams, 4) if qparams else None, "times": []}
         steps[name] = step
-    for _ in range(args.repeats):  # interleave arms
-        for name, step in steps.items():
-            results[name]["times"].append(time_steps(step, device, args.steps))
+    names = list(steps)
+    for rnd in range(args.repeats):  # interleave arms; a legacy/new pair runs back to back, order alternating
+        order = list(names)
+        if rnd % 2:
+            for i, n in enumerate(order):
+                if n.startswith("legacy_") and i + 1 < len(order) and order[i + 1] == "new_" + n[7:]:
+                    order[i], order[i + 1] = order[i + 1], order[i]
+        for name in order:
+            results[name]["times"].append(time_steps(steps[name], device, args.steps))
+    paired = {}  # median over rounds of legacy time / new time, measured back to back in each round
+    for name in names:
+        if name.startswith("new_") and "legacy_" + name[4:] in results:
+            old_t, new_t = results["legacy_" + name[4:]]["times"], results[name]["times"]
+            paired[name[4:]] = round(statistics.median(o / n for o, n in zip(old_t, new_t)), 3)
     bw = copy_bandwidth(device)
     for name, r in results.items():
         med = statistics.median(r.pop("times"))
@@ -159,7 +196,46 @@ def bench_decode(args, device):
     ref = "bf16_compiled" if "bf16_compiled" in results else "bf16_eager"
     for r in results.values():
         r[f"speedup_vs_{ref}"] = round(r["tokens_per_s"] / results[ref]["tokens_per_s"], 3)
-    return {"shape": shape, "copy_bandwidth_GB_per_s": bw, "arms": results}
+    before_after = {}
+    for name, r in results.items():
+        old = results.get("legacy_" + name[4:]) if name.startswith("new_") else None
+        if old:
+            before_after[name[4:]] = {"legacy_tokens_per_s": old["tokens_per_s"], "new_tokens_per_s": r["tokens_per_s"],
+                                      "new_over_legacy": round(r["tokens_per_s"] / old["tokens_per_s"], 3),
+                                      "new_over_legacy_paired_median": paired.get(name[4:]),
+                                      "legacy_bytes_per_param": old["bytes_per_quantized_param"],
+                                      "new_bytes_per_param": r["bytes_per_quantized_param"]}
+    return {"shape": shape, "copy_bandwidth_GB_per_s": bw, "arms": results, "before_after": before_after}
+
+
+def bench_accuracy(device):
+    """fp32 model quantized by each implementation: logits SQNR vs fp32 and worst per-layer weight SQNR."""
+    import _legacy_quant as L
+    from effpass.passes.quantize_linear import dequantized_weight, sqnr
+
+    shape = dict(hidden=1024, inter=2816, layers=2, heads=16, kv=4, vocab=2048)
+    ids = torch.randint(0, shape["vocab"], (1, 32), generator=torch.Generator().manual_seed(0)).to(device)
+    ref_model = llama(dtype=torch.float32, device=device, **shape)
+    ref_w = {n: m.weight.detach().clone() for n, m in ref_model.named_modules()
+             if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    with torch.no_grad():
+        ref = ref_model(input_ids=ids).logits
+    out = {}
+    for scheme in ("int8", "nf4", "int4"):
+        for impl in ("legacy", "new"):
+            model = quantize(llama(dtype=torch.float32, device=device, **shape), impl, scheme, False)
+            worst = float("inf")
+            for n, m in model.named_modules():
+                if n in ref_w:
+                    w = m.dequantize(torch.float32) if isinstance(m, L.QuantizedLinear) else dequantized_weight(m)
+                    worst = min(worst, sqnr(ref_w[n], w))
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits
+            _, qbytes, qparams = linear_bytes(model)
+            out[f"{impl}_{scheme}"] = {"logits_sqnr_db": round(sqnr(ref, logits), 2),
+                                       "worst_weight_sqnr_db": round(worst, 2),
+                                       "bytes_per_param": round(qbytes / qparams, 4)}
+    return {"shape": shape, "arms": out}
 
 
 def bench_qlora(args, device):
@@ -259,6 +335,7 @@ def main():
                  "CPU numbers at small shapes on a shared 2-core machine: ratios within this run only"),
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
                      "python": platform.python_version()},
+        "accuracy": bench_accuracy(device),
         "decode": bench_decode(args, device),
     }
     if device.type == "cuda":

@@ -1,4 +1,8 @@
-"""Triton kernels for ``quantize_linear``: matmuls that dequantize int8 / int4 / NF4 weights in registers.
+"""Triton kernel for ``quantize_linear``'s int4 weights: a matmul that dequantizes in registers.
+
+Only int4 (group-wise asymmetric, effpass's own format) uses it: int8 and NF4 weights are torchao tensor
+subclasses with torchao's own kernels (see ``_quant_formats``). The kernel body still handles the int8 and
+NF4 layouts it was written for (``SCHEME`` 0 and 2); only the int4 entry point is registered.
 
 ``y[M, N] = x[M, K] @ dequant(W)[N, K]^T``. Each program computes a ``BM x BN`` tile; per ``BK`` slice it loads
 the packed weight, unpacks nibbles (element ``2j`` in the low nibble), applies the scales (int8: once on
@@ -6,7 +10,7 @@ the fp32 accumulator, the per-output-channel scale factors out; int4: ``(q - zer
 NF4: code lookup times the block absmax, itself dequantized from int8 when double-quantized) and
 accumulates in fp32 with ``tl.dot``.
 
-Each kernel is a ``torch.library`` custom op (``effpass_quant::{int8,int4,nf4}_mm``) with a fake impl, so
+The kernel is a ``torch.library`` custom op (``effpass_quant::int4_mm``) with a fake impl, so
 Dynamo and Inductor treat it as one opaque node, and a backward with respect to ``x`` (``g @ dequant(W)``;
 the quantized weight is frozen), so QLoRA trains through it. CI runs these kernels on the CPU with
 ``TRITON_INTERPRET=1``; on a GPU they run natively.
@@ -19,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._quant_formats import NF4_CODE, dequantize_int4, dequantize_int8, dequantize_nf4
+from ._quant_formats import INT4_KERNELS, NF4_CODE, dequantize_int4
 
-__all__ = ["quantized_mm", "int8_mm", "int4_mm", "nf4_mm"]
+__all__ = ["int4_mm"]
 
 _INT8, _INT4, _NF4 = 0, 1, 2
 
@@ -96,35 +100,17 @@ def _launch(x, qweight, scheme, n, s, z=None, qa=None, a_scale=None, a_off=None,
 
 
 # ------------------------------------------------------------------------------------------------------
-# custom ops (one opaque graph node each) with fake impls and a backward with respect to x
+# custom op (one opaque graph node) with a fake impl and a backward with respect to x
 # ------------------------------------------------------------------------------------------------------
-@torch.library.custom_op("effpass_quant::int8_mm", mutates_args=())
-def int8_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return _launch(x, qweight, _INT8, qweight.shape[0], scales.float().contiguous())
-
-
 @torch.library.custom_op("effpass_quant::int4_mm", mutates_args=())
 def int4_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
             group_size: int) -> torch.Tensor:
     return _launch(x, qweight, _INT4, qweight.shape[0], scales.float().contiguous(), zeros, group=group_size)
 
 
-@torch.library.custom_op("effpass_quant::nf4_mm", mutates_args=())
-def nf4_mm(x: torch.Tensor, qweight: torch.Tensor, absmax: torch.Tensor, qabsmax: torch.Tensor,
-           absmax_scale: torch.Tensor, absmax_offset: torch.Tensor, block_size: int,
-           double_quant: bool) -> torch.Tensor:
-    if double_quant:
-        return _launch(x, qweight, _NF4, qweight.shape[0], absmax_scale.float(), None, qabsmax,
-                       absmax_scale.float(), absmax_offset.float().reshape(1), group=block_size, dq=True)
-    return _launch(x, qweight, _NF4, qweight.shape[0], absmax.float().contiguous(), group=block_size)
-
-
+@int4_mm.register_fake
 def _fake(x, qweight, *args):
     return x.new_empty(x.shape[0], qweight.shape[0])
-
-
-for _op in (int8_mm, int4_mm, nf4_mm):
-    _op.register_fake(_fake)
 
 
 def _setup(ctx, inputs, output):
@@ -132,36 +118,10 @@ def _setup(ctx, inputs, output):
     ctx.extra = [t for t in inputs[1:] if not isinstance(t, torch.Tensor)]
 
 
-def _int8_bwd(ctx, g):
-    q, s = ctx.saved_tensors
-    return g @ dequantize_int8(q, s, g.dtype), None, None
-
-
 def _int4_bwd(ctx, g):
     q, s, z = ctx.saved_tensors
     return g @ dequantize_int4(q, s, z, ctx.extra[0], g.dtype), None, None, None, None
 
 
-def _nf4_bwd(ctx, g):
-    q, absmax, qa, a_scale, a_off = ctx.saved_tensors
-    block, dq = ctx.extra
-    bufs = {"qweight": q, "qabsmax": qa, "absmax_scale": a_scale, "absmax_offset": a_off} if dq else \
-        {"qweight": q, "absmax": absmax}
-    return (g @ dequantize_nf4(bufs, block, g.dtype),) + (None,) * 7
-
-
-int8_mm.register_autograd(_int8_bwd, setup_context=_setup)
 int4_mm.register_autograd(_int4_bwd, setup_context=_setup)
-nf4_mm.register_autograd(_nf4_bwd, setup_context=_setup)
-
-
-def quantized_mm(mod, x2d: torch.Tensor) -> torch.Tensor:
-    """``x2d @ W^T`` for a :class:`QuantizedLinear` (no outliers, no bias) through the Triton kernels."""
-    if mod.scheme == "int8":
-        return int8_mm(x2d, mod.qweight, mod.scales)
-    if mod.scheme == "int4":
-        return int4_mm(x2d, mod.qweight, mod.scales, mod.zeros, mod.group_size)
-    empty = x2d.new_empty(0, dtype=torch.float32)
-    if mod.double_quant:
-        return nf4_mm(x2d, mod.qweight, empty, mod.qabsmax, mod.absmax_scale, mod.absmax_offset, mod.block_size, True)
-    return nf4_mm(x2d, mod.qweight, mod.absmax, empty, empty, empty, mod.block_size, False)
+INT4_KERNELS["triton"] = int4_mm

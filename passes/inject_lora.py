@@ -86,6 +86,7 @@ class InjectLoRA(effpass.Pass):
             return (isinstance(mod, LoRALinear) or lora.is_linear_like(mod)) and ".lora_" not in name \
                 and not name.endswith(".base_layer")
 
+        lora.check_no_expert_targets(model, self.targets)  # MoE expert weights are 3-D, not linears
         linear_names = [n for n, m in model.named_modules() if n and candidate(n, m)]
         already = lora.lora_modules(model)
         if not linear_names and not already:

@@ -188,6 +188,24 @@ class LoRALinear(nn.Module):
 # ------------------------------------------------------------------------------------------------------
 # injection and freezing
 # ------------------------------------------------------------------------------------------------------
+def check_no_expert_targets(model: nn.Module, globs: Iterable[str], who: str = "inject_lora") -> None:
+    """Raise when a ``targets`` glob names MoE expert weights (3-D parameters of an ``*Experts`` module,
+    transformers 5's Mixtral / Qwen3-MoE): LoRA adapters wrap 2-D linears and cannot reach them."""
+    import fnmatch
+
+    experts = [(f"{mn}.{pn}" if mn else pn) for mn, m in model.named_modules()
+               if type(m).__name__.endswith("Experts") for pn, p in m.named_parameters(recurse=False) if p.dim() == 3]
+    for glob in globs:
+        hit = [n for n in experts if any(fnmatch.fnmatchcase(".".join(n.split(".")[:i + 1]), glob)
+                                         for i in range(len(n.split("."))))]
+        if hit:
+            raise ValueError(
+                f"{who}: targets pattern {glob!r} names MoE expert weights ({', '.join(repr(h) for h in hit[:4])}"
+                f"{' ...' if len(hit) > 4 else ''}), which are 3-D parameters [experts, out, in], not linear modules; "
+                "LoRA on expert projections is not supported. Target the attention projections or the router "
+                "(e.g. '*.q_proj', '*.v_proj', '*.mlp.gate') instead")
+
+
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
     """Every :class:`LoRALinear` in ``model`` by its fully qualified name."""
     return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}

@@ -1,35 +1,49 @@
-"""``quantize_linear``: store ``nn.Linear`` weights in int8, int4 or NF4 (with double quantization), or run
-their matmuls in fp8.
+"""``quantize_linear``: store linear weights in int8, NF4 (double quantization) or int4, or run their
+matmuls in fp8. Built on torchao's tensor subclasses; ``nn.Linear`` modules stay in place.
 
 Phase: module only (``prepare_module``). Quantized weights are state that must exist before the optimizer
 is built and that ``state_dict()`` must carry, so they are made on the eager model, not inside a graph
 (see torch-facts "Therefore state that must exist before the optimizer ...").
 
-Each in-scope ``nn.Linear`` is replaced by a :class:`QuantizedLinear` that holds the packed weight and its
-scales as buffers; the full-precision weight is dropped (freed once the caller holds no reference). The
-module's eager ``forward`` is the reference semantics: dequantize, then ``F.linear``, differentiable with
-respect to the input (the packed weight is frozen), so the prepared eager model and the compiled one
-compute the same function and a LoRA adapter on top trains (QLoRA). Faster paths compute the same thing:
+Each in-scope ``nn.Linear`` keeps its class, its place and its ``bias``; only ``.weight`` changes, to a
+frozen tensor subclass (``_quant_formats``) that keeps the original ``dtype`` and ``shape``, so model code
+reading ``module.weight.dtype`` (T5) keeps working:
 
-* CPU, int8, no gradient needed: ``aten._weight_int8pack_mm`` (no autograd formula, so only then);
-* CUDA, int8 / int4 / NF4: Triton kernels that dequantize inside the matmul (``_quant_kernels``),
-  registered as ``torch.library`` custom ops with a fake impl and a backward with respect to the input;
-* fp8: ``torch._scaled_mm`` with dynamic per-tensor or row-wise scales on GPUs with compute capability
-  >= 8.9 (forward e4m3; gradients e5m2 per-tensor or e4m3 row-wise); elsewhere a ``ValueError``, or an
-  emulation (quantize-dequantize casts) that only tests should ask for.
+* int8: torchao's ``Int8Tensor`` (``Int8WeightOnlyConfig``'s format) as :class:`Int8WeightTensor`;
+* nf4: torchao's ``NF4Tensor`` (``to_nf4``: QLoRA NF4, double quantization) as :class:`NF4WeightTensor`;
+* int4: effpass's own group-wise format (torchao's int4 weight-only needs a GPU library) with a Triton
+  kernel on CUDA;
+* fp8: the module becomes :class:`Fp8Linear` (an ``nn.Linear`` subclass, weight unchanged and trainable)
+  whose matmuls run in fp8 through ``torch._scaled_mm`` (or an emulation for tests).
 
-Ordering: no ``run_after``. ``inject_lora`` runs after this pass (QLoRA) and treats any module with
-``__effpass_linear__ = True`` as a linear base (it reads ``in_features``, ``out_features``, ``bias`` and calls
-``base(x)``); ``wrap_fsdp`` runs after every module pass.
+``F.linear`` on a quantized weight is differentiable with respect to the input (the weight is frozen), so
+the prepared eager model and the compiled one compute the same function and LoRA adapters on top train
+(QLoRA). Also handled:
 
-Invariants: a quantized linear's ``state_dict`` holds exactly its packed weight, scales and bias, and
-loading it into a model prepared with the same options reproduces the outputs bit for bit. Linears whose
-weight is tied to another parameter, subclasses of ``nn.Linear`` (their forward may differ) and shapes a
-scheme cannot handle are left alone and listed in ``skipped`` with the reason.
+* ``nn.Linear`` subclasses with their own ``forward`` (Falcon's ``FalconLinear``): a probe checks that the
+  forward computes ``F.linear(x, weight, bias)``; then the instance's class becomes a subclass of its class
+  with ``nn.Linear.forward`` (``isinstance`` still holds) and the weight is quantized. Otherwise skipped.
+* GPT-2's ``Conv1D`` (weight ``[in, out]``, ``addmm``): replaced by an ``nn.Linear`` holding the
+  transposed weight (as bitsandbytes' integration does), then quantized.
+* MoE experts kept as 3-D parameters (transformers 5: Mixtral, Qwen3-MoE ``*.experts.gate_up_proj`` /
+  ``down_proj``): int8 quantizes them per expert and per row (a 3-D ``Int8Tensor``) and switches the model
+  to transformers' ``"eager"`` experts implementation (the per-expert loop that indexes the weight and
+  calls ``F.linear``; the routing is unchanged, checked by a probe). NF4 and int4 formats are 2-D only and
+  fp8 wraps linears: those tensors are listed as skipped with the reason.
+
+Ordering: no ``run_after``. ``inject_lora`` runs after this pass (QLoRA): the quantized ``nn.Linear`` is a
+plain linear base for it, marked ``__effpass_linear__ = True`` so that merging an adapter into it is
+refused. ``wrap_fsdp`` runs after every module pass.
+
+Invariants: a quantized linear's ``state_dict`` holds its quantized weight (a tensor subclass), the bias
+and, with ``outlier_threshold``, the outlier columns; loading it into a model prepared with the same
+options reproduces the outputs bit for bit. Every candidate (linear, linear subclass, Conv1D, expert
+tensor) appears in ``stats["modules"]`` as quantized or skipped with the reason.
 """
 from __future__ import annotations
 
-import functools
+import fnmatch
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -39,14 +53,15 @@ from torch import nn
 
 import effpass
 from ._quant_formats import (  # noqa: F401  (re-exported)
-    NF4_CODE, nf4_code_from_normal_quantiles, sqnr, quantize_int8, dequantize_int8, quantize_int4, dequantize_int4,
-    quantize_nf4, dequantize_nf4)
+    NF4_CODE, INT4_KERNELS, Int4WeightTensor, Int8WeightTensor, NF4WeightTensor, dequantize_weight,
+    int8pack_applies, nf4_code_from_normal_quantiles, nf4_scaler_block, sqnr, to_nf4_weight, weight_nbytes)
 
 SCHEMES = ("int8", "int4", "nf4", "fp8")
-KERNELS = ("auto", "reference", "triton", "aten")
+KERNELS = ("auto", "torchao", "triton")
 
-__all__ = ["QuantizeLinear", "QuantizedLinear", "NF4_CODE", "quantize_int8", "quantize_int4", "quantize_nf4",
-           "nf4_code_from_normal_quantiles", "sqnr", "fp8_supported"]
+__all__ = ["QuantizeLinear", "Fp8Linear", "NF4_CODE", "nf4_code_from_normal_quantiles", "sqnr", "fp8_supported",
+           "dequantized_weight", "is_quantized", "Int8WeightTensor", "NF4WeightTensor", "Int4WeightTensor"]
+
 
 def fp8_supported(device: torch.device | str | None = None) -> bool:
     """``torch._scaled_mm`` needs a CUDA GPU with compute capability >= 8.9 (Ada, Hopper and later)."""
@@ -56,6 +71,9 @@ def fp8_supported(device: torch.device | str | None = None) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+# ------------------------------------------------------------------------------------------------------
+# fp8 (own: torchao's float8 training needs a GPU and is not tested here)
+# ------------------------------------------------------------------------------------------------------
 def _to_fp8(t: torch.Tensor, dtype: torch.dtype, rowwise: bool):
     """(fp8 tensor, fp32 dequant scale) with dynamic scaling: per row of ``t`` or one per tensor."""
     fmax = torch.finfo(dtype).max
@@ -112,187 +130,108 @@ class _Fp8Linear(torch.autograd.Function):
         return gx, gw, gb, None, None
 
 
-# ------------------------------------------------------------------------------------------------------
-# CPU int8 inference kernel
-# ------------------------------------------------------------------------------------------------------
-# HACK(Inductor's lowering of aten._weight_int8pack_mm asserts when an input is an unrealized pointwise
-# value, e.g. the output of an RMSNorm, on torch 2.13): an opaque custom op makes Inductor call the aten
-# kernel as an extern with realized inputs. Remove when the lowering realizes its inputs.
-@torch.library.custom_op("effpass_quant::weight_int8pack_mm", mutates_args=())
-def weight_int8pack_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``x @ (qweight * scales[:, None]).T`` via ``aten._weight_int8pack_mm`` (no autograd: inference only)."""
-    return torch.ops.aten._weight_int8pack_mm(x.contiguous(), qweight, scales.to(x.dtype))
+class Fp8Linear(nn.Linear):
+    """An ``nn.Linear`` whose matmuls run in fp8 (dynamic scales); the weight stays a trainable parameter."""
 
+    fp8_granularity: str = "rowwise"
+    fp8_emulate: bool = False
 
-@weight_int8pack_mm.register_fake
-def _(x, qweight, scales):
-    return x.new_empty(x.shape[0], qweight.shape[0])
-
-
-# ------------------------------------------------------------------------------------------------------
-# the module
-# ------------------------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-
-        return True
-    except Exception:
-        return False
-
-
-class QuantizedLinear(nn.Module):
-    """A linear layer with a quantized frozen weight (or fp8 matmuls). Drop-in for ``nn.Linear``.
-
-    Buffers by scheme (all in ``state_dict``):
-
-    * int8: ``qweight`` int8 [N, K], ``scales`` fp32 [N]
-    * int4: ``qweight`` uint8 [N, K/2], ``scales`` fp32 [N, K/g], ``zeros`` uint8 [N, K/g]
-    * nf4: ``qweight`` uint8 [N, K/2] and ``absmax`` fp32 [N, K/64], or with double quantization
-      ``qabsmax`` int8 [N, K/64], ``absmax_scale`` fp32 [ceil(N*K/64/256)], ``absmax_offset`` fp32 []
-    * fp8: the high-precision ``weight`` stays a trainable parameter; matmuls run in fp8.
-    * every scheme: ``outlier_idx`` int64 [n] and ``outlier_weight`` [N, n] (input features kept in the
-      original precision; n = 0 unless ``outlier_threshold`` is set).
-    """
-
-    __effpass_linear__ = True
-
-    def __init__(self, in_features: int, out_features: int, *, scheme: str, bias: nn.Parameter | None = None,
-                 group_size: int = 128, block_size: int = 64, double_quant: bool = True, kernel: str = "auto",
-                 fp8_granularity: str = "rowwise", fp8_emulate: bool = False,
-                 compute_dtype: torch.dtype = torch.float32):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.scheme, self.group_size, self.block_size = scheme, group_size, block_size
-        self.double_quant, self.kernel = double_quant, kernel
-        self.fp8_granularity, self.fp8_emulate = fp8_granularity, fp8_emulate
-        self.compute_dtype = compute_dtype
-        self.dq_block = 256
-        self.bias = bias
-        # NOTE(compile): a plain bool read in forward; probing the import there would trace an import.
-        self._triton_ok = _triton_available()
-
-    # -- construction -------------------------------------------------------------------------------
     @classmethod
-    @torch.no_grad()
-    def from_linear(cls, linear: nn.Linear, *, scheme: str, outlier_threshold: float = 0.0, **kw) -> "QuantizedLinear":
-        w = linear.weight.detach()
-        m = cls(linear.in_features, linear.out_features, scheme=scheme, bias=linear.bias,
-                compute_dtype=w.dtype, **kw)
-        if scheme == "fp8":
-            m.weight = linear.weight
-            return m
-        idx = torch.zeros(0, dtype=torch.long, device=w.device)
-        if outlier_threshold > 0:
-            colmax = w.float().abs().amax(dim=0)
-            idx = torch.nonzero(colmax > outlier_threshold * w.float().std()).flatten()
-        m.register_buffer("outlier_idx", idx)
-        m.register_buffer("outlier_weight", w[:, idx].clone())
-        if idx.numel():
-            w = w.clone()
-            w[:, idx] = 0  # the outlier columns no longer inflate the scales of the rest
-        if scheme == "int8":
-            q, s = quantize_int8(w)
-            m.register_buffer("qweight", q)
-            m.register_buffer("scales", s)
-        elif scheme == "int4":
-            q, s, z = quantize_int4(w, m.group_size)
-            m.register_buffer("qweight", q)
-            m.register_buffer("scales", s)
-            m.register_buffer("zeros", z)
-        elif scheme == "nf4":
-            for name, t in quantize_nf4(w, m.block_size, m.double_quant, m.dq_block).items():
-                m.register_buffer(name, t)
-        else:  # pragma: no cover - validated by the pass
-            raise ValueError(f"unknown scheme {scheme!r}; choose one of {list(SCHEMES)}")
+    def from_linear(cls, lin: nn.Linear, granularity: str, emulate: bool) -> "Fp8Linear":
+        m = cls(lin.in_features, lin.out_features, bias=False, device="meta")
+        m.weight, m.bias = lin.weight, lin.bias
+        m.fp8_granularity, m.fp8_emulate = granularity, emulate
         return m
-
-    # -- reference semantics ------------------------------------------------------------------------
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The weight the layer computes with, [out_features, in_features], in ``dtype``."""
-        dtype = dtype or self.compute_dtype
-        if self.scheme == "fp8":
-            return self.weight.to(dtype)
-        if self.scheme == "int8":
-            w = dequantize_int8(self.qweight, self.scales, dtype)
-        elif self.scheme == "int4":
-            w = dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size, dtype)
-        else:
-            w = dequantize_nf4(self._nf4_buffers(), self.block_size, dtype, self.dq_block)
-        if self.outlier_idx.numel():
-            w = w.index_copy(1, self.outlier_idx, self.outlier_weight.to(dtype))
-        return w
-
-    def _nf4_buffers(self) -> dict:
-        names = ("qweight", "qabsmax", "absmax_scale", "absmax_offset") if self.double_quant else ("qweight", "absmax")
-        return {n: getattr(self, n) for n in names}
-
-    def weight_nbytes(self) -> int:
-        """Bytes of the stored weight (packed values, scales, outliers; not the bias)."""
-        if self.scheme == "fp8":
-            return self.weight.numel() * self.weight.element_size()
-        return sum(b.numel() * b.element_size() for n, b in self.named_buffers(recurse=False))
-
-    def kernel_for(self, device: torch.device, needs_grad: bool) -> str:
-        """The matmul path ``forward`` takes for inputs on ``device``."""
-        if self.scheme == "fp8":
-            return "fp8_emulated" if self.fp8_emulate else f"torch._scaled_mm({self.fp8_granularity})"
-        k = self.kernel
-        if k == "auto":
-            if device.type == "cuda" and self._triton_ok:
-                k = "triton"
-            elif self.scheme == "int8" and not needs_grad and device.type == "cpu":
-                k = "aten"
-            else:
-                k = "reference"
-        if k == "aten" and needs_grad:
-            k = "reference"  # HACK(no autograd formula for _weight_int8pack_mm): remove when it has one
-        return {"triton": f"triton_{self.scheme}_mm", "aten": "aten._weight_int8pack_mm",
-                "reference": "dequantize+linear"}[k]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        if self.scheme == "fp8":
-            y = _Fp8Linear.apply(x.reshape(-1, shape[-1]), self.weight, self.bias,
-                                 self.fp8_granularity == "rowwise", self.fp8_emulate)
-            return y.reshape(*shape[:-1], self.out_features)
-        needs_grad = torch.is_grad_enabled() and x.requires_grad
-        kernel = self.kernel_for(x.device, needs_grad)
-        if kernel == "dequantize+linear":
-            return F.linear(x, self.dequantize(x.dtype), self.bias.to(x.dtype) if self.bias is not None else None)
-        x2d = x.reshape(-1, shape[-1])
-        if kernel == "aten._weight_int8pack_mm":
-            y = weight_int8pack_mm(x2d, self.qweight, self.scales)
-        else:
-            from . import _quant_kernels as qk
-
-            y = qk.quantized_mm(self, x2d)
-        if self.outlier_idx.numel():
-            y = y + x2d.index_select(1, self.outlier_idx) @ self.outlier_weight.to(x.dtype).t()
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
+        y = _Fp8Linear.apply(x.reshape(-1, shape[-1]), self.weight, self.bias, self.fp8_granularity == "rowwise",
+                             self.fp8_emulate)
         return y.reshape(*shape[:-1], self.out_features)
 
-    # -- state dict: outlier buffers are data-dependent in size ----------------------------------------
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        for name, buf in list(self._buffers.items()):
-            t = state_dict.get(prefix + name)
-            if buf is not None and t is not None and t.shape != buf.shape:
-                self._buffers[name] = torch.empty(t.shape, dtype=buf.dtype, device=buf.device)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
     def extra_repr(self) -> str:
-        s = f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}"
-        if self.scheme == "int4":
-            s += f", group_size={self.group_size}"
-        if self.scheme == "nf4":
-            s += f", block_size={self.block_size}, double_quant={self.double_quant}"
-        if self.scheme == "fp8":
-            s += f", granularity={self.fp8_granularity}{', emulated' if self.fp8_emulate else ''}"
-        elif self.outlier_idx.numel():
-            s += f", outliers={self.outlier_idx.numel()}"
-        return s + f", bias={self.bias is not None}"
+        return super().extra_repr() + f", fp8={self.fp8_granularity}{' (emulated)' if self.fp8_emulate else ''}"
+
+
+# ------------------------------------------------------------------------------------------------------
+# outlier columns (kept in the original precision): buffers on the linear plus a forward hook
+# ------------------------------------------------------------------------------------------------------
+def _outlier_hook(mod: nn.Module, args, out):
+    if not mod.outlier_idx.numel():
+        return out
+    x = args[0]
+    return out + (x.index_select(-1, mod.outlier_idx) @ mod.outlier_weight.to(x.dtype).t()).to(out.dtype)
+
+
+def _outlier_load_pre_hook(mod, state_dict, prefix, *args):
+    """Outlier buffers are data-dependent in size: take the loaded sizes."""
+    for name in ("outlier_idx", "outlier_weight"):
+        t = state_dict.get(prefix + name)
+        buf = mod._buffers.get(name)
+        if buf is not None and t is not None and t.shape != buf.shape:
+            mod._buffers[name] = torch.empty(t.shape, dtype=buf.dtype, device=buf.device)
+
+
+# ------------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------------
+def is_quantized(w) -> bool:
+    return isinstance(w, (Int8WeightTensor, NF4WeightTensor, Int4WeightTensor)) or \
+        type(w).__name__ in ("Int8Tensor", "NF4Tensor")
+
+
+def dequantized_weight(module: nn.Module, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The weight a (quantized) linear computes with, ``[out, in]``, outlier columns included."""
+    w = dequantize_weight(module.weight, dtype)
+    idx = getattr(module, "outlier_idx", None)
+    if idx is not None and idx.numel():
+        w = w.index_copy(1, idx, module.outlier_weight.to(w.dtype))
+    return w
+
+
+_LINEAR_FORWARD_CLASSES: dict[type, type] = {}
+
+
+def _with_linear_forward(cls: type) -> type:
+    """A subclass of ``cls`` whose forward is ``nn.Linear.forward`` (made once per class)."""
+    if cls not in _LINEAR_FORWARD_CLASSES:
+        _LINEAR_FORWARD_CLASSES[cls] = type(cls.__name__, (cls,), {
+            "forward": nn.Linear.forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+            "__effpass_linear_forward__": True})
+    return _LINEAR_FORWARD_CLASSES[cls]
+
+
+def _conv1d_class():
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except Exception:  # pragma: no cover - transformers is optional
+        return None
+    return Conv1D
+
+
+def _expert_tensors(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """(full parameter name, owning module, attribute) of every 3-D floating parameter of an experts module."""
+    out = []
+    for mname, mod in model.named_modules():
+        if not (type(mod).__name__.endswith("Experts") or hasattr(mod, "num_experts")):
+            continue
+        for pname, p in mod.named_parameters(recurse=False):
+            if p.dim() == 3 and p.is_floating_point():
+                out.append((f"{mname}.{pname}" if mname else pname, mod, pname))
+    return out
+
+
+def _probe_matches(fn, ref, atol=1e-5) -> str | None:
+    try:
+        with torch.no_grad():
+            got = fn()
+    except Exception as e:  # the module's own code rejects the probe
+        return f"{type(e).__name__}: {str(e)[:200]}"
+    if not isinstance(got, torch.Tensor) or got.shape != ref.shape:
+        return f"output shape {tuple(getattr(got, 'shape', ()))} != {tuple(ref.shape)}"
+    err = (got.float() - ref.float()).abs().max().item()
+    scale = ref.float().abs().max().item()
+    return None if err <= atol * max(1.0, scale) else f"max difference {err:.3g}"
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -301,28 +240,29 @@ class QuantizedLinear(nn.Module):
 @effpass.register_pass("quantize_linear")
 @dataclass(frozen=True, kw_only=True)
 class QuantizeLinear(effpass.Pass):
-    """Replace linears with int8 / int4 / NF4 weight-quantized ones (or fp8-matmul ones).
+    """Quantize linear weights in place (int8 / NF4 via torchao, int4) or run their matmuls in fp8.
 
     Before (module tree)::
 
-        q_proj: Linear(64 -> 64)            weight fp32 [64, 64]            16 KiB
+        q_proj: Linear(64 -> 64)   weight: Tensor fp32 [64, 64]                            16 KiB
     After ``QuantizeLinear(scheme="nf4")``::
 
-        q_proj: QuantizedLinear(scheme=nf4) qweight uint8 [64, 32] + qabsmax int8 [64, 1]
-                                            + absmax_scale, absmax_offset   ~2.1 KiB
-    ``forward(x) = F.linear(x, dequantize(), bias)`` (or a fused kernel computing the same).
+        q_proj: Linear(64 -> 64)   weight: NF4WeightTensor (torchao NF4Tensor) fp32 [64, 64] ~2.1 KiB
+    ``forward(x) = F.linear(x, weight, bias)``: the subclass computes ``x @ dequant(W).T`` (or a kernel
+    computing the same).
     """
 
     scheme: Literal["int8", "int4", "nf4", "fp8"] = field(default="int8", metadata={
-        "doc": "int8: per-output-channel symmetric; int4: group-wise asymmetric; nf4: QLoRA NormalFloat4 "
-               "(block 64); fp8: e4m3 matmuls with dynamic scales (weight stays high precision)"})
+        "doc": "int8: torchao Int8Tensor, per-output-channel symmetric; nf4: torchao NF4Tensor (QLoRA, block 64, "
+               "double quantization); int4: group-wise asymmetric (own format); fp8: e4m3 matmuls, weight kept"})
     group_size: int = field(default=128, metadata={"doc": "int4: input features per scale/zero point"})
-    block_size: int = field(default=64, metadata={"doc": "nf4: input features per absmax constant"})
+    block_size: int = field(default=64, metadata={"doc": "nf4: weights per absmax constant"})
     double_quant: bool = field(default=True, metadata={
-        "doc": "nf4: quantize the absmax constants to int8 with one fp32 scale per 256 (QLoRA)"})
-    kernel: Literal["auto", "reference", "triton", "aten"] = field(default="auto", metadata={
-        "doc": "matmul path: auto (Triton on CUDA, aten int8pack on CPU without grad, else reference), "
-               "reference (dequantize+linear), triton (fused; CUDA or TRITON_INTERPRET=1), aten (int8 only)"})
+        "doc": "nf4: quantize the absmax constants to int8 per 256 (QLoRA); torchao's NF4 always does, so "
+               "only True is valid"})
+    kernel: Literal["auto", "torchao", "triton"] = field(default="auto", metadata={
+        "doc": "auto: effpass's fastest path (int8: aten int8pack for CPU bf16/fp16 inference; nf4: pair-table "
+               "dequantize; int4: Triton on CUDA); torchao: torchao's own linear (int8, nf4); triton: int4 only"})
     outlier_threshold: float = field(default=0.0, metadata={
         "doc": "keep input-feature columns whose max |w| exceeds this many std of the weight in high "
                "precision (LLM.int8 idea); 0 disables"})
@@ -330,6 +270,8 @@ class QuantizeLinear(effpass.Pass):
         "doc": "fp8: one scale per tensor or per row (per token / per output channel)"})
     fp8_emulate: bool = field(default=False, metadata={
         "doc": "fp8: emulate the fp8 casts with plain matmuls on any device (for tests only)"})
+    experts: bool = field(default=True, metadata={
+        "doc": "MoE expert weights (3-D parameters): quantize them (int8) or list them as skipped"})
 
     @classmethod
     def default_note(cls) -> str:
@@ -342,24 +284,22 @@ class QuantizeLinear(effpass.Pass):
                 raise ValueError(f"quantize_linear: {name} must be a positive even number, got {v}")
         if self.outlier_threshold < 0:
             raise ValueError(f"quantize_linear: outlier_threshold must be >= 0 (0 disables), got {self.outlier_threshold}")
-        if self.kernel == "aten" and self.scheme != "int8":
-            raise ValueError(f"quantize_linear: kernel='aten' (_weight_int8pack_mm) needs scheme='int8', got "
-                             f"scheme={self.scheme!r}; use kernel='auto', 'reference' or 'triton'")
+        if not self.double_quant:
+            raise ValueError("quantize_linear: double_quant=False is not available: NF4 weights are torchao NF4Tensors, "
+                             "which always double-quantize their absmax constants (QLoRA's default, ~0.127 bits per "
+                             "weight); use double_quant=True")
+        valid_kernels = {"int8": ("auto", "torchao"), "nf4": ("auto", "torchao"), "int4": ("auto", "triton"),
+                         "fp8": ("auto",)}[self.scheme]
+        if self.kernel not in valid_kernels:
+            raise ValueError(f"quantize_linear: kernel={self.kernel!r} does not apply to scheme={self.scheme!r}; "
+                             f"valid kernels for it: {list(valid_kernels)}")
         if self.scheme == "fp8" and self.outlier_threshold:
             raise ValueError("quantize_linear: outlier_threshold applies to int8/int4/nf4, not scheme='fp8'")
         if self.fp8_emulate and self.scheme != "fp8":
             raise ValueError(f"quantize_linear: fp8_emulate=True needs scheme='fp8', got {self.scheme!r}")
 
-    def _site_problem(self, name: str, lin: nn.Linear, tied: set[int]) -> str | None:
-        if type(lin) is not nn.Linear:
-            return f"{type(lin).__name__} is a subclass of nn.Linear (its forward may differ)"
-        if id(lin.weight) in tied:
-            return "weight is tied to another parameter (quantizing it would untie them)"
-        if lin.weight.device.type == "meta":
-            return "weight is on the meta device"
-        if not lin.weight.is_floating_point():
-            return f"weight dtype {lin.weight.dtype} is not floating point"
-        k, n = lin.in_features, lin.out_features
+    # -- what can be quantized -----------------------------------------------------------------------
+    def _shape_problem(self, k: int, n: int, numel: int) -> str | None:
         if self.scheme == "int4" and k % self.group_size:
             return f"in_features={k} is not divisible by group_size={self.group_size}"
         if self.scheme == "nf4" and k % self.block_size:
@@ -368,43 +308,312 @@ class QuantizeLinear(effpass.Pass):
             return f"fp8 matmuls need in/out features divisible by 16, got {k}x{n}"
         return None
 
+    def _weight_problem(self, w: torch.Tensor, tied: set[int]) -> str | None:
+        if is_quantized(w):
+            return f"already quantized ({type(w).__name__})"
+        if id(w) in tied:
+            return "weight is tied to another parameter (quantizing it would untie them)"
+        if w.device.type == "meta":
+            return "weight is on the meta device"
+        if not w.is_floating_point():
+            return f"weight dtype {w.dtype} is not floating point"
+        return None
+
+    def _linear_problem(self, lin: nn.Linear, tied: set[int]) -> str | None:
+        if isinstance(lin, Fp8Linear) or getattr(lin, "__effpass_linear__", False):
+            return "already quantized"
+        problem = self._weight_problem(lin.weight, tied)
+        if problem:
+            return problem
+        problem = self._shape_problem(lin.in_features, lin.out_features, lin.weight.numel())
+        if problem:
+            return problem
+        if type(lin).forward is not nn.Linear.forward and not getattr(type(lin), "__effpass_linear_forward__", False):
+            g = torch.Generator(device="cpu").manual_seed(0)
+            x = torch.randn(3, lin.in_features, generator=g).to(lin.weight)
+            with torch.no_grad():
+                ref = F.linear(x, lin.weight, lin.bias)
+            bad = _probe_matches(lambda: lin(x), ref)
+            if bad:
+                return (f"{type(lin).__name__} has its own forward, which does not compute F.linear(x, weight, bias) "
+                        f"on a probe ({bad})")
+        return None
+
+    # -- quantizing ----------------------------------------------------------------------------------
+    def _quantize_tensor(self, w: torch.Tensor) -> torch.Tensor:
+        if self.scheme == "int8":
+            if self.kernel == "torchao":
+                from torchao.quantization.granularity import PerRow
+                from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor
+
+                return Int8Tensor.from_hp(w.detach(), PerRow())
+            return Int8WeightTensor.from_float(w)
+        if self.scheme == "nf4":
+            return to_nf4_weight(w, self.block_size, fast=self.kernel != "torchao")
+        if self.scheme == "int4":
+            if self.kernel in ("triton", "auto") and w.device.type == "cuda" or self.kernel == "triton":
+                from . import _quant_kernels  # noqa: F401  (registers INT4_KERNELS["triton"])
+            return Int4WeightTensor.from_float(w, self.group_size, self.kernel)
+        raise AssertionError(self.scheme)  # pragma: no cover
+
+    def _kernel_names(self, lin: nn.Module, device: torch.device) -> tuple[str, str]:
+        """(path for inference, path when the input needs a gradient) on ``device``."""
+        w = lin.weight
+        if isinstance(lin, Fp8Linear):
+            k = "fp8_emulated" if lin.fp8_emulate else f"torch._scaled_mm({lin.fp8_granularity})"
+            return k, k
+        if isinstance(w, Int8WeightTensor):
+            fast = device.type == "cpu" and w.qdata.dim() == 2
+            return ("aten._weight_int8pack_mm (bf16/fp16 activations), else torchao Int8Tensor" if fast
+                    else "torchao Int8Tensor"), "torchao Int8Tensor"
+        if isinstance(w, NF4WeightTensor):
+            return "nf4 pair-table dequantize+linear", "nf4 pair-table dequantize+linear"
+        if isinstance(w, Int4WeightTensor):
+            k = w.kernel_for(device)
+            return k, k
+        return f"torchao {type(w).__name__}", f"torchao {type(w).__name__}"
+
+    def _add_outliers(self, lin: nn.Linear) -> torch.Tensor:
+        """Split off outlier input columns (kept exact); returns the weight left to quantize."""
+        w = lin.weight.detach()
+        idx = torch.zeros(0, dtype=torch.long, device=w.device)
+        if self.outlier_threshold > 0:
+            colmax = w.float().abs().amax(dim=0)
+            idx = torch.nonzero(colmax > self.outlier_threshold * w.float().std()).flatten()
+        if self.outlier_threshold <= 0:
+            return w
+        # NOTE(state_dict): registered even when empty, so every linear of a model has the same keys
+        lin.register_buffer("outlier_idx", idx)
+        lin.register_buffer("outlier_weight", w[:, idx].clone())
+        lin.register_forward_hook(_outlier_hook)
+        lin._register_load_state_dict_pre_hook(_outlier_load_pre_hook, with_module=True)
+        if not idx.numel():
+            return w
+        w = w.clone()
+        w[:, idx] = 0  # the outlier columns no longer inflate the scales of the rest
+        return w
+
+    # -- scope ----------------------------------------------------------------------------------------
+    def _check_patterns(self, model: nn.Module, candidates: list[str], experts: list[str]) -> None:
+        names = [n for n, _ in model.named_modules() if n] + [n for n, _ in model.named_parameters()]
+
+        def hits(glob, pool):
+            return any(fnmatch.fnmatchcase(p, glob) for n in pool for p in _prefixes(n))
+
+        pool = candidates + experts
+        for kind, globs, space in (("targets", self.targets, pool), ("exclude", self.exclude, names)):
+            for glob in globs:
+                if not hits(glob, space):
+                    sample = ", ".join(repr(n) for n in pool[:8]) + (" ..." if len(pool) > 8 else "")
+                    what = "quantizable module or expert tensor" if kind == "targets" else "module or parameter"
+                    raise effpass.TargetMatchError(
+                        f"quantize_linear: {kind} pattern {glob!r} matches no {what}; linear and expert names "
+                        f"here include: {sample or '(none)'}")
+
     def prepare_module(self, model: nn.Module, ctx) -> effpass.PassResult:
-        sites = ctx.scope.select_modules(model, lambda n, m: isinstance(m, nn.Linear), what="nn.Linear")
+        conv1d = _conv1d_class()
+
+        def is_candidate(m):
+            return isinstance(m, nn.Linear) or (conv1d is not None and isinstance(m, conv1d))
+
+        candidates = [(n, m) for n, m in model.named_modules() if n and is_candidate(m)
+                      and ".lora_" not in n]
+        experts = _expert_tensors(model) if self.experts else []
+        self._check_patterns(model, [n for n, _ in candidates], [n for n, _, _ in experts])
         if self.scheme == "fp8" and not self.fp8_emulate:
-            devices = {lin.weight.device for _, lin in sites}
-            bad = [d for d in devices if not fp8_supported(d)]
+            bad = sorted({str(m.weight.device) for _, m in candidates if not fp8_supported(m.weight.device)})
             if bad:
                 raise ValueError(
                     f"quantize_linear: scheme='fp8' needs torch._scaled_mm on a CUDA GPU with compute capability "
-                    f">= 8.9 (Ada/Hopper), but the linears are on {sorted(map(str, bad))}; choose scheme 'int8', "
+                    f">= 8.9 (Ada/Hopper), but the linears are on {bad}; choose scheme 'int8', "
                     "'int4' or 'nf4' there (fp8_emulate=True exists for tests only)")
         seen: dict[int, int] = {}
         for _, p in model.named_parameters(remove_duplicate=False):
             seen[id(p)] = seen.get(id(p), 0) + 1
         tied = {i for i, c in seen.items() if c > 1}
-        per_linear, skipped = {}, []
+
+        report: dict[str, dict] = {}
+        skipped: list[dict] = []
         before = after = params = 0
-        opts = dict(group_size=self.group_size, block_size=self.block_size, double_quant=self.double_quant,
-                    kernel=self.kernel, fp8_granularity=self.fp8_granularity, fp8_emulate=self.fp8_emulate)
-        for name, lin in sites:
-            problem = self._site_problem(name, lin, tied)
-            if problem:
-                skipped.append({"site": name, "reason": problem})
+        storages: set = set()
+
+        def skip(name, kind, reason):
+            report[name] = {"status": "skipped", "kind": kind, "reason": reason}
+            skipped.append({"site": name, "reason": reason})
+
+        for name, mod in candidates:
+            if not ctx.scope.allows_module(name, mod):
                 continue
-            q = QuantizedLinear.from_linear(lin, scheme=self.scheme, outlier_threshold=self.outlier_threshold, **opts)
-            parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, child, q)
-            b0 = lin.weight.numel() * lin.weight.element_size()
-            b1 = q.weight_nbytes()
-            dev = lin.weight.device
-            per_linear[name] = {
-                "scheme": self.scheme, "shape": [lin.out_features, lin.in_features], "bytes_before": b0,
-                "bytes_after": b1, "kernel": q.kernel_for(dev, needs_grad=False),
-                "kernel_grad": q.kernel_for(dev, needs_grad=True),
-                "outlier_columns": int(q.outlier_idx.numel()) if self.scheme != "fp8" else 0}
-            before, after, params = before + b0, after + b1, params + lin.weight.numel()
-            del lin  # the caller's model no longer references the full-precision weight
-        stats = {"scheme": self.scheme, "quantized": len(per_linear), "skipped": len(skipped),
-                 "bytes_before": before, "bytes_after": after,
-                 "bytes_per_param": round(after / params, 4) if params else 0.0, "linears": per_linear}
-        return effpass.PassResult(changed=bool(per_linear), stats=stats, skipped=skipped)
+            kind = "conv1d" if not isinstance(mod, nn.Linear) else (
+                "linear" if type(mod) is nn.Linear else "linear_subclass")
+            if kind == "conv1d":
+                problem = self._weight_problem(mod.weight, tied)
+                if problem:
+                    skip(name, kind, problem)
+                    continue
+                k, n = mod.weight.shape
+                problem = self._shape_problem(k, n, mod.weight.numel())
+                if problem:
+                    skip(name, kind, problem)
+                    continue
+                lin = nn.Linear(k, n, bias=mod.bias is not None, device="meta")
+                lin.weight = nn.Parameter(mod.weight.detach().t().contiguous(), requires_grad=mod.weight.requires_grad)
+                if mod.bias is not None:
+                    lin.bias = mod.bias
+                _set_submodule(model, name, lin)
+                orig_weight, mod = mod.weight, lin
+            else:
+                problem = self._linear_problem(mod, tied)
+                if problem:
+                    skip(name, kind, problem)
+                    continue
+                orig_weight = mod.weight
+                if kind == "linear_subclass" and not getattr(type(mod), "__effpass_linear_forward__", False):
+                    mod.__class__ = _with_linear_forward(type(mod))
+            b0 = orig_weight.numel() * orig_weight.element_size()
+            dev = orig_weight.device
+            if self.scheme == "fp8":
+                mod = Fp8Linear.from_linear(mod, self.fp8_granularity, self.fp8_emulate)
+                _set_submodule(model, name, mod)
+                b1 = b0
+            else:
+                w = self._add_outliers(mod)
+                mod.weight = nn.Parameter(self._quantize_tensor(w), requires_grad=False)
+                mod.__effpass_linear__ = True  # NOTE(lora): a quantized base; lora.merge refuses it
+                b1 = weight_nbytes(mod.weight, storages) + sum(
+                    b.numel() * b.element_size() for n_, b in mod.named_buffers(recurse=False) if n_.startswith("outlier_"))
+            inference, grad = self._kernel_names(mod, dev)
+            report[name] = {"status": "quantized", "kind": kind, "scheme": self.scheme,
+                            "weight_type": type(mod.weight).__name__, "shape": [mod.out_features, mod.in_features],
+                            "bytes_before": b0, "bytes_after": b1, "kernel": inference, "kernel_grad": grad,
+                            "outlier_columns": int(getattr(mod, "outlier_idx", torch.zeros(0)).numel())}
+            if kind == "conv1d":
+                report[name]["note"] = "Conv1D replaced by nn.Linear with the transposed weight"
+            if kind == "linear_subclass":
+                report[name]["note"] = f"{type(mod).__name__}.forward verified linear on a probe; uses nn.Linear.forward"
+            before, after, params = before + b0, after + b1, params + orig_weight.numel()
+            del orig_weight
+
+        switched = self._quantize_experts(model, experts, ctx, tied, report, skipped, storages)
+        n_expert_q = sum(1 for r in report.values() if r["status"] == "quantized" and r["kind"] == "experts")
+        for r in report.values():
+            if r["status"] == "quantized" and r["kind"] == "experts":
+                before, after, params = before + r["bytes_before"], after + r["bytes_after"], params + r["numel"]
+        quantized = sum(1 for r in report.values() if r["status"] == "quantized")
+        if not quantized:
+            warnings.warn(f"quantize_linear: nothing was quantized ({len(skipped)} candidates skipped, see the "
+                          "pass's 'skipped' entries); the pass leaves the model unchanged", stacklevel=2)
+        stats = {"scheme": self.scheme, "quantized": quantized - n_expert_q, "quantized_expert_tensors": n_expert_q,
+                 "skipped": len(skipped), "bytes_before": before, "bytes_after": after,
+                 "bytes_per_param": round(after / params, 4) if params else 0.0, "modules": report}
+        if switched:
+            stats["experts_implementation"] = switched
+        return effpass.PassResult(changed=bool(quantized), stats=stats, skipped=skipped)
+
+    # -- MoE experts ----------------------------------------------------------------------------------
+    def _quantize_experts(self, model, experts, ctx, tied, report, skipped, storages) -> str | None:
+        """Quantize 3-D expert weights per expert (int8); list the others as skipped. Returns the experts
+        implementation switch made (``"grouped_mm -> eager"``) or None."""
+        switched = None
+        by_module: dict[int, list] = {}
+        for full, mod, attr in experts:
+            if not ctx.scope.allows_module(full, mod):
+                continue
+            by_module.setdefault(id(mod), []).append((full, mod, attr))
+        for group in by_module.values():
+            mod = group[0][1]
+            mname = group[0][0].rpartition(".")[0]
+
+            def skip_all(reason, group=group):
+                for full, _, _ in group:
+                    report[full] = {"status": "skipped", "kind": "experts", "reason": reason}
+                    skipped.append({"site": full, "reason": reason})
+
+            if self.scheme != "int8":
+                skip_all(f"scheme {self.scheme!r} has no 3-D (per-expert) format: torchao's NF4Tensor and "
+                         "effpass's int4 are 2-D, fp8 wraps nn.Linear; use scheme='int8' to quantize experts")
+                continue
+            if getattr(mod, "is_transposed", False):
+                skip_all("expert weights are stored transposed ([experts, in, out]) and multiplied with matmul, "
+                         "which the int8 weight tensor does not implement")
+                continue
+            problems = [(full, self._weight_problem(getattr(mod, attr), tied)) for full, _, attr in group]
+            todo = [(f, m, a) for (f, m, a), (_, p) in zip(group, problems) if not p]
+            for full, p in problems:
+                if p:
+                    report[full] = {"status": "skipped", "kind": "experts", "reason": p}
+                    skipped.append({"site": full, "reason": p})
+            if not todo:
+                continue
+            # Probe: the experts module under transformers' "eager" implementation, every expert hit once.
+            config = getattr(mod, "config", None)
+            impl = getattr(config, "_experts_implementation", None)
+            ref_w = getattr(mod, todo[0][2])
+            n_exp = int(getattr(mod, "num_experts", ref_w.shape[0]))
+            first = getattr(mod, "gate_up_proj", ref_w)
+            hidden = int(getattr(mod, "hidden_dim", 0) or first.shape[-1])
+            g = torch.Generator(device="cpu").manual_seed(0)
+            x = torch.randn(n_exp, hidden, generator=g).to(ref_w)
+            idx = torch.arange(n_exp, device=ref_w.device)[:, None]
+            wts = torch.ones(n_exp, 1, device=ref_w.device, dtype=ref_w.dtype)
+            if config is not None and impl not in (None, "eager"):
+                self._set_experts_impl(model, config, "eager")
+            try:
+                with torch.no_grad():
+                    ref = mod(x, idx, wts)
+            except Exception as e:
+                if config is not None and impl not in (None, "eager"):
+                    self._set_experts_impl(model, config, impl)
+                skip_all(f"experts module {type(mod).__name__} does not take (hidden, top_k_index, top_k_weights) "
+                         f"under the 'eager' experts implementation: {type(e).__name__}: {str(e)[:150]}")
+                continue
+            originals = {a: getattr(mod, a) for _, _, a in todo}
+            for full, _, attr in todo:
+                setattr(mod, attr, nn.Parameter(Int8WeightTensor.from_float(originals[attr]), requires_grad=False))
+            q_out = None
+            try:
+                with torch.no_grad():
+                    q_out = mod(x, idx, wts)
+            except Exception as e:
+                bad = f"{type(e).__name__}: {str(e)[:150]}"
+            else:
+                s = sqnr(ref, q_out)
+                bad = None if s > 25 else f"probe output SQNR {s:.1f} dB after quantizing"
+            if bad:
+                for a, p in originals.items():
+                    setattr(mod, a, p)
+                if config is not None and impl not in (None, "eager"):
+                    self._set_experts_impl(model, config, impl)
+                skip_all(f"the experts' forward fails on int8 weights: {bad}")
+                continue
+            if config is not None and impl not in (None, "eager"):
+                switched = f"{impl} -> eager"
+            for full, _, attr in todo:
+                p0 = originals[attr]
+                b0, b1 = p0.numel() * p0.element_size(), weight_nbytes(getattr(mod, attr), storages)
+                report[full] = {"status": "quantized", "kind": "experts", "scheme": "int8",
+                                "weight_type": type(getattr(mod, attr)).__name__, "shape": list(p0.shape),
+                                "experts": int(p0.shape[0]), "bytes_before": b0, "bytes_after": b1,
+                                "numel": p0.numel(), "kernel": "torchao Int8Tensor per expert (eager experts loop)",
+                                "kernel_grad": "torchao Int8Tensor per expert (eager experts loop)"}
+        return switched
+
+    @staticmethod
+    def _set_experts_impl(model: nn.Module, config, impl: str) -> None:
+        if hasattr(model, "set_experts_implementation"):
+            try:
+                model.set_experts_implementation(impl)
+                return
+            except Exception:  # noqa: BLE001 - fall back to the config attribute
+                pass
+        config._experts_implementation = impl
+
+
+def _prefixes(path: str) -> list[str]:
+    parts = path.split(".")
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)

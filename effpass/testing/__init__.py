@@ -141,6 +141,12 @@ def assert_close_tree(actual, expected, *, atol: float = 1e-5, rtol: float = 1e-
             f"expected {len(expected)}")
         for i, (a, e) in enumerate(zip(actual, expected)):
             assert_close_tree(a, e, atol=atol, rtol=rtol, what=f"{what}[{i}]")
+    elif isinstance(expected, torch.Tensor) and hasattr(type(expected), "__tensor_flatten__"):
+        # A tensor subclass (a quantized weight): the same type, and its inner tensors close.
+        assert type(actual) is type(expected), f"{what}: {type(actual).__name__} != {type(expected).__name__}"
+        names, _ = expected.__tensor_flatten__()
+        for n in names:
+            assert_close_tree(getattr(actual, n), getattr(expected, n), atol=atol, rtol=rtol, what=f"{what}.{n}")
     elif isinstance(expected, torch.Tensor):
         torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
     else:
