@@ -64,6 +64,8 @@ import effpass
 from effpass.graph import op_name, tensor_meta
 from effpass.scope import module_path_of_node
 
+from ._sdpa_safe import masked_sdpa
+
 __all__ = ["PackSequences", "packing_stats", "document_ids", "position_ids_from"]
 
 #: keyword arguments that carry example boundaries, in order of preference
@@ -113,15 +115,15 @@ def same_document_mask(doc: torch.Tensor, causal: bool) -> torch.Tensor:
 
 def packed_sdpa(q, k, v, same, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """SDPA with ``attn_mask`` (``is_causal`` already folded into ``same``) restricted to one example."""
-    if attn_mask is None:
-        mask = same
-    elif attn_mask.dtype == torch.bool:
+    kw = {"enable_gqa": True} if enable_gqa else {}
+    if attn_mask is None:  # every row keeps its own token: the fused kernel is safe as is
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=same, dropout_p=dropout_p, scale=scale, **kw)
+    if attn_mask.dtype == torch.bool:
         mask = attn_mask & same
     else:
-        # NOTE: finfo.min, not -inf: a row the original mask already emptied must not turn into NaN
         mask = attn_mask.masked_fill(~same, torch.finfo(attn_mask.dtype).min)
-    kw = {"enable_gqa": True} if enable_gqa else {}
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, **kw)
+    # NOTE: the model's own mask (padding) may empty a row: masked_sdpa keeps the fused kernel safe there
+    return masked_sdpa(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, **kw)
 
 
 def mask_scores(scores: torch.Tensor, same: torch.Tensor) -> torch.Tensor:
@@ -329,7 +331,7 @@ class PackSequences(effpass.Pass):
                                                                  "seq_idx) in this graph"})
             return effpass.PassResult(False, stats, skipped=skipped)
         kind, bnode = boundary
-        stats["boundary"] = kind
+        stats[f"boundary_{kind}"] = 1
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         new_nodes: list[fx.Node] = []
 
@@ -444,7 +446,7 @@ def _same(a, b) -> bool:
 def _is_sdpa(n: fx.Node) -> bool:
     if n.op != "call_function":
         return False
-    if n.target in _SDPA_FNS:
+    if n.target in _SDPA_FNS or n.target is masked_sdpa:
         return True
     return getattr(n.target, "__name__", "") == "attention" and getattr(n.target, "__module__", "").endswith(
         "_flash_attn_op")
