@@ -308,16 +308,33 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
     # -- backward from softmax: scale, masks, casts, down to q @ k^T -----------------------------------
     x_shape = _shape(x)
     chain_back = []
-    while not _is_matmul(x):
-        if _shape(x) != x_shape:
-            raise _Skip(f"{op_name(x)} broadcasts the scores to another shape")
-        chain_back.append(x)
-        args = x.args
-        if _is_cast(x):
+    order = {n: i for i, n in enumerate(sm.graph.nodes)}
+    consumer, done_inplace = sm, set()
+    while True:
+        # an in-place op on the scores before they are read (``att.masked_fill_(m, -inf); softmax(att)``):
+        # Dynamo keeps the read on the original node, so the mutation is only visible as another user
+        inplace = [u for u in x.users if u is not consumer and u not in done_inplace and _is_inplace(u)
+                   and u.args and u.args[0] is x and order[u] < order[consumer]]
+        if inplace:
+            if len(inplace) > 1:
+                raise _Skip("the scores are mutated in place by several ops between the matmul and the softmax")
+            cur = inplace[0]
+            done_inplace.add(cur)
+        elif _is_matmul(x):
+            break
+        else:
+            cur = x
+        if any(_is_inplace(u) and u.args and u.args[0] is x and order[u] > order[consumer] for u in x.users):
+            raise _Skip("the scores are mutated in place after the softmax reads them")
+        if _shape(cur) != x_shape:
+            raise _Skip(f"{op_name(cur)} broadcasts the scores to another shape")
+        chain_back.append(cur)
+        args = cur.args
+        if _is_cast(cur):
             nxt = args[0]
-        elif _is_same_shape_view(x):
+        elif _is_same_shape_view(cur):
             nxt = args[0]
-        elif _is_fn(x, _MUL_FNS) or _is_method(x, {"mul", "__mul__", "mul_", "__imul__"}):
+        elif _is_fn(cur, _MUL_FNS) or _is_method(cur, {"mul", "__mul__", "mul_", "__imul__"}):
             a, b = args[0], args[1]
             nxt, c = (a, b) if isinstance(a, fx.Node) and not isinstance(b, fx.Node) else (b, a)
             if not _is_number(c):
@@ -325,17 +342,17 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
             if c <= 0:
                 raise _Skip(f"scale not constant positive ({c})")
             site.scale *= c
-        elif _is_fn(x, _DIV_FNS) or _is_method(x, {"div", "__truediv__", "div_", "__itruediv__"}):
+        elif _is_fn(cur, _DIV_FNS) or _is_method(cur, {"div", "__truediv__", "div_", "__itruediv__"}):
             nxt, c = args[0], args[1]
-            if x.kwargs.get("rounding_mode") is not None:
+            if cur.kwargs.get("rounding_mode") is not None:
                 raise _Skip("scores divided with a rounding mode")
             if not _is_number(c):
                 raise _Skip("scale not constant (divided by a tensor)")
             if c <= 0:
                 raise _Skip(f"scale not constant positive (1/{c})")
             site.scale /= c
-        elif _is_fn(x, _ADD_FNS) or _is_method(x, {"add", "__add__", "add_", "__iadd__"}):
-            if x.kwargs.get("alpha", 1) != 1:
+        elif _is_fn(cur, _ADD_FNS) or _is_method(cur, {"add", "__add__", "add_", "__iadd__"}):
+            if cur.kwargs.get("alpha", 1) != 1:
                 raise _Skip("scores added with alpha")
             a, b = args[0], args[1]
             a_chain = isinstance(a, fx.Node) and _shape(a) == x_shape
@@ -349,12 +366,12 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
                 site.additive.append((m, site.scale))
             else:
                 raise _Skip(f"scores added to {type(m).__name__}")
-        elif _is_method(x, {"masked_fill", "masked_fill_"}) or _is_fn(x, {torch.masked_fill}):
-            nxt, mask, value = args[0], _arg(x, 1, "mask"), _arg(x, 2, "value")
+        elif _is_method(cur, {"masked_fill", "masked_fill_"}) or _is_fn(cur, {torch.masked_fill}):
+            nxt, mask, value = args[0], _arg(cur, 1, "mask"), _arg(cur, 2, "value")
             if not _fill_value_ok(value, const):
                 raise _Skip(f"masked_fill with {value!r} is not a mask (needs -inf or <= {MASK_FILL_THRESHOLD:g})")
             site.allowed.append((mask, True))
-        elif _is_fn(x, {torch.where}) and len(args) == 3:
+        elif _is_fn(cur, {torch.where}) and len(args) == 3:
             cond, a, b = args
             if a is not None and isinstance(a, fx.Node) and _shape(a) == x_shape and _fill_value_ok(b, const):
                 nxt, negate = a, False
@@ -364,14 +381,17 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
                 raise _Skip("where() on the scores does not fill with -inf or a large negative value")
             site.allowed.append((cond, negate))
         else:
-            raise _Skip(f"unrecognised op {op_name(x)} between q @ k^T and softmax")
+            raise _Skip(f"unrecognised op {op_name(cur)} between q @ k^T and softmax")
         if not isinstance(nxt, fx.Node):
             raise _Skip("scores chain is broken")
-        if len(nxt.users) != 1:
+        if cur is not x:
+            continue  # the in-place op was applied to x itself: x is processed next, for the same consumer
+        others = [u for u in nxt.users if u is not cur and not (_is_inplace(u) and u.args and u.args[0] is nxt)]
+        if others:
             if any(nxt in _ancestors(m) for m, _ in site.additive + site.allowed if isinstance(m, fx.Node)):
                 raise _Skip("mask depends on data (it is computed from the attention scores)")
             raise _Skip(f"the attention scores ({nxt.name}) are used elsewhere")
-        x = nxt
+        consumer, x = x, nxt
     site.qk = x
     site.chain.extend(chain_back)
     site.chain.append(x)
@@ -397,6 +417,12 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
         if not isinstance(mv, torch.Tensor) or mv.dtype != torch.bool:
             raise _Skip("mask is not a boolean tensor")
     return site
+
+
+def _is_inplace(n: Any) -> bool:
+    """An in-place arithmetic op (``/=``, ``*=``, ``+=``, ``masked_fill_``, ``add_``...)."""
+    return isinstance(n, fx.Node) and ((n.op == "call_function" and n.target in _INPLACE)
+                                       or (n.op == "call_method" and n.target in _INPLACE))
 
 
 def _is_same_shape_view(n: Any) -> bool:
@@ -523,8 +549,21 @@ def _is_causal(site: _Site, const: _ConstEval) -> bool:
 
 
 def _rows_nonempty(site: _Site, const: _ConstEval) -> bool:
-    """True when the mask is a known constant in which every query row attends to at least one key."""
-    allowed = _causal_allowed(site, const)
+    """True when the mask is a known constant in which every query row attends to at least one key
+    (additive terms: a value above the mask threshold, e.g. an ALiBi bias, counts as attending)."""
+    allowed = None
+    for m, negate in site.allowed:
+        t = const(m)
+        if not isinstance(t, torch.Tensor):
+            return False
+        t = ~t if negate else t
+        allowed = t if allowed is None else allowed & t
+    for m, _ in site.additive:
+        t = const(m)
+        if not isinstance(t, torch.Tensor):
+            return False
+        keep = t > MASK_FILL_THRESHOLD
+        allowed = keep if allowed is None else allowed & keep
     return isinstance(allowed, torch.Tensor) and allowed.dim() >= 1 and bool(allowed.any(-1).all())
 
 
