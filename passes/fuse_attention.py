@@ -22,7 +22,9 @@ Phase: torch IR (``transform_torch_ir``), and why
 
 Recognised forms (the matcher walks back from each ``softmax``):
     * scores ``q @ k^T`` (``k^T`` by ``transpose``/``permute``, or any ``(…, D, S)`` tensor), scaled by
-      any chain of ``*``/``/`` by Python numbers (or pre-scaled q, which is simply part of q);
+      any chain of ``*``/``/`` by Python numbers (or pre-scaled q, which is simply part of q), in place
+      too (``/=``, ``*=``, ``+=``, ``masked_fill_``: Falcon), through same-shape ``view``/``reshape``;
+    * multi-query attention by broadcasting (one K/V head against every query head, Falcon);
     * masks, any combination: additive float tensors (``scores + mask``: BERT padding, Hugging Face
       5.x masks, constant ALiBi-style biases), ``masked_fill(mask, v)`` and ``where(cond, scores, v)`` /
       ``where(cond, v, scores)`` with ``v`` = ``-inf`` or ``<= -1e4`` (Hugging Face uses ``finfo.min``);
@@ -51,12 +53,20 @@ run after it, so autocast sees the fused op (SDPA is on autocast's lower-precisi
 checkpointing policy sees the fused op instead of the ``S x S`` intermediates.
 
 Invariants: only nodes of matched sites are replaced; every new node carries the replaced node's
-``nn_module_stack`` and a fake ``example_value``; placeholders are never added or removed. Fully masked
-rows: eager attention gives NaN (``-inf`` fill) or a uniform row (finite fill) where SDPA may give NaN or
-0; the outputs of rows with at least one unmasked key are equal. On CPU, a site whose mask may hold such
-rows (any mask computed from the inputs, e.g. a padding mask) calls SDPA's math reference
-(``aten._scaled_dot_product_attention_math``, stat ``math_reference``): the fused CPU kernel's backward
-is wrong on fully masked rows with a finite fill (HF's ``finfo.min``), the math reference is exact.
+``nn_module_stack`` and a fake ``example_value``; placeholders are never added or removed.
+
+Fully masked rows (a query that may attend to no key: left padding). torch's fused CPU kernel computes
+wrong gradients there with a finite fill (HF's ``finfo.min``), and ``-inf`` gives NaN. A site whose mask
+may hold such rows (any mask from the inputs; stat ``empty_row_guard``) calls
+:func:`effpass.passes._sdpa_safe.masked_sdpa`: such rows get every key and a zero query, so the fused
+kernel runs and their output is eager's (uniform weights: the mean of v). Their gradient into q and k
+is 0 (the true derivative) where eager autograd returns a value that depends on how the fill rounded;
+no loss that ignores padded positions sees a difference.
+
+Statistics: ``rewritten`` (sites replaced), ``fused`` (of those, sites where a fused kernel runs: SDPA's
+own dispatcher asked with the site's dtype, device, head dim, mask and dropout, or flash-attn), and
+``unfused`` (rewritten, but SDPA runs its math op: e.g. dropout on CPU; listed with the reason among the
+skipped sites, flag ``unfused``).
 """
 from __future__ import annotations
 
