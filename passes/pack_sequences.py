@@ -49,7 +49,6 @@ attention but no boundary input is reported (nothing is rewritten there).
 from __future__ import annotations
 
 import inspect
-import operator
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -61,7 +60,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import effpass
-from effpass.graph import op_name, tensor_meta
+from effpass.graph import tensor_meta
 from effpass.scope import module_path_of_node
 
 from ._sdpa_safe import masked_sdpa
@@ -325,7 +324,7 @@ class PackSequences(effpass.Pass):
         boundary = _find_boundary(graph)
         if boundary is None:
             for n in sites:
-                if _is_sdpa(n) or _attention_softmax(n, None):
+                if _is_sdpa(n) or _attention_softmax(n):
                     stats["skipped"] += 1
                     skipped.append({"site": _where(n), "reason": "no boundary input (position_ids, cu_seq_lens_q/k, "
                                                                  "seq_idx) in this graph"})
@@ -366,7 +365,7 @@ class PackSequences(effpass.Pass):
                     graph.erase_node(site)
                     stats["sdpa_rewritten"] += 1
                 else:
-                    scores = _attention_softmax(site, None)
+                    scores = _attention_softmax(site)
                     if scores is None:
                         continue  # not attention: a softmax over something else (e.g. MoE routing)
                     if doc is None:
@@ -456,7 +455,7 @@ def _is_softmax(n: fx.Node) -> bool:
     return (n.op == "call_function" and n.target in _SOFTMAX_FNS) or (n.op == "call_method" and n.target == "softmax")
 
 
-def _attention_softmax(sm: fx.Node, _unused) -> fx.Node | None:
+def _attention_softmax(sm: fx.Node) -> fx.Node | None:
     """The score input of a softmax over the last dim of a ``(..., S, S)`` tensor (>= 3 dims), else None."""
     x = sm.args[0] if sm.args else sm.kwargs.get("input")
     sh = _shape(x)
