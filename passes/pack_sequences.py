@@ -207,6 +207,8 @@ class _BoundaryHook:
         self.model_name = model_name
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
+        if kwargs.get("past_key_values") is not None or kwargs.get("use_cache") is True:
+            return None  # generation with a cache (decode steps count positions on): not a packed row
         present = [k for k in BOUNDARY_KWARGS if kwargs.get(k) is not None]
         if not present:
             if self.require and module.training:
