@@ -14,6 +14,7 @@ _BUILTINS = {
     "inject_lora": ("InjectLoRA",),
     "quantize_linear": ("QuantizeLinear",),
     "fuse_attention": ("FuseAttention",),
+    "pack_sequences": ("PackSequences",),
     "wrap_fsdp": ("WrapFSDP",),
 }
 

@@ -137,3 +137,84 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out, _ = _ops()(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale, bool(is_causal))
     return out.transpose(1, 2)
+
+
+# ------------------------------------------------------------------------------------------------------
+# varlen (packed rows) for pack_sequences
+# ------------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _varlen_ops():
+    """flash-attn's varlen forward/backward as custom ops (registered on first use, CUDA only)."""
+    fai = _interface()
+    if not hasattr(fai, "_flash_attn_varlen_forward"):
+        return None
+
+    @torch.library.custom_op("effpass::flash_attn_varlen_fwd", mutates_args=(), device_types="cuda")
+    def varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float,
+                   causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        kw = _fill_kwargs(fai._flash_attn_varlen_forward, dict(
+            q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len,
+            dropout_p=0.0, softmax_scale=scale, causal=causal))
+        res = fai._flash_attn_varlen_forward(**kw)
+        out, lse = (res[0], res[1]) if len(res) == 4 else (res[0], res[5])
+        return out.contiguous(), lse.contiguous()
+
+    @varlen_fwd.register_fake
+    def _(q, k, v, cu, max_len, scale, causal):
+        t, h, _ = q.shape
+        return q.new_empty(q.shape), q.new_empty((h, t), dtype=torch.float32)
+
+    @torch.library.custom_op("effpass::flash_attn_varlen_bwd", mutates_args=(), device_types="cuda")
+    def varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float,
+                   causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v, dout = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, dout))
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        kw = _fill_kwargs(fai._flash_attn_varlen_backward, dict(
+            dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu,
+            cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len, dropout_p=0.0, softmax_scale=scale,
+            causal=causal))
+        fai._flash_attn_varlen_backward(**kw)
+        return dq, dk, dv
+
+    @varlen_bwd.register_fake
+    def _(dout, q, k, v, out, lse, cu, max_len, scale, causal):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, cu, max_len, scale, causal = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, cu)
+        ctx.max_len, ctx.scale, ctx.causal = max_len, scale, causal
+
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cu = ctx.saved_tensors
+        dq, dk, dv = varlen_bwd(dout, q, k, v, out, lse, cu, ctx.max_len, ctx.scale, ctx.causal)
+        return dq, dk, dv, None, None, None, None
+
+    varlen_fwd.register_autograd(backward, setup_context=setup_context)
+    return varlen_fwd
+
+
+def varlen_attention(q, k, v, doc, causal: bool, scale=None):
+    """Attention of packed rows ``(B, H, N, D)`` where ``doc`` ``(1 or B, N)`` holds example ids that never
+    decrease along a row. The boundaries become ``cu_seqlens`` of fixed length ``B*N + 1`` (empty
+    examples pad it) and ``max_seqlen = N``, so nothing is read back to the host."""
+    b, h, n, d = q.shape
+    ops = _varlen_ops() if available() else None
+    if ops is None or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or d % 8 or d > 256:
+        same = doc[:, None, :, None] == doc[:, None, None, :]
+        if causal:
+            idx = torch.arange(n, device=q.device)
+            same = same & (idx[:, None] >= idx[None, :])
+        kw = {"enable_gqa": True} if k.shape[1] != h else {}
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=same, scale=scale, **kw)
+    scale = float(scale) if scale is not None else 1.0 / math.sqrt(d)
+    doc = doc.expand(b, n).long()
+    doc = doc - doc[:, :1] + (torch.arange(b, device=q.device) * n)[:, None]  # ids unique across rows
+    flat = doc.reshape(-1)
+    cu = torch.searchsorted(flat, torch.arange(b * n + 1, device=q.device), right=False).to(torch.int32)
+    qf, kf, vf = (t.transpose(1, 2).reshape(b * n, t.shape[1], d) for t in (q, k, v))
+    out, _ = ops(qf, kf, vf, cu, n, scale, bool(causal))
+    return out.reshape(b, n, h, d).transpose(1, 2)

@@ -22,7 +22,9 @@ Phase: torch IR (``transform_torch_ir``), and why
 
 Recognised forms (the matcher walks back from each ``softmax``):
     * scores ``q @ k^T`` (``k^T`` by ``transpose``/``permute``, or any ``(…, D, S)`` tensor), scaled by
-      any chain of ``*``/``/`` by Python numbers (or pre-scaled q, which is simply part of q);
+      any chain of ``*``/``/`` by Python numbers (or pre-scaled q, which is simply part of q), in place
+      too (``/=``, ``*=``, ``+=``, ``masked_fill_``: Falcon), through same-shape ``view``/``reshape``;
+    * multi-query attention by broadcasting (one K/V head against every query head, Falcon);
     * masks, any combination: additive float tensors (``scores + mask``: BERT padding, Hugging Face
       5.x masks, constant ALiBi-style biases), ``masked_fill(mask, v)`` and ``where(cond, scores, v)`` /
       ``where(cond, v, scores)`` with ``v`` = ``-inf`` or ``<= -1e4`` (Hugging Face uses ``finfo.min``);
@@ -51,12 +53,20 @@ run after it, so autocast sees the fused op (SDPA is on autocast's lower-precisi
 checkpointing policy sees the fused op instead of the ``S x S`` intermediates.
 
 Invariants: only nodes of matched sites are replaced; every new node carries the replaced node's
-``nn_module_stack`` and a fake ``example_value``; placeholders are never added or removed. Fully masked
-rows: eager attention gives NaN (``-inf`` fill) or a uniform row (finite fill) where SDPA may give NaN or
-0; the outputs of rows with at least one unmasked key are equal. On CPU, a site whose mask may hold such
-rows (any mask computed from the inputs, e.g. a padding mask) calls SDPA's math reference
-(``aten._scaled_dot_product_attention_math``, stat ``math_reference``): the fused CPU kernel's backward
-is wrong on fully masked rows with a finite fill (HF's ``finfo.min``), the math reference is exact.
+``nn_module_stack`` and a fake ``example_value``; placeholders are never added or removed.
+
+Fully masked rows (a query that may attend to no key: left padding). torch's fused CPU kernel computes
+wrong gradients there with a finite fill (HF's ``finfo.min``), and ``-inf`` gives NaN. A site whose mask
+may hold such rows (any mask from the inputs; stat ``empty_row_guard``) calls
+:func:`effpass.passes._sdpa_safe.masked_sdpa`: such rows get every key and a zero query, so the fused
+kernel runs and their output is eager's (uniform weights: the mean of v). Their gradient into q and k
+is 0 (the true derivative) where eager autograd returns a value that depends on how the fill rounded;
+no loss that ignores padded positions sees a difference.
+
+Statistics: ``rewritten`` (sites replaced), ``fused`` (of those, sites where a fused kernel runs: SDPA's
+own dispatcher asked with the site's dtype, device, head dim, mask and dropout, or flash-attn), and
+``unfused`` (rewritten, but SDPA runs its math op: e.g. dropout on CPU; listed with the reason among the
+skipped sites, flag ``unfused``).
 """
 from __future__ import annotations
 
@@ -73,6 +83,8 @@ import effpass
 from effpass.graph import (copy_provenance, infer_fake_values, is_buffer_source, module_path_of_node, op_name,
                            tensor_meta)
 
+from ._sdpa_safe import masked_sdpa
+
 __all__ = ["FuseAttention"]
 
 #: a fill value at or below this counts as "masked out" (HF uses finfo(dtype).min; fp16's is -65504)
@@ -81,9 +93,14 @@ MASK_FILL_THRESHOLD = -1e4
 _SOFTMAX_FNS = {torch.softmax, F.softmax, torch.special.softmax}
 _MATMUL_FNS = {torch.matmul, operator.matmul, torch.bmm}
 _MATMUL_METHODS = {"matmul", "bmm", "__matmul__"}
-_MUL_FNS = {torch.mul, operator.mul, torch.multiply}
-_DIV_FNS = {torch.div, operator.truediv, torch.true_divide, torch.divide}
-_ADD_FNS = {torch.add, operator.add}
+_MUL_FNS = {torch.mul, operator.mul, torch.multiply, operator.imul}
+_DIV_FNS = {torch.div, operator.truediv, torch.true_divide, torch.divide, operator.itruediv}
+_ADD_FNS = {torch.add, operator.add, operator.iadd}
+#: in-place spellings (Falcon scales its scores with ``/=`` and ``*=``): same value, the input is updated
+_INPLACE = {operator.imul, operator.itruediv, operator.iadd, "mul_", "div_", "add_", "masked_fill_", "__imul__",
+            "__itruediv__", "__iadd__"}
+#: shape-only ops that keep every element in place when the shape does not change
+_SAME_SHAPE_VIEWS = {"view", "reshape", "contiguous", "flatten", "unflatten"}
 _CAST_METHODS = {"to", "type", "float", "half", "bfloat16", "double", "type_as"}
 _DROPOUT_FNS = {F.dropout, torch.dropout}
 _RANDOM_WORDS = ("rand", "bernoulli", "dropout", "normal", "multinomial", "uniform", "poisson")
@@ -219,6 +236,8 @@ class _ConstEval:
             for n in sorted(order, key=index.__getitem__):
                 args = fx.node.map_arg(n.args, self.known.__getitem__)
                 kwargs = fx.node.map_arg(n.kwargs, self.known.__getitem__)
+                if n.target in _INPLACE and args and isinstance(args[0], torch.Tensor):
+                    args = (args[0].clone(), *args[1:])  # never mutate a value another node was given
                 if n.op == "call_function":
                     self.known[n] = n.target(*args, **kwargs)
                 else:
@@ -276,6 +295,10 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
             site.chain.append(y)
             y = _single_user(y, "the attention weights")
             continue
+        if _is_same_shape_view(y):
+            site.chain.append(y)
+            y = _single_user(y, "the attention weights")
+            continue
         p = _dropout_of(y)
         if p is not None:
             if site.dropout_p:
@@ -292,14 +315,33 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
     # -- backward from softmax: scale, masks, casts, down to q @ k^T -----------------------------------
     x_shape = _shape(x)
     chain_back = []
-    while not _is_matmul(x):
-        if _shape(x) != x_shape:
-            raise _Skip(f"{op_name(x)} broadcasts the scores to another shape")
-        chain_back.append(x)
-        args = x.args
-        if _is_cast(x):
+    order = {n: i for i, n in enumerate(sm.graph.nodes)}
+    consumer, done_inplace = sm, set()
+    while True:
+        # an in-place op on the scores before they are read (``att.masked_fill_(m, -inf); softmax(att)``):
+        # Dynamo keeps the read on the original node, so the mutation is only visible as another user
+        inplace = [u for u in x.users if u is not consumer and u not in done_inplace and _is_inplace(u)
+                   and u.args and u.args[0] is x and order[u] < order[consumer]]
+        if inplace:
+            if len(inplace) > 1:
+                raise _Skip("the scores are mutated in place by several ops between the matmul and the softmax")
+            cur = inplace[0]
+            done_inplace.add(cur)
+        elif _is_matmul(x):
+            break
+        else:
+            cur = x
+        if any(_is_inplace(u) and u.args and u.args[0] is x and order[u] > order[consumer] for u in x.users):
+            raise _Skip("the scores are mutated in place after the softmax reads them")
+        if _shape(cur) != x_shape:
+            raise _Skip(f"{op_name(cur)} broadcasts the scores to another shape")
+        chain_back.append(cur)
+        args = cur.args
+        if _is_cast(cur):
             nxt = args[0]
-        elif _is_fn(x, _MUL_FNS) or _is_method(x, {"mul", "__mul__"}):
+        elif _is_same_shape_view(cur):
+            nxt = args[0]
+        elif _is_fn(cur, _MUL_FNS) or _is_method(cur, {"mul", "__mul__", "mul_", "__imul__"}):
             a, b = args[0], args[1]
             nxt, c = (a, b) if isinstance(a, fx.Node) and not isinstance(b, fx.Node) else (b, a)
             if not _is_number(c):
@@ -307,17 +349,17 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
             if c <= 0:
                 raise _Skip(f"scale not constant positive ({c})")
             site.scale *= c
-        elif _is_fn(x, _DIV_FNS) or _is_method(x, {"div", "__truediv__"}):
+        elif _is_fn(cur, _DIV_FNS) or _is_method(cur, {"div", "__truediv__", "div_", "__itruediv__"}):
             nxt, c = args[0], args[1]
-            if x.kwargs.get("rounding_mode") is not None:
+            if cur.kwargs.get("rounding_mode") is not None:
                 raise _Skip("scores divided with a rounding mode")
             if not _is_number(c):
                 raise _Skip("scale not constant (divided by a tensor)")
             if c <= 0:
                 raise _Skip(f"scale not constant positive (1/{c})")
             site.scale /= c
-        elif _is_fn(x, _ADD_FNS) or _is_method(x, {"add", "__add__"}):
-            if x.kwargs.get("alpha", 1) != 1:
+        elif _is_fn(cur, _ADD_FNS) or _is_method(cur, {"add", "__add__", "add_", "__iadd__"}):
+            if cur.kwargs.get("alpha", 1) != 1:
                 raise _Skip("scores added with alpha")
             a, b = args[0], args[1]
             a_chain = isinstance(a, fx.Node) and _shape(a) == x_shape
@@ -331,12 +373,12 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
                 site.additive.append((m, site.scale))
             else:
                 raise _Skip(f"scores added to {type(m).__name__}")
-        elif _is_method(x, {"masked_fill"}) or _is_fn(x, {torch.masked_fill}):
-            nxt, mask, value = args[0], _arg(x, 1, "mask"), _arg(x, 2, "value")
+        elif _is_method(cur, {"masked_fill", "masked_fill_"}) or _is_fn(cur, {torch.masked_fill}):
+            nxt, mask, value = args[0], _arg(cur, 1, "mask"), _arg(cur, 2, "value")
             if not _fill_value_ok(value, const):
                 raise _Skip(f"masked_fill with {value!r} is not a mask (needs -inf or <= {MASK_FILL_THRESHOLD:g})")
             site.allowed.append((mask, True))
-        elif _is_fn(x, {torch.where}) and len(args) == 3:
+        elif _is_fn(cur, {torch.where}) and len(args) == 3:
             cond, a, b = args
             if a is not None and isinstance(a, fx.Node) and _shape(a) == x_shape and _fill_value_ok(b, const):
                 nxt, negate = a, False
@@ -346,14 +388,17 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
                 raise _Skip("where() on the scores does not fill with -inf or a large negative value")
             site.allowed.append((cond, negate))
         else:
-            raise _Skip(f"unrecognised op {op_name(x)} between q @ k^T and softmax")
+            raise _Skip(f"unrecognised op {op_name(cur)} between q @ k^T and softmax")
         if not isinstance(nxt, fx.Node):
             raise _Skip("scores chain is broken")
-        if len(nxt.users) != 1:
+        if cur is not x:
+            continue  # the in-place op was applied to x itself: x is processed next, for the same consumer
+        others = [u for u in nxt.users if u is not cur and not (_is_inplace(u) and u.args and u.args[0] is nxt)]
+        if others:
             if any(nxt in _ancestors(m) for m, _ in site.additive + site.allowed if isinstance(m, fx.Node)):
                 raise _Skip("mask depends on data (it is computed from the attention scores)")
             raise _Skip(f"the attention scores ({nxt.name}) are used elsewhere")
-        x = nxt
+        consumer, x = x, nxt
     site.qk = x
     site.chain.extend(chain_back)
     site.chain.append(x)
@@ -379,6 +424,20 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
         if not isinstance(mv, torch.Tensor) or mv.dtype != torch.bool:
             raise _Skip("mask is not a boolean tensor")
     return site
+
+
+def _is_inplace(n: Any) -> bool:
+    """An in-place arithmetic op (``/=``, ``*=``, ``+=``, ``masked_fill_``, ``add_``...)."""
+    return isinstance(n, fx.Node) and ((n.op == "call_function" and n.target in _INPLACE)
+                                       or (n.op == "call_method" and n.target in _INPLACE))
+
+
+def _is_same_shape_view(n: Any) -> bool:
+    """A view/reshape/contiguous that keeps the shape (Falcon's ``scores.view(b, h, q, kv)``)."""
+    if not (_is_method(n, _SAME_SHAPE_VIEWS) or _is_fn(n, {torch.reshape, torch.flatten})):
+        return False
+    src = n.args[0] if n.args else None
+    return isinstance(src, fx.Node) and _shape(src) is not None and _shape(src) == _shape(n)
 
 
 def _depends_on_matmul(n: fx.Node) -> bool:
@@ -497,8 +556,21 @@ def _is_causal(site: _Site, const: _ConstEval) -> bool:
 
 
 def _rows_nonempty(site: _Site, const: _ConstEval) -> bool:
-    """True when the mask is a known constant in which every query row attends to at least one key."""
-    allowed = _causal_allowed(site, const)
+    """True when the mask is a known constant in which every query row attends to at least one key
+    (additive terms: a value above the mask threshold, e.g. an ALiBi bias, counts as attending)."""
+    allowed = None
+    for m, negate in site.allowed:
+        t = const(m)
+        if not isinstance(t, torch.Tensor):
+            return False
+        t = ~t if negate else t
+        allowed = t if allowed is None else allowed & t
+    for m, _ in site.additive:
+        t = const(m)
+        if not isinstance(t, torch.Tensor):
+            return False
+        keep = t > MASK_FILL_THRESHOLD
+        allowed = keep if allowed is None else allowed & keep
     return isinstance(allowed, torch.Tensor) and allowed.dim() >= 1 and bool(allowed.any(-1).all())
 
 
@@ -551,8 +623,9 @@ class FuseAttention(effpass.Pass):
     def transform_torch_ir(self, gm: fx.GraphModule, ctx) -> effpass.PassResult:
         graph = gm.graph
         const = _ConstEval(gm, ctx, self.assume_constant_buffers, self.max_mask_eval_elements)
-        stats = {"fused": 0, "causal": 0, "attn_mask": 0, "gqa": 0, "dropout": 0, "flash_attn": 0,
-                 "math_reference": 0, "skipped": 0}
+        stats = {"rewritten": 0, "fused": 0, "unfused": 0, "causal": 0, "attn_mask": 0, "gqa": 0, "dropout": 0,
+                 "flash_attn": 0, "empty_row_guard": 0, "skipped": 0}
+        unfused: list[dict] = []
         skipped = []
         for sm in [n for n in graph.nodes if _is_softmax(n)]:
             if not ctx.allows(sm):
@@ -560,16 +633,19 @@ class FuseAttention(effpass.Pass):
             where = f"{module_path_of_node(sm) or '<root>'}:{sm.name}"
             try:
                 site = _match(sm, const)
-                self._rewrite(graph, site, const, stats)
+                self._rewrite(graph, site, const, stats, unfused, where)
             except _Skip as e:
                 stats["skipped"] += 1
                 skipped.append({"site": where, "reason": str(e)})
-        changed = stats["fused"] > 0
+        changed = stats["rewritten"] > 0
         if changed:
             graph.lint()
-        return effpass.PassResult(changed=changed, stats=stats, skipped=skipped)
+        # NOTE: rewritten sites whose SDPA call will not run a fused kernel are listed with the left-alone ones
+        # (flag "unfused"), so the dump and report show every site that does not get a fused kernel, and why
+        return effpass.PassResult(changed=changed, stats=stats, skipped=skipped + unfused)
 
-    def _rewrite(self, graph: fx.Graph, site: _Site, const: _ConstEval, stats: dict) -> None:
+    def _rewrite(self, graph: fx.Graph, site: _Site, const: _ConstEval, stats: dict, unfused: list,
+                 where: str) -> None:
         qv, vv = _val(site.q), _val(site.v)
         k = _strip_transpose(site.k_t)
         kv_ = _val(k) if k is not None else None
@@ -582,11 +658,17 @@ class FuseAttention(effpass.Pass):
         if _val(site.pv).dtype != qv.dtype:
             raise _Skip("attention output dtype differs from q's")
         kt_shape = _shape(site.k_t)
-        if tuple(qv.shape[:-2]) != tuple(kt_shape[:-2]) or tuple(qv.shape[:-2]) != tuple(vv.shape[:-2]):
-            raise _Skip("q, k, v batch dims differ (broadcast matmul)")
-
         k_base, v_base, rep = k, site.v, 1
-        if self.gqa and k is not None:
+        mqa = (qv.dim() == 4 and k is not None and len(kt_shape) == 4 and kt_shape[1] == 1 and vv.shape[1] == 1
+               and qv.shape[1] > 1 and kt_shape[0] == qv.shape[0] == vv.shape[0])
+        if mqa:
+            # multi-query attention by broadcasting (Falcon): one K/V head matmul'ed against every query head
+            rep = int(qv.shape[1])
+            if not self.gqa:
+                raise _Skip("multi-query attention by broadcasting needs gqa=True")
+        elif tuple(qv.shape[:-2]) != tuple(kt_shape[:-2]) or tuple(qv.shape[:-2]) != tuple(vv.shape[:-2]):
+            raise _Skip("q, k, v batch dims differ (broadcast matmul)")
+        if self.gqa and k is not None and not mqa:
             ku, vu = _unrepeat(k, const), _unrepeat(site.v, const)
             if ku and vu and ku[1] == vu[1] and _shape(ku[0])[1] == _shape(vu[0])[1] and ku[1] > 1:
                 k_base, v_base, rep = ku[0], vu[0], ku[1]
@@ -624,43 +706,74 @@ class FuseAttention(effpass.Pass):
             if attn_mask is not None and mask_dim < 2:
                 # NOTE: SDPA needs at least a (q_len, kv_len) mask; a broadcast view costs nothing
                 attn_mask = call(torch.broadcast_to, attn_mask, tuple(_shape(site.qk)[-2:]))
-            # NOTE(audit): torch's fused CPU SDPA kernel computes WRONG GRADIENTS (forward is right) for a
-            # query row whose keys are all masked with a finite fill (HF's finfo.min, or -1e4): e.g.
-            # left-padded Llama/GPT-2 batches, whose padded query rows attend to nothing. Where such rows
-            # cannot be ruled out at compile time (a mask from the inputs) on CPU, call SDPA's math
-            # reference instead, which matches eager attention exactly (forward and backward).
-            # (the forward is right, so graphs where no gradient flows into q/k/v keep the fused kernel)
-            needs_grad = any(getattr(_val(t), "requires_grad", True) for t in (site.q, site.k_t, site.v))
-            math_ref = (attn_mask is not None and qv.device.type == "cpu" and needs_grad
-                        and not _rows_nonempty(site, const))
-            if math_ref:
-                if site.allowed and not site.additive:
-                    # a boolean mask: F.scaled_dot_product_attention converts it to 0 / -inf before it
-                    # dispatches; the math op would ADD the booleans (True = +1) to the scores
-                    attn_mask = call(torch.masked_fill, call(torch.zeros_like, attn_mask, dtype=qv.dtype),
-                                     call(torch.logical_not, attn_mask), float("-inf"))
-                fused = call(operator.getitem, call(
-                    torch.ops.aten._scaled_dot_product_attention_math.default, site.q, k_base, v_base,
-                    attn_mask, site.dropout_p, causal, None, scale=site.scale, enable_gqa=rep > 1), 0)
-            else:
-                kwargs = dict(attn_mask=attn_mask, dropout_p=site.dropout_p, is_causal=causal, scale=site.scale)
-                if rep > 1:
-                    kwargs["enable_gqa"] = True
-                fn = _attention_fn(self.kernel)
-                fused = call(fn, site.q, k_base, v_base, **kwargs)
+            # NOTE(audit): torch's fused CPU SDPA kernel computes WRONG GRADIENTS for a query row whose keys are
+            # all masked with a finite fill (HF's finfo.min; left-padded batches), and -inf fills give NaN. Where
+            # such rows cannot be ruled out at compile time (a mask from the inputs), masked_sdpa gives them every
+            # key and a zero query (uniform weights: eager's result) so the fused kernel never sees an empty row.
+            rows_safe = attn_mask is None or _rows_nonempty(site, const)
+            kwargs = dict(attn_mask=attn_mask, dropout_p=site.dropout_p, is_causal=causal, scale=site.scale)
+            if rep > 1:
+                kwargs["enable_gqa"] = True
+            fn = _attention_fn(self.kernel) if rows_safe else masked_sdpa
+            fused = call(fn, site.q, k_base, v_base, **kwargs)
         _set_meta(new_nodes, site.pv)
         site.pv.replace_all_uses_with(fused)
         dead = [site.pv, *site.chain]
         if k is not None:
             dead.append(site.k_t)
         _erase_dead(graph, dead)
-        stats["fused"] += 1
+        stats["rewritten"] += 1
         stats["causal"] += int(causal)
         stats["attn_mask"] += int(attn_mask is not None)
         stats["gqa"] += int(rep > 1)
         stats["dropout"] += int(site.dropout_p > 0)
-        stats["flash_attn"] += int(self.kernel != "sdpa" and _flash_available() and not math_ref)
-        stats["math_reference"] += int(math_ref)
+        flash = self.kernel != "sdpa" and rows_safe and _flash_available() and _flash_applies(site, qv, attn_mask)
+        stats["flash_attn"] += int(flash)
+        stats["empty_row_guard"] += int(not rows_safe)
+        why = None if flash else _why_unfused(qv, _val(k_base) if isinstance(k_base, fx.Node) else None, vv,
+                                              attn_mask, site, rep > 1)
+        if why is None:
+            stats["fused"] += 1
+        else:
+            stats["unfused"] += 1
+            unfused.append({"site": where, "unfused": True,
+                            "reason": f"rewritten to SDPA, but SDPA runs its unfused math op: {why}"})
+
+
+def _flash_applies(site: _Site, qv: torch.Tensor, attn_mask) -> bool:
+    """Whether the flash-attn custom op (not SDPA) takes this site (see ``_flash_attn_op.supported``)."""
+    return (attn_mask is None and site.dropout_p == 0.0 and qv.is_cuda and qv.dim() == 4
+            and qv.dtype in (torch.float16, torch.bfloat16) and qv.shape[-1] % 8 == 0 and qv.shape[-1] <= 256)
+
+
+def _why_unfused(qv, kv, vv, attn_mask, site: _Site, gqa: bool) -> str | None:
+    """None when SDPA will pick a fused kernel for this call, else the reason it runs its math op.
+
+    Asks SDPA's own dispatcher (``torch._fused_sdp_choice``) on tiny real tensors with the site's dtype,
+    device, head dims, mask dtype, dropout and GQA (the choice does not depend on the lengths)."""
+    mv = _val(attn_mask) if isinstance(attn_mask, fx.Node) else None
+    if site.dropout_p > 0 and qv.device.type == "cpu":
+        return "dropout on CPU (torch's fused CPU kernel has no dropout)"
+    try:
+        hk = kv.shape[1] if isinstance(kv, torch.Tensor) and kv.dim() == 4 else qv.shape[1]
+        dev, dt = qv.device, qv.dtype
+        q = torch.zeros(1, qv.shape[1], 2, qv.shape[-1], device=dev, dtype=dt)
+        k = torch.zeros(1, hk, 2, qv.shape[-1], device=dev, dtype=dt)
+        v = torch.zeros(1, hk, 2, vv.shape[-1], device=dev, dtype=dt)
+        m = None
+        if attn_mask is not None:
+            mdt = mv.dtype if isinstance(mv, torch.Tensor) else dt
+            m = torch.zeros(1, 1, 2, 2, device=dev, dtype=mdt) if mdt != torch.bool else torch.ones(
+                1, 1, 2, 2, device=dev, dtype=torch.bool)
+        kw = {"enable_gqa": True} if gqa else {}
+        choice = torch._fused_sdp_choice(q, k, v, m, site.dropout_p, False, scale=site.scale, **kw)
+    except Exception as e:  # the fake device or an unusual layout: say so rather than guess
+        return f"the kernel choice could not be checked ({type(e).__name__})"
+    if int(choice) == int(torch.nn.attention.SDPBackend.MATH):
+        return (f"SDPA has no fused kernel for {qv.dtype}, head dim {qv.shape[-1]}, "
+                f"{'a ' + str(mv.dtype if isinstance(mv, torch.Tensor) else 'mask') + ' mask' if attn_mask is not None else 'no mask'}"
+                f"{', GQA' if gqa else ''}{f', dropout {site.dropout_p}' if site.dropout_p else ''} on {qv.device.type}")
+    return None
 
 
 def _erase_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:

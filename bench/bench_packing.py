@@ -1,0 +1,249 @@
+"""pack_sequences benchmark: padded batches vs packed rows at the same token budget, all arms in one run.
+
+Lengths: log-normal (mu = ln 160, sigma = 1.0) clipped to [16, 2048] tokens, a long tail like instruction
+data; the same examples feed every arm. Token budget per step: ``--budget`` tokens (batch x padded length
+for padded arms, the row length for packed arms).
+
+Arms (a training step = forward + backward + SGD-free gradient accumulation, fp32):
+  padded_unsorted   examples in data order, greedy batches with batch x max_len <= budget, padding masked
+  padded_sorted     the same after sorting by length (less padding)
+  packed_plain_hf   packed rows (DataCollatorWithFlattening layout), plain HF eager model: fast but the
+                    examples attend to each other; its per-example logit error is reported
+  packed_effpass    packed rows, effpass.compile with fuse_attention + pack_sequences
+
+The padded arms and packed_effpass run effpass.compile (lowering ``--lowering``); compile time is excluded
+(one warm-up step per distinct shape regime). Reported: useful tokens/s, padding fraction, peak memory
+(effpass.testing.memory.peak_memory: allocator events, above what is live at the step's start), and the
+largest per-example relative logit error against the example run alone.
+
+    python bench/bench_packing.py            # full run, writes bench/results/packing_<device>.{json,md}
+    python bench/bench_packing.py --quick    # small smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import effpass  # noqa: E402
+from effpass.passes import FuseAttention, PackSequences  # noqa: E402
+from effpass.testing.memory import peak_memory  # noqa: E402
+
+
+def lengths(n: int, seed: int, lo: int = 16, hi: int = 2048, mu: float = math.log(160), sigma: float = 1.0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.exp(mu + sigma * torch.randn(n, generator=g)).round().long().clamp(lo, hi)
+    return x.tolist()
+
+
+def padded_batches(lens: list[int], budget: int, sort: bool) -> list[list[int]]:
+    order = sorted(range(len(lens)), key=lambda i: lens[i]) if sort else list(range(len(lens)))
+    out, cur = [], []
+    for i in order:
+        width = max([lens[j] for j in cur] + [lens[i]])
+        if cur and (len(cur) + 1) * width > budget:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(cur)
+    return out
+
+
+def packed_rows(lens: list[int], budget: int) -> list[list[int]]:
+    """First-fit in data order: each row holds examples whose lengths sum to <= budget."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i, n in enumerate(lens):
+        for r, left in enumerate(room):
+            if n <= left:
+                rows[r].append(i)
+                room[r] -= n
+                break
+        else:
+            rows.append([i])
+            room.append(budget - n)
+    return rows
+
+
+def build_model(args):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                         num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=4096, bos_token_id=0, eos_token_id=0)
+    cfg._attn_implementation = "eager"
+    m = tf.LlamaForCausalLM(cfg)
+    m.set_attn_implementation("eager")
+    return m.train()
+
+
+def padded_inputs(tokens, idx):
+    width = max(len(tokens[i]) for i in idx)
+    ids = torch.zeros(len(idx), width, dtype=torch.long)
+    mask = torch.zeros(len(idx), width, dtype=torch.long)
+    for r, i in enumerate(idx):
+        ids[r, :len(tokens[i])] = tokens[i]
+        mask[r, :len(tokens[i])] = 1
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}, int(mask.sum()), ids.numel()
+
+
+def packed_inputs(tokens, idx):
+    ids = torch.cat([tokens[i] for i in idx])[None]
+    pos = torch.cat([torch.arange(len(tokens[i])) for i in idx])[None]
+    labels = ids.clone()
+    labels[pos == 0] = -100  # DataCollatorWithFlattening: no prediction across examples
+    return {"input_ids": ids, "position_ids": pos, "labels": labels}, ids.numel(), ids.numel()
+
+
+def run_arm(name, model, steps, make_inputs, tokens, warm):
+    """Times every step (fwd+bwd) after warm-up calls; returns figures."""
+    for idx in warm:
+        inp, _, _ = make_inputs(tokens, idx)
+        model(**inp).loss.backward()
+    real = total = 0
+    seconds = 0.0
+    peak = 0
+    for k, idx in enumerate(steps):
+        inp, r, t = make_inputs(tokens, idx)
+        real, total = real + r, total + t
+        t0 = time.perf_counter()
+        if k == 0:
+            _, p = peak_memory(lambda: model(**inp).loss.backward())
+            peak = max(peak, p)
+        else:
+            model(**inp).loss.backward()
+        seconds += time.perf_counter() - t0
+    return {"arm": name, "steps": len(steps), "real_tokens": real, "step_tokens": total,
+            "padding_fraction": 1 - real / total, "seconds": seconds, "useful_tokens_per_s": real / seconds,
+            "peak_bytes_first_step": peak}
+
+
+def peak_over(model, steps, make_inputs, tokens, limit=3):
+    """The largest peak over the steps with the most tokens per step (the memory-bound ones)."""
+    order = sorted(steps, key=lambda idx: -make_inputs(tokens, idx)[2])[:limit]
+    best = 0
+    for idx in order:
+        inp, _, _ = make_inputs(tokens, idx)
+        _, p = peak_memory(lambda: model(**inp).loss.backward())
+        best = max(best, p)
+    return best
+
+
+def per_example_error(model, ref, tokens, idx) -> float:
+    inp, _, _ = packed_inputs(tokens, idx)
+    inp = {k: v for k, v in inp.items() if k != "labels"}
+    with torch.no_grad():
+        out = model(**inp).logits
+        err, s = 0.0, 0
+        for i in idx:
+            n = len(tokens[i])
+            alone = ref(input_ids=tokens[i][None]).logits
+            err = max(err, ((out[:, s:s + n] - alone).abs().max() / alone.abs().max()).item())
+            s += n
+    return err
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--examples", type=int, default=64)
+    ap.add_argument("--budget", type=int, default=2048)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--lowering", default="inductor")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = ap.parse_args()
+    if args.quick:
+        args.examples, args.budget, args.lowering = 24, 1024, "eager"
+    warnings.filterwarnings("ignore")
+    lens = lengths(args.examples, args.seed, hi=min(2048, args.budget))
+    g = torch.Generator().manual_seed(args.seed + 1)
+    tokens = [torch.randint(1, args.vocab, (n,), generator=g) for n in lens]
+    base = build_model(args)
+    results = []
+
+    # padded: one compiled model serves both orders (dynamic shapes after the first new shape)
+    for sort in (False, True):
+        steps = padded_batches(lens, args.budget, sort)
+        model = copy.deepcopy(base)
+        torch._dynamo.reset()
+        compiled = effpass.compile(model, passes=[FuseAttention()], lowering=args.lowering)
+        res = run_arm("padded_sorted" if sort else "padded_unsorted", compiled, steps, padded_inputs, tokens,
+                      warm=steps[:2])
+        res["peak_bytes"] = peak_over(compiled, steps, padded_inputs, tokens)
+        res["per_example_rel_error"] = None
+        results.append(res)
+        print(json.dumps(res), flush=True)
+
+    rows = packed_rows(lens, args.budget)
+    # packed, plain Hugging Face (eager model, no pass): the examples attend to each other
+    plain = copy.deepcopy(base)
+    res = run_arm("packed_plain_hf", plain, rows, packed_inputs, tokens, warm=rows[:1])
+    res["peak_bytes"] = peak_over(plain, rows, packed_inputs, tokens)
+    res["per_example_rel_error"] = per_example_error(plain, base, tokens, rows[0])
+    results.append(res)
+    print(json.dumps(res), flush=True)
+
+    model = copy.deepcopy(base)
+    torch._dynamo.reset()
+    compiled = effpass.compile(model, passes=[FuseAttention(), PackSequences()], lowering=args.lowering)
+    res = run_arm("packed_effpass", compiled, rows, packed_inputs, tokens, warm=rows[:2])
+    res["peak_bytes"] = peak_over(compiled, rows, packed_inputs, tokens)
+    res["per_example_rel_error"] = per_example_error(compiled, base, tokens, rows[0])
+    res["pack_sequences_stats"] = effpass.report(compiled).stats("pack_sequences")
+    results.append(res)
+    print(json.dumps(res), flush=True)
+
+    import transformers
+
+    base_tps = results[0]["useful_tokens_per_s"]
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": f"CPU ({platform.machine()}, {os.cpu_count()} cores)" if not torch.cuda.is_available()
+            else torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "model": f"Llama-style hidden {args.hidden}, {args.layers} layers, heads 4/2, ffn {2 * args.hidden}, "
+                     f"vocab {args.vocab}, fp32, eager attention in the model, lowering {args.lowering}",
+            "lengths": f"{args.examples} examples, log-normal(mu=ln 160, sigma=1.0) clipped to [16, "
+                       f"{min(2048, args.budget)}]: min {min(lens)}, median {sorted(lens)[len(lens) // 2]}, "
+                       f"mean {sum(lens) / len(lens):.0f}, max {max(lens)}",
+            "budget_tokens_per_step": args.budget}
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    os.makedirs(args.out, exist_ok=True)
+    suffix = "_quick" if args.quick else ""
+    with open(os.path.join(args.out, f"packing_{dev}{suffix}.json"), "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    lines = [f"# pack_sequences benchmark ({meta['device']})", "",
+             f"{meta['date']}; torch {meta['torch']}, transformers {meta['transformers']}.",
+             f"{meta['model']}.", f"Lengths: {meta['lengths']}. Token budget per step: {args.budget}.", "",
+             "| arm | steps | useful tokens/s | vs padded unsorted | padding fraction | peak memory (largest steps) | "
+             "per-example rel. error |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        err = "-" if r["per_example_rel_error"] is None else f"{r['per_example_rel_error']:.1e}"
+        lines.append(f"| {r['arm']} | {r['steps']} | {r['useful_tokens_per_s']:.0f} | "
+                     f"{r['useful_tokens_per_s'] / base_tps:.2f}x | {r['padding_fraction']:.1%} | "
+                     f"{r['peak_bytes'] / 2**20:.1f} MiB | {err} |")
+    lines += ["", "Peak memory: effpass.testing.memory.peak_memory (allocator events) of one fwd+bwd step, the "
+              "largest over the 3 steps with the most tokens, above what is live at the step's start. CPU times "
+              "are noisy (2 cores shared with other jobs): compare ratios within this run only."]
+    with open(os.path.join(args.out, f"packing_{dev}{suffix}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,541 @@
+"""``pack_sequences``: packed rows (several examples concatenated in one row) computed correctly, for any model.
+
+What it does
+    Padding-free training concatenates examples into one row (``transformers.DataCollatorWithFlattening``,
+    TRL's ``padding_free=True``). Each example must then attend only to itself, and its positions must
+    restart at 0. Whether Hugging Face keeps the examples apart depends on the attention implementation,
+    the cache flag and the family; custom models never do. This pass makes every attention in the graph
+    block-diagonal per example (causal attention stays causal inside each example; bidirectional stays
+    bidirectional), whatever the model does with the boundaries itself:
+
+    * module phase (:meth:`PackSequences.prepare_module`): refuses models with layers that mix tokens
+      across positions other than attention (convolutions over the sequence, recurrent layers), and
+      installs a forward pre-hook on the model that reads the boundaries from the call:
+      ``position_ids`` that restart at 0, ``cu_seq_lens_q``/``cu_seq_lens_k`` or ``seq_idx`` (what the
+      collator returns), derives ``position_ids`` from the other two, checks them in the graph
+      (``torch._assert_async``: restarts of ``0..n-1``, examples no longer than the model's maximum; no
+      host synchronisation), drops the Python-int ``max_length_q/k`` (each new value would recompile),
+      and turns ``use_cache`` off for packed calls (with a cache Hugging Face ignores the boundaries).
+      Because the hook is on the eager model, Hugging Face models whose own masking honours the
+      boundaries without a cache compute the same function eagerly (reference semantics).
+    * torch-IR phase: computes per-token document ids once from the boundary input
+      (``cumsum(position_ids == 0)``, ``searchsorted(cu_seq_lens)`` or ``seq_idx``), then
+
+      - replaces every ``scaled_dot_product_attention`` call (the model's own, or the one
+        ``fuse_attention`` made from hand-written attention) with one whose mask is the original mask
+        (``is_causal`` -> lower triangle) AND "same example";
+      - puts the same mask into every remaining hand-written attention (a ``softmax`` over a
+        ``(..., N, N)`` score matrix of the packed length ``N``): ``masked_fill(~same, finfo.min)``.
+
+Kernels (``kernel``)
+    ``"auto"``: on CUDA with the ``flash-attn`` package, fp16/bf16, no dropout and no other mask than
+    causal, flash-attn's varlen kernel (:mod:`effpass.passes._flash_attn_op`, boundaries as ``cu_seqlens``
+    of fixed length ``B*N+1`` so no host sync; untested: no GPU here). Everywhere else SDPA with the
+    block-diagonal boolean mask, which on CPU runs the fused flash kernel. Measured on CPU
+    (``docs/pack_sequences.md``): ``flex_attention`` and a per-example loop were not faster and the loop
+    needs the boundaries on the host.
+
+Phase ordering: runs after ``fuse_attention`` (so hand-written attention is already an SDPA call) and
+before ``apply_autocast`` / ``checkpoint_activations`` (which see the rewritten call).
+
+Dynamic shapes: packed lengths vary every step. effpass leaves Dynamo's automatic dynamic shapes on: the
+first new length recompiles once with a symbolic length, every later length reuses that graph
+(``tests/test_pack_sequences.py`` counts it).
+
+Invariants: placeholders are never added or removed; a site whose query and key lengths differ from the
+packed length (decoding with a cache, cross-attention) is left alone and reported; a graph with
+attention but no boundary input is reported (nothing is rewritten there).
+"""
+from __future__ import annotations
+
+import inspect
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+import effpass
+from effpass.graph import tensor_meta
+from effpass.scope import module_path_of_node
+
+from ._sdpa_safe import masked_sdpa
+
+__all__ = ["PackSequences", "packing_stats", "document_ids", "position_ids_from"]
+
+#: keyword arguments that carry example boundaries, in order of preference
+BOUNDARY_KWARGS = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "position_ids")
+_PLACEHOLDER_RE = re.compile(r"^L_(?:kwargs_)?(seq_idx|cu_seq_lens_q|cu_seq_lens_k|position_ids)_$")
+_TOKENS_RE = re.compile(r"^L_(?:kwargs_)?(input_ids|inputs_embeds|tokens)_$")
+_SDPA_FNS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
+_SOFTMAX_FNS = {torch.softmax, F.softmax, torch.special.softmax}
+
+
+# ------------------------------------------------------------------------------------------------------
+# functions the rewritten graph calls (plain torch code: AOTAutograd traces them, no host sync)
+# ------------------------------------------------------------------------------------------------------
+def document_ids(kind: str, boundary: torch.Tensor, n: int) -> torch.Tensor:
+    """Per-token example ids, shape ``(1 or B, n)``, from a boundary tensor of kind ``kind``."""
+    if kind == "seq_idx":
+        return boundary.long()
+    if kind in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        idx = torch.arange(n, device=boundary.device)
+        return torch.searchsorted(boundary[1:].contiguous().long(), idx, right=True)[None]
+    return torch.cumsum((boundary == 0).long(), dim=-1)
+
+
+def position_ids_from(kind: str, boundary: torch.Tensor, n: int) -> torch.Tensor:
+    """``position_ids`` (restarting at 0 per example) from ``cu_seq_lens_*`` or ``seq_idx``."""
+    idx = torch.arange(n, device=boundary.device)
+    if kind == "seq_idx":
+        s = boundary.long()
+        new = torch.ones_like(s, dtype=torch.bool)
+        new[..., 1:] = s[..., 1:] != s[..., :-1]
+        start = torch.cummax(torch.where(new, idx.expand_as(s), 0), dim=-1).values
+        return idx - start
+    cu = boundary.long()
+    doc = torch.searchsorted(cu[1:].contiguous(), idx, right=True)
+    return (idx - cu[doc])[None]
+
+
+def same_document_mask(doc: torch.Tensor, causal: bool) -> torch.Tensor:
+    """``(B, 1, N, N)`` boolean mask: True where query and key belong to the same example (and, if
+    ``causal``, the key is not after the query)."""
+    same = doc[:, None, :, None] == doc[:, None, None, :]
+    if causal:
+        idx = torch.arange(doc.shape[-1], device=doc.device)
+        same = same & (idx[:, None] >= idx[None, :])
+    return same
+
+
+def packed_sdpa(q, k, v, same, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """SDPA with ``attn_mask`` (``is_causal`` already folded into ``same``) restricted to one example."""
+    kw = {"enable_gqa": True} if enable_gqa else {}
+    if attn_mask is None:  # every row keeps its own token: the fused kernel is safe as is
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=same, dropout_p=dropout_p, scale=scale, **kw)
+    if attn_mask.dtype == torch.bool:
+        mask = attn_mask & same
+    else:
+        mask = attn_mask.masked_fill(~same, torch.finfo(attn_mask.dtype).min)
+    # NOTE: the model's own mask (padding) may empty a row: masked_sdpa keeps the fused kernel safe there
+    return masked_sdpa(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, **kw)
+
+
+def mask_scores(scores: torch.Tensor, same: torch.Tensor) -> torch.Tensor:
+    """Hand-written attention scores with the other examples' keys masked (HF's finfo.min convention)."""
+    return scores.masked_fill(~same, torch.finfo(scores.dtype).min)
+
+
+def _flash_varlen(q, k, v, doc, is_causal, scale):
+    from . import _flash_attn_op
+
+    return _flash_attn_op.varlen_attention(q, k, v, doc, bool(is_causal), scale)
+
+
+# ------------------------------------------------------------------------------------------------------
+# statistics of a packed batch (host side, for logging; never called inside the compiled step)
+# ------------------------------------------------------------------------------------------------------
+def packing_stats(batch: dict, *, attention_layers: int = 1, heads: int = 1, head_dim: int = 1) -> dict[str, float]:
+    """Examples per row, padding avoided and attention FLOPs (block-diagonal vs dense) of a packed batch.
+
+    ``batch`` is what the collator returns (``position_ids``, ``cu_seq_lens_q`` or ``seq_idx``). Padding
+    avoided is counted against a padded batch of the same examples padded to the longest one.
+    FLOPs count the ``q @ k^T`` and ``p @ v`` matmuls of causal attention (``4 * d * pairs`` per head and
+    layer); dense is the same row attended as one causal sequence.
+    """
+    kind, b = _batch_boundary(batch)
+    n = b.shape[-1] if kind != "cu_seq_lens_q" and kind != "cu_seq_lens_k" else int(b[-1])
+    doc = document_ids(kind, b, n)
+    lengths = []
+    for row in doc:
+        lengths += torch.bincount(row - row.min()).tolist()
+    lengths = [x for x in lengths if x]
+    rows = doc.shape[0]
+    real = sum(lengths)
+    longest = max(lengths)
+    per_head = 4 * head_dim * heads * attention_layers
+    pairs_block = sum(x * (x + 1) // 2 for x in lengths)
+    pairs_dense = rows * n * (n + 1) // 2
+    return {"rows": rows, "examples": len(lengths), "examples_per_row": len(lengths) / rows, "tokens": real,
+            "longest_example": longest, "padding_tokens_avoided": len(lengths) * longest - real,
+            "attention_flops_block_diagonal": per_head * pairs_block, "attention_flops_dense": per_head * pairs_dense,
+            "attention_flops_ratio": pairs_block / pairs_dense}
+
+
+def _batch_boundary(batch: dict) -> tuple[str, torch.Tensor]:
+    for name in BOUNDARY_KWARGS:
+        if batch.get(name) is not None:
+            return name, batch[name]
+    raise ValueError(f"pack_sequences: the batch carries no example boundaries; expected one of {list(BOUNDARY_KWARGS)} "
+                     f"(DataCollatorWithFlattening returns position_ids), got keys {sorted(batch)}")
+
+
+# ------------------------------------------------------------------------------------------------------
+# the module phase: refuse token-mixing layers, install the boundary hook
+# ------------------------------------------------------------------------------------------------------
+def _mixes_tokens(module: nn.Module) -> str | None:
+    """Why ``module`` mixes tokens across positions outside attention, or None."""
+    if isinstance(module, nn.RNNBase):
+        return f"recurrent layer {type(module).__name__}"
+    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        ks = module.kernel_size
+        if any(s > 1 for s in ks):
+            return f"convolution {type(module).__name__} with kernel {tuple(ks)}"
+    return None
+
+
+def _max_positions(model: nn.Module) -> int | None:
+    cfg = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        v = getattr(cfg, name, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+class _BoundaryHook:
+    """Forward pre-hook: boundaries from the call's keyword arguments, checked in the graph."""
+
+    def __init__(self, params: set[str], accepts_kwargs: bool, max_positions: int | None, require: bool,
+                 check: bool, model_name: str):
+        self.params, self.accepts_kwargs = params, accepts_kwargs
+        self.max_positions, self.require, self.check = max_positions, require, check
+        self.model_name = model_name
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
+        if kwargs.get("past_key_values") is not None or kwargs.get("use_cache") is True:
+            return None  # generation with a cache (decode steps count positions on): not a packed row
+        present = [k for k in BOUNDARY_KWARGS if kwargs.get(k) is not None]
+        if not present:
+            if self.require and module.training:
+                raise ValueError(
+                    f"pack_sequences: {self.model_name} was called in training without example boundaries: "
+                    f"none of {list(BOUNDARY_KWARGS)} was given (keyword arguments: {sorted(kwargs)}). Packed "
+                    "rows need them, e.g. DataCollatorWithFlattening(return_position_ids=True); for unpacked "
+                    "batches use PackSequences(require_boundaries=False)")
+            return None
+        kwargs = dict(kwargs)
+        ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
+        if "position_ids" not in present:
+            kind = present[0]
+            if "position_ids" not in self.params:
+                raise ValueError(f"pack_sequences: {self.model_name}.forward takes no position_ids, so its "
+                                 f"positions cannot restart per example ({kind} was given)")
+            n = ids.shape[-1] if ids is not None else int(kwargs[kind].shape[-1])
+            kwargs["position_ids"] = position_ids_from(kind, kwargs[kind], n)
+        elif "position_ids" not in self.params and not self.accepts_kwargs:
+            raise ValueError(f"pack_sequences: {self.model_name}.forward takes no position_ids, so its positions "
+                             "cannot restart per example; supported: models whose forward accepts position_ids")
+        pos = kwargs["position_ids"]
+        if self.check:
+            if pos.dim() != 2:
+                raise ValueError(f"pack_sequences: position_ids must be (batch, length), got shape {tuple(pos.shape)}")
+            ok = (pos[:, :1] == 0).all() & ((pos[:, 1:] == 0) | (pos[:, 1:] == pos[:, :-1] + 1)).all()
+            torch._assert_async(ok, "pack_sequences: position_ids are not restarts of 0..n-1 per example "
+                                    "(each example must count 0, 1, ..., len-1)")
+            if self.max_positions is not None:
+                torch._assert_async((pos < self.max_positions).all(),
+                                    f"pack_sequences: an example is longer than the model's maximum of "
+                                    f"{self.max_positions} positions")
+        for k in ("max_length_q", "max_length_k"):
+            # NOTE(recompiles): Python ints that change every step; effpass's kernels do not need them
+            kwargs.pop(k, None)
+        if "use_cache" in self.params and kwargs.get("use_cache") is None:
+            kwargs["use_cache"] = False  # with a cache, HF's masks ignore the boundaries
+        if not self.accepts_kwargs:
+            kwargs = {k: v for k, v in kwargs.items() if k in self.params}
+        return args, kwargs
+
+
+# ------------------------------------------------------------------------------------------------------
+# the pass
+# ------------------------------------------------------------------------------------------------------
+@effpass.register_pass("pack_sequences", run_after=("fuse_attention", "inject_lora"))
+@dataclass(frozen=True, kw_only=True)
+class PackSequences(effpass.Pass):
+    """Packed rows: every attention block-diagonal per example, positions restarting per example.
+
+    Before (a packed row, Llama with SDPA; the examples attend to each other)::
+
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=True, scale=0.125)
+
+    After::
+
+        doc  = effpass.passes.pack_sequences.document_ids("position_ids", position_ids, N)  # once
+        same = same_document_mask(doc, causal=True)                                        # once
+        out  = packed_sdpa(q, k, v, same, attn_mask=None, scale=0.125)
+    """
+
+    kernel: Literal["auto", "sdpa", "flash_attn"] = field(default="auto", metadata={
+        "doc": "'sdpa': SDPA with the block-diagonal mask (CPU: fused flash kernel); 'flash_attn': flash-attn's "
+               "varlen kernel where it applies (CUDA, fp16/bf16, causal or no mask, no dropout), SDPA elsewhere; "
+               "'auto': flash_attn when installed on CUDA, else SDPA"})
+    require_boundaries: bool = field(default=True, metadata={
+        "doc": "a training call without position_ids / cu_seq_lens_* / seq_idx is an error (packed rows "
+               "without boundaries would mix examples)"})
+    check_inputs: bool = field(default=True, metadata={
+        "doc": "check in the graph (torch._assert_async, no host sync) that position_ids restart at 0 and count "
+               "up by 1, and that no example is longer than the model's maximum positions"})
+    max_positions: int = field(default=0, metadata={
+        "doc": "the longest example allowed; 0: the model config's max_position_embeddings / n_positions"})
+
+    def validate(self) -> None:
+        if self.max_positions < 0:
+            raise ValueError(f"max_positions must be >= 0, got {self.max_positions}")
+
+    @classmethod
+    def default_note(cls) -> str:
+        return "off (turn on for packed rows: DataCollatorWithFlattening, TRL padding_free=True)"
+
+    # -- module phase ---------------------------------------------------------------------------------
+    def prepare_module(self, model: nn.Module, ctx) -> effpass.PassResult:
+        mixing = [(n, why) for n, m in ctx.scope.select_modules(model, lambda n, m: _mixes_tokens(m) is not None)
+                  for why in [_mixes_tokens(m)]]
+        if mixing:
+            listed = ", ".join(f"{n} ({why})" for n, why in mixing[:6])
+            raise ValueError(
+                f"pack_sequences: {type(model).__name__} has layers that mix tokens across positions outside "
+                f"attention, which would mix the packed examples: {listed}{' ...' if len(mixing) > 6 else ''}. "
+                "Train it with padded batches, or exclude these modules if they do not run over the sequence "
+                "(exclude=[...])")
+        for h in getattr(model, "_effpass_pack_hooks", []):
+            h.remove()
+        sig = inspect.signature(model.forward)
+        params = set(sig.parameters)
+        accepts_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
+        max_pos = self.max_positions or _max_positions(model)
+        hook = _BoundaryHook(params, accepts_kwargs, max_pos, self.require_boundaries, self.check_inputs,
+                             type(model).__name__)
+        handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+        model._effpass_pack_hooks = [handle]
+        return effpass.PassResult(True, {"boundary_hook": 1, "max_positions": max_pos or 0,
+                                         "position_ids_accepted": int("position_ids" in params)})
+
+    # -- torch-IR phase -------------------------------------------------------------------------------
+    def transform_torch_ir(self, gm: fx.GraphModule, ctx) -> effpass.PassResult:
+        graph = gm.graph
+        stats = {"sdpa_rewritten": 0, "softmax_masked": 0, "flash_varlen": 0, "skipped": 0}
+        skipped: list[dict] = []
+        sites = [n for n in graph.nodes if (_is_sdpa(n) or _is_softmax(n)) and ctx.allows(n)]
+        if not sites:
+            return effpass.PassResult(False, stats)
+        boundary = _find_boundary(graph)
+        if boundary is None:
+            for n in sites:
+                if _is_sdpa(n) or _attention_softmax(n):
+                    stats["skipped"] += 1
+                    skipped.append({"site": _where(n), "reason": "no boundary input (position_ids, cu_seq_lens_q/k, "
+                                                                 "seq_idx) in this graph"})
+            return effpass.PassResult(False, stats, skipped=skipped)
+        kind, bnode = boundary
+        stats[f"boundary_{kind}"] = 1
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        new_nodes: list[fx.Node] = []
+
+        def call(fn, *args, **kwargs):
+            n = graph.call_function(fn, args, kwargs)
+            new_nodes.append(n)
+            return n
+
+        doc = masks = n_len = None
+        for site in sites:
+            where = _where(site)
+            try:
+                if _is_sdpa(site):
+                    q, k, v, mask, dropout_p, is_causal, scale, gqa = _sdpa_args(site)
+                    sq, sk = _shape(q)[-2], _shape(k)[-2]
+                    if doc is None:
+                        doc, masks, n_len = self._prologue(graph, placeholders, kind, bnode, call)
+                    if not (_same(sq, n_len) and _same(sk, n_len)):
+                        raise _Skip(f"query/key lengths ({sq}, {sk}) are not the packed length {n_len} "
+                                    "(decoding with a cache or cross-attention)")
+                    flash = (self.kernel != "sdpa" and _flash_varlen_usable(q, mask, dropout_p))
+                    with graph.inserting_before(site):
+                        if flash:
+                            new = call(_flash_varlen, q, k, v, doc, is_causal, scale)
+                            stats["flash_varlen"] += 1
+                        else:
+                            same = masks(bool(is_causal))
+                            new = call(packed_sdpa, q, k, v, same, attn_mask=mask, dropout_p=dropout_p,
+                                       scale=scale, enable_gqa=gqa)
+                    _set_meta([new], site)
+                    site.replace_all_uses_with(new)
+                    graph.erase_node(site)
+                    stats["sdpa_rewritten"] += 1
+                else:
+                    scores = _attention_softmax(site)
+                    if scores is None:
+                        continue  # not attention: a softmax over something else (e.g. MoE routing)
+                    if doc is None:
+                        doc, masks, n_len = self._prologue(graph, placeholders, kind, bnode, call)
+                    sh = _shape(scores)
+                    if not (_same(sh[-1], n_len) and _same(sh[-2], n_len)):
+                        continue
+                    with graph.inserting_before(site):
+                        masked = call(mask_scores, scores, masks(False))
+                    _set_meta([masked], site)
+                    site.replace_input_with(scores, masked)
+                    stats["softmax_masked"] += 1
+            except _Skip as e:
+                stats["skipped"] += 1
+                skipped.append({"site": where, "reason": str(e)})
+        changed = stats["sdpa_rewritten"] + stats["softmax_masked"] > 0
+        if changed:
+            _set_meta([n for n in new_nodes if "example_value" not in n.meta], None)
+            graph.lint()
+        if stats["skipped"] and not changed:
+            warnings.warn(f"effpass: pack_sequences rewrote no attention in this graph: {skipped[:2]}", RuntimeWarning,
+                          stacklevel=2)
+        return effpass.PassResult(changed, stats, skipped=skipped)
+
+    @staticmethod
+    def _prologue(graph, placeholders, kind, bnode, call):
+        """Insert (once per graph) the document ids and a lazily made mask per causality."""
+        cache: dict[bool, fx.Node] = {}
+        src = bnode
+        if kind in ("cu_seq_lens_q", "cu_seq_lens_k"):
+            # NOTE: the packed length N is the tokens' length (cu_seq_lens has one entry per example)
+            src = next((n for n in placeholders if _TOKENS_RE.match(str(n.target)) and _shape(n)), None)
+            if src is None:
+                raise _Skip("cu_seq_lens boundaries without input_ids / inputs_embeds in the graph")
+        dim = 1 if src is not bnode else -1
+        with graph.inserting_after(placeholders[-1]):
+            n_len_node = call(torch.Tensor.size, src, dim)
+        n_len = _shape(src)[dim]
+        with graph.inserting_after(n_len_node):
+            doc = call(document_ids, kind, bnode, n_len_node)
+        _set_meta([n_len_node, doc], None)
+
+        def masks(causal: bool) -> fx.Node:
+            if causal not in cache:
+                with graph.inserting_after(doc):
+                    cache[causal] = call(same_document_mask, doc, causal)
+                _set_meta([cache[causal]], None)
+            return cache[causal]
+
+        return doc, masks, n_len
+
+
+class _Skip(Exception):
+    pass
+
+
+def _where(n: fx.Node) -> str:
+    return f"{module_path_of_node(n) or '<root>'}:{n.name}"
+
+
+def _shape(n: Any):
+    v = tensor_meta(n) if isinstance(n, fx.Node) else None
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    try:
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        return bool(statically_known_true(a == b))
+    except Exception:
+        return False
+
+
+def _is_sdpa(n: fx.Node) -> bool:
+    if n.op != "call_function":
+        return False
+    if n.target in _SDPA_FNS or n.target is masked_sdpa:
+        return True
+    return getattr(n.target, "__name__", "") == "attention" and getattr(n.target, "__module__", "").endswith(
+        "_flash_attn_op")
+
+
+def _is_softmax(n: fx.Node) -> bool:
+    return (n.op == "call_function" and n.target in _SOFTMAX_FNS) or (n.op == "call_method" and n.target == "softmax")
+
+
+def _attention_softmax(sm: fx.Node) -> fx.Node | None:
+    """The score input of a softmax over the last dim of a ``(..., S, S)`` tensor (>= 3 dims), else None."""
+    x = sm.args[0] if sm.args else sm.kwargs.get("input")
+    sh = _shape(x)
+    if sh is None or len(sh) < 3:
+        return None
+    dim = sm.args[1] if len(sm.args) > 1 else sm.kwargs.get("dim")
+    if not isinstance(dim, int) or dim % len(sh) != len(sh) - 1:
+        return None
+    return x
+
+
+def _sdpa_args(n: fx.Node):
+    names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal"]
+    vals = dict(zip(names, n.args))
+    for k, v in n.kwargs.items():
+        vals[k] = v
+    if "scale" not in vals and len(n.args) > 6:
+        vals["scale"] = n.args[6]
+    q, k, v = vals.get("query"), vals.get("key"), vals.get("value")
+    if not all(isinstance(t, fx.Node) for t in (q, k, v)):
+        raise _Skip("q, k or v is not a tensor")
+    if _shape(q) is None or len(_shape(q)) != 4:
+        raise _Skip("q is not (batch, heads, length, head_dim)")
+    is_causal = vals.get("is_causal", False)
+    dropout = vals.get("dropout_p", 0.0)
+    if not isinstance(is_causal, bool):
+        raise _Skip("is_causal is not a constant")
+    mask = vals.get("attn_mask")
+    if mask is not None and not isinstance(mask, fx.Node):
+        raise _Skip("attn_mask is not a tensor")
+    return q, k, v, mask, dropout, is_causal, vals.get("scale"), bool(vals.get("enable_gqa", False))
+
+
+def _find_boundary(graph: fx.Graph) -> tuple[str, fx.Node] | None:
+    found = {}
+    for n in graph.nodes:
+        if n.op != "placeholder":
+            continue
+        m = _PLACEHOLDER_RE.match(str(n.target))
+        v = tensor_meta(n)
+        if m and isinstance(v, torch.Tensor) and not v.dtype.is_floating_point:
+            found[m.group(1)] = n
+    # NOTE: position_ids first: its length is the packed length (cu_seq_lens need it separately)
+    for kind in ("seq_idx", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k"):
+        if kind in found:
+            return kind, found[kind]
+    return None
+
+
+def _flash_varlen_usable(q: fx.Node, mask, dropout_p) -> bool:
+    if mask is not None or (not isinstance(dropout_p, (int, float))) or dropout_p != 0.0:
+        return False
+    v = tensor_meta(q)
+    if not (isinstance(v, torch.Tensor) and v.is_cuda and v.dtype in (torch.float16, torch.bfloat16)):
+        return False
+    from . import _flash_attn_op
+
+    return _flash_attn_op.available()
+
+
+def _set_meta(nodes: list[fx.Node], like: fx.Node | None) -> None:
+    """Provenance from ``like`` and fake example values for new nodes (best effort: AOT re-traces)."""
+    from torch._guards import detect_fake_mode
+
+    for n in nodes:
+        if like is not None:
+            for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr"):
+                if key in like.meta:
+                    n.meta[key] = like.meta[key]
+    for n in nodes:
+        vals = [tensor_meta(a) for a in n.all_input_nodes]
+        fake = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+        if fake is None:
+            continue
+        args = fx.node.map_arg(n.args, lambda a: tensor_meta(a))
+        kwargs = fx.node.map_arg(n.kwargs, lambda a: tensor_meta(a))
+        try:
+            with fake:
+                n.meta["example_value"] = n.target(*args, **kwargs)
+        except Exception:
+            pass

@@ -1,0 +1,349 @@
+"""pack_sequences: packed rows equal the examples run alone, on several Hugging Face families.
+
+Oracles: numerical (each example's logits vs the example run alone, 1e-5 relative in fp32; the loss vs the
+token-weighted loss of separate runs; gradients vs the padded batch with padding masked; other examples
+bit-unchanged when one changes) and structural (the pass's statistics: attention sites rewritten, the
+boundary it used; recompiles and graph breaks counted by Dynamo)."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import effpass
+from effpass.passes import (ApplyAutocast, CheckpointActivations, FuseAttention, InjectLoRA, PackSequences)
+from effpass.passes.pack_sequences import packing_stats
+from effpass.testing import dynamo_counters, model_case
+
+VOCAB = 128
+LENS = [5, 9, 3]
+
+
+def _family(name: str, attn: str = "eager", layers: int = 1) -> nn.Module:
+    """A tiny random-weight model of a Hugging Face family."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                  max_position_embeddings=64)
+    if name == "llama":
+        cfg, cls = tf.LlamaConfig(intermediate_size=64, num_key_value_heads=2, **common), tf.LlamaForCausalLM
+    elif name == "gpt2":
+        cfg, cls = tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=layers, n_head=4, n_positions=64,
+                                 bos_token_id=0, eos_token_id=0), tf.GPT2LMHeadModel
+    elif name == "falcon_alibi":
+        cfg, cls = tf.FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                                   alibi=True, multi_query=False, new_decoder_architecture=False), tf.FalconForCausalLM
+    elif name == "qwen2":
+        cfg, cls = tf.Qwen2Config(intermediate_size=64, num_key_value_heads=2, **common), tf.Qwen2ForCausalLM
+    elif name == "gemma2":  # soft-capped scores: fuse_attention leaves it alone, pack_sequences masks the softmax
+        cfg, cls = tf.Gemma2Config(intermediate_size=64, num_key_value_heads=2, head_dim=8, sliding_window=8,
+                                   **common), tf.Gemma2ForCausalLM
+    elif name == "bert":  # an encoder: block-diagonal and bidirectional
+        cfg, cls = tf.BertConfig(intermediate_size=64, **common), tf.BertForMaskedLM
+    else:  # pragma: no cover
+        raise ValueError(name)
+    cfg._attn_implementation = attn
+    model = cls(cfg)
+    model.set_attn_implementation(attn)
+    return model.eval()
+
+
+def _packed(lens=LENS, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (1, sum(lens)), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    return ids, pos
+
+
+def _alone(ref, ids, lens):
+    out, s = [], 0
+    for n in lens:
+        with torch.no_grad():
+            out.append(ref(input_ids=ids[:, s:s + n]).logits)
+        s += n
+    return out
+
+
+def _assert_rel(actual, expected, tol, what):
+    err = ((actual - expected).abs().max() / expected.abs().max()).item()
+    assert err <= tol, f"{what}: relative error {err:.2e} > {tol:g}"
+
+
+def _stats(compiled):
+    return effpass.report(compiled).stats("pack_sequences")
+
+
+# ------------------------------------------------------------------------------------------------------
+# five families: each example equals the example alone; the others are bit-unchanged when one changes
+# ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,attn,path", [
+    ("llama", "eager", "sdpa_rewritten"),        # hand-written -> fuse_attention -> block-diagonal SDPA; rotary
+    ("gpt2", "sdpa", "sdpa_rewritten"),          # the model's own SDPA; learned position embeddings
+    ("falcon_alibi", "eager", "sdpa_rewritten"),  # in-place /= *= and ALiBi; fused then packed
+    ("gemma2", "eager", "softmax_masked"),       # soft-capping (tanh): not fused, the softmax is masked
+    ("bert", "sdpa", "sdpa_rewritten"),          # encoder: bidirectional within each example
+])
+def test_each_packed_example_equals_the_example_alone(name, attn, path):
+    model = _family(name, attn)
+    ref = copy.deepcopy(model)
+    ids, pos = _packed()
+    torch._dynamo.reset()
+    compiled = effpass.compile(model, passes=[FuseAttention(), PackSequences()], lowering="eager", strict=True)
+    with dynamo_counters() as counters, torch.no_grad():
+        out = compiled(input_ids=ids, position_ids=pos).logits
+        changed = ids.clone()
+        changed[0, LENS[0]:LENS[0] + LENS[1]] = (changed[0, LENS[0]:LENS[0] + LENS[1]] + 7) % VOCAB  # example 2
+        out2 = compiled(input_ids=changed, position_ids=pos).logits
+    s = 0
+    for i, (n, want) in enumerate(zip(LENS, _alone(ref, ids, LENS))):
+        _assert_rel(out[:, s:s + n], want, 1e-5, f"{name} example {i}")   # positions restart per example too
+        s += n
+    assert torch.equal(out2[:, :LENS[0]], out[:, :LENS[0]]), "example 1 changed when example 2 did"
+    assert torch.equal(out2[:, LENS[0] + LENS[1]:], out[:, LENS[0] + LENS[1]:]), "example 3 changed"
+    assert not torch.equal(out2[:, LENS[0]:LENS[0] + LENS[1]], out[:, LENS[0]:LENS[0] + LENS[1]])
+    stats = _stats(compiled)
+    assert stats[path] == 1 and stats["skipped"] == 0 and stats["boundary_position_ids"] == 1, stats
+    assert counters["graph_breaks"] == 0 and counters["recompiles"] == 0, counters
+    # without the pass the same packed row mixes the examples (the bug this pass fixes)
+    with torch.no_grad():
+        plain = ref(input_ids=ids, position_ids=pos).logits
+    assert (plain[:, LENS[0]:] - out[:, LENS[0]:]).abs().max() > 1e-3
+
+
+# ------------------------------------------------------------------------------------------------------
+# loss, gradients, dynamic lengths
+# ------------------------------------------------------------------------------------------------------
+def test_loss_gradients_and_one_recompile_across_packed_lengths():
+    """Loss = token-weighted loss of the examples alone; gradients = padded batch with padding masked
+    (1e-4); three packed lengths compile at most twice (automatic dynamic shapes), no graph break."""
+    model = _family("llama", "eager").train()
+    padded_model = copy.deepcopy(model)
+    ids, pos = _packed()
+    labels = ids.clone()
+    starts = torch.tensor([0, LENS[0], LENS[0] + LENS[1]])
+    labels[0, starts] = -100  # what DataCollatorWithFlattening does: no prediction across examples
+    torch._dynamo.reset()
+    compiled = effpass.compile(model, passes=[FuseAttention(), PackSequences()], lowering="eager", strict=True)
+    with dynamo_counters() as counters:
+        loss = compiled(input_ids=ids, position_ids=pos, labels=labels).loss
+        loss.backward()
+        i2, p2 = _packed([4, 12, 6, 2], seed=3)  # another packed length: one recompile (symbolic length)
+        compiled(input_ids=i2, position_ids=p2, labels=i2).loss.backward()
+    # two frames: the boundary hook (its checks) and the model; each recompiles once, then never again
+    assert counters["graph_breaks"] == 0 and counters["recompiles"] <= counters["frames"] // 2, counters
+    with dynamo_counters() as later:
+        for lens in ([20, 7], [3] * 9):
+            i3, p3 = _packed(lens, seed=4)
+            compiled(input_ids=i3, position_ids=p3, labels=i3).loss.backward()
+    assert later["recompiles"] == 0 and later["unique_graphs"] == 0, later
+    # the reference: the same examples as a right-padded batch, padding masked
+    width = max(LENS)
+    rows, mask, plabels, s = [], [], [], 0
+    for n in LENS:
+        row = torch.zeros(width, dtype=torch.long)
+        row[:n] = ids[0, s:s + n]
+        rows.append(row)
+        mask.append((torch.arange(width) < n).long())
+        lab = row.clone()
+        lab[n:] = -100
+        plabels.append(lab)
+        s += n
+    padded_model.zero_grad()
+    ref_loss = padded_model(input_ids=torch.stack(rows), attention_mask=torch.stack(mask),
+                            labels=torch.stack(plabels), use_cache=False).loss
+    # token-weighted: every example contributes (len - 1) predictions
+    torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-5)
+    ref_loss.backward()
+    model.zero_grad()
+    compiled(input_ids=ids, position_ids=pos, labels=labels).loss.backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), padded_model.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4, msg=lambda m: f"grad {n}: {m}")
+    # the model's graphs (static, then symbolic) are rewritten; the hook's own small graphs have no attention
+    records = [r for r in effpass.report(compiled).records("pack_sequences") if r.phase == "torch_ir" and r.changed]
+    assert len(records) == 2 and all(r.stats["sdpa_rewritten"] == 1 for r in records)
+
+
+def test_cu_seq_lens_without_position_ids_and_flash_kwargs_are_used():
+    """DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=False): boundaries from
+    cu_seq_lens_q; the Python-int max_length_q/k are dropped (they would recompile every step)."""
+    model = _family("qwen2", "sdpa")
+    ref = copy.deepcopy(model)
+    ids, _ = _packed()
+    cu = torch.tensor([0, 5, 14, 17], dtype=torch.int32)
+    torch._dynamo.reset()
+    compiled = effpass.compile(model, passes=[PackSequences()], lowering="eager", strict=True)
+    with torch.no_grad():
+        out = compiled(input_ids=ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9, max_length_k=9).logits
+    s = 0
+    for n, want in zip(LENS, _alone(ref, ids, LENS)):
+        _assert_rel(out[:, s:s + n], want, 1e-5, "qwen2 via cu_seq_lens")
+        s += n
+    assert _stats(compiled)["sdpa_rewritten"] == 1
+
+
+# ------------------------------------------------------------------------------------------------------
+# with the other passes; with Trainer + DataCollatorWithFlattening and TRL's padding-free collator
+# ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("autocast", [True])  # fp32 exactness is covered above; [False, True] checks both
+def test_with_lora_checkpointing_and_autocast(autocast):
+    """inject_lora + fuse_attention + pack_sequences + checkpoint_activations (+ apply_autocast bf16): every
+    example within 1e-5 (fp32) / 3e-2 (bf16) of the same prepared model run on the example alone."""
+    ids, pos = _packed()
+    if True:
+        model = _family("llama", "eager").train()
+        passes = [InjectLoRA(rank=4, targets=["*.q_proj", "*.v_proj"]), FuseAttention(), PackSequences(),
+                  CheckpointActivations()]
+        if autocast:
+            passes.append(ApplyAutocast(dtype="bfloat16"))
+        torch._dynamo.reset()
+        compiled = effpass.compile(model, passes=passes, lowering="eager", strict=True)
+        ref = copy.deepcopy(model)  # prepared (LoRA injected, hook installed): the eager reference
+        out = compiled(input_ids=ids, position_ids=pos).logits
+        out.float().pow(2).mean().backward()
+        assert any(p.grad is not None for n, p in model.named_parameters() if "lora" in n)
+        s = 0
+        for n in LENS:
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                want = ref(input_ids=ids[:, s:s + n], position_ids=torch.arange(n)[None]).logits.float()
+            _assert_rel(out[:, s:s + n].float(), want, 3e-2 if autocast else 1e-5, f"autocast={autocast}")
+            s += n
+        assert _stats(compiled)["sdpa_rewritten"] == 1
+
+
+def test_trainer_with_flattening_collator_and_trl_padding_free(tmp_path):
+    """Plain Trainer on an effpass-compiled model with DataCollatorWithFlattening: the first step's loss is
+    the token-weighted loss of the examples alone. TRL's padding-free collator builds the same batch."""
+    import transformers as tf
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    model = _family("llama", "eager")
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(5)
+    examples = [{"input_ids": torch.randint(1, VOCAB, (n,), generator=g).tolist()} for n in LENS]
+    batch = tf.DataCollatorWithFlattening()(examples)
+    trl_batch = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(examples)
+    assert torch.equal(trl_batch["position_ids"], batch["position_ids"])
+    assert torch.equal(trl_batch["input_ids"], batch["input_ids"])
+    torch._dynamo.reset()
+    effpass.prepare(model, passes=[FuseAttention(), PackSequences()], lowering="eager", strict=True)
+    model.compile(backend=effpass.backend_of(model))  # in place: Trainer keeps reading forward's signature
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(examples)
+
+        def __getitem__(self, i):
+            return examples[i]
+
+    losses = []
+
+    class Record(tf.TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                losses.append(logs["loss"])
+
+    args = tf.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=3, max_steps=1,
+                                logging_steps=1, learning_rate=0.0, report_to=[], use_cpu=True,
+                                save_strategy="no", dataloader_num_workers=0, disable_tqdm=True)
+    trainer = tf.Trainer(model=model, args=args, train_dataset=Data(), data_collator=tf.DataCollatorWithFlattening(),
+                         callbacks=[Record()])
+    trainer.train()
+    # the token-weighted loss of the examples run alone
+    total, count = 0.0, 0
+    for ex in examples:
+        t = torch.tensor([ex["input_ids"]])
+        with torch.no_grad():
+            total += ref(input_ids=t, labels=t).loss.item() * (t.shape[1] - 1)
+        count += t.shape[1] - 1
+    assert losses and abs(losses[0] - total / count) < 1e-4 * (total / count), (losses, total / count)
+    assert effpass.report(model).stats("pack_sequences")["sdpa_rewritten"] == 1
+
+
+# ------------------------------------------------------------------------------------------------------
+# bad input: clear errors
+# ------------------------------------------------------------------------------------------------------
+def test_bad_inputs_raise_clear_errors():
+    model = _family("llama", "sdpa").train()
+    effpass.prepare(model, passes=[PackSequences()], lowering="eager")  # the hook runs eagerly too
+    ids, pos = _packed()
+    with pytest.raises(ValueError, match="without example boundaries"):
+        model(input_ids=ids)                                    # packed, but nothing says where examples start
+    bad = pos.clone()
+    bad[0, 7] = 3                                               # not a restart of 0..n-1
+    with pytest.raises(RuntimeError, match="not restarts of 0..n-1"):
+        model(input_ids=ids, position_ids=bad)
+    long_ids = torch.randint(1, VOCAB, (1, 70))
+    with pytest.raises(RuntimeError, match="longer than the model's maximum of 64"):
+        model(input_ids=long_ids, position_ids=torch.arange(70)[None])
+    model.eval()
+    model(input_ids=ids)                                        # not training: an ordinary call is fine
+    # models that cannot follow per-example positions, or that mix tokens outside attention
+    with pytest.raises(ValueError, match="takes no position_ids"):
+        demo = model_case("demo", layers=1).model
+        effpass.prepare(demo, passes=[PackSequences()], lowering="eager")
+        demo(tokens=ids, position_ids=pos)
+
+    class ConvLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(VOCAB, 8)
+            self.mix = nn.Conv1d(8, 8, kernel_size=4, padding=3)
+            self.rnn = nn.GRU(8, 8)
+
+        def forward(self, input_ids, position_ids=None):
+            return self.mix(self.emb(input_ids).transpose(1, 2))
+
+    with pytest.raises(ValueError, match=r"mix tokens across positions.*mix \(convolution Conv1d.*rnn \(recurrent"):
+        effpass.prepare(ConvLM(), passes=[PackSequences()], lowering="eager")
+    with pytest.raises(ValueError, match="max_positions must be >= 0"):
+        PackSequences(max_positions=-1)
+
+
+def test_packing_stats():
+    ids, pos = _packed([5, 9, 3, 1])
+    st = packing_stats({"input_ids": ids, "position_ids": pos}, attention_layers=2, heads=4, head_dim=8)
+    assert st["examples"] == 4 and st["examples_per_row"] == 4 and st["tokens"] == 18
+    assert st["padding_tokens_avoided"] == 4 * 9 - 18
+    pairs = 15 + 45 + 6 + 1
+    assert st["attention_flops_block_diagonal"] == 4 * 8 * 4 * 2 * pairs
+    assert st["attention_flops_dense"] == 4 * 8 * 4 * 2 * (18 * 19 // 2)
+    cu = packing_stats({"cu_seq_lens_q": torch.tensor([0, 5, 14, 17, 18])})
+    assert cu["examples"] == 4 and cu["tokens"] == 18
+    with pytest.raises(ValueError, match="no example boundaries"):
+        packing_stats({"input_ids": ids})
+
+
+# ------------------------------------------------------------------------------------------------------
+# Inductor and GPU
+# ------------------------------------------------------------------------------------------------------
+@pytest.mark.inductor
+def test_packed_llama_with_inductor():
+    model = _family("llama", "eager")
+    ref = copy.deepcopy(model)
+    ids, pos = _packed()
+    torch._dynamo.reset()
+    compiled = effpass.compile(model, passes=[FuseAttention(), PackSequences()], strict=True)
+    with torch.no_grad():
+        out = compiled(input_ids=ids, position_ids=pos).logits
+    s = 0
+    for n, want in zip(LENS, _alone(ref, ids, LENS)):
+        _assert_rel(out[:, s:s + n], want, 1e-4, "inductor")
+        s += n
+
+
+@pytest.mark.gpu
+def test_flash_varlen_on_gpu():  # pragma: no cover - needs CUDA and flash-attn
+    pytest.importorskip("flash_attn")
+    model = _family("llama", "sdpa").cuda().to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    ids, pos = (t.cuda() for t in _packed())
+    torch._dynamo.reset()
+    compiled = effpass.compile(model, passes=[PackSequences()], lowering="eager", strict=True)
+    with torch.no_grad():
+        out = compiled(input_ids=ids, position_ids=pos).logits.float()
+    s = 0
+    for n, want in zip(LENS, _alone(ref, ids, LENS)):
+        _assert_rel(out[:, s:s + n], want.float(), 3e-2, "flash varlen")
+        s += n
+    assert _stats(compiled)["flash_varlen"] == 1
