@@ -15,6 +15,7 @@ _BUILTINS = {
     "quantize_linear": ("QuantizeLinear",),
     "fuse_attention": ("FuseAttention",),
     "wrap_fsdp": ("WrapFSDP",),
+    "fuse_cross_entropy": ("FuseCrossEntropy",),
 }
 
 __all__ = []

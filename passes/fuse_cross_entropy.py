@@ -404,3 +404,466 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Tensor
             weight2 is not None and weight2.requires_grad, bias is not None and bias.requires_grad]
     return _lce_reduced(x, weight, x2, weight2, bias, target, ignore_index, float(label_smoothing), pre, cap, post,
                         reduction == "mean", int(chunk_bytes), compute, mask)[0]
+
+
+# ------------------------------------------------------------------------------------------------------
+# the graph matcher (torch IR)
+# ------------------------------------------------------------------------------------------------------
+_LINEAR_FNS = {torch._C._nn.linear, F.linear}
+_CE_FNS = {F.cross_entropy}
+_MUL_FNS = {operator.mul, torch.mul, torch.multiply}
+_DIV_FNS = {operator.truediv, torch.div, torch.true_divide, torch.divide}
+_ADD_FNS = {operator.add, torch.add}
+_TANH = {torch.tanh, torch.nn.functional.tanh}
+_NOOP_METHODS = {"float", "to", "type_as", "contiguous", "type"}
+_RESHAPE_METHODS = {"view", "reshape"}
+_ENTER = torch.amp.autocast_mode._enter_autocast
+_EXIT = torch.amp.autocast_mode._exit_autocast
+_CE_PARAMS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
+_CE_DEFAULTS = {"weight": None, "size_average": None, "ignore_index": -100, "reduce": None, "reduction": "mean",
+                "label_smoothing": 0.0}
+
+
+class _Skip(Exception):
+    """A site the pass looked at and left alone; the message is the reason."""
+
+
+def _val(n: Any):
+    return tensor_meta(n) if isinstance(n, fx.Node) else None
+
+
+def _is_fn(n: Any, fns) -> bool:
+    return isinstance(n, fx.Node) and n.op == "call_function" and n.target in fns
+
+
+def _is_method(n: Any, names) -> bool:
+    return isinstance(n, fx.Node) and n.op == "call_method" and n.target in names
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _linear_parts(n: fx.Node):
+    """``(h, weight, bias)`` of a linear node."""
+    args = list(n.args) + [None] * (3 - len(n.args))
+    return args[0], args[1], n.kwargs.get("bias", args[2])
+
+
+def _ce_args(n: fx.Node) -> dict:
+    out = dict(_CE_DEFAULTS)
+    out.update(zip(_CE_PARAMS, n.args))
+    out.update(n.kwargs)
+    return out
+
+
+@dataclass
+class _Site:
+    ce: fx.Node
+    proj: fx.Node                       # the node computing the raw logits (linear, or base + LoRA)
+    h: fx.Node
+    weight: fx.Node
+    bias: Any
+    lora: tuple | None                  # (u0, B, scaling) for a LoRA head
+    chain: list[fx.Node]                # proj -> ... -> ce input, in graph order (proj excluded)
+    shape_ops: list[fx.Node]            # the chain's shape ops, in order
+    pre: float = 1.0
+    softcap: bool = False
+    post: float = 1.0
+    lora_nodes: tuple = ()
+
+
+def _scale_of(n: fx.Node) -> tuple[fx.Node, float] | None:
+    """``(tensor input, factor)`` of a multiplication or division by a Python number."""
+    if _is_fn(n, _MUL_FNS) or _is_method(n, {"mul", "__mul__"}):
+        a, b = n.args[0], n.args[1] if len(n.args) > 1 else None
+        if isinstance(a, fx.Node) and _is_number(b):
+            return a, float(b)
+        if isinstance(b, fx.Node) and _is_number(a):
+            return b, float(a)
+    if _is_fn(n, _DIV_FNS) or _is_method(n, {"div", "__truediv__"}):
+        a, b = n.args[0], n.args[1] if len(n.args) > 1 else None
+        if isinstance(a, fx.Node) and _is_number(b) and b != 0 and not n.kwargs.get("rounding_mode"):
+            return a, 1.0 / float(b)
+    return None
+
+
+def _lora_head(n: fx.Node):
+    """``base + (linear(linear(x, A), B) * s).type_as(base)`` -> (base linear, u0, B, s, nodes)."""
+    if not (_is_fn(n, _ADD_FNS) or _is_method(n, {"add", "__add__"})) or len(n.args) != 2 or n.kwargs:
+        return None
+    for base, other in (n.args, n.args[::-1]):
+        if not _is_fn(base, _LINEAR_FNS) or not isinstance(other, fx.Node):
+            continue
+        nodes = [n]
+        x = other
+        while _is_method(x, {"type_as", "to"}) and x.args and isinstance(x.args[0], fx.Node):
+            nodes.append(x)
+            x = x.args[0]
+        scale = 1.0
+        sc = _scale_of(x) if isinstance(x, fx.Node) else None
+        if sc is not None:
+            nodes.append(x)
+            x, scale = sc
+        if not _is_fn(x, _LINEAR_FNS):
+            continue
+        u0, b_w, b_bias = _linear_parts(x)
+        if b_bias is not None or not _is_fn(u0, _LINEAR_FNS) or _linear_parts(u0)[2] is not None:
+            continue
+        nodes.append(x)
+        return base, u0, b_w, scale, nodes
+    return None
+
+
+def _match(ce: fx.Node) -> _Site:
+    a = _ce_args(ce)
+    if a["weight"] is not None:
+        raise _Skip("class weights (weight=...) are not supported")
+    if a["size_average"] is not None or a["reduce"] is not None:
+        raise _Skip("deprecated size_average/reduce arguments")
+    if a["reduction"] not in ("mean", "sum", "none"):
+        raise _Skip(f"reduction {a['reduction']!r} is not a constant 'mean', 'sum' or 'none'")
+    if not _is_number(a["ignore_index"]) or not _is_number(a["label_smoothing"]):
+        raise _Skip("ignore_index or label_smoothing is not a constant")
+    x, t = _val(a["input"]), _val(a["target"])
+    if not (isinstance(x, torch.Tensor) and x.dim() == 2 and isinstance(t, torch.Tensor) and t.dim() == 1
+            and not t.dtype.is_floating_point):
+        raise _Skip("input is not (N, V) logits with (N,) class-index targets")
+    chain: list[fx.Node] = []
+    n = a["input"]
+    while True:
+        if not isinstance(n, fx.Node):
+            raise _Skip("the logits do not come from a tensor in this graph")
+        if _is_fn(n, _LINEAR_FNS):
+            h, w, b = _linear_parts(n)
+            site = _Site(ce, n, h, w, b, None, [], [])
+            break
+        lora = _lora_head(n)
+        if lora is not None:
+            base, u0, bw, s, nodes = lora
+            h, w, b = _linear_parts(base)
+            site = _Site(ce, n, h, w, b, (u0, bw, s), [], [], lora_nodes=tuple(nodes) + (base,))
+            break
+        if _is_method(n, _NOOP_METHODS):
+            if n.target in ("to", "type") and not all(isinstance(v, (torch.dtype, torch.device, str)) or v is None
+                                                      for v in list(n.args[1:]) + list(n.kwargs.values())
+                                                      if not isinstance(v, fx.Node)):
+                raise _Skip(f"cast {n.name} has unusual arguments")
+            out = _val(n)
+            if out is not None and not out.dtype.is_floating_point:
+                raise _Skip(f"{n.name} casts the logits to a non-float dtype")
+            chain.append(n)
+            n = n.args[0]
+            continue
+        if (sc := _scale_of(n)) is not None or _is_fn(n, _TANH) or _is_method(n, {"tanh"}):
+            chain.append(n)
+            n = sc[0] if sc is not None else n.args[0]
+            continue
+        if (_is_method(n, _RESHAPE_METHODS | {"flatten"}) or _is_fn(n, {torch.reshape, torch.flatten})
+                or _is_fn(n, {operator.getitem})):
+            chain.append(n)
+            n = n.args[0]
+            continue
+        raise _Skip(f"the logits pass through {n.op} {getattr(n.target, '__name__', n.target)!s} ({n.name}), "
+                    "which is not a cast, scale, soft-cap, reshape or slice")
+    chain.reverse()
+    site.chain = chain
+    vocab = _val(site.proj).shape[-1] if _val(site.proj) is not None else None
+    if not isinstance(vocab, int) or vocab != x.shape[-1]:
+        raise _Skip("the vocabulary size is not static or the logits' last dim changes")
+    tanh_seen = False
+    for c in chain:
+        if (sc := _scale_of(c)) is not None:
+            if tanh_seen:
+                site.post *= sc[1]
+            else:
+                site.pre *= sc[1]
+        elif _is_fn(c, _TANH) or _is_method(c, {"tanh"}):
+            if tanh_seen:
+                raise _Skip("two tanh soft-caps")
+            tanh_seen = True
+        elif not _is_method(c, _NOOP_METHODS):
+            site.shape_ops.append(c)
+    site.softcap = tanh_seen
+    if not tanh_seen:
+        site.pre, site.post = site.pre * site.post, 1.0
+    return site
+
+
+def _replay_shape(graph: fx.Graph, op: fx.Node, src: fx.Node, vocab: int, width: int) -> fx.Node:
+    """The shape op ``op`` (on logits with last dim ``vocab``) applied to ``src`` (last dim ``width``)."""
+    in_val = _val(op.args[0])
+    ndim = in_val.dim() if isinstance(in_val, torch.Tensor) else None
+    if _is_fn(op, {operator.getitem}):
+        idx = op.args[1]
+        items = list(idx) if isinstance(idx, tuple) else [idx]
+        if ndim is None or any(isinstance(i, fx.Node) or i is None or isinstance(i, torch.Tensor) for i in items):
+            raise _Skip(f"slice {op.name} uses tensors or new axes")
+        if Ellipsis in items:
+            after = items[items.index(Ellipsis) + 1:]
+            touches_last = bool(after) and after[-1] != slice(None)
+        else:
+            touches_last = len(items) >= ndim and items[ndim - 1] != slice(None)
+        if touches_last:
+            raise _Skip(f"slice {op.name} selects along the vocabulary dim")
+        return graph.call_function(operator.getitem, (src, op.args[1]))
+    if _is_method(op, {"flatten"}) or _is_fn(op, {torch.flatten}):
+        start = op.args[1] if len(op.args) > 1 else op.kwargs.get("start_dim", 0)
+        end = op.args[2] if len(op.args) > 2 else op.kwargs.get("end_dim", -1)
+        if ndim is None or not (isinstance(start, int) and isinstance(end, int)) or end % ndim == ndim - 1:
+            raise _Skip(f"flatten {op.name} merges the vocabulary dim")
+        return graph.call_function(torch.flatten, (src, start, end))
+    shape = list(op.args[1:]) if _is_method(op, _RESHAPE_METHODS) else [op.args[1]]
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+        shape = list(shape[0])
+    if any(not isinstance(s, int) for s in shape) or not shape or shape[-1] not in (vocab, -1):
+        raise _Skip(f"reshape {op.name} has symbolic sizes or moves the vocabulary dim")
+    if shape[-1] == vocab:
+        shape[-1] = width
+    return graph.call_function(torch.reshape, (src, tuple(shape)))
+
+
+def _autocast_dtype_at(graph: fx.Graph, node: fx.Node, device_type: str) -> torch.dtype | None:
+    """The autocast dtype in force at ``node`` (enter/exit nodes in the graph), or None."""
+    stack: list[tuple] = []
+    for n in graph.nodes:
+        if n is node:
+            break
+        if _is_fn(n, {_ENTER}):
+            dev, dtype, enabled = (list(n.args) + [None] * 3)[:3]
+            stack.append((dev, dtype, enabled))
+        elif _is_fn(n, {_EXIT}) and stack:
+            stack.pop()
+    for dev, dtype, enabled in reversed(stack):
+        if dev == device_type:
+            return dtype if enabled else None
+    return None
+
+
+def _set_meta(nodes: list[fx.Node], like: fx.Node) -> None:
+    """Provenance from ``like`` and fake example values for the new nodes (checked by the caller)."""
+    from torch._guards import detect_fake_mode
+
+    for n in nodes:
+        for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+            if key in like.meta:
+                n.meta[key] = like.meta[key]
+    vals = [_val(a) for n in nodes for a in n.all_input_nodes]
+    # NOTE: the values' own mode, not detect_fake_mode(): inside the backend the tracing context holds
+    # another fake mode than the one Dynamo's example values were made in
+    fake_mode = next((v.fake_mode for v in vals if getattr(v, "fake_mode", None) is not None), None)
+    if fake_mode is None:
+        fake_mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    if fake_mode is None:
+        return
+    env: dict[fx.Node, Any] = {}
+    with fake_mode:
+        for n in nodes:
+            args = fx.node.map_arg(n.args, lambda a: env.get(a, _val(a)))
+            kwargs = fx.node.map_arg(n.kwargs, lambda a: env.get(a, _val(a)))
+            env[n] = n.target(*args, **kwargs)
+            n.meta["example_value"] = env[n]
+
+
+def _erase_unused(graph: fx.Graph, nodes) -> None:
+    """Erase the matched nodes that nothing uses any more, consumers first."""
+    pending = [n for n in nodes]
+    progress = True
+    while progress:
+        progress = False
+        for n in list(pending):
+            if not n.users:
+                graph.erase_node(n)
+                pending.remove(n)
+                progress = True
+
+
+@effpass.register_pass("fuse_cross_entropy",
+                       run_after=("fuse_attention", "apply_autocast", "inject_lora", "quantize_linear",
+                                  "checkpoint_activations"))
+@dataclass(frozen=True, kw_only=True)
+class FuseCrossEntropy(effpass.Pass):
+    """Output projection + cross-entropy -> one chunked op that never holds the full logits.
+
+    Before (Hugging Face Gemma 2 with labels, torch IR)::
+
+        logits = F.linear(h, embed_weight)                        # (B, S, V): tied head
+        logits = torch.tanh(logits / 30.0) * 30.0                 # final-logit soft-capping
+        labels = F.pad(labels, (0, 1), value=-100)[..., 1:]       # shift
+        loss   = F.cross_entropy(logits.float().view(-1, V), labels.view(-1), ignore_index=-100)
+        return loss, logits
+
+    After::
+
+        loss = effpass::linear_cross_entropy(h.reshape(-1, H), embed_weight, ..., labels.view(-1),
+                                             ignore_index=-100, pre=1/30, softcap=True, post=30, mean=True)[0]
+        return loss, None                                         # logits not computed (keep_logits=False)
+    """
+
+    summary = "output projection + cross-entropy computed in chunks; logits never materialised"
+
+    keep_logits: bool = field(default=False, metadata={
+        "doc": "also compute and return the logits in training (default: the output's logits is None)"})
+    chunk_bytes: int = field(default=0, metadata={
+        "doc": "bytes of one fp32 chunk of logits; 0: the bytes of the batch's hidden states"})
+    kernel: Literal["effpass", "torch"] = field(default="effpass", metadata={
+        "doc": "'effpass': the chunked custom ops; 'torch': torch's F.linear_cross_entropy with chunking "
+               "(torch >= 2.13; plain heads, mean/sum, no soft-capping or smoothing; else effpass's)"})
+
+    def validate(self) -> None:
+        if self.chunk_bytes < 0:
+            raise ValueError(f"fuse_cross_entropy.chunk_bytes must be >= 0 (0: the hidden states' size), "
+                             f"got {self.chunk_bytes}")
+
+    @classmethod
+    def enabled_by_default(cls, device=None) -> bool:
+        return True
+
+    @classmethod
+    def default_note(cls) -> str:
+        return "on for every device (same loss and gradients; the training output's logits become None)"
+
+    # -- torch IR ---------------------------------------------------------------------------------------
+    def transform_torch_ir(self, gm: fx.GraphModule, ctx) -> effpass.PassResult:
+        graph = gm.graph
+        stats = {"fused": 0, "logits_bytes_avoided": 0, "chunks": 0, "chunk_bytes": 0, "logits_returned": 0,
+                 "logits_dropped": 0, "skipped": 0, "left_alone_no_grad": 0}
+        skipped: list[dict] = []
+        for ce in [n for n in graph.nodes if _is_fn(n, _CE_FNS)]:
+            where = f"{module_path_of_node(ce) or '<root>'}:{ce.name}"
+            out = _val(ce)
+            if not (isinstance(out, torch.Tensor) and out.requires_grad):
+                stats["left_alone_no_grad"] += 1
+                skipped.append({"site": where, "reason": "the loss needs no gradient (evaluation): left unchanged"})
+                continue
+            model = ctx.model
+            if model is not None and hasattr(model, "training") and not model.training:
+                stats["left_alone_no_grad"] += 1
+                skipped.append({"site": where, "reason": "the model is in eval mode: left unchanged"})
+                continue
+            try:
+                site = _match(ce)
+                if not ctx.allows(site.proj):
+                    continue
+                self._rewrite(graph, site, ctx, stats)
+            except _Skip as e:
+                stats["skipped"] += 1
+                skipped.append({"site": where, "reason": str(e)})
+        changed = stats["fused"] > 0
+        if changed:
+            graph.lint()
+        return effpass.PassResult(changed=changed, stats=stats, skipped=skipped)
+
+    def _rewrite(self, graph: fx.Graph, site: _Site, ctx, stats: dict) -> None:
+        ce = site.ce
+        a = _ce_args(ce)
+        hv, wv = _val(site.h), _val(site.weight)
+        if not (isinstance(hv, torch.Tensor) and isinstance(wv, torch.Tensor) and wv.dim() == 2):
+            raise _Skip("the projection's input or weight has no static example value")
+        vocab, width = int(wv.shape[0]), int(wv.shape[1])
+        n_rows = int(_val(a["input"]).shape[0])
+        chain_set = set(site.chain) | {site.proj} | set(site.lora_nodes)
+        # who else reads the logits: the graph output (returned logits) or other computations
+        returned, used_elsewhere = [], []
+        for n in chain_set:
+            for u in n.users:
+                if u in chain_set or u is ce:
+                    continue
+                (returned if u.op == "output" else used_elsewhere).append(n)
+        if used_elsewhere:
+            keep = True
+        else:
+            keep = self.keep_logits
+        dtype = _autocast_dtype_at(graph, site.proj, hv.device.type)
+        compute = "" if dtype is None or hv.dtype != torch.float32 else str(dtype).removeprefix("torch.")
+        budget = self.chunk_bytes or int(hv.numel() * hv.element_size())
+        new: list[fx.Node] = []
+        with graph.inserting_before(ce):
+            def call(fn, *args, **kwargs):
+                n = graph.call_function(fn, args, kwargs)
+                new.append(n)
+                return n
+
+            def rows_of(src: fx.Node, w: int) -> fx.Node:
+                for op in site.shape_ops:
+                    with graph.inserting_before(ce):
+                        src = _replay_shape(graph, op, src, vocab, w)
+                    new.append(src)
+                return call(torch.reshape, src, (-1, w))
+
+            x = rows_of(site.h, width)
+            x2 = w2 = None
+            if site.lora is not None:
+                u0, w2, s = site.lora
+                rank = int(_val(w2).shape[1])
+                x2 = rows_of(call(torch.mul, u0, s) if s != 1.0 else u0, rank)
+            target = a["target"]
+            reduction = a["reduction"]
+            eps, ignore = float(a["label_smoothing"]), int(a["ignore_index"])
+            use_torch = self.kernel == "torch" and self._torch_supports(site, reduction, eps, compute)
+            if use_torch:
+                loss = call(F.linear_cross_entropy, x, site.weight, target, linear_bias=site.bias,
+                            reduction=reduction, ignore_index=ignore,
+                            options=torch.nn.LinearCrossEntropyOptions())
+            elif reduction == "none":
+                res = call(torch.ops.effpass.linear_cross_entropy_rows.default, x, site.weight, x2, w2, site.bias,
+                           target, ignore, eps, site.pre, site.softcap, site.post, budget, compute)
+                loss = call(operator.getitem, res, 0)
+            else:
+                def needs(n):
+                    v = _val(n)
+                    return bool(isinstance(v, torch.Tensor) and v.requires_grad)
+
+                mask = [needs(site.h), site.lora is not None and needs(site.lora[0]), needs(site.weight),
+                        site.lora is not None and needs(w2), site.bias is not None and needs(site.bias)]
+                res = call(torch.ops.effpass.linear_cross_entropy.default, x, site.weight, x2, w2, site.bias,
+                           target, ignore, eps, site.pre, site.softcap, site.post, reduction == "mean", budget,
+                           compute, mask)
+                loss = call(operator.getitem, res, 0)
+            out_dtype = _val(ce).dtype
+            if out_dtype != torch.float32:
+                loss = call(torch.Tensor.to, loss, out_dtype)
+        try:
+            _set_meta(new, ce)
+            got, want = _val(x), (n_rows, width)
+            if got is None or tuple(got.shape) != want:
+                raise _Skip(f"the projection's rows do not line up with the loss's rows "
+                            f"({None if got is None else tuple(got.shape)} vs {want})")
+        except _Skip:
+            _erase_unused(graph, list(reversed(new)))
+            raise
+        except Exception as e:  # noqa: BLE001 - a shape op that does not replay on h: leave the site alone
+            _erase_unused(graph, list(reversed(new)))
+            raise _Skip(f"could not rebuild the projection's rows: {type(e).__name__}: {e}") from None
+        ce.replace_all_uses_with(loss)
+        graph.erase_node(ce)
+        dropped = bool(returned) and not keep
+        if dropped:
+            out = next(n for n in graph.nodes if n.op == "output")
+            out.args = fx.node.map_arg(out.args, lambda n: None if n in chain_set else n)
+        _erase_unused(graph, list(reversed(site.chain)) + [site.proj] + list(site.lora_nodes))
+        stats["fused"] += 1
+        stats["logits_bytes_avoided"] += n_rows * vocab * 4
+        stats["chunks"] += 1 if use_torch else _num_chunks(n_rows, vocab, budget)
+        stats["chunk_bytes"] = budget
+        stats["logits_returned"] += int(bool(returned) and keep)
+        stats["logits_dropped"] += int(dropped)
+
+    @staticmethod
+    def _torch_supports(site: _Site, reduction: str, eps: float, compute: str) -> bool:
+        return (hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions")
+                and site.lora is None and not site.softcap and site.pre == 1.0 and eps == 0.0 and not compute
+                and reduction in ("mean", "sum"))
+
+    # -- joint: never recompute the op ----------------------------------------------------------------
+    def transform_joint(self, gm: fx.GraphModule, ctx) -> effpass.PassResult | None:
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        ops = (torch.ops.effpass.linear_cross_entropy.default, torch.ops.effpass.linear_cross_entropy_rows.default)
+        marked = 0
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and n.target in ops and "recompute" in n.meta:
+                for m in [n, *n.users]:
+                    m.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+                marked += 1
+        return effpass.PassResult(changed=marked > 0, stats={"marked_save": marked}) if marked else None
