@@ -534,6 +534,9 @@ def _match(ce: fx.Node) -> _Site:
     while True:
         if not isinstance(n, fx.Node):
             raise _Skip("the logits do not come from a tensor in this graph")
+        if n.op == "placeholder":
+            raise _Skip(f"the logits are a graph input ({n.name}): the projection is in another graph "
+                        "(a graph break between the head and the loss?)")
         if _is_fn(n, _LINEAR_FNS):
             h, w, b = _linear_parts(n)
             site = _Site(ce, n, h, w, b, None, [], [])
