@@ -157,9 +157,8 @@ def _forward_pass(xs, ws, b, tgt, spec: _Spec, grads: Optional[dict], gscale: Op
             lse = torch.logsumexp(z, 1)
             zt = z.gather(1, t[:, None]).squeeze(1)
             zsum = z.sum(1) if eps else None
-        else:  # online log-sum-exp over vocabulary tiles
-            m = torch.full((r1 - r0,), -math.inf, device=t.device)
-            s = torch.zeros(r1 - r0, device=t.device)
+        else:  # log-sum-exp over vocabulary tiles, combined with logaddexp (online softmax)
+            lse = torch.full((r1 - r0,), -math.inf, device=t.device)
             zt = torch.zeros(r1 - r0, device=t.device)
             zsum = torch.zeros(r1 - r0, device=t.device) if eps else None
             for v0 in range(0, vocab, vt):
@@ -169,10 +168,7 @@ def _forward_pass(xs, ws, b, tgt, spec: _Spec, grads: Optional[dict], gscale: Op
                 zt = torch.where(inside, z.gather(1, (t - v0).clamp(0, v1 - v0 - 1)[:, None]).squeeze(1), zt)
                 if eps:
                     zsum += z.sum(1)
-                mn = torch.maximum(m, z.amax(1))
-                s = s * torch.exp(m - mn) + z.sub_(mn[:, None]).exp_().sum(1)
-                m = mn
-            lse = m + s.log()
+                lse = torch.logaddexp(lse, torch.logsumexp(z, 1))
         lse_all[r0:r1] = lse
         l = lse - zt
         if eps:
