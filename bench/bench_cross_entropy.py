@@ -37,7 +37,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import timed  # noqa: E402
 
-ARMS = ("eager", "compile", "torch_lce", "effpass_off", "effpass", "effpass_64m")
+ARMS = ("eager", "effpass", "compile", "effpass_off", "effpass_64m", "torch_lce")
 
 
 def shape(device: str, vocab: int) -> dict:
@@ -45,7 +45,7 @@ def shape(device: str, vocab: int) -> dict:
         return dict(hidden=2048, layers=4, heads=16, kv_heads=4, ffn=5504, vocab=vocab, seq=2048, batch=1,
                     dtype="bfloat16", steps=10, warmup=3)
     return dict(hidden=256, layers=2, heads=4, kv_heads=2, ffn=688, vocab=vocab, seq=2048, batch=1,
-                dtype="float32", steps=3, warmup=1)
+                dtype="float32", steps=2, warmup=0)  # CPU steps take 15-60 s on the shared machine
 
 
 def build(cfg: dict, device: str):
@@ -158,18 +158,25 @@ def main() -> None:
             cmd = [sys.executable, os.path.abspath(__file__), "--arm", arm, "--vocab", str(vocab), "--json"]
             p = subprocess.run(cmd, capture_output=True, text=True)
             line = next((l for l in reversed(p.stdout.splitlines()) if l.startswith("{")), None)
-            res = json.loads(line) if line else {"arm": arm, "vocab": vocab, "error": p.stderr[-2000:]}
+            err = "\n".join(l for l in p.stderr.splitlines() if "torchao" not in l and "_pytree" not in l)
+            res = json.loads(line) if line else {"arm": arm, "vocab": vocab, "error": err[-2000:]}
             print(json.dumps({k: v for k, v in res.items() if k not in ("shape", "steps_s")}), flush=True)
             results.append(res)
+            write(args.out, device, results)  # after every arm: a run cut short keeps what it measured
+    print(write(args.out, device, results))
+
+
+def write(out: str | None, device: str, results: list[dict]) -> str:
     meta = meta_info(device)
     meta["method_check_64MiB"] = check_method(device)
     tag = "cuda" if device == "cuda" else "cpu"
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"cross_entropy_{tag}")
+    out = out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"cross_entropy_{tag}")
     with open(out + ".json", "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
+    text = markdown(meta, results)
     with open(out + ".md", "w") as f:
-        f.write(markdown(meta, results))
-    print(markdown(meta, results))
+        f.write(text)
+    return text
 
 
 def meta_info(device: str) -> dict:
