@@ -726,7 +726,8 @@ class FuseCrossEntropy(effpass.Pass):
     def transform_torch_ir(self, gm: fx.GraphModule, ctx) -> effpass.PassResult:
         graph = gm.graph
         stats = {"fused": 0, "logits_bytes_avoided": 0, "chunks": 0, "chunk_bytes": 0, "logits_returned": 0,
-                 "logits_dropped": 0, "skipped": 0, "left_alone_no_grad": 0}
+                 "logits_dropped": 0, "lora_heads": 0, "low_precision_matmuls": 0, "torch_kernel": 0,
+                 "skipped": 0, "left_alone_no_grad": 0}
         skipped: list[dict] = []
         for ce in [n for n in graph.nodes if _is_fn(n, _CE_FNS)]:
             where = f"{module_path_of_node(ce) or '<root>'}:{ce.name}"
@@ -847,6 +848,9 @@ class FuseCrossEntropy(effpass.Pass):
         stats["chunk_bytes"] = budget
         stats["logits_returned"] += int(bool(returned) and keep)
         stats["logits_dropped"] += int(dropped)
+        stats["lora_heads"] += int(site.lora is not None)
+        stats["low_precision_matmuls"] += int(bool(compute))
+        stats["torch_kernel"] += int(use_torch)
 
     @staticmethod
     def _torch_supports(site: _Site, reduction: str, eps: float, compute: str) -> bool:
