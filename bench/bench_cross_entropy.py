@@ -64,7 +64,7 @@ def build(cfg: dict, device: str):
     return model, ids
 
 
-def run_arm(arm: str, vocab: int, device: str) -> dict:
+def run_arm(arm: str, vocab: int, device: str, steps: int | None = None) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -72,6 +72,8 @@ def run_arm(arm: str, vocab: int, device: str) -> dict:
     from effpass.testing.memory import live_tensor_bytes, peak_memory
 
     cfg = shape(device, vocab)
+    if steps:
+        cfg["steps"] = steps
     model, ids = build(cfg, device)
     stats = {}
     if arm == "eager":
@@ -144,18 +146,20 @@ def main() -> None:
     ap.add_argument("--arms", nargs="*", default=list(ARMS))
     ap.add_argument("--vocab", type=int, nargs="+", default=[32000])
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per arm (default: 2 on CPU, 10 on GPU)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.arm:
-        print(json.dumps(run_arm(args.arm, args.vocab[0], device)))
+        print(json.dumps(run_arm(args.arm, args.vocab[0], device, args.steps)))
         return
     results = []
     for vocab in args.vocab:
         for arm in args.arms:
             cmd = [sys.executable, os.path.abspath(__file__), "--arm", arm, "--vocab", str(vocab), "--json"]
+            cmd += ["--steps", str(args.steps)] if args.steps else []
             p = subprocess.run(cmd, capture_output=True, text=True)
             line = next((l for l in reversed(p.stdout.splitlines()) if l.startswith("{")), None)
             err = "\n".join(l for l in p.stderr.splitlines() if "torchao" not in l and "_pytree" not in l)
