@@ -39,8 +39,10 @@ The kernel
     otherwise a ``rows x vocab`` tile with an online log-sum-exp (two passes: 4 matmul-equivalents).
     Being custom ops, Inductor cannot fuse, reorder or keep extra chunks alive.
     ``kernel="torch"`` calls torch's ``F.linear_cross_entropy`` with ``LinearCrossEntropyOptions`` instead
-    (torch >= 2.13; plain projections with mean/sum reductions and no transform only); ``"auto"`` uses
-    effpass's kernel, which measured faster (docs/fuse_cross_entropy.md).
+    (feature-tested: torch >= 2.13; plain projections with mean/sum reductions, no transform, smoothing or
+    autocast; other sites use effpass's kernel). The default is effpass's kernel: it covers every form
+    above, and with a 64 MiB budget its compiled step ran 2.7x faster than a hand-wired eager step using
+    torch's chunked path on CPU (docs/fuse_cross_entropy.md).
 
 Phase: torch IR (``transform_torch_ir``). Runs after ``fuse_attention``, ``apply_autocast`` (a projection
 inside an autocast region runs its matmuls in the region's dtype inside the op: bf16 matmuls, fp32
