@@ -282,7 +282,8 @@ def _runnable_source(gm: fx.GraphModule, title: str) -> str:
     lines = ["# " + l for l in title.splitlines()] if title else []
     lines += ["import torch", "import operator", "import math", "from math import inf, nan",
               "from torch import device", "import torch.fx._symbolic_trace",
-              "try:\n    import torch._inductor.inductor_prims  # Inductor's prims (fma, ...) in joint graphs\nexcept Exception:\n    pass", ""]
+              "try:\n    import torch._inductor.inductor_prims  # Inductor's prims (fma, ...) in joint graphs\nexcept Exception:\n    pass",
+              "try:\n    import effpass.passes  # registers the passes' custom ops (torch.ops.effpass.*)\nexcept Exception:\n    pass", ""]
     for name, obj in sorted(code.globals.items()):
         if name in ("torch", "operator", "math", "inf", "nan", "device", "builtins"):
             continue

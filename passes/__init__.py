@@ -16,6 +16,7 @@ _BUILTINS = {
     "fuse_attention": ("FuseAttention",),
     "pack_sequences": ("PackSequences",),
     "wrap_fsdp": ("WrapFSDP",),
+    "fuse_cross_entropy": ("FuseCrossEntropy",),
 }
 
 __all__ = []

@@ -1,0 +1,234 @@
+"""Benchmark of ``fuse_cross_entropy``: peak memory and time of one training step of a Llama-shaped model.
+
+Arms (each in a fresh subprocess, same seed and batch, all in one run):
+
+* ``eager``: Hugging Face eager, ``model(input_ids, labels=labels).loss.backward()``
+* ``compile``: ``torch.compile(model)`` (Inductor), unmodified model
+* ``torch_lce``: torch's ``F.linear_cross_entropy`` with ``LinearCrossEntropyOptions()`` (chunked),
+  hand-wired as a user would (``model.model(...)`` hidden states, shifted labels), eager
+* ``effpass_off``: effpass's default pipeline without the pass (``disable=["fuse_cross_entropy"]``), Inductor
+* ``effpass``: effpass's default pipeline (includes ``fuse_cross_entropy``, default chunk budget), Inductor
+* ``effpass_64m``: as ``effpass`` with ``chunk_bytes=64 MiB`` (full-row chunks: one pass instead of two)
+
+Per arm: peak memory of one step (forward + backward) above the bytes live before it (CPU:
+``effpass.testing.memory.peak_memory``: torch.profiler allocator events, which see Inductor's own buffers;
+checked against a known allocation at start-up; CUDA: ``max_memory_allocated``), median step time
+after warm-up, first-call (compile) time, and the loss (checked against the eager arm's).
+
+CPU: fp32, hidden 256, 2 layers, heads 4/2, ffn 688, batch 1 x 2048 tokens, vocab 32,000 and 128,256.
+GPU (when present; not run yet): bf16 weights with the same shapes scaled to hidden 2048, 4 layers.
+
+    python bench/bench_cross_entropy.py --vocab 32000             # all arms, one vocabulary
+    python bench/bench_cross_entropy.py --vocab 32000 128256      # writes bench/results/cross_entropy_<device>.{json,md}
+    python bench/bench_cross_entropy.py --arm effpass --vocab 32000 --json   # one arm (used by the driver)
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import timed  # noqa: E402
+
+ARMS = ("eager", "effpass", "compile", "effpass_off", "effpass_64m", "torch_lce")
+
+
+def shape(device: str, vocab: int) -> dict:
+    if device == "cuda":
+        return dict(hidden=2048, layers=4, heads=16, kv_heads=4, ffn=5504, vocab=vocab, seq=2048, batch=1,
+                    dtype="bfloat16", steps=10, warmup=3)
+    return dict(hidden=256, layers=2, heads=4, kv_heads=2, ffn=688, vocab=vocab, seq=2048, batch=1,
+                dtype="float32", steps=2, warmup=0)  # CPU steps take 15-60 s on the shared machine
+
+
+def build(cfg: dict, device: str):
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    conf = tf.LlamaConfig(vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["ffn"],
+                          num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
+                          num_key_value_heads=cfg["kv_heads"], max_position_embeddings=cfg["seq"],
+                          bos_token_id=0, eos_token_id=0)
+    model = tf.LlamaForCausalLM(conf).to(device=device, dtype=getattr(torch, cfg["dtype"]))
+    model.train()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g).to(device)
+    return model, ids
+
+
+def run_arm(arm: str, vocab: int, device: str, steps: int | None = None) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    import effpass
+    from effpass.testing.memory import live_tensor_bytes, peak_memory
+
+    cfg = shape(device, vocab)
+    if steps:
+        cfg["steps"] = steps
+    model, ids = build(cfg, device)
+    stats = {}
+    if arm == "eager":
+        fwd = lambda: model(input_ids=ids, labels=ids).loss  # noqa: E731
+    elif arm == "compile":
+        c = torch.compile(model)
+        fwd = lambda: c(input_ids=ids, labels=ids).loss  # noqa: E731
+    elif arm == "torch_lce":
+        if not hasattr(F, "linear_cross_entropy"):
+            return {"arm": arm, "vocab": vocab, "error": "torch has no F.linear_cross_entropy"}
+        labels = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:].reshape(-1)
+
+        def fwd():
+            h = model.model(input_ids=ids).last_hidden_state
+            return F.linear_cross_entropy(h.reshape(-1, h.shape[-1]), model.lm_head.weight, labels,
+                                          ignore_index=-100, options=torch.nn.LinearCrossEntropyOptions())
+    else:
+        passes = None
+        opts = {}
+        if arm == "effpass_off":
+            opts["disable"] = ["fuse_cross_entropy"]
+        if arm == "effpass_64m":
+            from effpass.passes import FuseCrossEntropy
+
+            names = [p for p, k in effpass.registered_passes().items()
+                     if k.enabled_by_default(device) and p != "fuse_cross_entropy"]
+            passes = [effpass.make_pass(p) for p in names] + [FuseCrossEntropy(chunk_bytes=64 << 20)]
+        c = effpass.compile(model, passes=passes, **opts)
+        fwd = lambda: c(input_ids=ids, labels=ids).loss  # noqa: E731
+
+    losses = []
+
+    def step():
+        loss = fwd()
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+
+    cuda = device == "cuda"
+    t0 = time.perf_counter()
+    step()
+    if cuda:
+        torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    for _ in range(cfg["warmup"]):
+        step()
+    times = [timed(step, cuda) for _ in range(cfg["steps"])]
+    live = live_tensor_bytes(model.parameters())
+    _, peak = peak_memory(step, device)
+    if arm.startswith("effpass") and arm != "effpass_off":
+        stats = effpass.report(c).stats("fuse_cross_entropy")
+    return {"arm": arm, "vocab": vocab, "peak_bytes": peak, "live_bytes": live, "step_s": statistics.median(times),
+            "steps_s": times, "first_call_s": first, "loss": losses[0], "logits_bytes": cfg["seq"] * vocab * 4,
+            "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))}, "shape": cfg}
+
+
+def check_method(device: str) -> int:
+    """The peak-memory method against a known allocation: 64 MiB written then freed."""
+    import torch
+
+    from effpass.testing.memory import peak_memory
+
+    _, peak = peak_memory(lambda: torch.ones(16 << 20, device=device).sum(), device)
+    return peak
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arm", choices=ARMS)
+    ap.add_argument("--arms", nargs="*", default=list(ARMS))
+    ap.add_argument("--vocab", type=int, nargs="+", default=[32000])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per arm (default: 2 on CPU, 10 on GPU)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.arm:
+        print(json.dumps(run_arm(args.arm, args.vocab[0], device, args.steps)))
+        return
+    results = []
+    for vocab in args.vocab:
+        for arm in args.arms:
+            cmd = [sys.executable, os.path.abspath(__file__), "--arm", arm, "--vocab", str(vocab), "--json"]
+            cmd += ["--steps", str(args.steps)] if args.steps else []
+            p = subprocess.run(cmd, capture_output=True, text=True)
+            line = next((l for l in reversed(p.stdout.splitlines()) if l.startswith("{")), None)
+            err = "\n".join(l for l in p.stderr.splitlines() if "torchao" not in l and "_pytree" not in l)
+            res = json.loads(line) if line else {"arm": arm, "vocab": vocab, "error": err[-2000:]}
+            print(json.dumps({k: v for k, v in res.items() if k not in ("shape", "steps_s")}), flush=True)
+            results.append(res)
+            write(args.out, device, results)  # after every arm: a run cut short keeps what it measured
+    print(write(args.out, device, results))
+
+
+def write(out: str | None, device: str, results: list[dict]) -> str:
+    meta = meta_info(device)
+    meta["method_check_64MiB"] = check_method(device)
+    tag = "cuda" if device == "cuda" else "cpu"
+    out = out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"cross_entropy_{tag}")
+    with open(out + ".json", "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    text = markdown(meta, results)
+    with open(out + ".md", "w") as f:
+        f.write(text)
+    return text
+
+
+def meta_info(device: str) -> dict:
+    import torch
+    import transformers
+
+    dev = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
+    return {"device": dev, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None}
+
+
+def markdown(meta: dict, results: list[dict]) -> str:
+    mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
+    lines = [f"# fuse_cross_entropy benchmark ({meta['device']})", "",
+             f"{meta['date']}; torch {meta['torch']}, transformers {meta['transformers']}; load average at the end "
+             f"{meta.get('load_average')}. Peak-memory method check: a 64 MiB allocation read "
+             f"{meta.get('method_check_64MiB', 0):,} bytes.", ""]
+    for vocab in sorted({r["vocab"] for r in results}):
+        rows = [r for r in results if r["vocab"] == vocab]
+        base = {r["arm"]: r for r in rows if "error" not in r}
+        cfg = next((r["shape"] for r in rows if "shape" in r), {})
+        lines += [f"## vocabulary {vocab:,}", "",
+                  f"Llama-shaped: hidden {cfg.get('hidden')}, {cfg.get('layers')} layers, heads "
+                  f"{cfg.get('heads')}/{cfg.get('kv_heads')}, ffn {cfg.get('ffn')}, batch {cfg.get('batch')} x "
+                  f"{cfg.get('seq')} tokens, {cfg.get('dtype')}; fp32 logits of the batch: "
+                  f"{mib(cfg.get('seq', 0) * vocab * 4)}.", "",
+                  "| arm | step peak | vs eager | vs compile | step (median) | vs effpass_off | vs compile | "
+                  "first call | loss | chunks |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if "error" in r:
+                lines.append(f"| {r['arm']} | error: {r['error'][-120:].strip()!r} |||||||||")
+                continue
+
+            def ratio(key, other):
+                o = base.get(other)
+                return f"{r[key] / o[key]:.2f}" if o and o.get(key) else "-"
+
+            lines.append(f"| {r['arm']} | {mib(r['peak_bytes'])} | {ratio('peak_bytes', 'eager')} | "
+                         f"{ratio('peak_bytes', 'compile')} | {r['step_s'] * 1e3:,.0f} ms | "
+                         f"{ratio('step_s', 'effpass_off')} | {ratio('step_s', 'compile')} | "
+                         f"{r['first_call_s']:.1f} s | {r['loss']:.5f} | {r['stats'].get('chunks', '-')} |")
+        lines.append("")
+    lines += ["Step peak: bytes allocated during one step above those live before it (parameters: "
+              "`live_bytes` in the JSON). CPU step times are noisy on the shared 2-core machine (other jobs ran "
+              "beside it): compare ratios within one run only.", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
