@@ -173,8 +173,10 @@ def test_apply_autocast_skips_when_caller_runs_autocast():
     compiled = effpass.compile(case.model, passes=[ApplyAutocast(dtype=BF16)], lowering="eager")
     with torch.autocast("cpu", torch.float16):
         compiled(**case.inputs)
-    rec = effpass.report(compiled).records("apply_autocast")[0]
+    rec = [r for r in effpass.report(compiled).records("apply_autocast") if r.graph == "torch_ir"][0]
     assert not rec.changed and "already enabled" in rec.skipped[0]["reason"]
+    assert rec.stats["regions"] == 0 and rec.stats["inherited_regions"] == 1
+    assert set(rec.stats["matmuls_by_dtype_after"]) == {"float16"}   # the caller's fp16 won
 
 
 def test_apply_autocast_tracks_eager_training():
@@ -203,8 +205,11 @@ def test_apply_autocast_dump_shows_dtype_counts(tmp_path):
     index = json.load(open(os.path.join(tmp_path, "graph_000", "index.json")))
     text = json.dumps(index)
     assert "ops_by_dtype_before" in text and "ops_by_dtype_after" in text and "bfloat16" in text
-    files = os.listdir(os.path.join(tmp_path, "graph_000"))
-    assert any("apply_autocast" in f for f in files)
+    # module capture: the module phase wraps forward (module/index.json); the torch-IR record reports
+    rec = next(r for r in index["passes"] if r["name"] == "apply_autocast")
+    assert rec["stats"]["capture"] == "module" and rec["stats"]["regions"] == 1
+    module_index = json.load(open(os.path.join(tmp_path, "module", "index.json")))
+    assert any(r["name"] == "apply_autocast" and r["changed"] for r in module_index["passes"])
 
 
 def test_apply_autocast_fp16_without_scale_loss_warns():
