@@ -31,6 +31,10 @@ ALL = "*"
 _INSTANCE_RULES: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, frozenset[str]]]" = weakref.WeakKeyDictionary()
 
 
+# (pass, targets, exclude) already checked against a model's module names
+_CHECKED_ROOTS: "weakref.WeakKeyDictionary[torch.nn.Module, set]" = weakref.WeakKeyDictionary()
+
+
 class TargetMatchError(ValueError):
     """A ``targets`` or ``exclude`` glob matched no module."""
 
@@ -216,6 +220,15 @@ class Scope:
         self._cache: dict[tuple, bool] = {}
         self._modules = dict(self.root.named_modules()) if self.root is not None else {}
         self._checked = False
+        if self.root is not None and (self.targets or self.exclude) and self.pass_name:
+            # NOTE(one place): with the eager model known (effpass.compile / prepare), every pass's globs
+            # are checked against its module names whenever the manager scopes a hook, whatever the pass.
+            key = (self.pass_name, tuple(self.targets), tuple(self.exclude))
+            done = _CHECKED_ROOTS.setdefault(self.root, set())
+            if key not in done:
+                check_patterns(self.pass_name, self.targets, self.exclude, [n for n in self._modules if n])
+                done.add(key)
+            self._checked = True
 
     # -- globs -------------------------------------------------------------------------------------
     def matches_globs(self, path: str) -> bool:
@@ -318,7 +331,8 @@ class Scope:
         self.check_graph(gm)
         candidates = list(candidates)
         kept = [n for n in candidates if self.allows(n)]
-        if candidates and not kept:
+        # root-level code (no module) is never excluded by a glob: exclude=["*"] leaves only that
+        if any(module_path_of_node(n) for n in candidates) and not any(module_path_of_node(n) for n in kept):
             self.warn_nothing_to_act_on(f"its targets/exclude/skip rules leave none of the {len(candidates)} "
                                         f"{what}(s) in this graph")
         return kept

@@ -268,6 +268,7 @@ class ApplyAutocast(effpass.Pass):
         nodes = [n for n in graph.nodes if _is_compute(n)]
         if not nodes:
             return effpass.PassResult(skipped=[{"site": "graph", "reason": "graph has no ops"}])
+        ctx.scope.select_nodes(gm, [n for n in nodes if _is_float_op(n)], what="floating-point op")
         if self.dtype == torch.float16 and ctx.find_pass("scale_loss") is None and torch.is_grad_enabled():
             _warn_fp16()
         before = _safe_dtype_stats(gm, ctx.example_inputs)

@@ -178,6 +178,7 @@ class WrapFSDP(effpass.Pass):
                 "(under torchrun; backend 'nccl' on GPUs, 'gloo' on CPU), even for a single process")
         from torch.distributed.fsdp import fully_shard
 
+        ctx.scope.check_graph()   # every targets/exclude glob must name a module of the model
         if self.targets:
             units = ctx.scope.select_modules(model, what="FSDP unit")
             names = [n for n, _ in units]
