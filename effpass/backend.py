@@ -292,7 +292,7 @@ def effpass_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
                        or (Phase.MODULE in type(p).phases() and not type(p).module_phase_optional)]
         if module_only:
             raise ValueError(
-                f"pass(es) {module_only} act on the eager model before compile (module phase), which "
+                f"pass(es) {module_only} must act on the eager model before compile (module phase), which "
                 "torch.compile(model, backend='effpass') never sees; use model = effpass.compile(model, passes=[...]) "
                 "(it runs the module phase in place, then torch.compile with the same pipeline), or "
                 "effpass.prepare(model, passes=[...]) then torch.compile(model, backend=effpass.backend_of(model))")

@@ -131,7 +131,9 @@ def _parent(name: str) -> str:
     return name.rpartition(".")[0]
 
 
-@effpass.register_pass("apply_autocast", run_after=("fuse_attention",))
+# NOTE(ordering): after the passes that replace modules (quantize_linear, inject_lora), so its wrappers and fp32
+# islands sit on the modules that will run; after fuse_attention in the torch-IR phase (graph capture).
+@effpass.register_pass("apply_autocast", run_after=("fuse_attention", "quantize_linear", "inject_lora"))
 @dataclass(frozen=True, kw_only=True)
 class ApplyAutocast(effpass.Pass):
     """Insert autocast regions so an fp32 model trains in bf16/fp16 mixed precision, with fp32 islands.

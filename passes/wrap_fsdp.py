@@ -172,13 +172,13 @@ class WrapFSDP(effpass.Pass):
 
     # -- the module hook ------------------------------------------------------------------------------
     def prepare_module(self, model: nn.Module, ctx) -> effpass.PassResult:
+        ctx.scope.check_graph()   # every targets/exclude glob must name a module of the model
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "wrap_fsdp needs torch.distributed: call torch.distributed.init_process_group() first "
                 "(under torchrun; backend 'nccl' on GPUs, 'gloo' on CPU), even for a single process")
         from torch.distributed.fsdp import fully_shard
 
-        ctx.scope.check_graph()   # every targets/exclude glob must name a module of the model
         if self.targets:
             units = ctx.scope.select_modules(model, what="FSDP unit")
             names = [n for n, _ in units]
