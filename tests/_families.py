@@ -12,7 +12,7 @@ from effpass.testing import ModelCase
 
 VOCAB = 128
 #: name -> (config class, model class, config kwargs, block glob, attention glob, kind)
-_COMMON_DEC = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+_COMMON_DEC = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                    bos_token_id=0, eos_token_id=0, pad_token_id=0)
 
@@ -21,14 +21,14 @@ def _specs():
     d = dict(_COMMON_DEC)
     return {
         "llama": ("LlamaConfig", "LlamaForCausalLM", d, "model.layers.*", "model.layers.*.self_attn"),
-        "mistral": ("MistralConfig", "MistralForCausalLM", dict(d, sliding_window=8), "model.layers.*",
+        "mistral": ("MistralConfig", "MistralForCausalLM", dict(d, sliding_window=4), "model.layers.*",
                     "model.layers.*.self_attn"),
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(d, head_dim=8), "model.layers.*", "model.layers.*.self_attn"),
         "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", d, "model.layers.*", "model.layers.*.self_attn"),
         "cohere": ("CohereConfig", "CohereForCausalLM", d, "model.layers.*", "model.layers.*.self_attn"),
         "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
-                   dict(d, head_dim=8, sliding_window=8, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
-                        query_pre_attn_scalar=8),
+                   dict(d, num_hidden_layers=2, head_dim=8, sliding_window=4, attn_logit_softcapping=50.0,
+                        final_logit_softcapping=30.0, query_pre_attn_scalar=8),
                    "model.layers.*", "model.layers.*.self_attn"),
         "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(d, num_key_value_heads=4), "model.layers.*",
                  "model.layers.*.self_attn"),
@@ -38,39 +38,39 @@ def _specs():
                       dict(d, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                            decoder_sparse_step=1), "model.layers.*", "model.layers.*.self_attn"),
         "falcon_new": ("FalconConfig", "FalconForCausalLM",
-                       dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                             num_kv_heads=2, new_decoder_architecture=True, bos_token_id=0, eos_token_id=0),
                        "transformer.h.*", "transformer.h.*.self_attention"),
         "falcon_old": ("FalconConfig", "FalconForCausalLM",
-                       dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                             multi_query=True, new_decoder_architecture=False, parallel_attn=True, alibi=False,
                             bos_token_id=0, eos_token_id=0),
                        "transformer.h.*", "transformer.h.*.self_attention"),
         "bloom": ("BloomConfig", "BloomForCausalLM",
-                  dict(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0),
+                  dict(vocab_size=VOCAB, hidden_size=32, n_layer=1, n_head=4, bos_token_id=0, eos_token_id=0),
                   "transformer.h.*", "transformer.h.*.self_attention"),
         "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM",
-                     dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                           num_attention_heads=4, max_position_embeddings=64, bos_token_id=0, eos_token_id=0),
                      "gpt_neox.layers.*", "gpt_neox.layers.*.attention"),
         "opt": ("OPTConfig", "OPTForCausalLM",
-                dict(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                dict(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=1, num_attention_heads=4,
                      max_position_embeddings=64, word_embed_proj_dim=32, bos_token_id=0, eos_token_id=0,
                      pad_token_id=1, dropout=0.0, attention_dropout=0.0),
                 "model.decoder.layers.*", "model.decoder.layers.*.self_attn"),
         "gpt2": ("GPT2Config", "GPT2LMHeadModel",
-                 dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0,
+                 dict(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=64, bos_token_id=0,
                       eos_token_id=0), "transformer.h.*", "transformer.h.*.attn"),
         "bert": ("BertConfig", "BertForMaskedLM",
-                 dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                       intermediate_size=64, max_position_embeddings=64, pad_token_id=0),
                  "bert.encoder.layer.*", "bert.encoder.layer.*.attention.self"),
         "t5": ("T5Config", "T5ForConditionalGeneration",
-               dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+               dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=4,
                     decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, dropout_rate=0.0),
                "*.block.*", "*.block.*.layer.0.SelfAttention"),
         "bart": ("BartConfig", "BartForConditionalGeneration",
-                 dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                 dict(vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
                       decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
                       pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, dropout=0.0,
                       attention_dropout=0.0, activation_dropout=0.0),
@@ -83,7 +83,7 @@ FAMILIES = tuple(_specs())
 _PADDED = {"bert", "t5", "bart"}
 
 
-def family_case(name: str, *, batch: int = 2, seq: int = 12, seed: int = 0, attn: str = "eager") -> ModelCase:
+def family_case(name: str, *, batch: int = 2, seq: int = 8, seed: int = 0, attn: str = "eager") -> ModelCase:
     import transformers as tf
 
     specs = _specs()
@@ -111,5 +111,6 @@ def family_case(name: str, *, batch: int = 2, seq: int = 12, seed: int = 0, attn
         mask = torch.ones(batch, seq, dtype=torch.long)
         mask[1, seq // 2:] = 0
         inputs["attention_mask"] = mask
-    return ModelCase(name=name, model=model, inputs=inputs, num_layers=2, block_glob=block, attn_glob=attn_glob,
+    layers = getattr(model.config, "num_hidden_layers", None) or getattr(model.config, "num_layers", 1)
+    return ModelCase(name=name, model=model, inputs=inputs, num_layers=layers, block_glob=block, attn_glob=attn_glob,
                      make=make)

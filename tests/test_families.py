@@ -30,19 +30,30 @@ from effpass.testing import compile_and_compare, grads_of, loss_of
 from _families import FAMILIES, family_case
 
 BF16 = torch.bfloat16
-#: the families of this suite (llama, gpt2 and bert are covered here too; the per-pass files test them in depth)
-SUITE = [f for f in FAMILIES]
+#: the families of this suite (llama, gpt2 and bert are tested in depth by the per-pass files)
+SUITE = [f for f in FAMILIES if f not in ("llama", "gpt2", "bert")]
 #: attention sites per model (T5 and BART: encoder self, decoder self and decoder cross attention)
-_ATTN_SITES = {"t5": 6, "bart": 6}
+_ATTN_SITES = {"t5": 3, "bart": 3}
 
-# Known gaps, as measured (issue 14): family -> reason. Flip when the other helpers' work merges.
-FUSE_GAPS: dict[str, str] = {}
-QUANT_GAPS: dict[str, str] = {}
-
-
-def _marks(gaps: dict[str, str]):
-    return [pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=gaps[f])) if f in gaps else f
-            for f in SUITE]
+# Known gaps, as measured (issue 14): family -> reason. Flip (remove) when the other helpers' work merges.
+FUSE_GAPS: dict[str, str] = {
+    "falcon_new": "issue 14 item 3: Falcon scales the scores in place (operator.itruediv), not recognised",
+    "falcon_old": "issue 14 item 3: Falcon scales the scores in place (operator.itruediv), not recognised",
+    "bloom": "issue 14 item 3: BLOOM's ALiBi form (baddbmm, weights viewed before @ v) is not recognised",
+    "t5": "issue 14 item 3: the cross-attention with a padding mask is counted fused but runs SDPA's unfused math op",
+}
+QUANT_GAPS: dict[str, str] = {
+    "t5": "issue 14 item 2: T5's code reads self.wo.weight.dtype; QuantizedLinear has no .weight (AttributeError)",
+    "falcon_new": "issue 14 item 2: FalconLinear (an nn.Linear subclass with its own forward) is skipped",
+    "falcon_old": "issue 14 item 2: FalconLinear (an nn.Linear subclass with its own forward) is skipped",
+    "mixtral": "issue 14 item 4: MoE expert weights (3-D parameters) are neither quantized nor listed as skipped",
+    "qwen3_moe": "issue 14 item 4: MoE expert weights (3-D parameters) are neither quantized nor listed as skipped",
+}
+#: attention sites fuse_attention must leave alone, with the reason it must report (correct refusals)
+_FUSE_REFUSALS = {
+    "gemma2": (2, "unrecognised op torch.tanh"),            # logit soft-capping: SDPA has no soft-cap
+    "t5": (2, "requires grad"),                             # learned relative position bias (self-attention)
+}
 
 
 def _attn_sites(case) -> int:
@@ -102,17 +113,37 @@ def test_fuse_attention(family):
     case = family_case(family)
     r = compile_and_compare(case, [FuseAttention()], atol=1e-5, rtol=1e-5, step=False)
     st = r.report.stats("fuse_attention")
-    assert st["fused"] == _attn_sites(case), st
+    skipped = [s for rec in r.report.records("fuse_attention") for s in rec.skipped]
+    refused, reason = _FUSE_REFUSALS.get(family, (0, ""))
+    # every attention site is fused by a fused kernel, or left alone with the reason
+    assert st["fused"] == _attn_sites(case) - refused and st["skipped"] == refused, (st, skipped)
+    assert all(reason in s["reason"] for s in skipped), skipped
+    assert st["math_reference"] == 0, st
 
 
 # --------------------------------------------------------------------------------------------------
+def _expert_tensors(model) -> list[str]:
+    """MoE expert weights kept as 3-D parameters (transformers 5: Mixtral, Qwen3-MoE)."""
+    return [n for n, p in model.named_parameters() if p.dim() == 3 and "expert" in n]
+
+
 @pytest.mark.parametrize("family", _marks(QUANT_GAPS))
 def test_quantize_linear_int8(family):
     case = family_case(family)
-    linears = sum(1 for n, m in case.model.named_modules() if isinstance(m, nn.Linear))
+    linears = [n for n, m in case.model.named_modules() if isinstance(m, nn.Linear)]
+    emb = case.model.get_input_embeddings().weight
+    tied = [n for n in linears if case.model.get_submodule(n).weight is emb]
+    experts = _expert_tensors(case.model)
     r = compile_and_compare(case, [QuantizeLinear(scheme="int8")], atol=1e-5, rtol=1e-5, backward=False)
     st = r.report.stats("quantize_linear")
-    assert st["quantized"] == linears and st["skipped"] == 0, st
+    skipped = [s for rec in r.report.records("quantize_linear") for s in rec.skipped]
+    # every linear is quantized, except a head tied to the embedding, which is listed with the reason
+    assert st["quantized"] == len(linears) - len(tied), (st["quantized"], skipped)
+    assert sorted(s["site"] for s in skipped if "tied" in s["reason"]) == sorted(tied)
+    # MoE: every expert tensor is quantized or listed with its reason (item 4)
+    listed = {s["site"] for s in skipped} | set(st["linears"])
+    assert all(any(e.startswith(site) or site.startswith(e.rsplit(".", 1)[0]) for site in listed)
+               for e in experts), (experts, listed)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -227,7 +258,9 @@ def test_prepare_then_backend_of_equals_effpass_compile():
     """The way the string-backend error points to: prepare, then torch.compile with the model's backend."""
     a, b = _demo(), _demo()
     passes = lambda: [InjectLoRA(rank=4, init="gaussian"), CheckpointActivations()]  # noqa: E731
+    torch.manual_seed(0)
     ca = effpass.compile(a.model, passes=passes(), lowering="eager")
+    torch.manual_seed(0)
     effpass.prepare(b.model, passes=passes(), lowering="eager")
     cb = torch.compile(b.model, backend=effpass.backend_of(b.model))
     oa, ob = ca(**a.inputs), cb(**b.inputs)
