@@ -49,11 +49,21 @@ QUANT_GAPS: dict[str, str] = {
     "mixtral": "issue 14 item 4: MoE expert weights (3-D parameters) are neither quantized nor listed as skipped",
     "qwen3_moe": "issue 14 item 4: MoE expert weights (3-D parameters) are neither quantized nor listed as skipped",
 }
-#: attention sites fuse_attention must leave alone, with the reason it must report (correct refusals)
+FUSE_GAPS["bart"] = ("issue 14 item 3: the attention with a padding mask (2 of 3 sites) is counted fused but runs "
+                      "SDPA's unfused math op")
+#: softmax sites fuse_attention must leave alone, with the reason it must report (correct refusals):
+#: family -> (attention sites refused, softmax sites skipped in all, reason)
 _FUSE_REFUSALS = {
-    "gemma2": (2, "unrecognised op torch.tanh"),            # logit soft-capping: SDPA has no soft-cap
-    "t5": (2, "requires grad"),                             # learned relative position bias (self-attention)
+    "gemma2": (2, 2, "unrecognised op torch.tanh"),         # logit soft-capping: SDPA has no soft-cap
+    "t5": (2, 2, "requires grad"),                          # learned relative position bias (self-attention)
+    "mixtral": (0, 1, "not batched"),                       # the router's softmax is not attention
+    "qwen3_moe": (0, 1, "not batched"),
 }
+
+
+def _marks(gaps: dict[str, str]):
+    return [pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=gaps[f])) if f in gaps else f
+            for f in SUITE]
 
 
 def _attn_sites(case) -> int:
@@ -114,9 +124,9 @@ def test_fuse_attention(family):
     r = compile_and_compare(case, [FuseAttention()], atol=1e-5, rtol=1e-5, step=False)
     st = r.report.stats("fuse_attention")
     skipped = [s for rec in r.report.records("fuse_attention") for s in rec.skipped]
-    refused, reason = _FUSE_REFUSALS.get(family, (0, ""))
+    refused, n_skipped, reason = _FUSE_REFUSALS.get(family, (0, 0, ""))
     # every attention site is fused by a fused kernel, or left alone with the reason
-    assert st["fused"] == _attn_sites(case) - refused and st["skipped"] == refused, (st, skipped)
+    assert st["fused"] == _attn_sites(case) - refused and st["skipped"] == n_skipped, (st, skipped)
     assert all(reason in s["reason"] for s in skipped), skipped
     assert st["math_reference"] == 0, st
 
