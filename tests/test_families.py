@@ -104,8 +104,10 @@ def test_training_passes(family):
     case = family_case(family)
     linears = _linear_count(case.model)
     torch.manual_seed(0)
-    r = compile_and_compare(case, [InjectLoRA(rank=4, init="gaussian"), CheckpointActivations(), ScaleLoss()],
-                            atol=1e-5, rtol=1e-5, step=False)
+    # init_scale=1: gradients keep their size, so the bound means the same for every family (the merged q/k/v
+    # adapter matmul sums in another order than three separate ones: fp32 reassociation, hence rtol 1e-4)
+    r = compile_and_compare(case, [InjectLoRA(rank=4, init="gaussian"), CheckpointActivations(),
+                                   ScaleLoss(init_scale=1.0)], atol=1e-6, rtol=1e-4, step=False)
     rep = r.report
     lora = rep.stats("inject_lora")
     assert lora["adapters"] == linears and lora["trainable_params"] == lora["adapter_params"]
