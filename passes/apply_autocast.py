@@ -179,6 +179,18 @@ class ApplyAutocast(effpass.Pass):
     # ------------------------------------------------------------------------------------------------
     def prepare_module(self, model: torch.nn.Module, ctx) -> effpass.PassResult:
         device_type = (ctx.device or torch.device("cpu")).type
+        if ctx.find_pass("fuse_attention") is not None:
+            # NOTE(fuse_attention): its patterns are written for the fp32 graph (under a module capture the
+            # rotated q is fp32 while the attention output is bf16, and it refuses the site). The fused kernel
+            # differs from eager attention anyway, so bit-identity is moot: insert the regions into the
+            # graph after it, as before (matches eager autocast within rounding).
+            reason = ("fuse_attention is in the pipeline: its patterns match the fp32 graph, so the autocast "
+                      "regions are inserted into the graph after it (graph capture)")
+            for mod in model.modules():
+                if _SITE_ATTR in mod.__dict__:
+                    mod.__dict__[_SITE_ATTR]["enabled"] = None
+            object.__setattr__(model, _MODEL_ATTR, {"capture": "graph"})
+            return effpass.PassResult(stats={"capture": "graph"}, skipped=[{"site": "model", "reason": reason}])
         cache = self.cache_enabled if self.cache_enabled is not None else torch.is_autocast_cache_enabled()
         scope = ctx.scope
         names = [n for n, _ in model.named_modules() if n]
@@ -228,13 +240,14 @@ class ApplyAutocast(effpass.Pass):
         device_type = (ctx.device or torch.device("cpu")).type
         prepared = getattr(ctx.model, _MODEL_ATTR, None) if ctx.model is not None else None
         ours = [n for n in graph.nodes if is_autocast_enter(n) and _is_ours(n)]
-        if ours or prepared is not None:
+        chose_graph = prepared is not None and prepared.get("capture") == "graph"
+        if ours or (prepared is not None and not chose_graph):
             return self._report_module_capture(gm, ctx, ours)
         if torch.is_autocast_enabled(device_type):
             return effpass.PassResult(skipped=[{
                 "site": "graph", "reason": f"autocast is already enabled for {device_type!r} around the compiled "
                                            "call; the caller chose the precision"}])
-        return self._graph_capture(gm, ctx, device_type)
+        return self._graph_capture(gm, ctx, device_type, warn=not chose_graph)
 
     def _report_module_capture(self, gm, ctx, ours) -> effpass.PassResult:
         device_type = (ctx.device or torch.device("cpu")).type
@@ -264,9 +277,10 @@ class ApplyAutocast(effpass.Pass):
                 stats["ops_by_dtype_after"], stats["matmuls_by_dtype_after"] = after
         return effpass.PassResult(changed=False, stats=stats, skipped=skipped)
 
-    def _graph_capture(self, gm: fx.GraphModule, ctx, device_type: str) -> effpass.PassResult:
+    def _graph_capture(self, gm: fx.GraphModule, ctx, device_type: str, warn: bool = True) -> effpass.PassResult:
         graph = gm.graph
-        warnings.warn(_GRAPH_CAPTURE_WARNING, UserWarning, stacklevel=2)
+        if warn:
+            warnings.warn(_GRAPH_CAPTURE_WARNING, UserWarning, stacklevel=2)
         nodes = [n for n in graph.nodes if _is_compute(n)]
         if not nodes:
             return effpass.PassResult(skipped=[{"site": "graph", "reason": "graph has no ops"}])
