@@ -326,12 +326,19 @@ def effpass_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
     backend = _STRING_BACKENDS.get(key)
     if backend is None:
         opts = parse_options(options, mode=mode, device=_device_of(example_inputs))
+        # NOTE(string backend): it never sees the eager model, so no module hook runs. A pass with a module
+        # hook runs here only if it declares module_phase_optional (its graph hooks do the job alone, with
+        # any difference documented and warned, as apply_autocast does); every other one is an error, never
+        # a silent no-op.
         module_only = [p.name for p in opts.passes
-                       if set(type(p).phases()) == {Phase.MODULE} or type(p).requires_module_phase]
+                       if type(p).requires_module_phase
+                       or (Phase.MODULE in type(p).phases() and not type(p).module_phase_optional)]
         if module_only:
             raise ValueError(
-                f"pass(es) {module_only} must act on the eager model (module level), which the string backend "
-                "never sees; use effpass.compile(model, passes=[...]) or effpass.prepare(model, passes=[...]) first")
+                f"pass(es) {module_only} must act on the eager model before compile (module phase), which "
+                "torch.compile(model, backend='effpass') never sees; use model = effpass.compile(model, passes=[...]) "
+                "(it runs the module phase in place, then torch.compile with the same pipeline), or "
+                "effpass.prepare(model, passes=[...]) then torch.compile(model, backend=effpass.backend_of(model))")
         backend = EffpassBackend(opts)
         _STRING_BACKENDS[key] = backend
     return backend(gm, example_inputs)

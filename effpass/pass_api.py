@@ -38,6 +38,7 @@ __all__ = [
     "Phase", "PassResult", "Pass", "FunctionPass", "register_pass", "get_pass_class", "registered_passes",
     "reserved_pass_names", "make_pass", "PassOptionError", "register_extension", "register_command",
     "registered_commands", "Command", "register_cacheable_function", "cacheable_functions",
+    "UnknownPassOptionError", "check_option_names",
 ]
 
 #: The package whose modules hold the built-in passes (their names are reserved).
@@ -63,6 +64,25 @@ _NAME_RE = re.compile(r"^[a-z][a-z0-9]*(_[a-z0-9]+)*$")
 
 class PassOptionError(ValueError):
     """A pass option has a bad name or value."""
+
+
+class UnknownPassOptionError(PassOptionError, TypeError):
+    """An option name a pass does not have (a ``ValueError``, and a ``TypeError`` as Python raises for an
+    unexpected keyword argument, so either ``except`` catches it)."""
+
+
+def check_option_names(klass: type, names: Iterable[str], pass_name: str | None = None) -> None:
+    """Raise :class:`UnknownPassOptionError` for the first name that is not an option of ``klass``,
+    listing the valid ones with a did-you-mean. Used by ``make_pass`` and by every pass constructor."""
+    import difflib
+
+    valid = [f.name for f in dataclasses.fields(klass)] if dataclasses.is_dataclass(klass) else []
+    for key in names:
+        if key not in valid:
+            close = difflib.get_close_matches(str(key), valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise UnknownPassOptionError(f"unknown option {key!r} for pass {pass_name or klass.name or klass.__name__!r}"
+                                         f"{hint}; valid options: {valid}")
 
 
 @dataclass
@@ -112,6 +132,9 @@ class Pass:
     summary: ClassVar[str] = ""
     #: True for passes that only work when their module hook ran (the string backend rejects them)
     requires_module_phase: ClassVar[bool] = False
+    #: True for passes with a module hook whose graph hooks still do the job without it (the string
+    #: backend, which never sees the eager model, then runs them); False rejects them there
+    module_phase_optional: ClassVar[bool] = False
     run_after: ClassVar[tuple[str, ...]] = ()
     conflicts_with: ClassVar[tuple[str, ...]] = ()
 
@@ -119,6 +142,16 @@ class Pass:
     exclude: tuple[str, ...] = field(default=(), metadata={"doc": "module-name globs the pass leaves alone"})
 
     # ---- defaults and validation ------------------------------------------------------------------
+    def __new__(cls, *args, **kwargs):
+        # NOTE(options): runs before the dataclass __init__, so a misspelt option gets the same error as
+        # parse_options (naming it, listing the valid ones, did-you-mean) instead of a bare TypeError.
+        if args:
+            raise TypeError(f"{cls.__name__} takes options by keyword only (got {len(args)} positional); "
+                            f"valid options: {[f.name for f in dataclasses.fields(cls)]}")
+        if kwargs and dataclasses.is_dataclass(cls):
+            check_option_names(cls, kwargs)
+        return super().__new__(cls)
+
     @classmethod
     def enabled_by_default(cls, device: torch.device | str | None = None) -> bool:
         """Whether the pass is in the default pipeline (``torch.compile(m, backend="effpass")``)."""
@@ -518,8 +551,5 @@ def make_pass(name: str, options: Mapping[str, Any] | None = None) -> Pass:
     options = dict(options or {})
     if not isinstance(options, dict):
         raise TypeError(f"options of pass {name!r} must be a dict, got {type(options).__name__}")
-    valid = [f.name for f in dataclasses.fields(klass)]
-    for key in options:
-        if key not in valid:
-            raise ValueError(f"unknown option {key!r} for pass {name!r}; valid options: {valid}")
+    check_option_names(klass, options, name)
     return klass(**options)

@@ -56,6 +56,7 @@ class GraphReport:
 
     def stats(self, pass_name: str, graph: str | None = None) -> dict[str, Any]:
         """Statistics of ``pass_name`` on this graph, numbers summed over its hooks."""
+        _check_pass_name(pass_name, self.records)
         return _merge([r.stats for r in self.records if r.name == pass_name and (graph is None or r.graph == graph)])
 
 
@@ -81,7 +82,11 @@ class CompileReport:
         return [r for r in out if pass_name is None or r.name == pass_name]
 
     def stats(self, pass_name: str, graph: str | None = None) -> dict[str, Any]:
-        """Statistics of ``pass_name`` over every graph (numbers summed; other values listed)."""
+        """Statistics of ``pass_name`` over every graph (numbers summed; other values listed).
+
+        An unknown name (neither registered nor in this report) raises ``ValueError`` naming the valid ones;
+        a registered pass that has not run yet gives ``{}``."""
+        _check_pass_name(pass_name, self.records())
         return _merge([r.stats for r in self.records(pass_name) if graph is None or r.graph == graph])
 
     def failures(self) -> list[PassRecord]:
@@ -113,6 +118,23 @@ def _renderer(fmt: str):
         raise RuntimeError(f"no {fmt!r} renderer is registered (registered: {sorted(_RENDERERS)}); "
                            f"`import effpass` registers the built-in ones (effpass.inspect.html)")
     return _RENDERERS[fmt]
+
+
+def _check_pass_name(name: str, records: list[PassRecord]) -> None:
+    from .pass_api import registered_passes
+
+    here = sorted({r.name for r in records})
+    if name in here:
+        return
+    registered = registered_passes()
+    if name in registered:
+        return
+    import difflib
+
+    close = difflib.get_close_matches(str(name), [*here, *registered], n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ValueError(f"unknown pass {name!r}{hint}; passes in this report: {here}; registered passes: "
+                     f"{sorted(registered)}")
 
 
 def _merge(dicts: list[dict[str, Any]]) -> dict[str, Any]:

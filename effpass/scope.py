@@ -10,7 +10,9 @@
 """
 from __future__ import annotations
 
+import difflib
 import fnmatch
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -19,7 +21,8 @@ import torch
 
 from .graph import module_path_of_node, module_stack_of_node, normalize_module_path  # noqa: F401
 
-__all__ = ["skip", "only", "Scope", "module_path_of_node", "normalize_module_path", "TargetMatchError"]
+__all__ = ["skip", "only", "Scope", "module_path_of_node", "normalize_module_path", "TargetMatchError",
+           "check_patterns", "warn_nothing_to_act_on", "graph_module_paths"]
 
 _SKIP_ATTR = "__effpass_skip__"
 _ONLY_ATTR = "__effpass_only__"
@@ -29,8 +32,73 @@ ALL = "*"
 _INSTANCE_RULES: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, frozenset[str]]]" = weakref.WeakKeyDictionary()
 
 
+# (pass, targets, exclude) already checked against a model's module names
+_CHECKED_ROOTS: "weakref.WeakKeyDictionary[torch.nn.Module, set]" = weakref.WeakKeyDictionary()
+
+
 class TargetMatchError(ValueError):
-    """A ``targets`` glob matched no module."""
+    """A ``targets`` or ``exclude`` glob matched no module."""
+
+
+def _glob_matches(glob: str, names: Iterable[str]) -> bool:
+    return any(fnmatch.fnmatchcase(p, glob) for n in names for p in _prefixes(n) if p)
+
+
+def _sample(glob: str, names: Sequence[str], k: int = 8) -> str:
+    """Up to ``k`` names: the ones closest to ``glob`` first, then the first ones."""
+    plain = glob.replace("*", "").replace("?", "")
+    leaves = {}
+    for n in names:
+        leaves.setdefault(n.rsplit(".", 1)[-1], n)
+    close = difflib.get_close_matches(plain, list(names), n=3, cutoff=0.5)
+    close += [leaves[c] for c in difflib.get_close_matches(plain.strip("."), list(leaves), n=3, cutoff=0.5)]
+    picked = list(dict.fromkeys([*close, *names]))[:k]
+    more = " ..." if len(names) > k else ""
+    return ", ".join(repr(n) for n in picked) + more
+
+
+def check_patterns(pass_name: str, targets: Sequence[str], exclude: Sequence[str], names: Sequence[str], *,
+                   what: str = "module", candidates: Sequence[str] | None = None, error: bool = True,
+                   where: str = "") -> list[str]:
+    """Check that every ``targets`` and ``exclude`` glob matches at least one name.
+
+    ``names`` are the module names that exist; ``targets`` globs must match one of ``candidates`` (the
+    modules the pass could act on, default ``names``) or a module enclosing one. A glob that matches
+    nothing raises :class:`TargetMatchError` naming it and some names that exist (``error=False``:
+    a ``UserWarning`` instead, for callers that see only part of the model, such as one graph of
+    several). Returns the unmatched globs. Every pass calls this, directly or through
+    :meth:`Scope.select_modules` / :meth:`Scope.check_graph`.
+    """
+    names = [n for n in names if n]
+    pool = [n for n in (candidates if candidates is not None else names) if n]
+    unmatched = []
+    for kind, globs, against in (("targets", targets, pool), ("exclude", exclude, names)):
+        for glob in globs:
+            if _glob_matches(glob, against):
+                continue
+            unmatched.append(glob)
+            shown = against or names
+            msg = (f"{pass_name}: {kind} pattern {glob!r} matches no {what}{where}; {what} names here include: "
+                   f"{_sample(glob, shown) if shown else '(none)'}")
+            if error:
+                raise TargetMatchError(msg)
+            warnings.warn(f"effpass: {msg}", UserWarning, stacklevel=3)
+    return unmatched
+
+
+def warn_nothing_to_act_on(pass_name: str, reason: str) -> None:
+    """The one warning for a configuration that leaves a pass nothing to act on (names the pass)."""
+    warnings.warn(f"effpass: pass {pass_name!r} has nothing to act on: {reason}", UserWarning, stacklevel=3)
+
+
+def graph_module_paths(graph) -> list[str]:
+    """The module paths (each with its enclosing modules) that nodes of an FX graph came from."""
+    out: dict[str, None] = {}
+    for n in graph.nodes:
+        for path, _ in module_stack_of_node(n):
+            if path:
+                out.setdefault(path, None)
+    return list(out)
 
 
 def _decorate(attr: str, names: tuple[str, ...]):
@@ -109,6 +177,16 @@ class Scope:
     def __post_init__(self):
         self._cache: dict[tuple, bool] = {}
         self._modules = dict(self.root.named_modules()) if self.root is not None else {}
+        self._checked = False
+        if self.root is not None and (self.targets or self.exclude) and self.pass_name:
+            # NOTE(one place): with the eager model known (effpass.compile / prepare), every pass's globs
+            # are checked against its module names whenever the manager scopes a hook, whatever the pass.
+            key = (self.pass_name, tuple(self.targets), tuple(self.exclude))
+            done = _CHECKED_ROOTS.setdefault(self.root, set())
+            if key not in done:
+                check_patterns(self.pass_name, self.targets, self.exclude, [n for n in self._modules if n])
+                done.add(key)
+            self._checked = True
 
     # -- globs -------------------------------------------------------------------------------------
     def matches_globs(self, path: str) -> bool:
@@ -170,6 +248,7 @@ class Scope:
         """
         candidates = [(n, m) for n, m in model.named_modules() if n and (predicate is None or predicate(n, m))]
         self.check_targets([n for n, _ in model.named_modules() if n], candidates=[n for n, _ in candidates], what=what)
+        self._checked = True
         out = []
         modules = dict(model.named_modules())
         for name, mod in candidates:
@@ -179,11 +258,42 @@ class Scope:
         return out
 
     def check_targets(self, names: Sequence[str], candidates: Sequence[str] | None = None, what: str = "module") -> None:
-        """Raise :class:`TargetMatchError` when a ``targets`` glob matches none of ``candidates``."""
-        pool = list(candidates if candidates is not None else names)
-        for glob in self.targets:
-            if not any(fnmatch.fnmatchcase(p, glob) for n in pool for p in _prefixes(n)):
-                sample = ", ".join(repr(n) for n in (pool or list(names))[:8])
-                raise TargetMatchError(
-                    f"{self.pass_name}: targets pattern {glob!r} matches no {what}; "
-                    f"{what} names here include: {sample}{' ...' if len(pool or names) > 8 else ''}")
+        """Raise :class:`TargetMatchError` when a ``targets`` glob matches none of ``candidates`` or an
+        ``exclude`` glob matches none of ``names`` (see :func:`check_patterns`)."""
+        check_patterns(self.pass_name, self.targets, self.exclude, names, candidates=candidates, what=what)
+
+    def allows_root(self, model: torch.nn.Module) -> bool:
+        """Whether the decorators allow the pass on the root module itself (globs never name the root)."""
+        return self._allowed_by(model)
+
+    def check_graph(self, gm: torch.fx.GraphModule | None = None, *, what: str = "module") -> None:
+        """For graph-phase passes: check ``targets``/``exclude`` once per scope.
+
+        With the eager model known (``effpass.compile``/``prepare``) a glob that matches none of its
+        modules is an error; without it (the string backend) the names come from this graph only,
+        which may be one of several (graph breaks), so an unmatched glob is a warning.
+        """
+        if getattr(self, "_checked", False) or not (self.targets or self.exclude):
+            return
+        self._checked = True
+        if self.root is not None:
+            check_patterns(self.pass_name, self.targets, self.exclude, [n for n in self._modules if n], what=what)
+        elif gm is not None:
+            check_patterns(self.pass_name, self.targets, self.exclude, graph_module_paths(gm.graph), what=what,
+                           error=False, where=" in this graph")
+
+    def select_nodes(self, gm: torch.fx.GraphModule, candidates: Iterable[torch.fx.Node], *,
+                     what: str = "site") -> list[torch.fx.Node]:
+        """For graph-phase passes: check the globs (:meth:`check_graph`), keep the candidate nodes in
+        scope, and warn (naming the pass) when there were candidates but the scope leaves none."""
+        self.check_graph(gm)
+        candidates = list(candidates)
+        kept = [n for n in candidates if self.allows(n)]
+        # root-level code (no module) is never excluded by a glob: exclude=["*"] leaves only that
+        if any(module_path_of_node(n) for n in candidates) and not any(module_path_of_node(n) for n in kept):
+            self.warn_nothing_to_act_on(f"its targets/exclude/skip rules leave none of the {len(candidates)} "
+                                        f"{what}(s) in this graph")
+        return kept
+
+    def warn_nothing_to_act_on(self, reason: str) -> None:
+        warn_nothing_to_act_on(self.pass_name, reason)

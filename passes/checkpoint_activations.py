@@ -156,9 +156,7 @@ class CheckpointActivations(effpass.Pass):
                                                 "for a backward"}])
         graph = gm.graph
         fwd = forward_nodes(graph)
-        if self.targets:
-            ctx.scope.check_targets(sorted({p for n in fwd for p, _ in module_stack_of_node(n)}))
-        in_scope = [n for n in fwd if n.op == "call_function" and ctx.allows(n)]
+        in_scope = ctx.scope.select_nodes(gm, [n for n in fwd if n.op == "call_function"], what="forward op")
         if not in_scope:
             return effpass.PassResult(skipped=[{"site": "graph", "reason": "no forward node in targets"}])
         block_of = find_blocks(in_scope, self.targets, ctx.model)

@@ -117,6 +117,16 @@ class LoRALinear(nn.Module):
         self.reset_lora_parameters(init)
 
 
+    # NOTE(compat): model code that reads the wrapped linear's weight (T5: ``self.wo.weight.dtype``) keeps
+    # working, as with PEFT's tuner layers.
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base_layer.weight
+
+    @property
+    def bias(self):
+        return getattr(self.base_layer, "bias", None)
+
     def reset_lora_parameters(self, init: str = "kaiming") -> None:
         with torch.no_grad():
             if init == "kaiming":

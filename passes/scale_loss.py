@@ -356,6 +356,7 @@ class ScaleLoss(effpass.Pass):
         return ""
 
     def prepare_module(self, model: torch.nn.Module, ctx) -> effpass.PassResult:
+        ctx.scope.check_graph()   # targets/exclude name modules of the model (the loss is scaled as a whole)
         reason = self._disabled_reason(ctx)
         existing = getattr(model, _SCALER_ATTR, None)
         if reason:

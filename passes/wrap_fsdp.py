@@ -172,6 +172,7 @@ class WrapFSDP(effpass.Pass):
 
     # -- the module hook ------------------------------------------------------------------------------
     def prepare_module(self, model: nn.Module, ctx) -> effpass.PassResult:
+        ctx.scope.check_graph()   # every targets/exclude glob must name a module of the model
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "wrap_fsdp needs torch.distributed: call torch.distributed.init_process_group() first "
