@@ -35,7 +35,7 @@ def _quiet():
 
 
 def _args(out, **kw):
-    base = dict(max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=2, logging_steps=1,
+    base = dict(max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=2, logging_steps=1,
                 report_to=[], seed=0, save_strategy="no", use_cpu=True, disable_tqdm=True)
     base.update(kw)
     return transformers.TrainingArguments(str(out), **base)
@@ -45,11 +45,11 @@ def _losses(trainer):
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-def _model(passes, *, compiled: bool, seed: int = 0, **case_kw):
+def _model(passes, *, compiled: bool, seed: int = 0, layers: int = 1, **case_kw):
     """The same tiny Llama (and the same adapter initialisation) compiled by effpass or only prepared (the
     eager reference: after effpass.prepare the eager model computes what the compiled one does)."""
     torch.manual_seed(seed)
-    model = model_case("llama", seed=seed, **case_kw).model
+    model = model_case("llama", seed=seed, layers=layers, **case_kw).model
     torch.manual_seed(seed + 100)
     if compiled:
         return effpass.compile(model, passes=passes, lowering="eager")
@@ -163,17 +163,17 @@ def test_trainer_trains_an_effpass_model_like_eager(kind, tmp_path):
     # the default TrainingArguments keep every column (the model's forward signature is visible) and scale
     # the loss by the number of label tokens over the accumulated microbatches
     assert trainer.model_accepts_loss_kwargs
-    assert len(_losses(trainer)) == 3
+    assert len(_losses(trainer)) == 2
     assert _losses(trainer) == pytest.approx(_losses(eager), abs=1e-4)
     report = effpass.report(model)
     assert counters["graph_breaks"] == 0 and counters["frames"] >= 1
-    assert any(r.graph == "joint" for r in report.records())          # effpass's training graphs really ran
-    assert report.stats("fuse_attention", "torch_ir")["fused"] >= 2
+    assert len(report.graphs) >= 1 and all(g.records for g in report.graphs)   # effpass's graphs really ran
+    assert report.stats("fuse_attention", "torch_ir")["fused"] >= 1
     if kind != "full":
-        assert report.stats("inject_lora", "torch_ir")["merged_groups"] >= 2   # q/k/v A products as one matmul
+        assert report.stats("inject_lora", "torch_ir")["merged_groups"] >= 1   # q/k/v A products as one matmul
         assert all(not p.requires_grad for n, p in model.named_parameters() if "lora_" not in n)
     if kind == "qlora":
-        assert report.stats("quantize_linear")["quantized"] == 14
+        assert report.stats("quantize_linear")["quantized"] == 7    # every linear of the 1-layer model but lm_head
     if kind == "lora":
         assert metrics["eval_loss"] == pytest.approx(e_metrics["eval_loss"], abs=1e-4)
         torch.testing.assert_close(torch.as_tensor(pred.predictions), torch.as_tensor(e_pred.predictions),
@@ -193,7 +193,7 @@ def _adapters(model):
 
 def test_lora_saves_peft_adapters_and_resumes_exactly(tmp_path):
     peft = pytest.importorskip("peft")
-    data = lm_dataset(16)
+    data = lm_dataset(8)
     args = dict(max_steps=4, save_strategy="steps", save_steps=2, gradient_accumulation_steps=1)
     model = _model(PIPELINES["lora"], compiled=True)
     trainer = transformers.Trainer(model=model, args=_args(tmp_path / "run", **args), train_dataset=data)
@@ -208,13 +208,17 @@ def test_lora_saves_peft_adapters_and_resumes_exactly(tmp_path):
     assert json.loads((tmp_path / "final" / "adapter_config.json").read_text())["peft_type"] == "LORA"
 
     # PEFT loads what effpass saved and computes the same logits
-    base = model_case("llama").model
+    base = model_case("llama", layers=1).model
     peft_model = peft.PeftModel.from_pretrained(base, str(tmp_path / "final"))
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(5))
     torch.testing.assert_close(peft_model(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
 
     # resume from checkpoint-2: adapters and optimizer restored, the last two steps repeat exactly
-    resumed = _model(PIPELINES["lora"], compiled=True, seed=7)   # different start weights: the checkpoint decides
+    resumed = _model(PIPELINES["lora"], compiled=True)
+    with torch.no_grad():   # other adapter weights than the run's start: the checkpoint must restore them
+        for p in resumed.parameters():
+            if p.requires_grad:
+                p.normal_()
     trainer2 = transformers.Trainer(model=resumed, args=_args(tmp_path / "run2", **args), train_dataset=data)
     trainer2.train(resume_from_checkpoint=str(ckpt))
     assert _losses(trainer2)[-2:] == pytest.approx(full_losses[-2:], abs=1e-6)
@@ -223,9 +227,9 @@ def test_lora_saves_peft_adapters_and_resumes_exactly(tmp_path):
 
     # the reverse: a PEFT-saved adapter loads into an effpass-compiled model
     peft_model.save_pretrained(str(tmp_path / "from_peft"))
-    target = effpass.compile(model_case("llama").model, passes=[FuseAttention()], lowering="eager")
+    target = effpass.compile(model_case("llama", layers=1).model, passes=[FuseAttention()], lowering="eager")
     loaded = effpass.lora.load(target, str(tmp_path / "from_peft"))
-    assert len(loaded) == 8
+    assert len(loaded) == 4
     torch.testing.assert_close(target(input_ids=ids).logits, peft_model(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
 
 
@@ -281,8 +285,8 @@ def test_trl_sft_trainer_default_config_runs_effpass_graphs_like_eager(tmp_path)
     report = effpass.report(model)
     joint = [g for g in report.graphs if any(r.graph == "joint" for r in g.records)]
     assert counters["frames"] >= 1 and len(joint) >= 1 and counters["graph_breaks"] == 0
-    assert report.stats("inject_lora", "torch_ir")["merged_groups"] >= 2
-    assert report.stats("checkpoint_activations", "joint")["blocks"] >= 2   # effpass's checkpointing, not HF's
+    assert report.stats("inject_lora", "torch_ir")["merged_groups"] >= 1
+    assert report.stats("checkpoint_activations", "joint")["blocks"] >= 1   # effpass's checkpointing, not HF's
     assert not model.is_activation_checkpointing
 
 
@@ -299,13 +303,13 @@ def test_accelerate_rejects_effpass_as_torch_compile_backend(tmp_path):
 def test_callback_compiles_the_trainers_model_in_one_line(tmp_path):
     from effpass.integrations.huggingface import EffpassCallback
 
-    model = model_case("llama").model
+    model = model_case("llama", layers=1).model
     callback = EffpassCallback(passes=[InjectLoRA(**LORA)], lowering="eager")
     trainer = transformers.Trainer(model=model, args=_args(tmp_path, max_steps=1), train_dataset=lm_dataset(4),
                                    callbacks=[callback])
     assert effpass.lora.lora_modules(model)       # adapters exist before the Trainer builds its optimizer
     trainer.train()
-    assert callback.report.stats("inject_lora", "torch_ir")["adapters_in_graph"] == 8
+    assert callback.report.stats("inject_lora", "torch_ir")["adapters_in_graph"] == 4
     assert trainer.optimizer.param_groups[0]["params"][0] is model.model.layers[0].self_attn.q_proj.lora_A.weight
 
 
