@@ -59,6 +59,7 @@ def _model(passes, *, compiled: bool, seed: int = 0, layers: int = 1, **case_kw)
 # ------------------------------------------------------------------------------------------------------
 # 1. compile in place
 # ------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_compile_in_place_returns_the_model_itself():
     case = model_case("llama")
     model, config = case.model, case.model.config
@@ -191,6 +192,7 @@ def _adapters(model):
     return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
 
 
+@pytest.mark.slow
 def test_lora_saves_peft_adapters_and_resumes_exactly(tmp_path):
     peft = pytest.importorskip("peft")
     data = lm_dataset(8)
@@ -342,6 +344,7 @@ def test_adapter_bad_input_is_a_clear_error(tmp_path):
 # ------------------------------------------------------------------------------------------------------
 # 7. the examples
 # ------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["hf_trainer.py", "trl_sft.py"])
 def test_example_runs(script, tmp_path):
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "EFFPASS_LOWERING": "eager"}
