@@ -19,7 +19,7 @@ import torch
 
 import effpass
 from effpass.pass_api import _REGISTRY
-from effpass.passes import CheckpointActivations, FuseAttention, InjectLoRA, QuantizeLinear, ScaleLoss
+from effpass.passes import FuseAttention, InjectLoRA, QuantizeLinear, ScaleLoss
 from effpass.testing import dynamo_counters, model_case
 from effpass.testing.hf import lm_dataset, text_dataset, tiny_tokenizer
 
@@ -240,7 +240,6 @@ def test_lora_saves_peft_adapters_and_resumes_exactly(tmp_path):
 # ------------------------------------------------------------------------------------------------------
 def test_hf_gradient_checkpointing_is_taken_over_and_every_pass_still_acts():
     case = model_case("llama")
-    reference = copy.deepcopy(case.model)
     model = effpass.compile(case.model, passes=[InjectLoRA(**LORA), FuseAttention()], lowering="eager")
     eager = copy.deepcopy(model)
     eager.train(), model.train()
@@ -260,7 +259,6 @@ def test_hf_gradient_checkpointing_is_taken_over_and_every_pass_still_acts():
     assert report.stats("inject_lora", "torch_ir")["merged_groups"] == 2
     ac = report.stats("checkpoint_activations", "joint")
     assert ac["blocks"] == 2 and ac["saved_bytes_after"] < 0.5 * ac["saved_bytes_before"]
-    del reference
     # turning it off again recompiles without the pass
     model.gradient_checkpointing_disable()
     n = len(report.graphs)
