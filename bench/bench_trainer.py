@@ -138,14 +138,16 @@ def main() -> None:
             "cpu_count": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "shape": GPU_SHAPE if device == "cuda" else CPU_SHAPE, "steps": a.steps, "warmup": a.warmup,
-            "lora": {"r": 16, "alpha": 32, "targets": TARGETS}}
+            "lora": {"r": 16, "alpha": 32, "targets": TARGETS},
+            "load_average_1m_at_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
     os.makedirs(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"), exist_ok=True)
     path = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"trainer_{device}.json")
     with open(path, "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=2)
     lines = [f"# Trainer LoRA fine-tuning: eager vs torch.compile vs effpass ({device})", "",
              f"{meta['date']}, {meta['device']} ({meta['cpu_count']} cores), torch {meta['torch']}, "
-             f"transformers {meta['transformers']}; {a.steps} timed steps after {a.warmup} warm-up steps.", "",
+             f"transformers {meta['transformers']}; {a.steps} timed steps after {a.warmup} warm-up steps; "
+             f"1-minute load average at the end: {meta['load_average_1m_at_end']}.", "",
              "| arm | steps/s | ms/step | vs eager | peak step memory (MiB) | vs eager | first steps (s) |",
              "|---|---|---|---|---|---|---|"]
     for r in results:

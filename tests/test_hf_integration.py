@@ -244,7 +244,7 @@ def test_hf_gradient_checkpointing_is_taken_over_and_every_pass_still_acts():
     eager = copy.deepcopy(model)
     eager.train(), model.train()
     # what Trainer(gradient_checkpointing=True) calls; the eager copy uses Hugging Face's own checkpointing
-    type(eager).gradient_checkpointing_enable(eager, gradient_checkpointing_kwargs={"use_reentrant": False})
+    eager.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert eager.is_activation_checkpointing and not model.is_activation_checkpointing
     with dynamo_counters() as c:

@@ -121,15 +121,18 @@ def _checkpointing_enable(self, gradient_checkpointing_kwargs=None, activation_c
     (``policy="full"``) to this model's pipeline instead of wrapping layers in ``torch.utils.checkpoint``."""
     import effpass
 
-    if offload:
+    if offload and _backend(self) is not None:
         raise ValueError("effpass: activation offloading (offload=True) is not supported with effpass's "
                          "checkpointing; use offload=False (checkpoint_activations budget= keeps memory low)")
-    if every_n_layers != 1:
+    if every_n_layers != 1 and _backend(self) is not None:
         raise ValueError(f"effpass: every_n_layers={every_n_layers} is not supported; effpass checkpoints every "
                          "block (use checkpoint_activations(budget=...) to trade memory for speed)")
     be = _backend(self)
-    if be is None:  # pragma: no cover - attach runs only after effpass.compile
-        raise ValueError("effpass: this model was not compiled by effpass.compile")
+    if be is None:  # a copy of an effpass model (copies are eager): Hugging Face's own checkpointing
+        kwargs = activation_checkpointing_kwargs if activation_checkpointing_kwargs is not None else gradient_checkpointing_kwargs
+        if hasattr(type(self), "_activation_checkpointing_enable"):  # transformers 5
+            return type(self)._activation_checkpointing_enable(self, kwargs, every_n_layers, offload)
+        return type(self).gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=kwargs)
     if "checkpoint_activations" in [p.name for p in be.options.passes] or any(
             p.name == "checkpoint_activations" for p in be.extra_passes):
         self._effpass_checkpointing = True
@@ -140,6 +143,10 @@ def _checkpointing_enable(self, gradient_checkpointing_kwargs=None, activation_c
 
 def _checkpointing_disable(self, **_ignored):
     be = _backend(self)
+    if be is None:  # a copy of an effpass model: Hugging Face's own checkpointing
+        if hasattr(type(self), "_activation_checkpointing_disable"):
+            return type(self)._activation_checkpointing_disable(self)
+        return type(self).gradient_checkpointing_disable(self)
     if be is not None and any(p.name == "checkpoint_activations" for p in be.extra_passes):
         _recompile(self, tuple(p for p in be.extra_passes if p.name != "checkpoint_activations"))
     self._effpass_checkpointing = False
