@@ -350,3 +350,13 @@ def test_example_runs(script, tmp_path):
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "matches eager" in out.stdout
+
+
+def test_sft_trainer_with_an_adapter_on_lm_head_is_a_clear_error(tmp_path):
+    trl = pytest.importorskip("trl")
+    model = effpass.compile(model_case("llama", layers=1).model, passes=[InjectLoRA(rank=4)], lowering="eager")
+    config = trl.SFTConfig(str(tmp_path), max_steps=1, per_device_train_batch_size=2, report_to=[], use_cpu=True,
+                           save_strategy="no", disable_tqdm=True)
+    trainer = trl.SFTTrainer(model=model, args=config, train_dataset=text_dataset(2), processing_class=tiny_tokenizer())
+    with pytest.raises(ValueError, match=r"LoRA adapter on lm_head would never be trained.*exclude=\['lm_head'\]"):
+        trainer.train()

@@ -223,10 +223,33 @@ def allow_trl_kernels() -> list[str]:
     return done
 
 
+def _check_trl_fused_head(model) -> None:
+    """TRL's SFTTrainer replaces ``forward`` with a fused LM head that reads ``lm_head.weight`` directly: an
+    adapter on the output head would never be trained (and has no ``.weight``)."""
+    # model.forward may be wrapped (accelerate's mixed-precision wrapper around TRL's bound method)
+    obj, fused = getattr(model, "forward", None), False
+    for _ in range(8):
+        if obj is None:
+            break
+        code = getattr(getattr(obj, "__func__", obj), "__code__", None)
+        if code is not None and "fused_lm_head" in code.co_varnames:
+            fused = True
+            break
+        obj = getattr(obj, "model_forward", None) or getattr(obj, "__wrapped__", None) or getattr(obj, "func", None)
+    if not fused:
+        return
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and hasattr(head, "lora_A") and hasattr(head, "base_layer"):
+        raise ValueError("TRL's SFTTrainer computes the loss from lm_head.weight directly (its fused LM head), so a "
+                         "LoRA adapter on lm_head would never be trained; leave it out: "
+                         "InjectLoRA(..., exclude=['lm_head']) or targets that do not match 'lm_head'")
+
+
 def _check_calling_trainer(model) -> None:
     """Called once, eagerly, before the model's first compiled call: when a ``transformers.Trainer`` is on
     the call stack, check its arguments against the model's pipeline."""
     allow_trl_kernels()
+    _check_trl_fused_head(model)
     trainer_mod = sys.modules.get("transformers.trainer")
     if trainer_mod is None:
         return
