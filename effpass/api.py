@@ -99,9 +99,12 @@ def compile(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None =
     if not ctx.compile_root:  # a module-level pass compiled the units itself (e.g. FSDP per block)
         return model
     compile_in_place(model, backend, fullgraph=fullgraph, dynamic=dynamic)
-    from .integrations import huggingface
+    import sys
 
-    huggingface.attach(model)
+    if "transformers" in sys.modules:  # a Hugging Face model implies transformers is imported
+        from .integrations import huggingface
+
+        huggingface.attach(model)
     return model
 
 
