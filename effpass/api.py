@@ -1,12 +1,11 @@
 """The Python API: ``effpass.compile``, ``effpass.prepare`` and ``effpass.report``."""
 from __future__ import annotations
 
-import weakref
 from typing import Any, Iterable, Sequence
 
 import torch
 
-from .backend import EffpassBackend, last_string_backend
+from .backend import MODEL_BACKENDS, EffpassBackend, compile_in_place, last_string_backend, string_backends
 from .config import parse_options
 from .pass_api import Pass
 from .report import CompileReport
@@ -14,7 +13,7 @@ from .report import CompileReport
 __all__ = ["compile", "prepare", "report", "backend_of"]
 
 # model / compiled module -> the backend that compiled it (weak: effpass never keeps a model alive)
-_BACKENDS: "weakref.WeakKeyDictionary[torch.nn.Module, EffpassBackend]" = weakref.WeakKeyDictionary()
+_BACKENDS = MODEL_BACKENDS
 
 
 def _options(passes, dump_dir, lowering, strict, bisect, disable, inductor_config, mode, device, detailed_stats=False):
@@ -77,15 +76,22 @@ def compile(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None =
             bisect: int | None = None, disable: Iterable[str] = (), inductor_config: dict | None = None,
             mode: str | None = None, fullgraph: bool = False, dynamic: bool | None = None,
             detailed_stats: bool = False) -> torch.nn.Module:
-    """Prepare ``model`` in place with the module-level passes, then compile it with the rest.
+    """Prepare ``model`` in place with the module-level passes, then compile it in place with the rest.
 
-    Returns the compiled module; it wraps the same parameters as ``model``, so an optimizer built from
-    either sees the same tensors. ``passes=None`` runs the default pipeline, ``passes=[]`` none.
+    Like ``nn.Module.compile()``, the model itself is compiled and returned: the same object and class,
+    with its ``forward`` signature, ``config``, ``save_pretrained``, ``generate``, ``.to()`` and
+    ``state_dict`` keys, so Hugging Face ``Trainer``/TRL and optimizers see the model they expect.
+    ``passes=None`` runs the default pipeline (chosen per graph from the graph's inputs' device and
+    dtype), ``passes=[]`` none. A Hugging Face model also gets effpass's take on gradient checkpointing
+    and adapter saving (:mod:`effpass.integrations.huggingface`).
 
     >>> model = effpass.compile(model, passes=[FuseAttention(), ApplyAutocast(dtype=torch.bfloat16)])
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"effpass.compile expects an nn.Module, got {type(model).__name__}")
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        raise TypeError("effpass.compile got a torch.compile'd module (OptimizedModule); pass the model itself "
+                        "(its ._orig_mod): effpass compiles it in place")
     opts = _options(passes, dump_dir, lowering, strict, bisect, disable, inductor_config, mode,
                     _device_of_model(model), detailed_stats)
     backend = EffpassBackend(opts, model=model)
@@ -93,12 +99,19 @@ def compile(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None =
     _BACKENDS[model] = backend
     if not ctx.compile_root:  # a module-level pass compiled the units itself (e.g. FSDP per block)
         return model
-    compiled = torch.compile(model, backend=backend, fullgraph=fullgraph, dynamic=dynamic)
-    _BACKENDS[compiled] = backend
-    return compiled
+    compile_in_place(model, backend, fullgraph=fullgraph, dynamic=dynamic)
+    import sys
+
+    if "transformers" in sys.modules:  # a Hugging Face model implies transformers is imported
+        from .integrations import huggingface
+
+        huggingface.attach(model)
+    return model
 
 
 def backend_of(model: torch.nn.Module | None = None) -> EffpassBackend | None:
+    """The backend ``effpass.compile``/``prepare`` made for ``model`` (or, with no model, the last string
+    backend)."""
     if model is None:
         return last_string_backend()
     be = _BACKENDS.get(model)
@@ -108,8 +121,24 @@ def backend_of(model: torch.nn.Module | None = None) -> EffpassBackend | None:
 
 
 def report(model: torch.nn.Module | None = None) -> CompileReport:
-    """What effpass did to ``model`` (or, with no argument, to the last string-backend compile)."""
+    """What effpass did to ``model``, however it was compiled (``effpass.compile``, ``effpass.prepare``,
+    ``torch.compile(model, backend="effpass")`` or ``model.compile(backend="effpass")``), and to that model
+    only. With no argument: the last string-backend compile."""
+    if model is None:
+        be = last_string_backend()
+        if be is None:
+            raise ValueError("no model has been compiled with backend='effpass' yet; pass the model: "
+                             "effpass.report(model)")
+        return be.report
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"effpass.report expects an nn.Module, got {type(model).__name__}")
     be = backend_of(model)
-    if be is None:
-        raise ValueError("this model was not compiled or prepared by effpass")
-    return be.report
+    graphs = [g for b in string_backends() for g in b.report.for_model(model).graphs]
+    if be is not None:  # effpass.compile / prepare (then perhaps torch.compile(backend="effpass"))
+        return be.report if not graphs else CompileReport(module=be.report.module, graphs=be.report.graphs + graphs)
+    if not graphs:
+        raise ValueError(f"effpass has compiled no graph of this {type(model).__name__}: compile it with "
+                         "effpass.compile(model) or torch.compile(model, backend='effpass') and call it first (a "
+                         "model of the same class and shapes compiled earlier with the same string-backend options "
+                         "shares that model's graphs: Dynamo reuses them without calling the backend)")
+    return CompileReport(graphs=graphs)

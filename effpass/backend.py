@@ -41,6 +41,39 @@ def _device_of(example_inputs: Sequence[Any]) -> torch.device:
     return torch.device("cpu")
 
 
+def _dtype_of(example_inputs: Sequence[Any]) -> torch.dtype | None:
+    """The dtype of the graph's first floating-point input (its parameters', for a model's graph)."""
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x.dtype
+    return None
+
+
+def _modules_on_stack() -> list[weakref.ref]:
+    """The modules being called while Dynamo compiles a graph (weakly), found on the Python stack.
+
+    Dynamo compiles a frame synchronously inside the call that runs it, so the callers' frames are on the
+    stack: ``nn.Module._wrapped_call_impl`` / ``_call_impl`` frames name the module being called (for
+    ``torch.compile(model)`` both the ``OptimizedModule`` and the model). This is how a report knows
+    which model a graph of the shared string backend belongs to."""
+    import sys
+
+    codes = {torch.nn.Module._wrapped_call_impl.__code__, torch.nn.Module._call_impl.__code__}
+    out, seen = [], set()
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in codes:
+            mod = frame.f_locals.get("self")
+            if isinstance(mod, torch.nn.Module) and id(mod) not in seen:
+                seen.add(id(mod))
+                try:
+                    out.append(weakref.ref(mod))
+                except TypeError:  # pragma: no cover - modules are weak-referenceable
+                    pass
+        frame = frame.f_back
+    return out
+
+
 def copy_dynamo_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of Dynamo's GraphModule that passes may edit freely (Dynamo keeps the original)."""
     graph = snapshot_graph(gm.graph)
@@ -79,13 +112,14 @@ class _PhaseHook(CustomGraphPass):
 
     def __init__(self, backend: "EffpassBackend", phase: Phase, report: GraphReport, common: dict[str, Any]):
         self.backend, self.phase, self.report, self.common = backend, phase, report, common
+        self.manager = backend.manager  # the pipeline of this graph (the default one depends on its inputs)
 
     def __call__(self, graph: fx.Graph) -> None:
         gm = graph.owning_module
-        self.backend._run_late_phase(self.phase, gm, self.report, self.common)
+        self.backend._run_late_phase(self.phase, gm, self.report, self.common, manager=self.manager)
 
     def uuid(self) -> str:
-        return self.backend.manager.uuid([self.phase])
+        return self.manager.uuid([self.phase])
 
 
 def _kind_of(phase: Phase, gm: fx.GraphModule, report: GraphReport) -> str:
@@ -105,8 +139,12 @@ class EffpassBackend:
                  report: CompileReport | None = None):
         self.options = options if isinstance(options, Options) else parse_options(options)
         self.dump = DumpInstrument(describe_options(self.options)) if self.options.dump_dir else None
-        self.manager = PassManager(self.options.passes, strict=self.options.strict, bisect=self.options.bisect,
-                                   disable=self.options.disable, instruments=[self.dump] if self.dump else [])
+        #: the pipeline of the graph being compiled (of the last one compiled, between compiles)
+        self.manager = self._make_manager(self.options.passes)
+        # NOTE(default pipeline): when the user gave no pipeline, it is chosen per graph from the graph's
+        # inputs (device, dtype), not once when the backend is made: a model compiled on CPU and moved to
+        # CUDA gets the CUDA pipeline. One manager per (device type, dtype).
+        self._default_managers: dict[tuple[str, Any], PassManager] = {}
         self.report = report or CompileReport()
         self.report.options = describe_options(self.options)
         self._model_ref = weakref.ref(model) if model is not None else None
@@ -117,11 +155,37 @@ class EffpassBackend:
     def model(self) -> torch.nn.Module | None:
         return self._model_ref() if self._model_ref is not None else None
 
+    #: passes added to the pipeline after the backend was made (e.g. ``checkpoint_activations`` when Hugging
+    #: Face gradient checkpointing is turned on); each is used unless the pipeline has one of that name.
+    extra_passes: tuple = ()
+
+    def _make_manager(self, passes) -> PassManager:
+        names = {p.name for p in passes}
+        passes = [*passes, *(p for p in self.extra_passes if p.name not in names)]
+        return PassManager(passes, strict=self.options.strict, bisect=self.options.bisect,
+                           disable=self.options.disable, instruments=[self.dump] if self.dump else [])
+
+    def manager_for(self, example_inputs: Sequence[Any]) -> PassManager:
+        """The pipeline for a graph with these inputs: the user's, or the default one for their device
+        and dtype (decided here, when the graph is compiled)."""
+        if not self.options.default_pipeline:
+            return self.manager
+        from .config import default_pipeline
+
+        device, dtype = _device_of(example_inputs), _dtype_of(example_inputs)
+        key = (device.type, dtype)
+        mgr = self._default_managers.get(key)
+        if mgr is None:
+            mgr = self._default_managers[key] = self._make_manager(default_pipeline(device, dtype))
+        return mgr
+
     # -- the backend entry point ----------------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs):
         t_start = time.perf_counter()
         report = GraphReport(f"graph_{self._count:03d}")
+        report.modules = _modules_on_stack()
         self._count += 1
+        self.manager = self.manager_for(example_inputs)
         if self.options.dump_dir:
             report.dump_path = claim_graph_dir(self.options.dump_dir, "graph")
             report.graph_id = report.dump_path.rsplit("/", 1)[-1]
@@ -229,26 +293,29 @@ class EffpassBackend:
         from torch._functorch.aot_autograd import make_boxed_func
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+        manager = self.manager
+
         def partition(joint, joint_inputs, **kw):
-            self._run_late_phase(Phase.JOINT, joint, report, common)
+            self._run_late_phase(Phase.JOINT, joint, report, common, manager=manager)
             return min_cut_rematerialization_partition(joint, joint_inputs, **kw)
 
         def compiler(g, _inputs):
-            self._run_late_phase(Phase.POST_GRAD, g, report, common)
+            self._run_late_phase(Phase.POST_GRAD, g, report, common, manager=manager)
             return make_boxed_func(g.forward)
 
         def inference_compiler(g, inputs):
-            self._run_late_phase(Phase.JOINT, g, report, common)
+            self._run_late_phase(Phase.JOINT, g, report, common, manager=manager)
             return compiler(g, inputs)
 
         lower = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, inference_compiler=inference_compiler,
                              partition_fn=partition, keep_inference_input_mutations=True)
         return lower(gm, example_inputs)
 
-    def _run_late_phase(self, phase: Phase, gm: fx.GraphModule, report: GraphReport, common) -> None:
+    def _run_late_phase(self, phase: Phase, gm: fx.GraphModule, report: GraphReport, common, *,
+                        manager: PassManager | None = None) -> None:
         report.notes.setdefault("_ran_phases", set()).add(phase.value)
         kind = _kind_of(phase, gm, report)
-        changed = self.manager.run_graph_phase(phase, gm, report, kind, **common)
+        changed = (manager or self.manager).run_graph_phase(phase, gm, report, kind, **common)
         if changed and phase is Phase.JOINT:
             # NOTE(ordering): Inductor sorts only at the end of its own joint passes; constant folding
             # in between fails on an unsorted graph, so re-sort after ours.
@@ -347,3 +414,78 @@ def effpass_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
 def last_string_backend() -> EffpassBackend | None:
     """The most recently created string backend (for ``effpass.report()`` with no argument)."""
     return next(reversed(_STRING_BACKENDS.values()), None)
+
+
+def string_backends() -> list[EffpassBackend]:
+    """Every string backend made in this process (one per distinct options), oldest first."""
+    return list(_STRING_BACKENDS.values())
+
+
+# ------------------------------------------------------------------------------------------------------
+# compiling a module in place: effpass.compile(model)
+# ------------------------------------------------------------------------------------------------------
+#: model -> the backend effpass.compile / effpass.prepare made for it (weak: effpass keeps no model alive)
+MODEL_BACKENDS: "weakref.WeakKeyDictionary[torch.nn.Module, EffpassBackend]" = weakref.WeakKeyDictionary()
+
+
+class _CompiledCall:
+    """``model._compiled_call_impl`` for a model effpass compiled in place (what ``nn.Module.compile()``
+    installs, in a wrapper that a copy or a pickle of the model leaves behind).
+
+    NOTE(copies): ``copy.deepcopy`` copies a plain function by reference, so a deep copy of a model
+    compiled with ``nn.Module.compile()`` would still run the *original* model's compiled code. A copy of
+    an effpass-compiled model is the eager, prepared model instead (it computes the same function).
+    """
+
+    def __init__(self, fn, backend: EffpassBackend):
+        self.fn, self.backend = fn, backend
+        #: callables run (once, eagerly) before the first call: integrations' checks of the caller
+        self.first_call_checks: list = []
+
+    def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            self._compiled_again()
+        if self.first_call_checks:
+            self._run_checks()
+        return self.fn(*args, **kwargs)
+
+    @torch._dynamo.disable
+    def _run_checks(self):
+        # NOTE(dynamo): disabled, so an outer torch.compile tracing this call runs the checks eagerly
+        # (they walk the Python stack) instead of tracing them.
+        for check in self.first_call_checks:
+            check()
+        self.first_call_checks = []
+
+    @torch._dynamo.disable
+    def _compiled_again(self):
+        # An outer torch.compile (e.g. accelerate for TrainingArguments(torch_compile=True)) traces into
+        # the effpass-compiled call: Dynamo would inline it and compile the plain model, effpass's passes
+        # silently not running. Run the caller's checks (they name the option), else say it plainly.
+        self._run_checks()
+        raise RuntimeError("this model was compiled in place by effpass.compile and is being compiled again by "
+                           "an outer torch.compile, which would bypass effpass; call the model directly (do not "
+                           "wrap it in torch.compile again)")
+
+    def __deepcopy__(self, memo):
+        return None
+
+    def __reduce__(self):
+        return (_none, ())
+
+
+def _none():
+    return None
+
+
+def compile_in_place(model: torch.nn.Module, backend: EffpassBackend, *, fullgraph: bool = False,
+                     dynamic: bool | None = None) -> None:
+    """Compile ``model`` in place with ``backend`` (``nn.Module.compile``'s mechanism), replacing an
+    earlier effpass compile. Used again when the pipeline changes (e.g. gradient checkpointing is turned
+    on through Hugging Face's API after compiling)."""
+    fn = torch.compile(model._call_impl, backend=backend, fullgraph=fullgraph, dynamic=dynamic)
+    model._compiled_call_impl = _CompiledCall(fn, backend)
+    model._effpass_compile_kwargs = {"fullgraph": fullgraph, "dynamic": dynamic}
+    MODEL_BACKENDS[model] = backend
+
+

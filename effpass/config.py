@@ -76,17 +76,26 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     return out
 
 
-def default_pipeline(device=None) -> list[Pass]:
-    """The passes ``torch.compile(model, backend="effpass")`` runs: those on by default on ``device``.
+def default_pipeline(device=None, dtype=None) -> list[Pass]:
+    """The passes ``torch.compile(model, backend="effpass")`` runs: those on by default on ``device`` for
+    a model whose floating-point inputs/parameters are ``dtype``.
 
-    Only passes that act on graphs can run from the string backend (module-level passes need
-    ``effpass.compile``), so the default pipeline holds graph passes only.
+    The backend calls this when it compiles a graph, with that graph's inputs' device and dtype. A pass's
+    ``enabled_by_default`` receives ``dtype`` when it accepts it. Only passes that act on graphs can run
+    from the string backend (module-level passes need ``effpass.compile``), so the default pipeline holds
+    graph passes only.
     """
+    import inspect
+
     from .pass_api import Phase
 
     out = []
     for name, klass in sorted(registered_passes().items()):
-        if klass.enabled_by_default(device) and Phase.MODULE not in klass.phases():
+        if Phase.MODULE in klass.phases():
+            continue
+        takes_dtype = "dtype" in inspect.signature(klass.enabled_by_default).parameters
+        on = klass.enabled_by_default(device, dtype=dtype) if takes_dtype else klass.enabled_by_default(device)
+        if on:
             out.append(klass())
     return out
 

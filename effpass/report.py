@@ -50,6 +50,13 @@ class GraphReport:
     notes: dict[str, Any] = field(default_factory=dict)
     #: total_ms (the backend call), lower_ms (Inductor/AOTAutograd without effpass hooks), late_pass_ms
     timing: dict[str, float] = field(default_factory=dict)
+    #: weak references to the modules being called when Dynamo compiled this graph (which model it is of)
+    modules: list[Any] = field(default_factory=list, repr=False, compare=False)
+
+    def belongs_to(self, model: Any) -> bool:
+        """Whether this graph was compiled while ``model`` (or the module it wraps) was being called."""
+        targets = {id(model), id(getattr(model, "_orig_mod", model))}
+        return any(r() is not None and id(r()) in targets for r in self.modules)
 
     def add(self, record: PassRecord) -> None:
         self.records.append(record)
@@ -74,6 +81,11 @@ class CompileReport:
         lives in the tool package ``effpass.inspect.html``, registered under ``"html"`` (see
         :func:`register_renderer`; ``import effpass`` registers it)."""
         return _renderer("html")(self, path)
+
+    def for_model(self, model: Any) -> "CompileReport":
+        """The part of this report about ``model``: its module phase and the graphs compiled while it was
+        being called (a string backend is shared by every model compiled with the same options)."""
+        return CompileReport(module=self.module, graphs=[g for g in self.graphs if g.belongs_to(model)])
 
     def records(self, pass_name: str | None = None) -> list[PassRecord]:
         out = list(self.module.records)

@@ -165,9 +165,11 @@ class ApplyAutocast(effpass.Pass):
     module_phase_optional = True
 
     @classmethod
-    def enabled_by_default(cls, device=None) -> bool:
+    def enabled_by_default(cls, device=None, dtype=None) -> bool:
         dev = torch.device(device) if device is not None else None
         if dev is not None and dev.type != "cuda":
+            return False
+        if dtype is not None and dtype != torch.float32:  # a bf16/fp16 model: nothing to autocast
             return False
         return _bf16_supported_gpu()
 

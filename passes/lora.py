@@ -358,6 +358,11 @@ def load(model: nn.Module, path: str | os.PathLike, *, trainable: bool = False) 
     existing = lora_modules(model)
     names = [n for n, m in model.named_modules()
              if n and is_linear_like(m) and match(n) and ".lora_" not in n and not n.endswith(".base_layer")]
+    if not names and not any(match(n) for n in existing):
+        linear = [n for n, m in model.named_modules() if n and is_linear_like(m) and ".lora_" not in n]
+        raise ValueError(f"{path}: the adapter's target_modules {cfg.get('target_modules')!r} match no linear "
+                         f"module of this {type(model).__name__}; its linear modules include "
+                         f"{linear[:8]}{' ...' if len(linear) > 8 else ''}")
     inject(model, names, rank=r, alpha=alpha, dropout=float(cfg.get("lora_dropout", 0.0)),
            use_rslora=bool(cfg.get("use_rslora", False)),
            rank_of=_pattern_lookup(cfg.get("rank_pattern"), r), alpha_of=_pattern_lookup(cfg.get("alpha_pattern"), alpha))

@@ -1,0 +1,306 @@
+"""effpass with Hugging Face ``Trainer``, TRL's ``SFTTrainer``, PEFT adapters and accelerate.
+
+``effpass.compile(model, ...)`` compiles a model in place, so the model handed to ``Trainer`` is the
+model itself (same class, ``forward`` signature, ``config``, ``save_pretrained``, ``generate``). For a
+``transformers.PreTrainedModel`` it also calls :func:`attach`, which gives that one model instance (no
+class, no library code is patched):
+
+* **gradient checkpointing** taken over: ``model.gradient_checkpointing_enable()`` /
+  ``activation_checkpointing_enable()`` (what ``Trainer`` calls for ``gradient_checkpointing=True``, TRL's
+  default) add effpass's ``checkpoint_activations`` pass (``policy="full"``: per transformer block only the
+  block's inputs are saved, Hugging Face's memory) to the pipeline and recompile, instead of wrapping each
+  layer in ``torch.utils.checkpoint``, whose higher-order op hides the layer from the graph passes
+  (attention is not fused, LoRA's q/k/v products are not merged). A pipeline that already holds
+  ``checkpoint_activations`` keeps it (with its own policy or budget);
+* **adapter saving**: with LoRA adapters (``inject_lora`` or ``effpass.lora.load``),
+  ``model.save_pretrained(dir)``, and so ``trainer.save_model(dir)`` and every Trainer checkpoint, write
+  PEFT's ``adapter_config.json`` + ``adapter_model.safetensors`` (``peft.PeftModel.from_pretrained(base,
+  dir)`` loads them). In a Trainer checkpoint folder (``checkpoint-<step>``) the trainable parameters are
+  also written as ``model.safetensors`` under the model's own names, which is what
+  ``trainer.train(resume_from_checkpoint=...)`` reads for a model that is not a ``PeftModel``;
+* **Trainer checks**: on the model's first call from inside a ``Trainer``, options that cannot work
+  together raise a ``ValueError`` naming them (:func:`check_training_args`).
+
+accelerate: ``TrainingArguments(torch_compile_backend="effpass")`` cannot work: accelerate turns the name
+into its closed ``DynamoBackend`` enum and rejects any other. Compile with effpass before building the
+``Trainer`` (accelerate leaves the model alone when ``torch_compile`` is off), or add
+:class:`EffpassCallback`, which compiles the Trainer's model when the Trainer is built::
+
+    trainer = Trainer(model=model, args=args, train_dataset=ds,
+                      callbacks=[EffpassCallback(passes=[InjectLoRA(rank=8)])])
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import types
+from typing import Any
+
+import torch
+
+__all__ = ["attach", "check_training_args", "allow_trl_kernels", "EffpassCallback", "HF_CHECKPOINT_POLICY", "is_effpass_compiled"]
+
+#: the checkpoint_activations options used when Hugging Face gradient checkpointing is turned on
+HF_CHECKPOINT_POLICY = {"policy": "full"}
+_CHECKPOINT_DIR = re.compile(r"checkpoint-\d+$")  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR + step
+
+
+def _pretrained_class():
+    mod = sys.modules.get("transformers")
+    if mod is None:
+        return None
+    try:
+        from transformers import PreTrainedModel
+    except Exception:  # pragma: no cover - a broken transformers install
+        return None
+    return PreTrainedModel
+
+
+def _backend(model):
+    from ..backend import MODEL_BACKENDS
+
+    return MODEL_BACKENDS.get(model)
+
+
+def is_effpass_compiled(model: torch.nn.Module) -> bool:
+    """Whether ``model`` was compiled in place by ``effpass.compile``."""
+    from ..backend import _CompiledCall
+
+    return isinstance(getattr(model, "_compiled_call_impl", None), _CompiledCall)
+
+
+def _pipeline_names(model) -> list[str]:
+    be = _backend(model)
+    if be is None:
+        return []
+    return [p.name for p in be.manager.active] + [p.name for p in be.extra_passes]
+
+
+# ------------------------------------------------------------------------------------------------------
+# attach: the per-instance methods
+# ------------------------------------------------------------------------------------------------------
+def attach(model: torch.nn.Module) -> bool:
+    """Give an effpass-compiled Hugging Face model effpass's gradient checkpointing, adapter saving and
+    Trainer checks (instance attributes only). Returns False (and does nothing) for other modules."""
+    pretrained = _pretrained_class()
+    if pretrained is None or not isinstance(model, pretrained):
+        return False
+    for name in ("gradient_checkpointing_enable", "activation_checkpointing_enable"):
+        setattr(model, name, types.MethodType(_checkpointing_enable, model))
+    for name in ("gradient_checkpointing_disable", "activation_checkpointing_disable"):
+        setattr(model, name, types.MethodType(_checkpointing_disable, model))
+    model.save_pretrained = types.MethodType(_save_pretrained, model)
+    _install_first_call_check(model)
+    return True
+
+
+def _install_first_call_check(model) -> None:
+    call = getattr(model, "_compiled_call_impl", None)
+    if hasattr(call, "first_call_checks"):
+        call.first_call_checks.append(lambda: _check_calling_trainer(model))
+
+
+def _recompile(model, extra_passes: tuple) -> None:
+    """Compile ``model`` again in place with ``extra_passes`` added to its pipeline (a new backend object
+    sharing the report: Dynamo's cache entries are per backend, so graphs compiled before are not reused)."""
+    from ..backend import EffpassBackend, compile_in_place
+
+    old = _backend(model)
+    new = EffpassBackend(old.options, model=model, report=old.report)
+    new.extra_passes = tuple(extra_passes)
+    new._count = old._count
+    new.manager = new._make_manager(old.options.passes)
+    compile_in_place(model, new, **getattr(model, "_effpass_compile_kwargs", {}))
+    _install_first_call_check(model)
+
+
+def _checkpointing_enable(self, gradient_checkpointing_kwargs=None, activation_checkpointing_kwargs=None,
+                          every_n_layers: int = 1, offload: bool = False, **_ignored):
+    """effpass takes over Hugging Face gradient checkpointing: adds ``checkpoint_activations``
+    (``policy="full"``) to this model's pipeline instead of wrapping layers in ``torch.utils.checkpoint``."""
+    import effpass
+
+    if offload and _backend(self) is not None:
+        raise ValueError("effpass: activation offloading (offload=True) is not supported with effpass's "
+                         "checkpointing; use offload=False (checkpoint_activations budget= keeps memory low)")
+    if every_n_layers != 1 and _backend(self) is not None:
+        raise ValueError(f"effpass: every_n_layers={every_n_layers} is not supported; effpass checkpoints every "
+                         "block (use checkpoint_activations(budget=...) to trade memory for speed)")
+    be = _backend(self)
+    if be is None:  # a copy of an effpass model (copies are eager): Hugging Face's own checkpointing
+        kwargs = activation_checkpointing_kwargs if activation_checkpointing_kwargs is not None else gradient_checkpointing_kwargs
+        if hasattr(type(self), "_activation_checkpointing_enable"):  # transformers 5
+            return type(self)._activation_checkpointing_enable(self, kwargs, every_n_layers, offload)
+        return type(self).gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=kwargs)
+    if "checkpoint_activations" in [p.name for p in be.options.passes] or any(
+            p.name == "checkpoint_activations" for p in be.extra_passes):
+        self._effpass_checkpointing = True
+        return
+    _recompile(self, (*be.extra_passes, effpass.make_pass("checkpoint_activations", dict(HF_CHECKPOINT_POLICY))))
+    self._effpass_checkpointing = True
+
+
+def _checkpointing_disable(self, **_ignored):
+    be = _backend(self)
+    if be is None:  # a copy of an effpass model: Hugging Face's own checkpointing
+        if hasattr(type(self), "_activation_checkpointing_disable"):
+            return type(self)._activation_checkpointing_disable(self)
+        return type(self).gradient_checkpointing_disable(self)
+    if be is not None and any(p.name == "checkpoint_activations" for p in be.extra_passes):
+        _recompile(self, tuple(p for p in be.extra_passes if p.name != "checkpoint_activations"))
+    self._effpass_checkpointing = False
+
+
+def _save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
+    """``save_pretrained`` of an effpass model: a PEFT adapter when the model has LoRA adapters (plus the
+    trainable parameters as ``model.safetensors`` in a Trainer checkpoint folder, for resuming), else the
+    model's own ``save_pretrained``."""
+    import effpass
+
+    lora = effpass.lora
+    if not lora.lora_modules(self):
+        return type(self).save_pretrained(self, save_directory, *args, is_main_process=is_main_process, **kwargs)
+    if not is_main_process:
+        return None
+    os.makedirs(save_directory, exist_ok=True)
+    lora.save(self, save_directory)
+    resume = kwargs.get("effpass_resume_state")
+    if resume is None:
+        resume = bool(_CHECKPOINT_DIR.search(os.path.basename(os.path.normpath(os.fspath(save_directory)))))
+    if resume:
+        from safetensors.torch import save_file
+
+        trainable = {n: p.detach().contiguous().cpu() for n, p in self.named_parameters() if p.requires_grad}
+        save_file(trainable, os.path.join(save_directory, "model.safetensors"), metadata={"format": "pt"})
+    return None
+
+
+# ------------------------------------------------------------------------------------------------------
+# Trainer checks
+# ------------------------------------------------------------------------------------------------------
+def check_training_args(args: Any, model: torch.nn.Module) -> None:
+    """Raise ``ValueError`` naming the options when ``TrainingArguments`` (or TRL's ``SFTConfig``) ``args``
+    cannot train the effpass-compiled ``model``."""
+    names = _pipeline_names(model)
+    if getattr(args, "torch_compile", False):
+        raise ValueError(
+            "TrainingArguments(torch_compile=True) would compile the effpass-compiled model a second time with "
+            f"accelerate's backend {getattr(args, 'torch_compile_backend', None) or 'inductor'!r}; the model is "
+            "already compiled by effpass.compile: set torch_compile=False")
+    if "scale_loss" in names:
+        raise ValueError(
+            "the scale_loss pass needs the optimizer step to unscale with effpass.loss_scaler(model), which "
+            "Trainer's step does not do; remove scale_loss and use TrainingArguments(fp16=True) "
+            "(Trainer's GradScaler) instead")
+    be = _backend(model)
+    autocast = next((p for p in (be.manager.active if be else []) if p.name == "apply_autocast"), None)
+    if autocast is not None:
+        want = getattr(autocast, "dtype", None)
+        trainer_dtype = torch.bfloat16 if getattr(args, "bf16", False) else (
+            torch.float16 if getattr(args, "fp16", False) else None)
+        if trainer_dtype is not None and want is not None and want != trainer_dtype:
+            raise ValueError(
+                f"apply_autocast(dtype={want}) and TrainingArguments({'bf16' if trainer_dtype == torch.bfloat16 else 'fp16'}=True) "
+                f"ask for two different mixed-precision dtypes; keep one of them")
+
+
+def allow_trl_kernels() -> list[str]:
+    """Let Dynamo put TRL's fused LM-head kernels in the graph as single calls.
+
+    TRL's ``SFTTrainer`` replaces the model's ``forward`` with a fused LM head whose autograd function tiles
+    its matmuls with ``torch.mm(..., out=tile)``, which Dynamo cannot trace: the step would graph-break
+    there. ``torch.compiler.allow_in_graph`` (public torch API; TRL's code is not changed) makes Dynamo
+    record the function as one call that AOTAutograd traces through (``out=`` is fine at that level),
+    forward and backward exactly as TRL computes them. Returns the names registered."""
+    done = []
+    kernels = sys.modules.get("trl.kernels")
+    for name in ("ChunkedLogProbFunction",):
+        fn = getattr(kernels, name, None) if kernels is not None else None
+        if fn is not None:
+            torch.compiler.allow_in_graph(fn)
+            done.append(f"trl.kernels.{name}")
+    return done
+
+
+def _check_trl_fused_head(model) -> None:
+    """TRL's SFTTrainer replaces ``forward`` with a fused LM head that reads ``lm_head.weight`` directly: an
+    adapter on the output head would never be trained (and has no ``.weight``)."""
+    # model.forward may be wrapped (accelerate's mixed-precision wrapper around TRL's bound method)
+    obj, fused = getattr(model, "forward", None), False
+    for _ in range(8):
+        if obj is None:
+            break
+        code = getattr(getattr(obj, "__func__", obj), "__code__", None)
+        if code is not None and "fused_lm_head" in code.co_varnames:
+            fused = True
+            break
+        obj = getattr(obj, "model_forward", None) or getattr(obj, "__wrapped__", None) or getattr(obj, "func", None)
+    if not fused:
+        return
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and hasattr(head, "lora_A") and hasattr(head, "base_layer"):
+        raise ValueError("TRL's SFTTrainer computes the loss from lm_head.weight directly (its fused LM head), so a "
+                         "LoRA adapter on lm_head would never be trained; leave it out: "
+                         "InjectLoRA(..., exclude=['lm_head']) or targets that do not match 'lm_head'")
+
+
+def _check_calling_trainer(model) -> None:
+    """Called once, eagerly, before the model's first compiled call: when a ``transformers.Trainer`` is on
+    the call stack, check its arguments against the model's pipeline."""
+    allow_trl_kernels()
+    _check_trl_fused_head(model)
+    trainer_mod = sys.modules.get("transformers.trainer")
+    if trainer_mod is None:
+        return
+    trainer_cls = getattr(trainer_mod, "Trainer", None)
+    frame = sys._getframe(1)
+    while frame is not None:
+        obj = frame.f_locals.get("self")
+        if trainer_cls is not None and isinstance(obj, trainer_cls):
+            check_training_args(obj.args, model)
+            return
+        frame = frame.f_back
+
+
+# ------------------------------------------------------------------------------------------------------
+# a Trainer callback: compile the Trainer's model with effpass (one line)
+# ------------------------------------------------------------------------------------------------------
+def _callback_base():
+    try:
+        from transformers import TrainerCallback
+    except Exception:  # pragma: no cover - transformers is optional
+        return object
+    return TrainerCallback
+
+
+class EffpassCallback(_callback_base()):
+    """``Trainer(..., callbacks=[EffpassCallback(passes=[...], **compile_options)])``: compiles the
+    Trainer's model with ``effpass.compile`` when the Trainer is built (before its optimizer exists, so
+    module-level passes such as ``inject_lora`` can add parameters), checks the arguments, and keeps the
+    model's :func:`effpass.report` at ``callback.report`` after training.
+
+    A model already compiled by effpass is only checked (not compiled again)."""
+
+    def __init__(self, passes=None, **compile_options):
+        self.passes, self.compile_options = passes, compile_options
+        self.report = None
+        self._model = None
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        import effpass
+
+        if model is None:
+            raise ValueError("EffpassCallback needs the Trainer's model (Trainer(model=...)); model_init is not supported")
+        if not is_effpass_compiled(model):
+            effpass.compile(model, self.passes, **self.compile_options)
+        check_training_args(args, model)
+        self._model = model
+        return control
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        import effpass
+
+        if model is not None and is_effpass_compiled(model):
+            self.report = effpass.report(model)
+        return control
