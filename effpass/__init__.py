@@ -44,6 +44,7 @@ from .config import parse_options, default_pipeline  # noqa: E402
 from .report import CompileReport, GraphReport, PassRecord  # noqa: E402
 from .api import compile, prepare, report, backend_of  # noqa: E402
 from .backend import EffpassBackend  # noqa: E402
+from .planning import estimate_memory, plan_memory, MemoryBudgetError  # noqa: E402
 
 
 
@@ -61,5 +62,6 @@ __all__ = [
     "get_pass_class", "skip", "only", "Pass", "PassResult", "PassContext", "Phase", "EffpassBackend",
     "parse_options", "default_pipeline", "order_passes", "CompileReport", "GraphReport", "PassRecord",
     "PipelineError", "EffpassPassError", "TargetMatchError", "PassOptionError", "reserved_pass_names",
-    "register_extension", "register_command", "register_cacheable_function",
+    "register_extension", "register_command", "register_cacheable_function", "estimate_memory", "plan_memory",
+    "MemoryBudgetError",
 ]

@@ -75,19 +75,32 @@ def _run_module_phase(model: torch.nn.Module, backend: EffpassBackend, compile_k
 def compile(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None = None, *,
             dump_dir: str | None = None, lowering: str = "inductor", strict: bool = False,
             bisect: int | None = None, disable: Iterable[str] = (), inductor_config: dict | None = None,
-            mode: str | None = None, fullgraph: bool = False, dynamic: bool | None = None) -> torch.nn.Module:
+            mode: str | None = None, fullgraph: bool = False, dynamic: bool | None = None,
+            memory_budget: str | int | None = None, allow: Iterable[str] = (), example_inputs: Any = None,
+            optimizer: str | None = "adamw", world_size: int = 1) -> torch.nn.Module:
     """Prepare ``model`` in place with the module-level passes, then compile it with the rest.
 
     Returns the compiled module; it wraps the same parameters as ``model``, so an optimizer built from
     either sees the same tensors. ``passes=None`` runs the default pipeline, ``passes=[]`` none.
 
+    ``memory_budget="24GiB"`` (with ``example_inputs=`` of one training step): the memory planner adds the
+    passes that fit the step into the budget with the least extra compute, lossy ones only if named in
+    ``allow`` (``effpass.report(model).memory_plan`` says what and why; docs/memory_planner.md).
+
     >>> model = effpass.compile(model, passes=[FuseAttention(), ApplyAutocast(dtype=torch.bfloat16)])
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"effpass.compile expects an nn.Module, got {type(model).__name__}")
+    plan = None
+    if memory_budget is not None:  # the memory planner chooses the pipeline (effpass/planning)
+        from .planning.planner import plan_for_compile
+
+        passes, plan = plan_for_compile(model, passes, memory_budget, allow, example_inputs, optimizer=optimizer,
+                                        world_size=world_size, lowering=lowering, strict=strict, disable=disable)
     opts = _options(passes, dump_dir, lowering, strict, bisect, disable, inductor_config, mode,
                     _device_of_model(model))
     backend = EffpassBackend(opts, model=model)
+    backend.report.memory_plan = plan
     ctx = _run_module_phase(model, backend, {"fullgraph": fullgraph, "dynamic": dynamic})
     _BACKENDS[model] = backend
     if not ctx.compile_root:  # a module-level pass compiled the units itself (e.g. FSDP per block)

@@ -283,6 +283,9 @@ def effpass_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
     backend = _STRING_BACKENDS.get(key)
     if backend is None:
         opts = parse_options(options, mode=mode, device=_device_of(example_inputs))
+        if opts.memory_budget is not None:
+            raise ValueError("memory_budget needs the eager model and one step's inputs, which the string backend "
+                             "never sees; use effpass.compile(model, memory_budget=..., example_inputs=...)")
         module_only = [p.name for p in opts.passes
                        if set(type(p).phases()) == {Phase.MODULE} or type(p).requires_module_phase]
         if module_only:

@@ -65,6 +65,8 @@ class CompileReport:
 
     module: GraphReport = field(default_factory=lambda: GraphReport("module"))
     graphs: list[GraphReport] = field(default_factory=list)
+    #: the memory planner's choice (``effpass.compile(model, memory_budget=...)``), else None
+    memory_plan: Any = None
 
     def records(self, pass_name: str | None = None) -> list[PassRecord]:
         out = list(self.module.records)
