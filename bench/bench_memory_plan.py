@@ -85,7 +85,7 @@ def _write(name: str, data: dict, md: str) -> None:
     print(md)
 
 
-def accuracy(families=None, inductor_combos=("none",), hidden=512, layers=4, vocab=32000, seq=1024, batch=1):
+def accuracy(families=None, inductor_combos=("none",), hidden=512, layers=4, vocab=32000, seq=512, batch=2):
     rows = []
     for fam in families or FAMILIES:
         for combo, passes in combos(fam).items():

@@ -175,6 +175,10 @@ def training_step(model, inputs, optimizer=None, loss_fn: Callable | None = None
 class _Tracker(TorchDispatchMode):
     """Adds a storage's bytes when an op creates it, frees them when it dies; keeps the running peak."""
 
+    #: higher-order ops (e.g. run_and_save_rng_state when a recomputed region has random ops) come here too:
+    #: they run below this mode, their outputs are tracked like any op's
+    supports_higher_order_operators = True
+
     @classmethod
     def ignore_compile_internals(cls):  # NOTE: else Dynamo skips compiling under this mode
         return True
@@ -228,15 +232,17 @@ class _Tracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.ops.aten._local_scalar_dense.default:  # .item() on a fake tensor (optimizer step count)
-            a = args[0]
+        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], torch.Tensor):
+            a = args[0]  # .item() on a fake tensor (the optimizer's step count)
             if isinstance(a, torch._subclasses.FakeTensor) or a.device.type == "meta":
                 return 1.0 if a.is_floating_point() else (True if a.dtype == torch.bool else 1)
         out = func(*args, **kwargs)
         if not self.enabled:
             return out
-        packet = func._overloadpacket
-        if self._flop_registry is not None and packet in self._flop_registry:
+        packet = getattr(func, "_overloadpacket", None)
+        if packet is None:  # a higher-order op: no flop formula
+            pass
+        elif self._flop_registry is not None and packet in self._flop_registry:
             try:
                 self.flops += int(self._flop_registry[packet](*args, **kwargs, out_val=out))
             except Exception:  # pragma: no cover - a flop formula that does not fit these args
