@@ -85,12 +85,12 @@ def _write(name: str, data: dict, md: str) -> None:
     print(md)
 
 
-def accuracy(families=None, inductor_combos=("none",), hidden=512, layers=4, vocab=32000, seq=512, batch=2):
+def accuracy(families=None, inductor_combos=("none",), inductor_families=("llama", "gpt_neox"), hidden=512, layers=4, vocab=32000, seq=512, batch=2):
     rows = []
     for fam in families or FAMILIES:
         for combo, passes in combos(fam).items():
             for lowering in ("eager", "inductor"):
-                if lowering == "inductor" and combo not in inductor_combos:
+                if lowering == "inductor" and (combo not in inductor_combos or fam not in inductor_families):
                     continue
                 model = build(fam, hidden, layers, vocab)
                 tok = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
@@ -109,6 +109,11 @@ def accuracy(families=None, inductor_combos=("none",), hidden=512, layers=4, voc
                 rows.append(row)
                 del model, compiled
                 torch._dynamo.reset()
+                _write_accuracy(rows, hidden, layers, vocab, seq, batch)
+    return rows
+
+
+def _write_accuracy(rows, hidden, layers, vocab, seq, batch):
     md = [f"# Memory planner: predicted vs measured peak of one training step (CPU)\n",
           f"{header()}\n", f"Shapes: hidden {hidden}, {layers} layers, vocabulary {vocab}, batch {batch} x seq {seq}, "
           f"fp32, SDPA attention, AdamW (for-loop, as on CPU). Prediction: fake-tensor replay with the eager "
@@ -119,10 +124,9 @@ def accuracy(families=None, inductor_combos=("none",), hidden=512, layers=4, voc
         md.append(f"| {r['family']} | {r['combo']} | {r['lowering']} | {format_bytes(r['predicted'])} | "
                   f"{format_bytes(r['measured'])} | {r['error_pct']:+.3f}% | {r['predict_s']} s | {r['peak_at'][:50]} |")
     _write("accuracy", {"header": header(), "rows": rows}, "\n".join(md) + "\n")
-    return rows
 
 
-def budget(families=None, hidden=512, layers=4, vocab=32000, seq=1024, batch=1, fraction=0.6):
+def budget(families=None, hidden=512, layers=4, vocab=32000, seq=2048, batch=1, fraction=0.6):
     """Eager attention (activations matter), passes=[]: the plan for 60% of the plain step's measured peak."""
     from effpass.testing import assert_close_tree
 
@@ -153,6 +157,11 @@ def budget(families=None, hidden=512, layers=4, vocab=32000, seq=1024, batch=1, 
         print(row, flush=True)
         rows.append(row)
         torch._dynamo.reset()
+        _write_budget(rows, hidden, layers, vocab, seq, batch, fraction)
+    return rows
+
+
+def _write_budget(rows, hidden, layers, vocab, seq, batch, fraction):
     md = [f"# Memory planner: a budget of {fraction:.0%} of the plain step's measured peak (CPU)\n", f"{header()}\n",
           f"Shapes: hidden {hidden}, {layers} layers, vocabulary {vocab}, batch {batch} x seq {seq}, fp32, eager "
           f"(unfused) attention, passes=[] as given, AdamW, lowering='eager'. Gradients compared with the plain "
@@ -164,7 +173,6 @@ def budget(families=None, hidden=512, layers=4, vocab=32000, seq=1024, batch=1, 
                   f"{format_bytes(r['predicted']) if r['predicted'] else '-'} | "
                   f"{format_bytes(r['measured']) if r['measured'] else '-'} | {r['fits']} | {r['grads_equal']} |")
     _write("budget", {"header": header(), "rows": rows}, "\n".join(md) + "\n")
-    return rows
 
 
 CONFIGS = {  # published config.json fields (Hugging Face hub), written out: nothing is downloaded
