@@ -215,10 +215,17 @@ def table(models=None, budgets=(24, 48, 80), batch=1, seq=2048, lora=None):
             row["seconds"] = round(time.perf_counter() - t0, 1)
             print(row, flush=True)
             rows.append(row)
+            _write_table(rows, batch, seq, lora)
+    return rows
+
+
+def _write_table(rows, batch, seq, lora):
     md = ["# Memory plans for full-size models (predictions only, not measured)\n", f"{header()}\n",
           f"bf16 parameters and AdamW states (the configs' dtype), full fine-tuning"
           + (f" with LoRA rank {lora}" if lora else "") + f", batch {batch} x seq {seq}, SDPA, "
           f"allow=['nf4', 'adamw8bit'], predicted for the CPU kernels on fake tensors (no weights).\n",
+          "`seconds`: planning time for that budget on the shared 2-core CPU (the first budget of a model replays "
+          "every candidate; later ones reuse the replays).\n",
           "| model | budget | plan | predicted peak | seconds |", "|---|---|---|---|---|"]
     for r in rows:
         md.append(f"| {r['model']} | {r['budget_gib']} GiB | {r['plan']} | {format_bytes(r['peak'])} | {r['seconds']} |")
@@ -230,7 +237,6 @@ def table(models=None, budgets=(24, 48, 80), batch=1, seq=2048, lora=None):
         seen.add(r["model"])
         md.append(f"- {r['model']}: " + "; ".join(f"{k}: {format_bytes(v)}" for k, v in r["alternatives"].items()))
     _write("table" + (f"_lora{lora}" if lora else ""), {"header": header(), "rows": rows}, "\n".join(md) + "\n")
-    return rows
 
 
 if __name__ == "__main__":

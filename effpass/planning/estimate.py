@@ -506,8 +506,9 @@ def estimate_memory(model: torch.nn.Module, example_inputs, passes=None, optimiz
         requested_lowering=requested_lowering, passes=[p.name for p in be.options.passes] if be else [],
         pass_stats=stats, notes=notes, trainable_numels=[p.numel() for p in trainable])
     if requested_lowering == "inductor":
-        est.notes.append("replayed with the eager lowering (same joint graph, passes and partitioner); "
-                         "Inductor reuses buffers, measured within 5% of this (docs/memory_planner.md)")
+        est.notes.append("replayed with the eager lowering (same joint graph, passes and partitioner); Inductor "
+                         "fuses and reuses buffers, so this is an upper bound for it (12% above the measured peak "
+                         "on the benchmark's Llama, docs/memory_planner.md)")
     if world_size > 1:
         est = fold_fsdp(est, world_size, _largest_unit_bytes(work))
     est.seconds = time.perf_counter() - t0
