@@ -46,6 +46,7 @@ from .api import compile, prepare, report, backend_of  # noqa: E402
 from .backend import EffpassBackend  # noqa: E402
 from .inspect import html as _html_renderer  # noqa: E402,F401  (registers CompileReport.to_html)
 from .export import export_onnx  # noqa: E402
+from .planning import estimate_memory, plan_memory, MemoryBudgetError  # noqa: E402
 
 
 
@@ -64,4 +65,6 @@ __all__ = [
     "parse_options", "default_pipeline", "order_passes", "CompileReport", "GraphReport", "PassRecord",
     "PipelineError", "EffpassPassError", "TargetMatchError", "PassOptionError", "reserved_pass_names",
     "register_extension", "register_command", "register_cacheable_function", "export_onnx",
+    "estimate_memory", "plan_memory",
+    "MemoryBudgetError",
 ]

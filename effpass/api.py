@@ -75,7 +75,8 @@ def compile(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None =
             dump_dir: str | None = None, lowering: str = "inductor", strict: bool = False,
             bisect: int | None = None, disable: Iterable[str] = (), inductor_config: dict | None = None,
             mode: str | None = None, fullgraph: bool = False, dynamic: bool | None = None,
-            detailed_stats: bool = False) -> torch.nn.Module:
+            detailed_stats: bool = False, memory_budget: str | int | None = None, allow: Iterable[str] = (),
+            example_inputs: Any = None, optimizer: str | None = "adamw", world_size: int = 1) -> torch.nn.Module:
     """Prepare ``model`` in place with the module-level passes, then compile it in place with the rest.
 
     Like ``nn.Module.compile()``, the model itself is compiled and returned: the same object and class,
@@ -85,6 +86,10 @@ def compile(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None =
     dtype), ``passes=[]`` none. A Hugging Face model also gets effpass's take on gradient checkpointing
     and adapter saving (:mod:`effpass.integrations.huggingface`).
 
+    ``memory_budget="24GiB"`` (with ``example_inputs=`` of one training step): the memory planner adds the
+    passes that fit the step into the budget with the least extra compute, lossy ones only if named in
+    ``allow`` (``effpass.report(model).memory_plan`` says what and why; docs/memory_planner.md).
+
     >>> model = effpass.compile(model, passes=[FuseAttention(), ApplyAutocast(dtype=torch.bfloat16)])
     """
     if not isinstance(model, torch.nn.Module):
@@ -92,9 +97,16 @@ def compile(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None =
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         raise TypeError("effpass.compile got a torch.compile'd module (OptimizedModule); pass the model itself "
                         "(its ._orig_mod): effpass compiles it in place")
+    plan = None
+    if memory_budget is not None:  # the memory planner chooses the pipeline (effpass/planning)
+        from .planning.planner import plan_for_compile
+
+        passes, plan = plan_for_compile(model, passes, memory_budget, allow, example_inputs, optimizer=optimizer,
+                                        world_size=world_size, lowering=lowering, strict=strict, disable=disable)
     opts = _options(passes, dump_dir, lowering, strict, bisect, disable, inductor_config, mode,
                     _device_of_model(model), detailed_stats)
     backend = EffpassBackend(opts, model=model)
+    backend.report.memory_plan = plan
     ctx = _run_module_phase(model, backend, {"fullgraph": fullgraph, "dynamic": dynamic})
     _BACKENDS[model] = backend
     if not ctx.compile_root:  # a module-level pass compiled the units itself (e.g. FSDP per block)

@@ -397,6 +397,9 @@ def effpass_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
         # hook runs here only if it declares module_phase_optional (its graph hooks do the job alone, with
         # any difference documented and warned, as apply_autocast does); every other one is an error, never
         # a silent no-op.
+        if opts.memory_budget is not None:
+            raise ValueError("memory_budget needs the eager model and one step's inputs, which the string backend "
+                             "never sees; use effpass.compile(model, memory_budget=..., example_inputs=...)")
         module_only = [p.name for p in opts.passes
                        if type(p).requires_module_phase
                        or (Phase.MODULE in type(p).phases() and not type(p).module_phase_optional)]

@@ -29,6 +29,9 @@ OPTION_DOCS = {
     "inductor_config": "extra torch._inductor.config patches applied around lowering",
     "detailed_stats": "also compute statistics that cost extra compile work (e.g. checkpoint_activations' "
                       "saved bytes before/after from two extra partitions); on whenever dump_dir is set",
+    "memory_budget": "fit the training step into this many bytes ('24GiB'): effpass.compile(model, memory_budget=..., "
+                     "example_inputs=...) chooses passes (effpass.planning; docs/memory_planner.md)",
+    "allow": "lossy techniques the memory planner may use: 'nf4', 'int8' (LoRA base), 'adamw8bit'",
 }
 
 #: Environment variables effpass reads (all of them, here and nowhere else).
@@ -54,6 +57,9 @@ class Options:
     detailed_stats: bool = False
     #: True when the user gave no pipeline (the default pipeline was chosen for them).
     default_pipeline: bool = False
+    #: the memory planner's budget in bytes and the lossy techniques it may use (effpass.compile only)
+    memory_budget: int | None = None
+    allow: tuple[str, ...] = ()
 
 
 def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -237,11 +243,57 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
             if not hasattr(ic, key.split(".")[0]):
                 raise ValueError(f"inductor_config: unknown Inductor config key {key!r}")
     out.inductor_config = dict(inductor_config)
+    if options.get("memory_budget") is not None:
+        out.memory_budget = parse_size(options["memory_budget"], "memory_budget")
+    allow = options.get("allow") or ()
+    if isinstance(allow, str):
+        allow = [allow]
+    if not isinstance(allow, (list, tuple)):
+        raise TypeError(f"allow must be a list of technique names, got {type(allow).__name__} {allow!r}")
+    bad = [a for a in allow if a not in ALLOW_TECHNIQUES]
+    if bad:
+        raise ValueError(f"allow: {bad[0]!r} names no technique; valid: {list(ALLOW_TECHNIQUES)}")
+    out.allow = tuple(allow)
     if mode is not None:
         valid_modes = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
         if mode not in valid_modes:
             raise ValueError(f"mode {mode!r} is not valid; choose one of {valid_modes}")
     return out
+
+
+#: what ``allow`` may name: lossy techniques, and lossless ones (always tried, accepted and ignored)
+ALLOW_TECHNIQUES = ("nf4", "int8", "adamw8bit", "checkpoint", "fuse_cross_entropy", "fsdp")
+
+_SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(value: Any, what: str = "memory_budget") -> int:
+    """A byte count from ``"24GiB"``, ``"512MiB"``, ``"1.5GB"``, ``"24G"`` (read as ``"24GB"``) or a number of
+    bytes. Raises ``ValueError`` / ``TypeError`` naming the value and the units."""
+    import math
+    import re
+
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be a size such as '24GiB' or a number of bytes, got {value!r}")
+    if isinstance(value, (int, float)):
+        if not value > 0 or math.isinf(value):
+            raise ValueError(f"{what} must be a positive size, got {value!r}")
+        return int(value)
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a size such as '24GiB' or a number of bytes, got "
+                        f"{type(value).__name__} {value!r}")
+    m = re.match(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$", value)
+    unit = m.group(2).lower() if m else ""
+    if unit and not unit.endswith("b"):
+        unit += "b"
+    if not m or unit not in ("",) + tuple(_SIZE_UNITS):
+        raise ValueError(f"{what}: cannot read {value!r} as a size; use e.g. '24GiB', '512MiB', '1.5GB' or a "
+                         f"number of bytes (units: {sorted(_SIZE_UNITS, key=_SIZE_UNITS.get)})")
+    n = float(m.group(1)) * _SIZE_UNITS[unit or "b"]
+    if n <= 0:
+        raise ValueError(f"{what} must be a positive size, got {value!r}")
+    return int(n)
 
 
 def describe_options(opts: Options) -> dict[str, Any]:

@@ -86,6 +86,8 @@ class CompileReport:
         """The part of this report about ``model``: its module phase and the graphs compiled while it was
         being called (a string backend is shared by every model compiled with the same options)."""
         return CompileReport(module=self.module, graphs=[g for g in self.graphs if g.belongs_to(model)])
+    #: the memory planner's choice (``effpass.compile(model, memory_budget=...)``), else None
+    memory_plan: Any = None
 
     def records(self, pass_name: str | None = None) -> list[PassRecord]:
         out = list(self.module.records)

@@ -1,5 +1,11 @@
 """Memory per rank on paper for data-parallel training with and without sharding (ZeRO / FSDP2).
 
+For a prediction of the whole step from the model's own graphs (activations, transients, where the peak
+is), use ``effpass.estimate_memory(model, inputs, world_size=N)``: it replays the step on fake tensors and
+applies this module's ``zero3`` accounting to the replayed terms (``effpass.planning.fold_fsdp``). This
+module stays the quick paper estimate for every sharding mode from a module, a preset or a bare count
+(``effpass estimate``).
+
 The accounting is the seeds' (ZeRO paper, section 3.1): mixed-precision Adam keeps, per trainable
 parameter, a 16-bit parameter (2 bytes), a 16-bit gradient (2) and fp32 optimizer states: master copy,
 momentum and variance (4 + 4 + 4 = 12), 16 bytes in all. Frozen parameters (a LoRA base) keep only the
@@ -223,7 +229,8 @@ def _run(args) -> int:
     return 0
 
 
-effpass.register_command("estimate", help="per-rank memory for a model under each sharding mode (wrap_fsdp)",
+effpass.register_command("estimate", help="per-rank memory on paper under each sharding mode (wrap_fsdp); "
+                                     "effpass plan / effpass.estimate_memory replay the step",
                          add_arguments=_add_arguments, run=_run)
 
 

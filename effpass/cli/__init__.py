@@ -172,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
 
     sub.add_parser("demo", help="train the embedded Llama-style model eagerly and with effpass", add_help=False)
 
+    from ..planning import cli as _plan_cli  # noqa: F401  (registers ``effpass plan``)
+
     # Commands that passes and plugins contribute through the registry (e.g. wrap_fsdp's ``estimate``).
     for name, command in sorted(registered_commands().items()):
         sp = sub.add_parser(name, help=command.help)

@@ -1,0 +1,9 @@
+"""Memory planning: predict a training step's peak memory (``estimate_memory``) and choose passes that fit
+it under a byte budget (``plan_memory``; ``effpass.compile(model, memory_budget=...)``, ``effpass plan``)."""
+from __future__ import annotations
+
+from .estimate import MemoryEstimate, estimate_memory, fold_fsdp, format_bytes, parse_size, training_step
+from .planner import LOSSY_TECHNIQUES, Candidate, MemoryBudgetError, MemoryPlan, plan_memory
+
+__all__ = ["MemoryEstimate", "estimate_memory", "fold_fsdp", "format_bytes", "parse_size", "training_step",
+           "MemoryPlan", "Candidate", "MemoryBudgetError", "plan_memory", "LOSSY_TECHNIQUES"]

@@ -1,0 +1,123 @@
+"""``effpass plan CONFIG.json --batch B --seq T --budget 24GiB``: the memory plan for a Hugging Face config.
+
+The model is built on the meta device from the config (no weights), then planned with
+:func:`~effpass.planning.plan_memory` on fake tensors. Inputs: ``input_ids`` = ``labels`` of shape
+``(batch, seq)``, ``use_cache=False`` (as trainers run). Predictions only.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import effpass
+
+from .estimate import format_bytes
+
+__all__ = ["model_from_config", "plan_config"]
+
+LORA_TARGETS = ["*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj", "*.gate_proj", "*.up_proj", "*.down_proj"]
+
+
+def model_from_config(config, dtype: str | None = None):
+    """A causal LM on the meta device from a Hugging Face config (a path to config.json, a dict or a
+    ``PretrainedConfig``), with SDPA attention, in ``dtype`` (default: the config's ``torch_dtype``/``dtype``,
+    else float32)."""
+    import torch
+    import transformers as tf
+
+    if isinstance(config, str):
+        try:
+            with open(config) as f:
+                config = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read the Hugging Face config {config!r}: {e}") from None
+    if isinstance(config, dict):
+        d = dict(config)
+        mt = d.pop("model_type", None)
+        if mt is None:
+            raise ValueError("the config has no 'model_type' (e.g. 'llama'); is it a Hugging Face config.json?")
+        try:
+            config = tf.AutoConfig.for_model(mt, **d)
+        except ValueError as e:
+            raise ValueError(f"model_type {mt!r}: {e}") from None
+    name = dtype or getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+    torch_dtype = name if isinstance(name, torch.dtype) else getattr(torch, str(name).replace("torch.", ""), None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ValueError(f"dtype {name!r} is not a torch dtype; use e.g. 'float32', 'bfloat16', 'float16'")
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    model.train()
+    return model
+
+
+def plan_config(config, batch: int, seq: int, budget, allow=(), world_size: int = 1, passes=None,
+                lora: int | None = None, optimizer: str | None = "adamw", dtype: str | None = None,
+                device: str = "cpu"):
+    """(model, plan) for a config at ``batch`` x ``seq`` under ``budget``."""
+    import torch
+
+    from .planner import plan_memory
+
+    if batch < 1 or seq < 1:
+        raise ValueError(f"batch and seq must be >= 1, got batch={batch}, seq={seq}")
+    model = model_from_config(config, dtype)
+    tokens = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    inputs = {"input_ids": tokens, "labels": tokens, "use_cache": False}
+    pipeline = list(passes or [])
+    if isinstance(passes, dict):
+        pipeline = [effpass.make_pass(n, o or {}) for n, o in passes.items()]
+    if lora:
+        pipeline.append(effpass.make_pass("inject_lora", {"rank": int(lora), "targets": LORA_TARGETS}))
+    plan = plan_memory(model, inputs, budget, allow=allow, passes=pipeline, optimizer=optimizer,
+                       world_size=world_size, device=device, lowering="eager")
+    return model, plan
+
+
+def _add_arguments(p) -> None:
+    p.add_argument("config", help="a Hugging Face config.json")
+    p.add_argument("--batch", type=int, required=True, help="micro-batch (per rank)")
+    p.add_argument("--seq", type=int, required=True, help="sequence length")
+    p.add_argument("--budget", required=True, help="memory per device, e.g. 24GiB")
+    p.add_argument("--allow", nargs="*", default=[], help="lossy techniques the plan may use: nf4 int8 adamw8bit")
+    p.add_argument("--world-size", dest="world_size", type=int, default=1, help="ranks (FSDP is tried when > 1)")
+    p.add_argument("--lora", type=int, default=None, metavar="RANK", help="train LoRA adapters of this rank")
+    p.add_argument("--passes", default=None, help='the pipeline as JSON, e.g. \'{"fuse_attention": {}}\'')
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit", "none"])
+    p.add_argument("--dtype", default=None, help="parameter dtype (default: the config's)")
+    p.add_argument("--device", default="cpu", help="device to predict for (fake tensors; cuda is untested)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _run(args) -> int:
+    from .planner import MemoryBudgetError
+
+    passes = json.loads(args.passes) if args.passes else None
+    try:
+        model, plan = plan_config(args.config, args.batch, args.seq, args.budget, allow=args.allow,
+                                  world_size=args.world_size, passes=passes, lora=args.lora,
+                                  optimizer=None if args.optimizer == "none" else args.optimizer, dtype=args.dtype,
+                                  device=args.device)
+    except MemoryBudgetError as e:
+        print(f"effpass plan: {e}", file=sys.stderr)
+        if e.candidates:
+            from .planner import MemoryPlan
+
+            fake = MemoryPlan(budget=0, chosen=e.plan, candidates=e.candidates, passes=[], optimizer=None,
+                              world_size=args.world_size, reason="")
+            print(fake.table(), file=sys.stderr)
+        return 2
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"effpass plan: {e}") from None
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=1))
+        return 0
+    n = sum(p.numel() for p in model.parameters())
+    print(f"{type(model).__name__}: {n / 1e9:.3g}B parameters, batch {args.batch} x seq {args.seq}"
+          + (f", {args.world_size} ranks" if args.world_size > 1 else "") + " (predictions, not measurements)")
+    print(plan.summary())
+    return 0
+
+
+effpass.register_command("plan", help="choose passes that fit a training step of a HF config into a memory budget",
+                         add_arguments=_add_arguments, run=_run)

@@ -1,0 +1,577 @@
+"""Predict the peak memory of one training step by replaying it on fake tensors.
+
+How: the model is copied with every parameter, buffer and tensor attribute replaced by a *fake* tensor
+(``torch._subclasses.FakeTensor``: shape, dtype and device, no storage) on the target device, the
+module-level passes run on the copy (quantization and adapters make fake buffers and parameters), then
+the copy is compiled with effpass (``lowering="eager"``: the same AOTAutograd joint graph, passes and
+min-cut partitioner as Inductor, run op by op) and one training step (forward, backward, optimizer step,
+``zero_grad``) runs twice on fake inputs: the first compiles and creates the optimizer states, the second
+is tracked. A :class:`TorchDispatchMode` adds a storage's bytes when an op creates it (a storage none of
+the op's inputs hold) and subtracts them when the storage dies (``weakref.finalize``); the running maximum
+is the step's peak above the bytes live at its start (parameters, buffers, optimizer states, inputs).
+
+Why fake CPU/CUDA tensors, not the meta device: on ``meta`` tensors ``scaled_dot_product_attention``
+picks the math path (it materialises the scores) and ``nll_loss`` loses its backward (Python Meta kernels
+registered for composite ops), so the replayed program is not the one that runs. Fake tensors claim the
+real device, so every kernel choice is the device's own. Traps avoided (see the shared torch-facts notes):
+a dispatch mode makes Dynamo skip compiling unless ``ignore_compile_internals()`` is True; ``model.to``
+unties tied weights (the copy maps each parameter object once); ``torch.tensor(...)`` inside traced
+model code needs fake-tensor "non-fake inputs" allowed.
+
+The GPU path (fake CUDA tensors) is untested: no GPU was available when this was written.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import linecache
+import math
+import sys
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = ["MemoryEstimate", "estimate_memory", "training_step", "OPTIMIZERS", "format_bytes", "parse_size"]
+
+OPTIMIZERS = ("adamw", "adamw8bit", None)
+_GIB = 1024 ** 3
+
+from effpass.config import parse_size  # noqa: E402  (re-exported)
+
+
+def format_bytes(n: float) -> str:
+    n = float(n)
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+# ------------------------------------------------------------------------------------------------------
+# the result
+# ------------------------------------------------------------------------------------------------------
+@dataclass
+class MemoryEstimate:
+    """The predicted memory of one steady-state training step (bytes; per rank when ``world_size > 1``).
+
+    ``peak_bytes = start_bytes + step_peak_bytes``: what is live at the step's start (parameters,
+    buffers, optimizer states, inputs) plus the peak of what the forward, backward and optimizer step
+    allocate above it.
+    """
+
+    peak_bytes: int
+    start_bytes: int
+    step_peak_bytes: int
+    parameters: int                 # every parameter (trainable and frozen), each storage once
+    trainable_parameters: int
+    buffers: int                    # buffers (quantized weights live here)
+    inputs: int
+    gradients: int                  # all gradients (what exists when backward ends)
+    optimizer_states: int
+    activations: int                # live when the forward returns: saved for backward (+ the loss)
+    largest_transient: int          # the largest single allocation of the step
+    largest_transient_op: str
+    peak_phase: str                 # "forward", "backward" or "optimizer"
+    peak_graph: str                 # e.g. "backward graph 1 of 1" or "eager code"
+    peak_node: str                  # the FX node (or aten op) that allocated at the peak
+    gradients_at_peak: int = 0
+    phase_peaks: dict = field(default_factory=dict)  # peak above the start within each phase
+    trainable_numels: list = field(default_factory=list)
+    flops: int = 0                  # of the step: matmul/attention FLOPs (torch's flop counter) + 1 per element
+                                    # written by any other op
+    optimizer: str | None = "adamw"
+    world_size: int = 1
+    sharding: str = "none"          # "none" or "fsdp" (ZeRO-3 accounting, see fold_fsdp)
+    device: str = "cpu"
+    replay_lowering: str = "eager"
+    requested_lowering: str = "eager"
+    passes: list = field(default_factory=list)
+    pass_stats: dict = field(default_factory=dict)
+    seconds: float = 0.0
+    notes: list = field(default_factory=list)
+
+    def breakdown(self) -> dict[str, int]:
+        return {"parameters": self.parameters, "buffers": self.buffers, "inputs": self.inputs,
+                "optimizer_states": self.optimizer_states, "gradients": self.gradients,
+                "activations": self.activations, "largest_transient": self.largest_transient}
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def summary(self) -> str:
+        lines = [f"predicted peak of one training step: {format_bytes(self.peak_bytes)} ({self.peak_bytes} bytes)"
+                 + (f" per rank, {self.world_size} ranks ({self.sharding})" if self.world_size > 1 else ""),
+                 f"  live at the step's start: {format_bytes(self.start_bytes)} = parameters "
+                 f"{format_bytes(self.parameters)} ({format_bytes(self.trainable_parameters)} trainable) + buffers "
+                 f"{format_bytes(self.buffers)} + optimizer states {format_bytes(self.optimizer_states)} "
+                 f"({self.optimizer}) + inputs {format_bytes(self.inputs)}",
+                 f"  during the step: peak +{format_bytes(self.step_peak_bytes)}; gradients "
+                 f"{format_bytes(self.gradients)}, activations saved for backward {format_bytes(self.activations)}, "
+                 f"largest transient {format_bytes(self.largest_transient)} ({self.largest_transient_op})",
+                 f"  the peak occurs in the {self.peak_phase} ({self.peak_graph}) at {self.peak_node}",
+                 f"  replayed with lowering={self.replay_lowering!r} on fake {self.device} tensors in "
+                 f"{self.seconds:.1f} s; passes: {', '.join(self.passes) or '(none)'}"]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------------
+# the step that is predicted (tests and benchmarks measure this same function)
+# ------------------------------------------------------------------------------------------------------
+def _loss_of(out) -> torch.Tensor:
+    if hasattr(out, "loss") and getattr(out, "loss") is not None:
+        return out.loss
+    if isinstance(out, torch.Tensor):
+        return out if out.dim() == 0 else out.float().mean()
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0] if out[0].dim() == 0 else out[0].float().mean()
+    if isinstance(out, Mapping) and "loss" in out:
+        return out["loss"]
+    raise TypeError(f"cannot find a loss in the model's output ({type(out).__name__}); return a scalar, a "
+                    f"(loss, ...) tuple or an object with .loss, or pass loss_fn=")
+
+
+def _call(model, inputs):
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if isinstance(inputs, torch.Tensor):
+        return model(inputs)
+    return model(*inputs)
+
+
+def training_step(model, inputs, optimizer=None, loss_fn: Callable | None = None, _phase=None):
+    """One training step as the planner predicts it: ``loss = loss_fn(model(*inputs))`` (inputs a tuple
+    or a dict of keyword arguments), ``loss.backward()``, ``optimizer.step()``,
+    ``optimizer.zero_grad(set_to_none=True)``. Returns the loss (detached)."""
+    set_phase = _phase or (lambda p: None)
+    set_phase("forward")
+    out = _call(model, inputs)
+    loss = (loss_fn or _loss_of)(out)
+    del out
+    set_phase("backward")
+    loss.backward()
+    value = loss.detach()
+    del loss
+    set_phase("optimizer")
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        for p in model.parameters():
+            p.grad = None
+    set_phase(None)
+    return value
+
+
+# ------------------------------------------------------------------------------------------------------
+# the allocation tracker
+# ------------------------------------------------------------------------------------------------------
+class _Tracker(TorchDispatchMode):
+    """Adds a storage's bytes when an op creates it, frees them when it dies; keeps the running peak."""
+
+    #: higher-order ops (e.g. run_and_save_rng_state when a recomputed region has random ops) come here too:
+    #: they run below this mode, their outputs are tracked like any op's
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls):  # NOTE: else Dynamo skips compiling under this mode
+        return True
+
+    def __init__(self, params: Sequence[torch.Tensor] = ()):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self.sizes: dict[int, int] = {}
+        self.enabled = False
+        self.phase: str | None = None
+        self.peak_where = ("-", "-", "-")
+        self.largest = (0, "-")
+        self.params = list(params)
+        self.grads_at_peak = 0
+        self.phase_peaks: dict[str | None, int] = {}
+        self.graphs: dict[tuple[str, str], str] = {}
+        self.flops = 0
+        self._flop_registry = None
+        try:
+            from torch.utils.flop_counter import flop_registry
+
+            self._flop_registry = flop_registry
+        except Exception:  # pragma: no cover
+            pass
+
+    def reset(self):
+        self.live = self.peak = 0
+        self.peak_where = ("-", "-", "-")
+        self.largest = (0, "-")
+        self.grads_at_peak = 0
+        self.flops = 0
+        self.phase_peaks = {}
+
+    def _free(self, key):
+        self.live -= self.sizes.pop(key, 0)
+
+    def _where(self, func) -> tuple[str, str]:
+        f = sys._getframe(2)
+        while f is not None:
+            fn = f.f_code.co_filename
+            if fn.startswith("<eval_with_key>"):
+                line = linecache.getline(fn, f.f_lineno).strip()
+                key = (self.phase or "-", fn)
+                if key not in self.graphs:
+                    self.graphs[key] = str(1 + sum(1 for k in self.graphs if k[0] == key[0]))
+                node = line.split("=", 1)[0].strip() if "=" in line else line
+                return f"{self.phase} graph {self.graphs[key]}", f"{node} ({func})"
+            f = f.f_back
+        return "eager code", str(func)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], torch.Tensor):
+            a = args[0]  # .item() on a fake tensor (the optimizer's step count)
+            if isinstance(a, torch._subclasses.FakeTensor) or a.device.type == "meta":
+                return 1.0 if a.is_floating_point() else (True if a.dtype == torch.bool else 1)
+        out = func(*args, **kwargs)
+        if not self.enabled:
+            return out
+        packet = getattr(func, "_overloadpacket", None)
+        if packet is None:  # a higher-order op: no flop formula
+            pass
+        elif self._flop_registry is not None and packet in self._flop_registry:
+            try:
+                self.flops += int(self._flop_registry[packet](*args, **kwargs, out_val=out))
+            except Exception:  # pragma: no cover - a flop formula that does not fit these args
+                pass
+        elif not func.is_view:  # every other op: one per element it writes
+            self.flops += sum(t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        ins = set()
+        for a in flat_in:
+            try:
+                ins.add(a.untyped_storage()._cdata)
+            except Exception:
+                pass
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            try:
+                st = t.untyped_storage()
+            except Exception:  # tensor subclasses without one storage: their inner ops are tracked
+                continue
+            key = st._cdata
+            if key in ins or key in self.sizes:
+                continue
+            n = st.nbytes()
+            self.sizes[key] = n
+            weakref.finalize(st, self._free, key)
+            self.live += n
+            if n > self.largest[0]:
+                self.largest = (n, f"{func} in the {self.phase}")
+            if self.live > self.phase_peaks.get(self.phase, 0):
+                self.phase_peaks[self.phase] = self.live
+            if self.live > self.peak:
+                self.peak = self.live
+                graph, node = self._where(func)
+                self.peak_where = (self.phase or "-", graph, node)
+                if self.phase in ("backward", "optimizer"):
+                    self.grads_at_peak = sum(p.grad.untyped_storage().nbytes() for p in self.params
+                                             if p.grad is not None)
+        return out
+
+
+# ------------------------------------------------------------------------------------------------------
+# fake copies of the model and the inputs
+# ------------------------------------------------------------------------------------------------------
+def _fake_factory(fake_mode, device):
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        with fake_mode:
+            return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
+    return fake
+
+
+def _fake_model(model: torch.nn.Module, fake, device) -> torch.nn.Module:
+    """A deep copy of ``model`` whose tensors are fake (no storage); tied parameters stay tied."""
+    memo: dict[int, Any] = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) in memo:
+            continue
+        ft = fake(t)
+        memo[id(t)] = torch.nn.Parameter(ft, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else ft
+    # tensors held as plain attributes (e.g. rotary embeddings' original_inv_freq)
+    for m in model.modules():
+        for v in m.__dict__.values():
+            if isinstance(v, torch.Tensor) and id(v) not in memo:
+                memo[id(v)] = fake(v)
+    out = copy.deepcopy(model, memo)
+    return out
+
+
+def _fake_inputs(inputs, fake):
+    memo: dict[int, torch.Tensor] = {}  # the same tensor twice (input_ids and labels) stays one tensor
+
+    def one(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) not in memo:
+            memo[id(x)] = fake(x)
+        return memo[id(x)]
+
+    return tree_map(one, inputs)
+
+
+def _storage_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        try:
+            st = t.untyped_storage()
+            key = st._cdata
+            n = st.nbytes()
+        except Exception:
+            key, n = id(t), t.numel() * t.element_size()
+        if key not in seen:
+            seen.add(key)
+            total += n
+    return total
+
+
+@contextlib.contextmanager
+def _allow_non_fake_inputs():
+    """NOTE(torch.tensor in traced code): Dynamo's fake mode refuses real constants made while tracing a
+    fake model (e.g. ``torch.tensor([])`` in Hugging Face's cache); let it accept them, as export does."""
+    from torch._subclasses import fake_tensor as ft
+
+    orig = ft.FakeTensorMode.__init__
+
+    def init(self, *a, **k):
+        k["allow_non_fake_inputs"] = True
+        orig(self, *a, **k)
+
+    ft.FakeTensorMode.__init__ = init
+    try:
+        yield
+    finally:
+        ft.FakeTensorMode.__init__ = orig
+
+
+def _adamw8bit_state_bytes(params, block_size: int = 256) -> tuple[int, int]:
+    """(state bytes, largest step transient) of torchao's AdamW8bit: tensors with >= 4096 values (and a
+    multiple of the block size) keep two uint8 codes per value plus an fp32 scale per block; smaller ones
+    keep fp32 states; plus one fp32 step counter per parameter. The step dequantizes one parameter's two
+    states to fp32 (the transient)."""
+    states, transient = 0, 0
+    for p in params:
+        n = p.numel()
+        if n >= 4096 and n % block_size == 0:
+            states += 2 * (n + 4 * (n // block_size))
+            transient = max(transient, 2 * n * 4)
+        else:
+            states += 2 * n * p.element_size()
+        states += 4
+    return states, transient
+
+
+# ------------------------------------------------------------------------------------------------------
+def _target_device(model: torch.nn.Module, device) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.device.type != "meta":
+            return t.device
+    return torch.device("cpu")
+
+
+def estimate_memory(model: torch.nn.Module, example_inputs, passes=None, optimizer: str | None = "adamw",
+                    world_size: int = 1, *, device=None, loss_fn: Callable | None = None,
+                    lr: float = 1e-3, **compile_options) -> MemoryEstimate:
+    """Predict the peak memory of one steady-state training step of ``model`` compiled with effpass.
+
+    ``example_inputs``: a tuple of positional arguments or a dict of keyword arguments (as Hugging Face
+    models take them); real, fake or meta tensors (only shapes and dtypes are read). ``passes`` and
+    ``compile_options`` (``lowering``, ``strict``, ``disable``, ...) are those of :func:`effpass.compile`.
+    ``optimizer``: ``"adamw"`` (``torch.optim.AdamW`` over the trainable parameters), ``"adamw8bit"``
+    (torchao's 8-bit states) or ``None`` (no optimizer: gradients are dropped after backward).
+    ``world_size > 1``: per-rank figures under FSDP (ZeRO-3) sharding, see :func:`fold_fsdp`.
+    ``device``: the device to predict for (default: the model's; a meta model is predicted for the CPU).
+
+    The model is not changed: the replay works on a fake copy (no weights are allocated), so a model
+    built on the meta device at full size (``with torch.device("meta"): AutoModelForCausalLM.from_config(cfg)``)
+    works.
+    """
+    import effpass
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"estimate_memory expects an nn.Module, got {type(model).__name__}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer {optimizer!r} is not valid; choose one of {list(OPTIMIZERS)}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if not isinstance(example_inputs, (tuple, list, Mapping, torch.Tensor)):
+        raise TypeError(f"example_inputs must be a tuple of arguments or a dict of keyword arguments, got "
+                        f"{type(example_inputs).__name__}")
+    t0 = time.perf_counter()
+    opts = dict(compile_options)
+    requested_lowering = opts.pop("lowering", "inductor")
+    opts.pop("dump_dir", None)
+    opts.pop("memory_budget", None)
+    opts.pop("allow", None)
+    dev = _target_device(model, device)
+    pass_list = _without_fsdp(passes, dev)
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = _fake_factory(fake_mode, dev)
+    work = _fake_model(model, fake, dev)
+    inputs = _fake_inputs(example_inputs, fake)
+    was_training = work.training
+    work.train(True if was_training is None else was_training)
+
+    tracker = _Tracker()
+    notes: list[str] = []
+    try:
+        torch._dynamo.reset()
+        with _allow_non_fake_inputs(), fake_mode, tracker:
+            compiled = effpass.compile(work, passes=pass_list, lowering="eager", **opts)
+            trainable = [p for p in work.parameters() if p.requires_grad]
+            tracker.params = trainable
+            opt = None
+            if optimizer == "adamw" and trainable:
+                opt = torch.optim.AdamW(trainable, lr=lr, foreach=(dev.type == "cuda"))
+            training_step(compiled, inputs, opt, loss_fn)          # compiles; creates optimizer states
+            params = list(work.parameters())
+            buffers = list(work.buffers())
+            states = [v for s in (opt.state.values() if opt else ()) for v in s.values() if isinstance(v, torch.Tensor)]
+            flat_inputs = [x for x in tree_flatten(inputs)[0] if isinstance(x, torch.Tensor)]
+            start = _storage_bytes(params + buffers + states + flat_inputs)
+            p_bytes = _storage_bytes(params)
+            b_bytes = _storage_bytes(buffers)
+            s_bytes = _storage_bytes(states)
+            i_bytes = _storage_bytes(flat_inputs)
+            tracker.reset()
+            tracker.enabled = True
+            phases = {}
+
+            def set_phase(p):
+                if tracker.phase == "forward" and p == "backward":
+                    phases["activations"] = tracker.live
+                tracker.phase = p
+
+            training_step(compiled, inputs, opt, loss_fn, _phase=set_phase)
+            tracker.enabled = False
+    except (effpass.PipelineError, effpass.PassOptionError, effpass.TargetMatchError):
+        raise
+    except Exception as e:
+        raise RuntimeError(f"estimate_memory: could not replay a training step of {type(model).__name__} on "
+                           f"fake tensors ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); the "
+                           f"model must run under torch.compile (fake tensors, no data-dependent Python "
+                           f"control flow on tensor values outside graph breaks)") from e
+    finally:
+        torch._dynamo.reset()
+    grads = sum(p.numel() * p.element_size() for p in trainable)
+    step_peak = tracker.peak
+    if optimizer == "adamw8bit":
+        s_bytes, transient = _adamw8bit_state_bytes(trainable)
+        start += s_bytes
+        opt_peak = grads + transient
+        if opt_peak > step_peak:
+            step_peak = opt_peak
+            tracker.peak_where = ("optimizer", "eager code", "AdamW8bit step (dequantized states, analytic)")
+            tracker.grads_at_peak = grads
+        notes.append("AdamW8bit states and step transient are computed analytically (torchao's layout), "
+                     "not replayed")
+    be = effpass.backend_of(compiled)
+    stats = {}
+    if be is not None:
+        for name in {p.name for p in be.options.passes}:
+            try:
+                s = be.report.stats(name)
+            except Exception:
+                continue
+            if s:
+                stats[name] = {k: v for k, v in s.items() if isinstance(v, (int, float, bool, str))}
+    est = MemoryEstimate(
+        peak_bytes=start + step_peak, start_bytes=start, step_peak_bytes=step_peak, parameters=p_bytes,
+        trainable_parameters=_storage_bytes(trainable), buffers=b_bytes, inputs=i_bytes, gradients=grads,
+        optimizer_states=s_bytes, activations=phases.get("activations", 0),
+        largest_transient=tracker.largest[0], largest_transient_op=tracker.largest[1],
+        peak_phase=tracker.peak_where[0], peak_graph=tracker.peak_where[1], peak_node=tracker.peak_where[2],
+        gradients_at_peak=tracker.grads_at_peak, phase_peaks=dict(tracker.phase_peaks), flops=tracker.flops, optimizer=optimizer, device=str(dev),
+        requested_lowering=requested_lowering, passes=[p.name for p in be.options.passes] if be else [],
+        pass_stats=stats, notes=notes, trainable_numels=[p.numel() for p in trainable])
+    if requested_lowering == "inductor":
+        est.notes.append("replayed with the eager lowering (same joint graph, passes and partitioner); Inductor "
+                         "fuses and reuses buffers, so this is an upper bound for it (12% above the measured peak "
+                         "on the benchmark's Llama, docs/memory_planner.md)")
+    if world_size > 1:
+        est = fold_fsdp(est, world_size, _largest_unit_bytes(work))
+    est.seconds = time.perf_counter() - t0
+    return est
+
+
+def with_adamw8bit(est: MemoryEstimate, trainable_numels: Sequence[int]) -> MemoryEstimate:
+    """The estimate of the same step with torchao's AdamW8bit instead of AdamW, from an AdamW replay: the
+    forward and backward are the same; the states and the optimizer step's transient are torchao's layout
+    (see :func:`_adamw8bit_state_bytes`)."""
+    fake = [torch.empty(n, device="meta") for n in trainable_numels]
+    s8, transient = _adamw8bit_state_bytes(fake)
+    fwd_bwd = max(est.phase_peaks.get("forward", 0), est.phase_peaks.get("backward", 0))
+    opt_peak = est.gradients + transient
+    start = est.start_bytes - est.optimizer_states + s8
+    step_peak = max(fwd_bwd, opt_peak)
+    where = (est.peak_phase, est.peak_graph, est.peak_node) if fwd_bwd >= opt_peak else (
+        "optimizer", "eager code", "AdamW8bit step (dequantized states, analytic)")
+    return dataclasses.replace(est, optimizer="adamw8bit", optimizer_states=s8, start_bytes=start,
+                               step_peak_bytes=step_peak, peak_bytes=start + step_peak, peak_phase=where[0],
+                               peak_graph=where[1], peak_node=where[2],
+                               notes=list(est.notes) + ["AdamW8bit states and step transient computed analytically "
+                                                        "(torchao's layout) on the AdamW replay's forward/backward"])
+
+
+def _without_fsdp(passes, device):
+    """The pipeline without ``wrap_fsdp`` (sharding is accounted for by :func:`fold_fsdp`, not replayed)."""
+    from effpass.config import _build_passes, default_pipeline
+
+    if passes is None:
+        return None
+    built = _build_passes(passes)
+    return [p for p in built if p.name != "wrap_fsdp"]
+
+
+def _largest_unit_bytes(model: torch.nn.Module) -> int:
+    from effpass.graph import transformer_blocks
+
+    units = transformer_blocks(model)
+    return max((_storage_bytes(list(u.parameters())) for _, u in units), default=0)
+
+
+def fold_fsdp(est: MemoryEstimate, world_size: int, unit_bytes: int) -> MemoryEstimate:
+    """Per-rank figures under FSDP2 / ZeRO-3 (``wrap_fsdp``), from a one-rank replay.
+
+    Parameters, optimizer states and gradients are sharded ``world_size`` ways (FSDP2 keeps the sharded
+    parameter in its own dtype); each rank holds two gathered units (the one computing and the one
+    prefetched) and, in backward, one unit's unsharded gradients before the reduce-scatter. Activations
+    do not shrink (each rank runs its own micro-batch). This is the accounting of ``effpass estimate``
+    (``passes/fsdp_estimate.py``, mode ``zero3``) applied to the replayed terms.
+    """
+    N = world_size
+    shard = lambda b: math.ceil(b / N)  # noqa: E731
+    model_states = est.parameters + est.optimizer_states
+    gathered = 2 * unit_bytes
+    g_peak = est.gradients_at_peak
+    during = est.step_peak_bytes - g_peak + shard(g_peak) + gathered + (unit_bytes if est.peak_phase != "forward" else 0)
+    start = est.start_bytes - model_states + shard(model_states)
+    out = dataclasses.replace(
+        est, world_size=N, sharding="fsdp", start_bytes=start, step_peak_bytes=during, peak_bytes=start + during,
+        parameters=shard(est.parameters), trainable_parameters=shard(est.trainable_parameters),
+        optimizer_states=shard(est.optimizer_states), gradients=shard(est.gradients),
+        gradients_at_peak=shard(g_peak), notes=list(est.notes) + [
+            f"FSDP over {N} ranks: model states sharded, + 2 gathered units ({format_bytes(gathered)}) and one "
+            f"unit's unsharded gradients in backward (ZeRO-3 accounting on the replayed terms, not replayed)"])
+    return out

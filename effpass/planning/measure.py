@@ -1,0 +1,74 @@
+"""Measure what :func:`~effpass.planning.estimate_memory` predicts: the peak of one steady-state training
+step, on real tensors (tests and ``bench/bench_memory_plan.py`` use it).
+
+Measured = bytes live at the step's start (parameters, buffers, optimizer states, inputs; each storage
+once) + the peak allocated during the step: on CPU with :func:`effpass.testing.memory.peak_memory`
+(profiler allocator events, sees Inductor's buffers too), on CUDA with ``torch.cuda.max_memory_allocated``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from .estimate import _storage_bytes, training_step
+
+__all__ = ["MeasuredStep", "measure_step", "make_optimizer"]
+
+
+@dataclass
+class MeasuredStep:
+    peak_bytes: int
+    start_bytes: int
+    step_peak_bytes: int
+    grads: dict
+    loss: float
+
+
+def make_optimizer(model: torch.nn.Module, optimizer: str | None, lr: float = 1e-3):
+    """The optimizer the planner assumes: AdamW over the trainable parameters (foreach on CUDA only, as
+    torch's default), torchao's AdamW8bit, or None."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if optimizer is None or not params:
+        return None
+    if optimizer == "adamw":
+        dev = params[0].device
+        return torch.optim.AdamW(params, lr=lr, foreach=(dev.type == "cuda"))
+    if optimizer == "adamw8bit":
+        from torchao.optim import AdamW8bit
+
+        return AdamW8bit(params, lr=lr)
+    raise ValueError(f"optimizer {optimizer!r} is not valid; choose one of ['adamw', 'adamw8bit', None]")
+
+
+def measure_step(compiled: torch.nn.Module, model: torch.nn.Module, inputs, optimizer: str | None = "adamw", *,
+                 warmup: int = 2, loss_fn: Callable | None = None, keep_grads: bool = False,
+                 lr: float = 1e-3) -> MeasuredStep:
+    """Run ``warmup`` training steps of ``compiled`` (whose parameters are ``model``'s), then measure one.
+
+    ``keep_grads``: after the measured step, run one more forward and backward (no update) and return
+    its gradients, for comparing plans (outside the measured window)."""
+    from effpass.testing.memory import peak_memory
+
+    opt = make_optimizer(model, optimizer, lr)
+    for _ in range(warmup):
+        training_step(compiled, inputs, opt, loss_fn)
+    params = list(model.parameters())
+    states = [v for s in (opt.state.values() if opt else ()) for v in s.values() if isinstance(v, torch.Tensor)]
+    flat_inputs = [x for x in tree_flatten(inputs)[0] if isinstance(x, torch.Tensor)]
+    start = _storage_bytes(params + list(model.buffers()) + states + flat_inputs)
+    dev = params[0].device if params else torch.device("cpu")
+    loss, peak = peak_memory(lambda: training_step(compiled, inputs, opt, loss_fn), dev)
+    grads = {}
+    if keep_grads:  # one more step without the optimizer update: the gradients at the same weights
+        from .estimate import _call, _loss_of
+
+        out = _call(compiled, inputs)
+        (loss_fn or _loss_of)(out).backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        for p in params:
+            p.grad = None
+    return MeasuredStep(peak_bytes=start + peak, start_bytes=start, step_peak_bytes=peak, grads=grads,
+                        loss=float(loss))

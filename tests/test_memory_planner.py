@@ -1,0 +1,232 @@
+"""The memory planner: predicted peak of a training step vs measurement, plans under budgets, bad input.
+
+Oracles: measured peak (profiler allocator events + bytes live at the step's start) for the prediction;
+byte counts of parameters / optimizer states (structural); gradients of the planned step vs the plain one.
+"""
+import copy
+import json
+
+import pytest
+import torch
+
+import effpass
+from effpass.passes import CheckpointActivations, InjectLoRA, QuantizeLinear
+from effpass.planning import MemoryBudgetError, estimate_memory, fold_fsdp, parse_size, plan_memory
+from effpass.planning.measure import measure_step
+from effpass.testing import assert_close_tree, model_case
+
+SEQ, BATCH = 64, 2
+
+
+def _case(name, **kw):
+    return model_case(name, layers=2, seq=SEQ, batch=BATCH, **kw)
+
+
+_CACHE: dict = {}
+
+
+def _plain_llama():
+    """(case, estimate with passes=[]) of the tiny Llama, replayed once per test session."""
+    if "llama" not in _CACHE:
+        case = _case("llama")
+        _CACHE["llama"] = (case, estimate_memory(case.model, case.inputs, passes=[], lowering="eager"))
+    return _CACHE["llama"]
+
+
+def _measure(model, inputs, passes, lowering="eager", optimizer="adamw", keep_grads=False):
+    torch._dynamo.reset()
+    compiled = effpass.compile(model, passes=passes, lowering=lowering)
+    return measure_step(compiled, model, inputs, optimizer=optimizer, keep_grads=keep_grads)
+
+
+COMBOS = {
+    "none": lambda case: [],
+    "checkpoint": lambda case: [CheckpointActivations()],
+    "qlora": lambda case: [QuantizeLinear(scheme="nf4", exclude=["lm_head", "output"]),
+                           InjectLoRA(rank=4, targets=["*.q_proj", "*.v_proj"]), CheckpointActivations()],
+}
+
+
+@pytest.mark.parametrize("name,combo", [("llama", "none"), ("gpt2", "checkpoint"), ("demo", "qlora")])
+def test_prediction_matches_measurement(name, combo):
+    if name == "llama" and combo == "none":
+        case, est = _plain_llama()
+        case = case.fresh()
+    else:
+        case = _case(name)
+        est = estimate_memory(case.model, case.inputs, passes=COMBOS[combo](case), lowering="eager")
+    # the user's model is untouched by the estimate (it works on a fake copy)
+    assert not any(isinstance(m, effpass.passes.lora.LoRALinear) for m in case.model.modules())
+    meas = _measure(case.model, case.inputs, COMBOS[combo](case))
+    assert est.start_bytes == meas.start_bytes
+    assert abs(est.peak_bytes - meas.peak_bytes) <= 0.01 * meas.peak_bytes, (est.summary(), meas)
+    # structural: the breakdown adds up and names the peak
+    trainable = [p for p in case.model.parameters() if p.requires_grad]
+    grad_bytes = sum(p.numel() * p.element_size() for p in trainable)
+    assert est.gradients == grad_bytes
+    assert est.optimizer_states == 2 * grad_bytes + 4 * len(trainable)  # exp_avg, exp_avg_sq, fp32 step
+    assert est.start_bytes == est.parameters + est.buffers + est.optimizer_states + est.inputs
+    assert est.peak_phase in ("forward", "backward", "optimizer") and est.peak_node != "-"
+    assert 0 < est.activations < est.step_peak_bytes
+    assert est.flops > 0 and est.largest_transient > 0
+
+
+def test_meta_model_predicts_the_same_as_real_weights():
+    case, real = _plain_llama()
+    with torch.device("meta"):
+        meta_model = case.make()
+    meta_model.train(case.model.training)
+    tokens = case.inputs["input_ids"].to("meta")            # input_ids and labels are one tensor, as in the case
+    meta_inputs = {"input_ids": tokens, "labels": tokens}
+    meta = estimate_memory(meta_model, meta_inputs, passes=[], lowering="eager", device="cpu")
+    assert meta.peak_bytes == real.peak_bytes
+    assert meta.breakdown() == real.breakdown()
+
+
+def test_world_size_folds_fsdp_sharding():
+    case, one = _plain_llama()
+    four = estimate_memory(case.model, case.inputs, passes=[], lowering="eager", world_size=4)
+    assert four.sharding == "fsdp" and four.world_size == 4
+    assert four.parameters == -(-one.parameters // 4) and four.optimizer_states == -(-one.optimizer_states // 4)
+    assert four.peak_bytes < one.peak_bytes
+    assert four.peak_bytes == fold_fsdp(one, 4, _unit_bytes(case.model)).peak_bytes
+
+
+def _unit_bytes(model):
+    from effpass.graph import transformer_blocks
+
+    return max(sum(p.numel() * p.element_size() for p in u.parameters()) for _, u in transformer_blocks(model))
+
+
+def test_adamw8bit_states_are_smaller():
+    from effpass.planning.estimate import with_adamw8bit
+
+    case, a = _plain_llama()
+    b = estimate_memory(case.model, case.inputs, passes=[], lowering="eager", optimizer="adamw8bit")
+    big = [p.numel() for p in case.model.parameters() if p.numel() >= 4096 and p.numel() % 256 == 0]
+    small = [p for p in case.model.parameters() if not (p.numel() >= 4096 and p.numel() % 256 == 0)]
+    n_params = sum(1 for _ in case.model.parameters())
+    # torchao's layout: uint8 codes + an fp32 scale per 256 values for big tensors, fp32 states for small ones
+    assert b.optimizer_states == (sum(2 * (n + 4 * (n // 256)) for n in big)
+                                  + sum(2 * p.numel() * 4 for p in small) + 4 * n_params)
+    assert b.optimizer_states < a.optimizer_states / 2
+    assert b.parameters == a.parameters and b.gradients == a.gradients
+    assert with_adamw8bit(a, a.trainable_numels).peak_bytes == b.peak_bytes  # what the planner derives
+
+
+def test_budget_plan_fits_and_keeps_gradients():
+    """compile(memory_budget=...) picks a lossless plan whose measured peak fits; gradients equal the plain step's."""
+    case = _case("llama", attn="eager")
+    ref = copy.deepcopy(case.model)
+    plain = _measure(ref, case.inputs, [], keep_grads=True)
+    budget = int(0.9 * plain.peak_bytes)
+    torch._dynamo.reset()
+    compiled = effpass.compile(case.model, passes=[], lowering="eager", memory_budget=budget,
+                               example_inputs=case.inputs)
+    plan = effpass.report(compiled).memory_plan
+    _CACHE["eager_attention"] = (case, plan)
+    by_name = {c.name: c.estimate for c in plan.candidates}
+    # checkpointing shrinks what is saved for backward and adds recompute (counted in the replay)
+    assert by_name["checkpoint(full)"].activations < by_name["as given"].activations
+    assert by_name["checkpoint(full)"].flops > by_name["as given"].flops
+    assert plan is not None and not plan.chosen.lossy and plan.chosen.checkpoint
+    assert plan.peak_bytes <= budget and "fits" in plan.reason
+    meas = measure_step(compiled, case.model, case.inputs, keep_grads=True)
+    assert meas.peak_bytes <= budget
+    assert abs(meas.peak_bytes - plan.peak_bytes) <= 0.01 * meas.peak_bytes
+    assert_close_tree(meas.grads, plain.grads, atol=1e-6, rtol=1e-5, what="grads")
+    assert "checkpoint" in plan.table() and "as given" in plan.table()
+
+
+def test_nothing_fits_names_the_smallest_plan():
+    case = _case("llama", attn="eager")
+    params = sum(p.numel() * p.element_size() for p in case.model.parameters())
+    cache: dict = {}
+    with pytest.raises(MemoryBudgetError, match=r"smallest achievable predicted peak is .* with plan 'checkpoint") as e:
+        plan_memory(case.model, case.inputs, params + 1, passes=[], lowering="eager", _cache=cache)
+    # the same replays, a budget that fits the smallest: that plan is chosen
+    plan = plan_memory(case.model, case.inputs, e.value.smallest, passes=[], lowering="eager", _cache=cache)
+    assert plan.chosen.name == e.value.plan.name
+    assert e.value.smallest > params and e.value.plan.checkpoint == "full"
+
+
+@pytest.mark.parametrize("budget,err", [("24 gigs", "cannot read '24 gigs' as a size"), (-1, "positive"),
+                                        ("1KiB", "below the parameters' own bytes")])
+def test_bad_budgets(budget, err):
+    case = _case("llama")
+    with pytest.raises(ValueError, match=err):
+        plan_memory(case.model, case.inputs, budget, passes=[], lowering="eager")
+
+
+def test_bad_allow_and_option_key():
+    case = _case("llama")
+    with pytest.raises(ValueError, match=r"'nf5' names no technique \(did you mean 'nf4'\?\)"):
+        plan_memory(case.model, case.inputs, "1GiB", allow=["nf5"], passes=[], lowering="eager")
+    with pytest.raises(ValueError, match="names no technique"):
+        effpass.parse_options({"allow": ["fp3"]})
+    assert effpass.parse_options({"memory_budget": "2GiB"}).memory_budget == 2 * 1024 ** 3
+    assert parse_size("1.5GB") == 1_500_000_000 and parse_size("512MiB") == 512 * 2 ** 20
+    with pytest.raises(ValueError, match="example_inputs"):
+        effpass.compile(case.model, passes=[], memory_budget="1GiB")
+    with pytest.raises(ValueError, match="optimizer 'sgd' is not valid"):
+        estimate_memory(case.model, case.inputs, optimizer="sgd")
+
+
+@torch.library.custom_op("effpass_test_planner::opaque", mutates_args=())
+def _opaque(x: torch.Tensor) -> torch.Tensor:  # no fake (meta) implementation: cannot be traced
+    return x.clone()
+
+
+class _Untraceable(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return _opaque(self.lin(x)).sum()
+
+
+def test_untraceable_model_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="could not replay a training step of _Untraceable"):
+        estimate_memory(_Untraceable(), (torch.randn(2, 8),), passes=[], lowering="eager")
+
+
+def test_cli_plan(tmp_path, capsys):
+    from effpass.cli import main
+
+    cfg = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    full = ["--passes", '{"checkpoint_activations": {"policy": "full"}}']  # one replay per command
+    assert main(["plan", str(path), "--batch", "2", "--seq", "32", "--budget", "64MiB"] + full) == 0
+    out = capsys.readouterr().out
+    assert "memory plan for a budget of 64.00 MiB: as given" in out and "predicted peak" in out
+    assert "(predictions, not measurements)" in out
+    assert main(["plan", str(path), "--batch", "2", "--seq", "32", "--budget", "1.2MiB", "--allow", "adamw8bit"]
+                + full) == 2
+    err = capsys.readouterr().err
+    assert "smallest achievable predicted peak" in err and "'adamw8bit'" in err
+    with pytest.raises(SystemExit, match="names no technique"):
+        main(["plan", str(path), "--batch", "2", "--seq", "32", "--budget", "1GiB", "--allow", "magic"])
+
+
+@pytest.mark.inductor
+def test_inductor_prediction_is_an_upper_bound():
+    """Inductor is predicted by the eager-lowering replay; its fusions allocate less, so the prediction is
+    above the measured peak: 26.7% above at this tiny shape, 12.4% at the benchmark's Llama shape (the
+    issue's 5% target is not met yet; docs/memory_planner.md)."""
+    case = _case("llama")
+    est = estimate_memory(case.model, case.inputs, passes=[], lowering="inductor")
+    meas = _measure(case.model, case.inputs, [], lowering="inductor")
+    assert meas.peak_bytes <= est.peak_bytes <= 1.5 * meas.peak_bytes, (est.peak_bytes, meas.peak_bytes)
+
+
+@pytest.mark.gpu
+def test_cuda_prediction_matches_max_memory_allocated():  # pragma: no cover - no GPU where this was written
+    case = _case("llama")
+    model = case.model.cuda()
+    inputs = {k: v.cuda() for k, v in case.inputs.items()}
+    est = estimate_memory(model, inputs, passes=[], lowering="eager")
+    meas = _measure(model, inputs, [])
+    assert abs(est.peak_bytes - meas.peak_bytes) <= 0.01 * meas.peak_bytes, (est.summary(), meas)
