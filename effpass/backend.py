@@ -62,7 +62,7 @@ def _modules_on_stack() -> list[weakref.ref]:
     out, seen = [], set()
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code in codes:
+        if any(frame.f_code is c for c in codes):  # identity: some frames' f_code objects do not hash
             mod = frame.f_locals.get("self")
             if isinstance(mod, torch.nn.Module) and id(mod) not in seen:
                 seen.add(id(mod))

@@ -627,9 +627,8 @@ class FuseAttention(effpass.Pass):
                  "flash_attn": 0, "empty_row_guard": 0, "skipped": 0}
         unfused: list[dict] = []
         skipped = []
-        for sm in [n for n in graph.nodes if _is_softmax(n)]:
-            if not ctx.allows(sm):
-                continue
+        # the scope keeps the softmaxes in targets/exclude (and warns, naming the pass, when it keeps none)
+        for sm in ctx.scope.select_nodes(gm, [n for n in graph.nodes if _is_softmax(n)], what="attention softmax"):
             where = f"{module_path_of_node(sm) or '<root>'}:{sm.name}"
             try:
                 site = _match(sm, const)

@@ -43,7 +43,6 @@ tensor) appears in ``stats["modules"]`` as quantized or skipped with the reason.
 from __future__ import annotations
 
 import fnmatch
-import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -501,8 +500,8 @@ class QuantizeLinear(effpass.Pass):
                 before, after, params = before + r["bytes_before"], after + r["bytes_after"], params + r["numel"]
         quantized = sum(1 for r in report.values() if r["status"] == "quantized")
         if not quantized:
-            warnings.warn(f"quantize_linear: nothing was quantized ({len(skipped)} candidates skipped, see the "
-                          "pass's 'skipped' entries); the pass leaves the model unchanged", stacklevel=2)
+            ctx.scope.warn_nothing_to_act_on(f"nothing was quantized ({len(skipped)} candidates skipped, see the "
+                                             "pass's 'skipped' entries); the pass leaves the model unchanged")
         stats = {"scheme": self.scheme, "quantized": quantized - n_expert_q, "quantized_expert_tensors": n_expert_q,
                  "skipped": len(skipped), "bytes_before": before, "bytes_after": after,
                  "bytes_per_param": round(after / params, 4) if params else 0.0, "modules": report}

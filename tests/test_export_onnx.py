@@ -119,17 +119,17 @@ class _MLP(nn.Module):
 
 def test_adapter_recognises_effpass_and_torchao_int8_and_exports_torchao(tmp_path):
     torch.manual_seed(0)
-    from effpass.passes.quantize_linear import QuantizedLinear
+    from effpass.passes import QuantizeLinear
 
     lin = nn.Linear(64, 32)
-    q = QuantizedLinear.from_linear(lin, scheme="int8")
-    parts = quantized_linear_parts(q)
-    assert parts.qweight.dtype == torch.int8 and parts.scales.shape == (32,) and parts.source == "effpass.QuantizedLinear"
-    assert torch.equal(parts.qweight.float() * parts.scales[:, None], q.dequantize(torch.float32))
-    assert quantized_linear_parts(QuantizedLinear.from_linear(lin, scheme="int4", group_size=32)) is None
-    assert quantized_linear_parts(lin) is None
+    q = effpass.prepare(nn.Sequential(lin), passes=[QuantizeLinear(scheme="int8")])[0]
+    parts = quantized_linear_parts(q)   # effpass's int8 weight is a torchao Int8Tensor subclass
+    assert parts.qweight.dtype == torch.int8 and parts.scales.shape == (32,) and parts.source == "torchao.Int8Tensor"
+    assert torch.equal(parts.qweight.float() * parts.scales[:, None], q.weight.dequantize().float())
+    q4 = effpass.prepare(nn.Sequential(nn.Linear(64, 32)), passes=[QuantizeLinear(scheme="int4", group_size=32)])[0]
+    assert quantized_linear_parts(q4) is None
+    assert quantized_linear_parts(nn.Linear(64, 32)) is None
 
-    pytest.importorskip("torchao")
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
     model = _MLP()

@@ -37,20 +37,9 @@ _ATTN_SITES = {"t5": 3, "bart": 3}
 
 # Known gaps, as measured (issue 14): family -> reason. Flip (remove) when the other helpers' work merges.
 FUSE_GAPS: dict[str, str] = {
-    "falcon_new": "issue 14 item 3: Falcon scales the scores in place (operator.itruediv), not recognised",
-    "falcon_old": "issue 14 item 3: Falcon scales the scores in place (operator.itruediv), not recognised",
     "bloom": "issue 14 item 3: BLOOM's ALiBi form (baddbmm, weights viewed before @ v) is not recognised",
-    "t5": "issue 14 item 3: the cross-attention with a padding mask is counted fused but runs SDPA's unfused math op",
 }
-QUANT_GAPS: dict[str, str] = {
-    "t5": "issue 14 item 2: T5's code reads self.wo.weight.dtype; QuantizedLinear has no .weight (AttributeError)",
-    "falcon_new": "issue 14 item 2: FalconLinear (an nn.Linear subclass with its own forward) is skipped",
-    "falcon_old": "issue 14 item 2: FalconLinear (an nn.Linear subclass with its own forward) is skipped",
-    "mixtral": "issue 14 item 4: MoE expert weights (3-D parameters) are neither quantized nor listed as skipped",
-    "qwen3_moe": "issue 14 item 4: MoE expert weights (3-D parameters) are neither quantized nor listed as skipped",
-}
-FUSE_GAPS["bart"] = ("issue 14 item 3: the attention with a padding mask (2 of 3 sites) is counted fused but runs "
-                      "SDPA's unfused math op")
+QUANT_GAPS: dict[str, str] = {}
 #: softmax sites fuse_attention must leave alone, with the reason it must report (correct refusals):
 #: family -> (attention sites refused, softmax sites skipped in all, reason)
 _FUSE_REFUSALS = {
@@ -130,7 +119,7 @@ def test_fuse_attention(family):
     # every attention site is fused by a fused kernel, or left alone with the reason
     assert st["fused"] == _attn_sites(case) - refused and st["skipped"] == n_skipped, (st, skipped)
     assert all(reason in s["reason"] for s in skipped), skipped
-    assert st["math_reference"] == 0, st
+    assert st["unfused"] == 0, st   # counted fused only where a fused kernel runs
 
 
 # --------------------------------------------------------------------------------------------------
@@ -153,7 +142,7 @@ def test_quantize_linear_int8(family):
     assert st["quantized"] == len(linears) - len(tied), (st["quantized"], skipped)
     assert sorted(s["site"] for s in skipped if "tied" in s["reason"]) == sorted(tied)
     # MoE: every expert tensor is quantized or listed with its reason (item 4)
-    listed = {s["site"] for s in skipped} | set(st["linears"])
+    listed = {s["site"] for s in skipped} | set(st["modules"])
     assert all(any(e.startswith(site) or site.startswith(e.rsplit(".", 1)[0]) for site in listed)
                for e in experts), (experts, listed)
 
@@ -201,12 +190,7 @@ def test_glob_matching_nothing_is_an_error_naming_it_and_real_names(name, kind):
     assert isinstance(info.value, effpass.TargetMatchError) or "TargetMatchError" in str(info.value)
 
 
-_NOTHING_GAPS = {
-    "fuse_attention": "issue 14 item 5: fuse_attention should keep its sites with ctx.scope.select_nodes(...) "
-                      "(warns when the scope leaves none); passes/fuse_attention.py is another helper's",
-    "quantize_linear": "issue 14 item 5: quantize_linear should call ctx.scope.warn_nothing_to_act_on(...) when "
-                       "select_modules leaves no linear; passes/quantize_linear.py is another helper's",
-}
+_NOTHING_GAPS: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("name", [
