@@ -96,7 +96,8 @@ def test_training_passes(family):
     # init_scale=1: gradients keep their size, so the bound means the same for every family (the merged q/k/v
     # adapter matmul sums in another order than three separate ones: fp32 reassociation, hence rtol 1e-4)
     r = compile_and_compare(case, [InjectLoRA(rank=4, init="gaussian"), CheckpointActivations(),
-                                   ScaleLoss(init_scale=1.0)], atol=1e-6, rtol=1e-4, step=False)
+                                   ScaleLoss(init_scale=1.0)], atol=1e-6, rtol=1e-4, step=False,
+                           detailed_stats=True)
     rep = r.report
     lora = rep.stats("inject_lora")
     assert lora["adapters"] == linears and lora["trainable_params"] == lora["adapter_params"]

@@ -112,7 +112,7 @@ def test_default_pipeline_is_chosen_per_graph_from_its_inputs(_registry):
     model(**case.inputs)
     graphs = effpass.report(model).graphs
     assert len(graphs) == 2
-    assert [{r.name for r in g.records} for g in graphs] == [{"fuse_attention"}, {"fuse_attention", "count_ops_in_float64"}]
+    assert [{r.name for r in g.records} for g in graphs] == [{"fuse_attention", "fuse_cross_entropy"}, {"fuse_attention", "fuse_cross_entropy", "count_ops_in_float64"}]
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -240,7 +240,7 @@ def test_lora_saves_peft_adapters_and_resumes_exactly(tmp_path):
 # ------------------------------------------------------------------------------------------------------
 def test_hf_gradient_checkpointing_is_taken_over_and_every_pass_still_acts():
     case = model_case("llama")
-    model = effpass.compile(case.model, passes=[InjectLoRA(**LORA), FuseAttention()], lowering="eager")
+    model = effpass.compile(case.model, passes=[InjectLoRA(**LORA), FuseAttention()], lowering="eager", detailed_stats=True)
     eager = copy.deepcopy(model)
     eager.train(), model.train()
     # what Trainer(gradient_checkpointing=True) calls; the eager copy uses Hugging Face's own checkpointing
