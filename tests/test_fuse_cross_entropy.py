@@ -359,6 +359,9 @@ def test_composes_with_lora_head_and_checkpointing():
     assert stats["fused"] == 1 and stats["lora_heads"] == 1 and stats.get("marked_save", 0) == 1, stats
 
 
+@pytest.mark.xfail(strict=True, reason="issue 15, open: quantize_linear's head is now an nn.Linear with a torchao "
+                   "Int8Tensor weight; the matcher knows only the old dequantize-then-linear form, so the head is "
+                   "left unfused (logits returned)")
 def test_composes_with_quantized_head():
     from effpass.passes import QuantizeLinear
 
