@@ -145,8 +145,10 @@ _BOUND_SELF = re.compile(r"\.?[^.]+\.__self__")
 def normalize_module_path(path: str) -> str:
     """Dynamo's ``"L['self'].model.layers.0"`` (or ``._modules['layers']['0']``) -> ``"model.layers.0"``."""
     p = path
-    for prefix in ("L['self']", 'L["self"]', "L['mod']", "L['fn']", "self"):
-        if p.startswith(prefix):
+    # The root module of the traced frame: ``self`` of a forward, or the first positional argument of a
+    # ``wrapper(*args, **kwargs)`` decorator around it (transformers >= 5.24 wraps ``forward`` so).
+    for prefix in ("L['self']", 'L["self"]', "L['args'][0]", 'L["args"][0]', "L['mod']", "L['fn']", "self"):
+        if p == prefix or p.startswith(prefix + ".") or p.startswith(prefix + "["):
             p = p[len(prefix):]
             break
     p = p.replace("._modules", "")

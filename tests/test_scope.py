@@ -26,6 +26,10 @@ def test_normalize_dynamo_module_paths():
     assert normalize_module_path("L['self']") == ""
     assert normalize_module_path("L['self']._wrapper.__self__.lm_head") == "lm_head"
     assert normalize_module_path("L['self'].model._fwd.__self__.layers.0") == "model.layers.0"
+    # a decorator ``wrapper(*args, **kwargs)`` around forward (transformers >= 5.24): the module is args[0]
+    assert normalize_module_path("L['args'][0].model.layers.0") == "model.layers.0"
+    assert normalize_module_path("L['args'][0]._modules['lm_head']") == "lm_head"
+    assert normalize_module_path("L['args'][0]") == ""
 
 
 def test_globs_select_modules_on_llama():
