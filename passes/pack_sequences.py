@@ -488,8 +488,8 @@ class PackSequences(effpass.Pass):
                 stats["skipped"] += 1
                 skipped.append({"site": where, "reason": str(e)})
         changed = stats["sdpa_rewritten"] + stats["softmax_masked"] > 0
-        stats["attention_flops_per_pair_causal"] = sum(c for c, causal in costs.values() if causal)
-        stats["attention_flops_per_pair_full"] = sum(c for c, causal in costs.values() if not causal)
+        # FLOPs per attended (query, key) pair and row, summed over this graph's attention sites (static)
+        stats["attention_flops_per_pair"] = sum(c for c, _ in costs.values())
         counters = getattr(ctx.model, "_effpass_pack_counters", None)
         if counters is not None and costs:
             # NOTE: keyed by module path, so a recompiled graph replaces its sites and graph pieces add up
