@@ -38,9 +38,16 @@ Kernels (``kernel``)
 Phase ordering: runs after ``fuse_attention`` (so hand-written attention is already an SDPA call) and
 before ``apply_autocast`` / ``checkpoint_activations`` (which see the rewritten call).
 
-Dynamic shapes: packed lengths vary every step. effpass leaves Dynamo's automatic dynamic shapes on: the
-first new length recompiles once with a symbolic length, every later length reuses that graph
-(``tests/test_pack_sequences.py`` counts it).
+Dynamic shapes: packed lengths vary every step. The boundary hook runs eagerly (Dynamo skips its frame,
+see :func:`_run_top_level_frame_eagerly`) and marks the packed length of every per-token input (and the
+example count of ``cu_seq_lens_*``) dynamic with ``maybe_mark_dynamic`` before the model's frame is traced,
+so the model compiles once, with a symbolic length, and never recompiles for a new length
+(``tests/test_pack_sequences.py`` counts it). Inlined into an outer ``torch.compile`` the hook is traced
+instead, and Dynamo's automatic dynamic shapes give one recompile.
+
+Statistics: the hook also counts, on the inputs' device (no host sync), examples, tokens, padding avoided
+and the attended pairs per step (:class:`PackingCounters`); the torch-IR phase records each rewritten
+site's FLOPs per pair. The module record's ``live_stats`` reads them when a report or dump is asked for.
 
 Invariants: placeholders are never added or removed; a site whose query and key lengths differ from the
 packed length (decoding with a cache, cross-attention) is left alone and reported; a graph with
@@ -137,7 +144,7 @@ def _flash_varlen(q, k, v, doc, is_causal, scale):
 
 
 # ------------------------------------------------------------------------------------------------------
-# statistics of a packed batch (host side, for logging; never called inside the compiled step)
+# statistics of a packed batch (host side, for logging one batch; the running figures are in the report)
 # ------------------------------------------------------------------------------------------------------
 def packing_stats(batch: dict, *, attention_layers: int = 1, heads: int = 1, head_dim: int = 1) -> dict[str, float]:
     """Examples per row, padding avoided and attention FLOPs (block-diagonal vs dense) of a packed batch.
@@ -549,7 +556,12 @@ def _same(a, b) -> bool:
     try:
         from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-        return bool(statically_known_true(a == b))
+        if statically_known_true(a == b):
+            return True
+        # NOTE(dynamic lengths): the boundary's and the tokens' lengths are separate symbols when the model
+        # never relates them (Falcon with ALiBi ignores position_ids). Evaluating the comparison guards on
+        # it (as Dynamo does when it specialises): equal lengths, the only valid input, reuse the graph.
+        return bool(a == b)
     except Exception:
         return False
 
