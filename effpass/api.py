@@ -145,6 +145,9 @@ def report(model: torch.nn.Module | None = None) -> CompileReport:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"effpass.report expects an nn.Module, got {type(model).__name__}")
     be = backend_of(model)
+    if be is not None and be.dump and be.report.module.dump_path and any(
+            r.live_stats is not None for r in be.report.module.records):
+        be.dump.write_index(be.report.module)  # live statistics (per-step counters) into the dump, read now
     graphs = [g for b in string_backends() for g in b.report.for_model(model).graphs]
     if be is not None:  # effpass.compile / prepare (then perhaps torch.compile(backend="effpass"))
         return be.report if not graphs else CompileReport(module=be.report.module, graphs=be.report.graphs + graphs)

@@ -160,6 +160,7 @@ class PassManager:
             record.ms = (time.perf_counter() - t0) * 1e3
             result = result or PassResult()
             record.changed, record.stats, record.skipped = bool(result.changed), dict(result.stats), list(result.skipped)
+            record.live_stats = result.live_stats
             report.add(record)
             for inst in self.instruments:
                 inst.after_pass(report, record, None)

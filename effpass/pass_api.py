@@ -93,6 +93,9 @@ class PassResult:
     stats: dict[str, Any] = field(default_factory=dict)
     #: Sites the pass looked at and left alone, with the reason (shown in the dump).
     skipped: list[dict[str, Any]] = field(default_factory=list)
+    #: statistics that keep changing after the hook ran (e.g. per-step counters a pass keeps on device):
+    #: a callable returning a dict, called only when a report or dump is read (see PassRecord.current_stats)
+    live_stats: Callable[[], dict[str, Any]] | None = None
 
 
 def _canonical(value: Any) -> Any:

@@ -28,9 +28,17 @@ class PassRecord:
     fell_back: bool = False
     #: True when this record was replayed from effpass's record store on a compile-cache hit
     from_cache: bool = False
+    #: a callable returning statistics that change after the hook ran (``PassResult.live_stats``)
+    live_stats: Any = field(default=None, repr=False, compare=False)
+
+    def current_stats(self) -> dict[str, Any]:
+        """``stats`` updated with the live statistics, read now."""
+        return {**self.stats, **self.live_stats()} if self.live_stats is not None else self.stats
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(dataclasses.replace(self, live_stats=None, stats=dict(self.current_stats())))
+        d.pop("live_stats")
+        return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "PassRecord":
@@ -64,7 +72,7 @@ class GraphReport:
     def stats(self, pass_name: str, graph: str | None = None) -> dict[str, Any]:
         """Statistics of ``pass_name`` on this graph, numbers summed over its hooks."""
         _check_pass_name(pass_name, self.records)
-        return _merge([r.stats for r in self.records if r.name == pass_name and (graph is None or r.graph == graph)])
+        return _merge([r.current_stats() for r in self.records if r.name == pass_name and (graph is None or r.graph == graph)])
 
 
 @dataclass
@@ -101,7 +109,7 @@ class CompileReport:
         An unknown name (neither registered nor in this report) raises ``ValueError`` naming the valid ones;
         a registered pass that has not run yet gives ``{}``."""
         _check_pass_name(pass_name, self.records())
-        return _merge([r.stats for r in self.records(pass_name) if graph is None or r.graph == graph])
+        return _merge([r.current_stats() for r in self.records(pass_name) if graph is None or r.graph == graph])
 
     def failures(self) -> list[PassRecord]:
         return [r for r in self.records() if r.error]
@@ -114,7 +122,7 @@ class CompileReport:
             lines.append(f"{g.graph_id}{' (cache ' + g.cache + ')' if g.cache else ''}")
             for r in g.records:
                 flag = "ERROR " + r.error if r.error else ("changed" if r.changed else "unchanged")
-                lines.append(f"  {r.graph:<9} {r.name:<24} {flag:<10} {r.ms:8.1f} ms  {_fmt_stats(r.stats)}")
+                lines.append(f"  {r.graph:<9} {r.name:<24} {flag:<10} {r.ms:8.1f} ms  {_fmt_stats(r.current_stats())}")
         return "\n".join(lines) or "(no passes ran)"
 
 

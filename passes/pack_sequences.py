@@ -38,9 +38,16 @@ Kernels (``kernel``)
 Phase ordering: runs after ``fuse_attention`` (so hand-written attention is already an SDPA call) and
 before ``apply_autocast`` / ``checkpoint_activations`` (which see the rewritten call).
 
-Dynamic shapes: packed lengths vary every step. effpass leaves Dynamo's automatic dynamic shapes on: the
-first new length recompiles once with a symbolic length, every later length reuses that graph
-(``tests/test_pack_sequences.py`` counts it).
+Dynamic shapes: packed lengths vary every step. The boundary hook runs eagerly (Dynamo skips its frame,
+see :func:`_run_top_level_frame_eagerly`) and marks the packed length of every per-token input (and the
+example count of ``cu_seq_lens_*``) dynamic with ``maybe_mark_dynamic`` before the model's frame is traced,
+so the model compiles once, with a symbolic length, and never recompiles for a new length
+(``tests/test_pack_sequences.py`` counts it). Inlined into an outer ``torch.compile`` the hook is traced
+instead, and Dynamo's automatic dynamic shapes give one recompile.
+
+Statistics: the hook also counts, on the inputs' device (no host sync), examples, tokens, padding avoided
+and the attended pairs per step (:class:`PackingCounters`); the torch-IR phase records each rewritten
+site's FLOPs per pair. The module record's ``live_stats`` reads them when a report or dump is asked for.
 
 Invariants: placeholders are never added or removed; a site whose query and key lengths differ from the
 packed length (decoding with a cache, cross-attention) is left alone and reported; a graph with
@@ -137,7 +144,7 @@ def _flash_varlen(q, k, v, doc, is_causal, scale):
 
 
 # ------------------------------------------------------------------------------------------------------
-# statistics of a packed batch (host side, for logging; never called inside the compiled step)
+# statistics of a packed batch (host side, for logging one batch; the running figures are in the report)
 # ------------------------------------------------------------------------------------------------------
 def packing_stats(batch: dict, *, attention_layers: int = 1, heads: int = 1, head_dim: int = 1) -> dict[str, float]:
     """Examples per row, padding avoided and attention FLOPs (block-diagonal vs dense) of a packed batch.
@@ -197,6 +204,94 @@ def _max_positions(model: nn.Module) -> int | None:
     return None
 
 
+def _mark_packed_length_dynamic(args: tuple, kwargs: dict, n: int) -> None:
+    """Mark the packed length of every per-token input dynamic (``maybe_mark_dynamic``: not enforced), and
+    the example count of ``cu_seq_lens_*``, so the model's frame is compiled once for all lengths."""
+    for t in (*args, *kwargs.values()):
+        if not isinstance(t, torch.Tensor):
+            continue
+        if t.dim() >= 2 and t.shape[1] == n:
+            torch._dynamo.maybe_mark_dynamic(t, 1)
+    for k in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        t = kwargs.get(k)
+        if isinstance(t, torch.Tensor) and t.dim() == 1:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
+def _run_top_level_frame_eagerly(fn) -> bool:
+    """Have Dynamo run ``fn`` (and what it calls) eagerly when it is a frame of its own (as a forward
+    pre-hook called from ``nn.Module._call_impl``, which Dynamo skips), while an outer trace that inlines
+    it still traces it (no graph break). False where this torch has no per-code frame strategy."""
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:  # pragma: no cover - older torch: the hook is compiled (one more recompile)
+        return False
+    set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    return True
+
+
+class PackingCounters:
+    """Per-step packing figures, accumulated on the inputs' device (no host synchronisation per step) and
+    read (one synchronisation) only when a report asks for them.
+
+    Device counters: examples, tokens if every example were padded to its step's longest, and token pairs
+    attended within examples (causal: ``sum(len*(len+1)/2)``; full: ``sum(len^2)``). Host counters (from
+    shapes): steps, rows, tokens, and the pairs of the dense rows. The attention FLOPs use the per-pair cost
+    of the attention sites the torch-IR phase rewrote (``4 * heads * head_dim`` per row and site; recorded
+    at compile time in :attr:`sites`)."""
+
+    def __init__(self):
+        self.device_sums: dict[torch.device, torch.Tensor] = {}
+        self.steps = self.rows = self.tokens = self.dense_causal = self.dense_full = 0
+        #: attention site (module path) -> (FLOPs per attended pair and row, causal)
+        self.sites: dict[str, tuple[int, bool]] = {}
+        #: the model generates (a causal LM): its attention is causal even where the graph's mask says so
+        #: only through a tensor (hand-written attention, SDPA with the model's own mask)
+        self.causal_model = False
+
+    @torch.no_grad()
+    def add(self, pos: torch.Tensor) -> None:
+        if pos.dim() != 2 or pos.numel() == 0:
+            return
+        b, n = pos.shape
+        pos = pos.long()
+        first = pos == 0
+        doc = torch.cumsum(first, dim=-1) - 1 + torch.arange(b, device=pos.device)[:, None] * n
+        lengths = torch.zeros(b * n, dtype=torch.long, device=pos.device).scatter_add_(
+            0, doc.clamp(min=0).flatten(), torch.ones(b * n, dtype=torch.long, device=pos.device))
+        examples = first.sum()
+        step = torch.stack([examples, examples * lengths.max(), (pos + 1).sum(), (lengths * lengths).sum()])
+        acc = self.device_sums.get(pos.device)
+        if acc is None:
+            self.device_sums[pos.device] = step
+        else:
+            acc.add_(step)
+        self.steps += 1
+        self.rows += b
+        self.tokens += b * n
+        self.dense_causal += b * n * (n + 1) // 2
+        self.dense_full += b * n * n
+
+    def snapshot(self) -> dict[str, Any]:
+        """The figures so far (reads the device counters: one synchronisation)."""
+        sums = [0, 0, 0, 0]
+        for acc in self.device_sums.values():
+            sums = [a + b for a, b in zip(sums, acc.tolist())]
+        examples, padded, pairs_causal, pairs_full = sums
+        out: dict[str, Any] = {"packed_steps": self.steps, "packed_rows": self.rows, "packed_examples": examples,
+                               "examples_per_row": examples / self.rows if self.rows else 0.0,
+                               "packed_tokens": self.tokens,
+                               "padding_tokens_avoided": max(padded - self.tokens, 0) if self.steps else 0}
+        causal = sum(c for c, is_causal in self.sites.values() if is_causal or self.causal_model)
+        full = sum(c for c, is_causal in self.sites.values() if not (is_causal or self.causal_model))
+        block = causal * pairs_causal + full * pairs_full
+        dense = causal * self.dense_causal + full * self.dense_full
+        out.update({"attention_flops_block_diagonal": block, "attention_flops_dense": dense,
+                    "attention_flops_ratio": block / dense if dense else 0.0})
+        return out
+
+
 class _BoundaryHook:
     """Forward pre-hook: boundaries from the call's keyword arguments, checked in the graph."""
 
@@ -205,6 +300,7 @@ class _BoundaryHook:
         self.params, self.accepts_kwargs = params, accepts_kwargs
         self.max_positions, self.require, self.check = max_positions, require, check
         self.model_name = model_name
+        self.stats = PackingCounters()
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
         if kwargs.get("past_key_values") is not None or kwargs.get("use_cache") is True:
@@ -248,6 +344,12 @@ class _BoundaryHook:
             kwargs["use_cache"] = False  # with a cache, HF's masks ignore the boundaries
         if not self.accepts_kwargs:
             kwargs = {k: v for k, v in kwargs.items() if k in self.params}
+        if not torch.compiler.is_compiling():
+            # NOTE(recompiles): run eagerly (its frame is skipped, see _run_top_level_frame_eagerly), so the
+            # model's frame is compiled with a symbolic packed length from the first call: no recompile
+            # when the length changes. Inlined into an outer trace, Dynamo's automatic dynamic shapes apply.
+            _mark_packed_length_dynamic(args, kwargs, pos.shape[-1])
+            self.stats.add(pos)
         return args, kwargs
 
 
@@ -312,8 +414,14 @@ class PackSequences(effpass.Pass):
                              type(model).__name__)
         handle = model.register_forward_pre_hook(hook, with_kwargs=True)
         model._effpass_pack_hooks = [handle]
+        model._effpass_pack_counters = hook.stats
+        can_generate = getattr(model, "can_generate", None)
+        hook.stats.causal_model = bool(can_generate()) if callable(can_generate) else False
+        eager_hook = _run_top_level_frame_eagerly(_BoundaryHook.__call__)
         return effpass.PassResult(True, {"boundary_hook": 1, "max_positions": max_pos or 0,
-                                         "position_ids_accepted": int("position_ids" in params)})
+                                         "position_ids_accepted": int("position_ids" in params),
+                                         "length_marked_dynamic": int(eager_hook)},
+                                  live_stats=hook.stats.snapshot)
 
     # -- torch-IR phase -------------------------------------------------------------------------------
     def transform_torch_ir(self, gm: fx.GraphModule, ctx) -> effpass.PassResult:
@@ -342,6 +450,7 @@ class PackSequences(effpass.Pass):
             return n
 
         doc = masks = n_len = None
+        costs: dict[str, tuple[int, bool]] = {}  # attention site -> (FLOPs per attended pair and row, causal)
         for site in sites:
             where = _where(site)
             try:
@@ -366,6 +475,7 @@ class PackSequences(effpass.Pass):
                     site.replace_all_uses_with(new)
                     graph.erase_node(site)
                     stats["sdpa_rewritten"] += 1
+                    costs[where.rsplit(":", 1)[0] + f"#{len(costs)}"] = (_pair_cost(q, v), bool(is_causal))
                 else:
                     scores = _attention_softmax(site)
                     if scores is None:
@@ -380,10 +490,17 @@ class PackSequences(effpass.Pass):
                     _set_meta([masked], site)
                     site.replace_input_with(scores, masked)
                     stats["softmax_masked"] += 1
+                    costs[where.rsplit(":", 1)[0] + f"#{len(costs)}"] = (_scores_pair_cost(scores), False)
             except _Skip as e:
                 stats["skipped"] += 1
                 skipped.append({"site": where, "reason": str(e)})
         changed = stats["sdpa_rewritten"] + stats["softmax_masked"] > 0
+        # FLOPs per attended (query, key) pair and row, summed over this graph's attention sites (static)
+        stats["attention_flops_per_pair"] = sum(c for c, _ in costs.values())
+        counters = getattr(ctx.model, "_effpass_pack_counters", None)
+        if counters is not None and costs:
+            # NOTE: keyed by module path, so a recompiled graph replaces its sites and graph pieces add up
+            counters.sites.update(costs)
         if changed:
             _set_meta([n for n in new_nodes if "example_value" not in n.meta], None)
             graph.lint()
@@ -439,7 +556,12 @@ def _same(a, b) -> bool:
     try:
         from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-        return bool(statically_known_true(a == b))
+        if statically_known_true(a == b):
+            return True
+        # NOTE(dynamic lengths): the boundary's and the tokens' lengths are separate symbols when the model
+        # never relates them (Falcon with ALiBi ignores position_ids). Evaluating the comparison guards on
+        # it (as Dynamo does when it specialises): equal lengths, the only valid input, reuse the graph.
+        return bool(a == b)
     except Exception:
         return False
 
@@ -489,6 +611,38 @@ def _sdpa_args(n: fx.Node):
     if mask is not None and not isinstance(mask, fx.Node):
         raise _Skip("attn_mask is not a tensor")
     return q, k, v, mask, dropout, is_causal, vals.get("scale"), bool(vals.get("enable_gqa", False))
+
+
+def _static(x) -> int:
+    try:
+        return int(x)
+    except Exception:  # a symbolic size with no static value
+        return 0
+
+
+def _pair_cost(q: fx.Node, v: fx.Node) -> int:
+    """FLOPs per attended (query, key) pair and row of an SDPA call: ``2*H*D`` for ``q @ k^T`` plus
+    ``2*H*Dv`` for ``p @ v``."""
+    qs, vs = _shape(q), _shape(v)
+    return 2 * _static(qs[-3]) * (_static(qs[-1]) + _static(vs[-1] if vs else qs[-1]))
+
+
+def _scores_pair_cost(scores: fx.Node) -> int:
+    """FLOPs per pair and row of hand-written attention: heads from the scores' shape, the head dim from the
+    ``q @ k^T`` matmul found by walking back through elementwise ops (scaling, soft-capping)."""
+    sh = _shape(scores)
+    heads = _static(sh[-3]) if len(sh) >= 3 else 1
+    n, d = scores, 0
+    for _ in range(8):
+        if not isinstance(n, fx.Node) or n.op not in ("call_function", "call_method"):
+            break
+        if n.target in (torch.matmul, torch.bmm, "matmul", "__matmul__") or getattr(n.target, "__name__", "") in (
+                "matmul", "bmm", "matmul_"):
+            qs = _shape(n.args[0]) if n.args else None
+            d = _static(qs[-1]) if qs else 0
+            break
+        n = next((a for a in n.args if isinstance(a, fx.Node) and _shape(a) is not None), None)
+    return 4 * heads * d
 
 
 def _find_boundary(graph: fx.Graph) -> tuple[str, fx.Node] | None:

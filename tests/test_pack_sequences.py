@@ -114,9 +114,10 @@ def test_each_packed_example_equals_the_example_alone(name, attn, path):
 # ------------------------------------------------------------------------------------------------------
 # loss, gradients, dynamic lengths
 # ------------------------------------------------------------------------------------------------------
-def test_loss_gradients_and_one_recompile_across_packed_lengths():
+def test_loss_gradients_and_no_recompile_across_packed_lengths():
     """Loss = token-weighted loss of the examples alone; gradients = padded batch with padding masked
-    (1e-4); three packed lengths compile at most twice (automatic dynamic shapes), no graph break."""
+    (1e-4); four packed lengths compile one graph: the boundary hook runs eagerly and marks the packed
+    length dynamic from the first call (no recompile; the issue allows at most one), no graph break."""
     model = _family("llama", "eager").train()
     padded_model = copy.deepcopy(model)
     ids, pos = _packed()
@@ -128,15 +129,12 @@ def test_loss_gradients_and_one_recompile_across_packed_lengths():
     with dynamo_counters() as counters:
         loss = compiled(input_ids=ids, position_ids=pos, labels=labels).loss
         loss.backward()
-        i2, p2 = _packed([4, 12, 6, 2], seed=3)  # another packed length: one recompile (symbolic length)
-        compiled(input_ids=i2, position_ids=p2, labels=i2).loss.backward()
-    # two frames: the boundary hook (its checks) and the model; each recompiles once, then never again
-    assert counters["graph_breaks"] == 0 and counters["recompiles"] <= counters["frames"] // 2, counters
-    with dynamo_counters() as later:
-        for lens in ([20, 7], [3] * 9):
-            i3, p3 = _packed(lens, seed=4)
-            compiled(input_ids=i3, position_ids=p3, labels=i3).loss.backward()
-    assert later["recompiles"] == 0 and later["unique_graphs"] == 0, later
+        for lens, seed in (([4, 12, 6, 2], 3), ([20, 7], 4), ([3] * 9, 5)):  # other packed lengths
+            i2, p2 = _packed(lens, seed=seed)
+            compiled(input_ids=i2, position_ids=p2, labels=i2.clone()).loss.backward()  # own tensor (no alias)
+    # one Dynamo frame (the model: the hook's frame runs eagerly), compiled once, never again
+    assert counters == {"graph_breaks": 0, "unique_graphs": 1, "recompiles": 0, "frames": 1}, counters
+    assert _stats(compiled)["length_marked_dynamic"] == 1
     # the reference: the same examples as a right-padded batch, padding masked
     width = max(LENS)
     rows, mask, plabels, s = [], [], [], 0
@@ -159,9 +157,9 @@ def test_loss_gradients_and_one_recompile_across_packed_lengths():
     compiled(input_ids=ids, position_ids=pos, labels=labels).loss.backward()
     for (n, p), (_, q) in zip(model.named_parameters(), padded_model.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4, msg=lambda m: f"grad {n}: {m}")
-    # the model's graphs (static, then symbolic) are rewritten; the hook's own small graphs have no attention
+    # one graph (symbolic length) rewritten
     records = [r for r in effpass.report(compiled).records("pack_sequences") if r.phase == "torch_ir" and r.changed]
-    assert len(records) == 2 and all(r.stats["sdpa_rewritten"] == 1 for r in records)
+    assert len(records) == 1 and records[0].stats["sdpa_rewritten"] == 1
 
 
 def test_cu_seq_lens_without_position_ids_and_flash_kwargs_are_used():
@@ -173,12 +171,18 @@ def test_cu_seq_lens_without_position_ids_and_flash_kwargs_are_used():
     cu = torch.tensor([0, 5, 14, 17], dtype=torch.int32)
     torch._dynamo.reset()
     compiled = effpass.compile(model, passes=[PackSequences()], lowering="eager", strict=True)
-    with torch.no_grad():
+    with torch.no_grad(), dynamo_counters() as counters:
         out = compiled(input_ids=ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=9, max_length_k=9).logits
-    s = 0
-    for n, want in zip(LENS, _alone(ref, ids, LENS)):
-        _assert_rel(out[:, s:s + n], want, 1e-5, "qwen2 via cu_seq_lens")
-        s += n
+        lens2 = [4, 12, 6, 2]  # another length and another number of examples: no recompile either
+        ids2, _ = _packed(lens2, seed=2)
+        cu2 = torch.tensor([0, 4, 16, 22, 24], dtype=torch.int32)
+        out2 = compiled(input_ids=ids2, cu_seq_lens_q=cu2, cu_seq_lens_k=cu2, max_length_q=12, max_length_k=12).logits
+    assert counters["recompiles"] == 0 and counters["graph_breaks"] == 0 and counters["frames"] == 1, counters
+    for o, i, lens in ((out, ids, LENS), (out2, ids2, lens2)):
+        s = 0
+        for n, want in zip(lens, _alone(ref, i, lens)):
+            _assert_rel(o[:, s:s + n], want, 1e-5, "qwen2 via cu_seq_lens")
+            s += n
     assert _stats(compiled)["sdpa_rewritten"] == 1
 
 
@@ -260,6 +264,63 @@ def test_trainer_with_flattening_collator_and_trl_padding_free(tmp_path):
     assert effpass.report(model).stats("pack_sequences")["sdpa_rewritten"] == 1
 
 
+def test_trl_sft_trainer_padding_free(tmp_path):
+    """TRL's SFTTrainer(padding_free=True) on an effpass model with pack_sequences: every step's logged loss is
+    the token-weighted loss of that step's examples run alone (an untouched eager copy: per-example
+    separation), effpass's rewritten graph runs (no graph break), and the report counts the packed steps. TRL's collator also sends cu_seq_lens_q/k,
+    max_length_q/k (Python ints, dropped by the hook) and seq_idx."""
+    import datasets
+    import transformers as tf
+    import trl
+
+    from effpass.testing.hf import tiny_tokenizer
+
+    tf.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = model_case("llama", layers=1).model.train()   # vocabulary 256, the tiny tokenizer's
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(0)
+    words = [3, 11, 6, 8, 2, 14, 5, 9]  # uneven lengths: each step packs a different total length
+    text = [" ".join(f"w{j}" for j in torch.randint(0, 250, (n,), generator=g).tolist()) for n in words]
+    effpass.compile(model, passes=[FuseAttention(), PackSequences()], lowering="eager", strict=True)
+    batches = []
+
+    @torch._dynamo.disable
+    def capture(module, args, kwargs):  # runs before pack_sequences' hook: the batch as TRL built it
+        batches.append({k: kwargs[k].clone() for k in ("input_ids", "labels", "position_ids") if k in kwargs})
+
+    model.register_forward_pre_hook(capture, with_kwargs=True, prepend=True)
+    config = trl.SFTConfig(str(tmp_path), padding_free=True, max_length=None, max_steps=2,
+                           per_device_train_batch_size=4, learning_rate=0.0, logging_steps=1, report_to=[], seed=0,
+                           save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=False,
+                           gradient_checkpointing=False)
+    trainer = trl.SFTTrainer(model=model, args=config, train_dataset=datasets.Dataset.from_dict({"text": text}),
+                             processing_class=tiny_tokenizer())
+    with dynamo_counters() as counters:
+        trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 2 and len(batches) == 2
+    assert batches[0]["input_ids"].shape != batches[1]["input_ids"].shape  # two packed lengths
+    for loss, b in zip(losses, batches):
+        starts = (b["position_ids"][0] == 0).nonzero().flatten().tolist() + [b["position_ids"].shape[1]]
+        assert len(starts) == 5 and (b["labels"][b["position_ids"] == 0] == -100).all()
+        total, count = 0.0, 0
+        for s, e in zip(starts[:-1], starts[1:]):
+            t = b["input_ids"][:, s:e]
+            with torch.no_grad():
+                total += ref(input_ids=t, labels=t, use_cache=False).loss.item() * (e - s - 1)
+            count += e - s - 1
+        assert abs(loss - total / count) <= 1e-4 * (total / count), (loss, total / count)
+    # NOTE(known gap): TRL's fused LM head (trl.kernels ChunkedLogProbFunction, which effpass lets into the
+    # graph whole) loops in Python over token chunks, which fixes the packed length: every new length
+    # recompiles TRL's frame once (pack_sequences itself marks the length dynamic; see the plain-model tests)
+    assert counters["graph_breaks"] == 0 and counters["recompiles"] <= 1 and counters["frames"] <= 2, counters
+    st = effpass.report(model).stats("pack_sequences")
+    assert st["sdpa_rewritten"] >= 1 and st["packed_steps"] == 2 and st["packed_examples"] == 8, st
+    # Dynamo compiled TRL's forward (the model's call) through effpass: the rewritten graph is what ran
+    assert counters["unique_graphs"] >= 1 and all(g.belongs_to(model) for g in effpass.report(model).graphs)
+
+
 # ------------------------------------------------------------------------------------------------------
 # bad input: clear errors
 # ------------------------------------------------------------------------------------------------------
@@ -300,18 +361,63 @@ def test_bad_inputs_raise_clear_errors():
         PackSequences(max_positions=-1)
 
 
-def test_packing_stats():
-    ids, pos = _packed([5, 9, 3, 1])
-    st = packing_stats({"input_ids": ids, "position_ids": pos}, attention_layers=2, heads=4, head_dim=8)
-    assert st["examples"] == 4 and st["examples_per_row"] == 4 and st["tokens"] == 18
-    assert st["padding_tokens_avoided"] == 4 * 9 - 18
-    pairs = 15 + 45 + 6 + 1
-    assert st["attention_flops_block_diagonal"] == 4 * 8 * 4 * 2 * pairs
-    assert st["attention_flops_dense"] == 4 * 8 * 4 * 2 * (18 * 19 // 2)
+def test_packing_statistics_in_the_report_and_the_dump_without_host_sync(tmp_path):
+    """Examples per row, padding avoided and attention FLOPs (block-diagonal vs dense) in
+    effpass.report(model).stats('pack_sequences') and in the dump's index.json, counted on device: a step
+    reads nothing back to the host (no aten._local_scalar_dense, what .item()/bool() dispatch to)."""
+    import json
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = _family("llama", "eager", layers=2).train()
+    torch._dynamo.reset()
+    compiled = effpass.compile(model, passes=[FuseAttention(), PackSequences()], lowering="eager", strict=True,
+                               dump_dir=str(tmp_path))
+    batches = [_packed([5, 9, 3], seed=1), _packed([4, 12, 6, 2], seed=2)]
+    i, p = batches[0]
+    compiled(input_ids=i, position_ids=p, labels=i.clone()).loss.backward()  # compiles
+
+    class HostReads(TorchDispatchMode):
+        ops: list = []
+
+        @classmethod
+        def ignore_compile_internals(cls):
+            return True
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with HostReads() as mode, dynamo_counters() as counters:
+        i, p = batches[1]
+        compiled(input_ids=i, position_ids=p, labels=i.clone()).loss.backward()
+    assert counters["recompiles"] == 0 and counters["frames"] == 0, counters
+    assert len(mode.ops) > 50 and torch.ops.aten._local_scalar_dense.default not in mode.ops
+    st = _stats(compiled)
+    # 2 layers x 4 heads x (q.k + p.v, head dim 8): 2*4*(8+8) FLOPs per attended pair, per layer
+    per_pair = 2 * 2 * 4 * (8 + 8)
+    pairs_block = (15 + 45 + 6) + (10 + 78 + 21 + 3)                  # causal: sum of len*(len+1)/2
+    pairs_dense = 17 * 18 // 2 + 24 * 25 // 2
+    want = {"packed_steps": 2, "packed_rows": 2, "packed_examples": 7, "examples_per_row": 3.5,
+            "packed_tokens": 41, "padding_tokens_avoided": (3 * 9 - 17) + (4 * 12 - 24),
+            "attention_flops_block_diagonal": per_pair * pairs_block, "attention_flops_dense": per_pair * pairs_dense}
+    assert {k: st[k] for k in want} == want, st
+    assert st["attention_flops_ratio"] == pytest.approx(pairs_block / pairs_dense)
+    # the host helper (for logging a batch) agrees, batch by batch
+    host = [packing_stats({"position_ids": p}, attention_layers=2, heads=4, head_dim=8) for _, p in batches]
+    assert sum(h["attention_flops_block_diagonal"] for h in host) == want["attention_flops_block_diagonal"]
+    assert sum(h["padding_tokens_avoided"] for h in host) == want["padding_tokens_avoided"]
+    # the dump: the module phase's index.json holds the figures as of the last effpass.report call
+    module = json.load(open(tmp_path / "module" / "index.json"))
+    rec = next(r for r in module["passes"] if r["name"] == "pack_sequences")
+    assert {k: rec["stats"][k] for k in want} == want
+    graph = next(r for d in tmp_path.glob("graph_*") for r in json.load(open(d / "index.json"))["passes"]
+                 if r["name"] == "pack_sequences" and r["phase"] == "torch_ir")
+    assert graph["stats"]["attention_flops_per_pair"] == per_pair and graph["stats"]["sdpa_rewritten"] == 2
     cu = packing_stats({"cu_seq_lens_q": torch.tensor([0, 5, 14, 17, 18])})
     assert cu["examples"] == 4 and cu["tokens"] == 18
     with pytest.raises(ValueError, match="no example boundaries"):
-        packing_stats({"input_ids": ids})
+        packing_stats({"input_ids": i})
 
 
 # ------------------------------------------------------------------------------------------------------
