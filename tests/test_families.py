@@ -36,9 +36,7 @@ SUITE = [f for f in FAMILIES if f not in ("llama", "gpt2", "bert")]
 _ATTN_SITES = {"t5": 3, "bart": 3}
 
 # Known gaps, as measured (issue 14): family -> reason. Flip (remove) when the other helpers' work merges.
-FUSE_GAPS: dict[str, str] = {
-    "bloom": "issue 14 item 3: BLOOM's ALiBi form (baddbmm, weights viewed before @ v) is not recognised",
-}
+FUSE_GAPS: dict[str, str] = {}
 QUANT_GAPS: dict[str, str] = {}
 #: softmax sites fuse_attention must leave alone, with the reason it must report (correct refusals):
 #: family -> (attention sites refused, softmax sites skipped in all, reason)

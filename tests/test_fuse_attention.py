@@ -93,6 +93,25 @@ def test_llama_with_padding_mask_in_training():
     assert stats["fused"] == 2 and stats["attn_mask"] == 2 and stats["gqa"] == 2
 
 
+def test_bloom_alibi_with_left_padding_in_training():
+    """BLOOM: the ALiBi bias (built from the padding mask) and the padding mask become one float attn_mask;
+    left padding leaves query rows with no key, so the empty-row guard runs, and the fused kernel runs."""
+    from _families import family_case
+
+    case = family_case("bloom")
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, :3] = 0                               # left padding: rows 0-2 of sequence 1 attend to nothing
+    labels = case.inputs["labels"].clone()
+    labels[1, :4] = -100                          # padded positions (and the first real token) not in the loss
+    case.inputs.update(attention_mask=mask, labels=labels)
+    res = compile_and_compare(case, [FuseAttention()], lowering="eager", atol=1e-5, rtol=1e-5, strict=True)
+    st = res.report.stats("fuse_attention")
+    assert st["fused"] == 1 and st["attn_mask"] == 1 and st["empty_row_guard"] == 1 and st["unfused"] == 0, st
+    assert _ops_after(res.compiled).get(MASKED_SDPA) == 1 and not any("baddbmm" in k for k in _ops_after(res.compiled))
+    ran = _kernels_run(lambda: case.loss(res.compiled(**case.inputs)).backward())
+    assert any("flash_attention" in k for k in ran) and not any("math" in k for k in ran), ran
+
+
 def test_bf16_llama_within_stated_bound():
     """bf16: the fused model's error against an fp64 reference is no worse than eager bf16's (x2 + 1e-2)."""
     case = model_case("llama")
@@ -222,7 +241,23 @@ def form_broadcast_mqa(q, k, v):
     return F.softmax(att, dim=-1) @ v1
 
 
+def form_baddbmm_alibi_bloom(q, k, v):
+    """BLOOM: q/k/v as (B*H, S, D), ``alibi.baddbmm(q, k^T, beta=, alpha=)``, the scores viewed as (B, H, S, S)
+    for the additive mask, fp32 softmax, the weights viewed back to (B*H, S, S) for ``bmm`` with v."""
+    b, h, s, d = q.shape
+    q3, v3 = q.reshape(b * h, s, d), v.reshape(b * h, s, d)
+    k3t = k.reshape(b * h, s, d).transpose(-1, -2)
+    alibi = (torch.linspace(0.1, 0.5, h).view(1, h, 1, 1) * torch.arange(s).view(1, 1, 1, s)).expand(b, h, 1, s)
+    scores = alibi.reshape(b * h, 1, s).baddbmm(batch1=q3, batch2=k3t, beta=0.5, alpha=d ** -0.5)
+    scores = scores.masked_fill(torch.zeros(1, s, s, dtype=torch.bool), float("-inf"))  # a (B*H, ...) mask term
+    keep = torch.ones(s, s, dtype=torch.bool).tril()
+    w = scores.view(b, h, s, -1) + torch.where(keep, 0.0, torch.finfo(q.dtype).min)
+    p = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.bmm(p.view(b * h, s, -1), v3).view(b, h, s, d)
+
+
 FORMS = {
+    "baddbmm_alibi_bloom": (form_baddbmm_alibi_bloom, H, {"causal": 0, "attn_mask": 1}),
     "inplace_div_falcon": (form_inplace_div_falcon, H, {"causal": 1}),
     "inplace_mul_add_view_alibi": (form_inplace_mul_add_view_alibi, H, {"causal": 0, "attn_mask": 1}),
     "broadcast_mqa": (form_broadcast_mqa, H, {"gqa": 1}),
