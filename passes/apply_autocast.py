@@ -180,18 +180,6 @@ class ApplyAutocast(effpass.Pass):
     # ------------------------------------------------------------------------------------------------
     def prepare_module(self, model: torch.nn.Module, ctx) -> effpass.PassResult:
         device_type = (ctx.device or torch.device("cpu")).type
-        if ctx.find_pass("fuse_attention") is not None:
-            # NOTE(fuse_attention): its patterns are written for the fp32 graph (under a module capture the
-            # rotated q is fp32 while the attention output is bf16, and it refuses the site). The fused kernel
-            # differs from eager attention anyway, so bit-identity is moot: insert the regions into the
-            # graph after it, as before (matches eager autocast within rounding).
-            reason = ("fuse_attention is in the pipeline: its patterns match the fp32 graph, so the autocast "
-                      "regions are inserted into the graph after it (graph capture)")
-            for mod in model.modules():
-                if _SITE_ATTR in mod.__dict__:
-                    mod.__dict__[_SITE_ATTR]["enabled"] = None
-            object.__setattr__(model, _MODEL_ATTR, {"capture": "graph"})
-            return effpass.PassResult(stats={"capture": "graph"}, skipped=[{"site": "model", "reason": reason}])
         cache = self.cache_enabled if self.cache_enabled is not None else torch.is_autocast_cache_enabled()
         scope = ctx.scope
         names = [n for n, _ in model.named_modules() if n]

@@ -667,6 +667,45 @@ def _rows_nonempty(site: _Site, const: _ConstEval) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------------
+# autocast: the region each node runs in
+# ------------------------------------------------------------------------------------------------------
+_ENTER_AUTOCAST = torch.amp.autocast_mode._enter_autocast
+_EXIT_AUTOCAST = torch.amp.autocast_mode._exit_autocast
+
+
+class _AutocastRegions:
+    """Which autocast state each node of a torch-IR graph runs under: the regions Dynamo recorded
+    (``_enter_autocast``/``_exit_autocast`` nodes: a model's own ``with torch.autocast``, apply_autocast's
+    module wrappers) on top of the state around the compiled call (accelerate/Trainer's autocast)."""
+
+    def __init__(self, graph: fx.Graph):
+        self.stack_at: dict[fx.Node, tuple] = {}
+        stack: list[fx.Node] = []
+        for n in graph.nodes:
+            self.stack_at[n] = tuple(stack)
+            if _is_fn(n, {_ENTER_AUTOCAST}):
+                stack.append(n)
+            elif _is_fn(n, {_EXIT_AUTOCAST}) and stack:
+                stack.pop()
+
+    def dtype_at(self, node: fx.Node, device_type: str) -> torch.dtype | None:
+        """The autocast dtype the node runs under on ``device_type``, or None when autocast is off there."""
+        for enter in reversed(self.stack_at.get(node, ())):
+            args = list(enter.args)
+            dev = args[0] if args else enter.kwargs.get("device_type")
+            if dev != device_type:
+                continue
+            dtype = args[1] if len(args) > 1 else enter.kwargs.get("dtype")
+            enabled = args[2] if len(args) > 2 else enter.kwargs.get("enabled", True)
+            if not enabled:
+                return None
+            return dtype if isinstance(dtype, torch.dtype) else torch.get_autocast_dtype(device_type)
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+        return None
+
+
+# ------------------------------------------------------------------------------------------------------
 # the pass
 # ------------------------------------------------------------------------------------------------------
 @effpass.register_pass("fuse_attention")
@@ -715,6 +754,7 @@ class FuseAttention(effpass.Pass):
     def transform_torch_ir(self, gm: fx.GraphModule, ctx) -> effpass.PassResult:
         graph = gm.graph
         const = _ConstEval(gm, ctx, self.assume_constant_buffers, self.max_mask_eval_elements)
+        regions = _AutocastRegions(graph)
         stats = {"rewritten": 0, "fused": 0, "unfused": 0, "causal": 0, "attn_mask": 0, "gqa": 0, "dropout": 0,
                  "flash_attn": 0, "empty_row_guard": 0, "skipped": 0}
         unfused: list[dict] = []
@@ -724,7 +764,7 @@ class FuseAttention(effpass.Pass):
             where = f"{module_path_of_node(sm) or '<root>'}:{sm.name}"
             try:
                 site = _match(sm, const)
-                self._rewrite(graph, site, const, stats, unfused, where)
+                self._rewrite(graph, site, const, stats, unfused, where, regions)
             except _Skip as e:
                 stats["skipped"] += 1
                 skipped.append({"site": where, "reason": str(e)})
@@ -736,7 +776,7 @@ class FuseAttention(effpass.Pass):
         return effpass.PassResult(changed=changed, stats=stats, skipped=skipped + unfused)
 
     def _rewrite(self, graph: fx.Graph, site: _Site, const: _ConstEval, stats: dict, unfused: list,
-                 where: str) -> None:
+                 where: str, autocast: _AutocastRegions) -> None:
         qv, vv = _val(site.q), _val(site.v)
         k = _strip_transpose(site.k_t)
         kv_ = _val(k) if k is not None else None
@@ -744,10 +784,20 @@ class FuseAttention(effpass.Pass):
             k = None
         if qv is None or vv is None or qv.dim() != vv.dim():
             raise _Skip("q and v have different ranks")
-        if not (qv.dtype == vv.dtype == _val(site.k_t).dtype):
-            raise _Skip(f"q, k, v dtypes differ ({qv.dtype}, {_val(site.k_t).dtype}, {vv.dtype})")
-        if _val(site.pv).dtype != qv.dtype:
-            raise _Skip("attention output dtype differs from q's")
+        dtypes = (qv.dtype, _val(site.k_t).dtype, vv.dtype)
+        # NOTE(autocast): under autocast both matmuls run in the autocast dtype whatever q, k, v are (Llama's
+        # rotary output is fp32 while v is bf16); SDPA then gets q, k, v (and a float mask) cast to it
+        ac = autocast.dtype_at(site.qk, qv.device.type)
+        if ac != autocast.dtype_at(site.pv, qv.device.type):
+            raise _Skip("q @ k^T and weights @ v run under different autocast states")
+        if ac is not None and all(d in (torch.float32, torch.float16, torch.bfloat16) for d in dtypes):
+            compute = ac
+        elif len(set(dtypes)) == 1:
+            compute = qv.dtype
+        else:
+            raise _Skip(f"q, k, v dtypes differ ({qv.dtype}, {_val(site.k_t).dtype}, {vv.dtype}) outside autocast")
+        if _val(site.pv).dtype != compute:
+            raise _Skip(f"attention output dtype ({_val(site.pv).dtype}) differs from the matmuls' ({compute})")
         kt_shape = _shape(site.k_t)
         k_base, v_base, rep = k, site.v, 1
         mqa = (qv.dim() == 4 and k is not None and len(kt_shape) == 4 and kt_shape[1] == 1 and vv.shape[1] == 1
@@ -776,6 +826,10 @@ class FuseAttention(effpass.Pass):
             if k_base is None:
                 k_base = call(torch.transpose, site.k_t, -2, -1)
             q_in = site.q
+            # autocast casts each matmul operand to its dtype: cast once, before SDPA (none where equal;
+            # K/V un-repeated or transposed back keep the dtype of the k^T / v the matmuls read)
+            q_in, k_base, v_base = (x if dt == compute else call(torch.Tensor.to, x, compute)
+                                    for x, dt in zip((q_in, k_base, v_base), dtypes))
             if site.heads is not None:
                 # BLOOM: q, k, v as (B*H, S, D) become (B, H, S, D) views, SDPA's layout
                 B, H = site.heads
@@ -803,9 +857,9 @@ class FuseAttention(effpass.Pass):
                     t = m if f == 1.0 else call(torch.mul, m, f)
                     additive = t if additive is None else call(torch.add, additive, t)
                 if additive is not None:
-                    if _val(site.additive[0][0]).dtype != qv.dtype or len(site.additive) > 1:
+                    if _val(site.additive[0][0]).dtype != compute or len(site.additive) > 1:
                         # NOTE: SDPA wants a float mask in the query dtype
-                        additive = call(torch.Tensor.to, additive, qv.dtype)
+                        additive = call(torch.Tensor.to, additive, compute)
                     attn_mask = additive if allowed is None else call(
                         torch.masked_fill, additive, call(torch.logical_not, allowed), float("-inf"))
                 else:

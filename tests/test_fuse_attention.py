@@ -6,6 +6,7 @@ structural (the pass's stats, ``skipped`` reasons, and the op histogram before/a
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -110,6 +111,50 @@ def test_bloom_alibi_with_left_padding_in_training():
     assert _ops_after(res.compiled).get(MASKED_SDPA) == 1 and not any("baddbmm" in k for k in _ops_after(res.compiled))
     ran = _kernels_run(lambda: case.loss(res.compiled(**case.inputs)).backward())
     assert any("flash_attention" in k for k in ran) and not any("math" in k for k in ran), ran
+
+
+def test_llama_under_bf16_autocast_around_the_call_is_fused():
+    """TRL/accelerate's bf16 on CPU: autocast is entered around the compiled call. Llama's rotary output is fp32
+    while v is bf16; eager autocast runs both matmuls in bf16, so the site gets q, k, v cast to bf16. The fair
+    reference is eager torch.autocast with SDPA attention: bit-identical (logits, loss, gradients); against the
+    fp32 model the error is within eager autocast's (x2 + 1e-3)."""
+    from effpass.testing import grads_of
+
+    case = model_case("llama", train=True)
+    twin = model_case("llama", attn="sdpa", train=True).model
+    twin.load_state_dict(case.model.state_dict())
+    fp32, eager = copy.deepcopy(case.model), copy.deepcopy(case.model)
+    compiled = effpass.compile(case.model, passes=[FuseAttention()], lowering="eager", strict=True)
+    with torch.autocast("cpu", torch.bfloat16):
+        out, want, want_eager = compiled(**case.inputs), twin(**case.inputs), eager(**case.inputs)
+    ref = fp32(**case.inputs)
+    for o in (out, want, want_eager, ref):
+        case.loss(o).backward()
+    assert torch.equal(out.logits, want.logits) and torch.equal(out.loss, want.loss)
+    got, g_want = grads_of(case.model), grads_of(twin)
+    assert got.keys() == g_want.keys() and all(torch.equal(got[k], g_want[k]) for k in got)
+    err = lambda a, b: (a.float() - b.float()).abs().max().item()  # noqa: E731
+    assert err(out.logits, ref.logits) <= 2 * err(want_eager.logits, ref.logits) + 1e-3
+    st = effpass.report(compiled).stats("fuse_attention")
+    assert st["fused"] == case.num_layers and st["skipped"] == 0 and st["gqa"] == case.num_layers, st
+    casts = sum(v for k, v in _ops_after(compiled).items() if k.endswith(".to"))
+    assert casts >= 2 * case.num_layers      # q and k (fp32 after the rotary embedding) cast to bf16 per site
+
+
+def test_mixed_dtypes_outside_autocast_are_left_alone_with_the_reason():
+    """Without autocast, q @ k^T in fp32 and weights.to(bf16) @ v in bf16 are two precisions: not one SDPA."""
+    def fn(q, k, v):
+        p = F.softmax(q @ k.transpose(-2, -1) * 0.25, dim=-1)
+        return (p.to(v.dtype) @ v).float()
+
+    q, k, v = _qkv()
+    torch._dynamo.reset()
+    compiled = effpass.compile(_Wrap(fn), passes=[FuseAttention()], lowering="eager")
+    vb = v.detach().bfloat16()
+    torch.testing.assert_close(compiled(q, k, vb), fn(q, k, vb))
+    st = effpass.report(compiled).stats("fuse_attention")
+    assert st["fused"] == 0 and st["skipped"] == 1
+    assert "q, k, v dtypes differ" in _skipped(compiled)[0]["reason"] and "outside autocast" in _skipped(compiled)[0]["reason"]
 
 
 def test_bf16_llama_within_stated_bound():
