@@ -131,7 +131,8 @@ def _parent(name: str) -> str:
 
 
 # NOTE(ordering): after the passes that replace modules (quantize_linear, inject_lora), so its wrappers and fp32
-# islands sit on the modules that will run; after fuse_attention in the torch-IR phase (graph capture).
+# islands sit on the modules that will run; after fuse_attention in the torch-IR phase (graph capture). Under the
+# module capture fuse_attention sees the recorded autocast regions and gives each site the autocast dtype.
 @effpass.register_pass("apply_autocast", run_after=("fuse_attention", "quantize_linear", "inject_lora"))
 @dataclass(frozen=True, kw_only=True)
 class ApplyAutocast(effpass.Pass):
@@ -229,14 +230,13 @@ class ApplyAutocast(effpass.Pass):
         device_type = (ctx.device or torch.device("cpu")).type
         prepared = getattr(ctx.model, _MODEL_ATTR, None) if ctx.model is not None else None
         ours = [n for n in graph.nodes if is_autocast_enter(n) and _is_ours(n)]
-        chose_graph = prepared is not None and prepared.get("capture") == "graph"
-        if ours or (prepared is not None and not chose_graph):
+        if ours or prepared is not None:
             return self._report_module_capture(gm, ctx, ours)
         if torch.is_autocast_enabled(device_type):
             return effpass.PassResult(skipped=[{
                 "site": "graph", "reason": f"autocast is already enabled for {device_type!r} around the compiled "
                                            "call; the caller chose the precision"}])
-        return self._graph_capture(gm, ctx, device_type, warn=not chose_graph)
+        return self._graph_capture(gm, ctx, device_type)
 
     def _report_module_capture(self, gm, ctx, ours) -> effpass.PassResult:
         device_type = (ctx.device or torch.device("cpu")).type

@@ -25,6 +25,10 @@ Recognised forms (the matcher walks back from each ``softmax``):
       any chain of ``*``/``/`` by Python numbers (or pre-scaled q, which is simply part of q), in place
       too (``/=``, ``*=``, ``+=``, ``masked_fill_``: Falcon), through same-shape ``view``/``reshape``;
     * multi-query attention by broadcasting (one K/V head against every query head, Falcon);
+    * BLOOM's ALiBi: ``alibi.baddbmm(q, k^T, beta=b, alpha=a)`` on (B*H, S, D) tensors, the scores viewed as
+      (B, H, Sq, Sk) for the mask and the weights viewed back for ``bmm`` with v: ``a`` joins the scale, the
+      bias (``b`` times the later scales) becomes one more additive mask term in the (B, H, ...) layout, and
+      q, k, v are viewed as (B, H, S, D) for SDPA (its output viewed back);
     * masks, any combination: additive float tensors (``scores + mask``: BERT padding, Hugging Face
       5.x masks, constant ALiBi-style biases), ``masked_fill(mask, v)`` and ``where(cond, scores, v)`` /
       ``where(cond, v, scores)`` with ``v`` = ``-inf`` or ``<= -1e4`` (Hugging Face uses ``finfo.min``);
@@ -43,10 +47,17 @@ Proving causality
     that is not provably causal, are passed as ``attn_mask`` (always correct). ``q_len != kv_len``
     (decoding with a cache) never uses ``is_causal`` (SDPA aligns it top-left).
 
+Autocast: a site inside an autocast region (one Dynamo recorded, e.g. ``apply_autocast``'s module capture,
+or autocast entered around the compiled call, as accelerate/TRL do for ``bf16=True``) runs both matmuls in
+the autocast dtype in eager, whatever the dtypes of q, k, v (Llama's rotated q/k are fp32 while v is bf16);
+SDPA gets q, k, v and a float mask cast to that dtype, which is what Hugging Face's SDPA attention computes
+under autocast (bit-identical on the tested families, docs/apply_autocast.md).
+
 Left alone, with the reason in ``PassResult.skipped`` (and the dump): softmax over another dim; a scale
 that is not a constant positive number; a mask computed from the scores ("mask depends on data"); an
 additive bias that requires grad ("bias is not a mask": T5 relative bias, learned ALiBi); attention
-weights used elsewhere (``output_attentions``); q/k/v of different dtypes or broadcast batch dims.
+weights used elsewhere (``output_attentions``); q/k/v of different dtypes outside autocast (two
+precisions, not one SDPA call) or broadcast batch dims.
 
 Runs after: nothing (it is the first graph pass). ``apply_autocast`` and ``checkpoint_activations``
 run after it, so autocast sees the fused op (SDPA is on autocast's lower-precision list) and the
