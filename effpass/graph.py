@@ -219,9 +219,15 @@ def infer_fake_values(nodes: Iterable[torch.fx.Node]) -> bool:
     tensors; AOTAutograd re-traces the graph anyway, so only passes that read values later care."""
     from torch._guards import detect_fake_mode
 
+    from torch._subclasses.fake_tensor import FakeTensor
+
     nodes = list(nodes)
     inputs = [tensor_meta(a) for n in nodes for a in n.all_input_nodes]
-    fake_mode = detect_fake_mode([v for v in inputs if isinstance(v, torch.Tensor)])
+    # NOTE: the inputs' own fake mode first: the ambient TracingContext's mode (which detect_fake_mode prefers)
+    # can be another one than the mode Dynamo recorded the example values in, and fake modes cannot be mixed
+    modes = {id(v.fake_mode): v.fake_mode for v in inputs if isinstance(v, FakeTensor)}
+    fake_mode = next(iter(modes.values())) if len(modes) == 1 else detect_fake_mode(
+        [v for v in inputs if isinstance(v, torch.Tensor)])
     if fake_mode is None:
         return False
     env: dict[torch.fx.Node, Any] = {}

@@ -131,7 +131,8 @@ def _parent(name: str) -> str:
 
 
 # NOTE(ordering): after the passes that replace modules (quantize_linear, inject_lora), so its wrappers and fp32
-# islands sit on the modules that will run; after fuse_attention in the torch-IR phase (graph capture).
+# islands sit on the modules that will run; after fuse_attention in the torch-IR phase (graph capture). Under the
+# module capture fuse_attention sees the recorded autocast regions and gives each site the autocast dtype.
 @effpass.register_pass("apply_autocast", run_after=("fuse_attention", "quantize_linear", "inject_lora"))
 @dataclass(frozen=True, kw_only=True)
 class ApplyAutocast(effpass.Pass):
@@ -180,18 +181,6 @@ class ApplyAutocast(effpass.Pass):
     # ------------------------------------------------------------------------------------------------
     def prepare_module(self, model: torch.nn.Module, ctx) -> effpass.PassResult:
         device_type = (ctx.device or torch.device("cpu")).type
-        if ctx.find_pass("fuse_attention") is not None:
-            # NOTE(fuse_attention): its patterns are written for the fp32 graph (under a module capture the
-            # rotated q is fp32 while the attention output is bf16, and it refuses the site). The fused kernel
-            # differs from eager attention anyway, so bit-identity is moot: insert the regions into the
-            # graph after it, as before (matches eager autocast within rounding).
-            reason = ("fuse_attention is in the pipeline: its patterns match the fp32 graph, so the autocast "
-                      "regions are inserted into the graph after it (graph capture)")
-            for mod in model.modules():
-                if _SITE_ATTR in mod.__dict__:
-                    mod.__dict__[_SITE_ATTR]["enabled"] = None
-            object.__setattr__(model, _MODEL_ATTR, {"capture": "graph"})
-            return effpass.PassResult(stats={"capture": "graph"}, skipped=[{"site": "model", "reason": reason}])
         cache = self.cache_enabled if self.cache_enabled is not None else torch.is_autocast_cache_enabled()
         scope = ctx.scope
         names = [n for n, _ in model.named_modules() if n]
@@ -241,14 +230,13 @@ class ApplyAutocast(effpass.Pass):
         device_type = (ctx.device or torch.device("cpu")).type
         prepared = getattr(ctx.model, _MODEL_ATTR, None) if ctx.model is not None else None
         ours = [n for n in graph.nodes if is_autocast_enter(n) and _is_ours(n)]
-        chose_graph = prepared is not None and prepared.get("capture") == "graph"
-        if ours or (prepared is not None and not chose_graph):
+        if ours or prepared is not None:
             return self._report_module_capture(gm, ctx, ours)
         if torch.is_autocast_enabled(device_type):
             return effpass.PassResult(skipped=[{
                 "site": "graph", "reason": f"autocast is already enabled for {device_type!r} around the compiled "
                                            "call; the caller chose the precision"}])
-        return self._graph_capture(gm, ctx, device_type, warn=not chose_graph)
+        return self._graph_capture(gm, ctx, device_type)
 
     def _report_module_capture(self, gm, ctx, ours) -> effpass.PassResult:
         device_type = (ctx.device or torch.device("cpu")).type

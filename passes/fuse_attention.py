@@ -25,6 +25,10 @@ Recognised forms (the matcher walks back from each ``softmax``):
       any chain of ``*``/``/`` by Python numbers (or pre-scaled q, which is simply part of q), in place
       too (``/=``, ``*=``, ``+=``, ``masked_fill_``: Falcon), through same-shape ``view``/``reshape``;
     * multi-query attention by broadcasting (one K/V head against every query head, Falcon);
+    * BLOOM's ALiBi: ``alibi.baddbmm(q, k^T, beta=b, alpha=a)`` on (B*H, S, D) tensors, the scores viewed as
+      (B, H, Sq, Sk) for the mask and the weights viewed back for ``bmm`` with v: ``a`` joins the scale, the
+      bias (``b`` times the later scales) becomes one more additive mask term in the (B, H, ...) layout, and
+      q, k, v are viewed as (B, H, S, D) for SDPA (its output viewed back);
     * masks, any combination: additive float tensors (``scores + mask``: BERT padding, Hugging Face
       5.x masks, constant ALiBi-style biases), ``masked_fill(mask, v)`` and ``where(cond, scores, v)`` /
       ``where(cond, v, scores)`` with ``v`` = ``-inf`` or ``<= -1e4`` (Hugging Face uses ``finfo.min``);
@@ -43,10 +47,17 @@ Proving causality
     that is not provably causal, are passed as ``attn_mask`` (always correct). ``q_len != kv_len``
     (decoding with a cache) never uses ``is_causal`` (SDPA aligns it top-left).
 
+Autocast: a site inside an autocast region (one Dynamo recorded, e.g. ``apply_autocast``'s module capture,
+or autocast entered around the compiled call, as accelerate/TRL do for ``bf16=True``) runs both matmuls in
+the autocast dtype in eager, whatever the dtypes of q, k, v (Llama's rotated q/k are fp32 while v is bf16);
+SDPA gets q, k, v and a float mask cast to that dtype, which is what Hugging Face's SDPA attention computes
+under autocast (bit-identical on the tested families, docs/apply_autocast.md).
+
 Left alone, with the reason in ``PassResult.skipped`` (and the dump): softmax over another dim; a scale
 that is not a constant positive number; a mask computed from the scores ("mask depends on data"); an
 additive bias that requires grad ("bias is not a mask": T5 relative bias, learned ALiBi); attention
-weights used elsewhere (``output_attentions``); q/k/v of different dtypes or broadcast batch dims.
+weights used elsewhere (``output_attentions``); q/k/v of different dtypes outside autocast (two
+precisions, not one SDPA call) or broadcast batch dims.
 
 Runs after: nothing (it is the first graph pass). ``apply_autocast`` and ``checkpoint_activations``
 run after it, so autocast sees the fused op (SDPA is on autocast's lower-precision list) and the
@@ -150,6 +161,28 @@ def _is_softmax(n: fx.Node) -> bool:
 
 def _is_matmul(n: Any) -> bool:
     return _is_fn(n, _MATMUL_FNS) or _is_method(n, _MATMUL_METHODS)
+
+
+def _is_baddbmm(n: Any) -> bool:
+    """``bias.baddbmm(q, k^T, beta=, alpha=)`` / ``torch.baddbmm``: ``beta * bias + alpha * (q @ k^T)`` (BLOOM)."""
+    return _is_fn(n, {torch.baddbmm}) or _is_method(n, {"baddbmm"})
+
+
+def _baddbmm_parts(n: fx.Node):
+    """(bias, batch1, batch2, beta, alpha) of a baddbmm node."""
+    return (_arg(n, 0, "input"), _arg(n, 1, "batch1"), _arg(n, 2, "batch2"), n.kwargs.get("beta", 1),
+            n.kwargs.get("alpha", 1))
+
+
+def _merge_view_heads(n: Any) -> tuple | None:
+    """(B, H) when ``n`` views a (B, H, S, T) tensor as (B*H, S, T) (BLOOM's weights before ``bmm`` with v)."""
+    if not (_is_method(n, {"view", "reshape"}) or _is_fn(n, {torch.reshape})):
+        return None
+    src = n.args[0] if n.args else None
+    a, b = _shape(src), _shape(n)
+    if _static(a) and _static(b) and len(a) == 4 and len(b) == 3 and a[0] * a[1] == b[0] and a[2:] == b[1:]:
+        return a[0], a[1]
+    return None
 
 
 def _is_cast(n: Any) -> bool:
@@ -266,6 +299,10 @@ class _Site:
     chain: list = field(default_factory=list)      # nodes replaced by the fused call
     causal: bool = False
     gqa: bool = False
+    #: (B, H) when q, k, v and the scores' matmul are laid out as (B*H, S, D) and the scores/weights are viewed
+    #: as (B, H, Sq, Sk) around the softmax (BLOOM); mask terms in ``split_terms`` are in the (B*H, ...) layout
+    heads: tuple | None = None
+    split_terms: set = field(default_factory=set)
 
 
 def _fill_value_ok(value: Any, const: _ConstEval) -> bool:
@@ -299,6 +336,12 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
             site.chain.append(y)
             y = _single_user(y, "the attention weights")
             continue
+        hm = _merge_view_heads(y)
+        if hm is not None and site.heads is None:
+            site.heads = hm
+            site.chain.append(y)
+            y = _single_user(y, "the attention weights")
+            continue
         p = _dropout_of(y)
         if p is not None:
             if site.dropout_p:
@@ -315,6 +358,7 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
     # -- backward from softmax: scale, masks, casts, down to q @ k^T -----------------------------------
     x_shape = _shape(x)
     chain_back = []
+    split_seen = False
     order = {n: i for i, n in enumerate(sm.graph.nodes)}
     consumer, done_inplace = sm, set()
     while True:
@@ -327,10 +371,19 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
                 raise _Skip("the scores are mutated in place by several ops between the matmul and the softmax")
             cur = inplace[0]
             done_inplace.add(cur)
-        elif _is_matmul(x):
+        elif _is_matmul(x) or _is_baddbmm(x):
             break
         else:
             cur = x
+        if cur is x and site.heads is not None and not split_seen and _split_view_of(cur, site.heads):
+            # BLOOM: (B*H, Sq, Sk) scores viewed as (B, H, Sq, Sk); below this point terms are in the 3-D layout
+            chain_back.append(cur)
+            split_seen, nxt = True, cur.args[0]
+            others = [u for u in nxt.users if u is not cur]
+            if others:
+                raise _Skip(f"the attention scores ({nxt.name}) are used elsewhere")
+            consumer, x, x_shape = x, nxt, _shape(nxt)
+            continue
         if any(_is_inplace(u) and u.args and u.args[0] is x and order[u] > order[consumer] for u in x.users):
             raise _Skip("the scores are mutated in place after the softmax reads them")
         if _shape(cur) != x_shape:
@@ -371,6 +424,8 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
                 # walking back: softmax input = scale * node + terms, so a term added here is scaled by
                 # every multiplication that comes after it in the program (those seen so far)
                 site.additive.append((m, site.scale))
+                if split_seen:
+                    site.split_terms.add(m)
             else:
                 raise _Skip(f"scores added to {type(m).__name__}")
         elif _is_method(cur, {"masked_fill", "masked_fill_"}) or _is_fn(cur, {torch.masked_fill}):
@@ -378,6 +433,8 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
             if not _fill_value_ok(value, const):
                 raise _Skip(f"masked_fill with {value!r} is not a mask (needs -inf or <= {MASK_FILL_THRESHOLD:g})")
             site.allowed.append((mask, True))
+            if split_seen:
+                site.split_terms.add(mask)
         elif _is_fn(cur, {torch.where}) and len(args) == 3:
             cond, a, b = args
             if a is not None and isinstance(a, fx.Node) and _shape(a) == x_shape and _fill_value_ok(b, const):
@@ -387,6 +444,8 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
             else:
                 raise _Skip("where() on the scores does not fill with -inf or a large negative value")
             site.allowed.append((cond, negate))
+            if split_seen:
+                site.split_terms.add(cond)
         else:
             raise _Skip(f"unrecognised op {op_name(cur)} between q @ k^T and softmax")
         if not isinstance(nxt, fx.Node):
@@ -399,10 +458,26 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
                 raise _Skip("mask depends on data (it is computed from the attention scores)")
             raise _Skip(f"the attention scores ({nxt.name}) are used elsewhere")
         consumer, x = x, nxt
+    if site.heads is not None and not split_seen:
+        raise _Skip("the attention weights are viewed as (batch*heads, q, k) but the scores were not split the same way")
     site.qk = x
     site.chain.extend(chain_back)
     site.chain.append(x)
-    site.q, site.k_t = x.args[0], x.args[1]
+    if _is_baddbmm(x):
+        # beta * bias + alpha * (q @ k^T): the bias is one more additive term (scaled like the scores after it)
+        bias, b1, b2, beta, alpha = _baddbmm_parts(x)
+        if not (_is_number(beta) and _is_number(alpha)) or alpha <= 0:
+            raise _Skip(f"baddbmm with beta={beta!r}, alpha={alpha!r} (needs constant numbers, alpha > 0)")
+        if isinstance(bias, fx.Node) and beta != 0:
+            site.additive.append((bias, site.scale * beta))
+            if split_seen:
+                site.split_terms.add(bias)
+        elif not (_is_number(bias) or beta == 0):
+            raise _Skip("baddbmm bias is not a tensor")
+        site.scale *= alpha
+        site.q, site.k_t = b1, b2
+    else:
+        site.q, site.k_t = x.args[0], x.args[1]
     if not all(isinstance(n, fx.Node) for n in (site.q, site.k_t, site.v)):
         raise _Skip("q, k or v is not a tensor")
 
@@ -441,7 +516,30 @@ def _is_same_shape_view(n: Any) -> bool:
 
 
 def _depends_on_matmul(n: fx.Node) -> bool:
-    return any(_is_matmul(a) for a in _ancestors(n))
+    return any(_is_matmul(a) or _is_baddbmm(a) for a in _ancestors(n))
+
+
+def _split_view_of(n: Any, heads: tuple) -> bool:
+    """``n`` views a (B*H, S, T) tensor as (B, H, S, T) with ``heads == (B, H)`` (BLOOM's scores)."""
+    if not (_is_method(n, {"view", "reshape"}) or _is_fn(n, {torch.reshape})):
+        return False
+    src = n.args[0] if n.args else None
+    a, b = _shape(src), _shape(n)
+    return (_static(a) and _static(b) and len(a) == 3 and len(b) == 4 and tuple(b[:2]) == tuple(heads)
+            and a[0] == b[0] * b[1] and a[1:] == b[2:])
+
+
+def _term_4d(t: torch.Tensor, site: _Site, node: fx.Node) -> torch.Tensor | None:
+    """A mask term's value in the (B, H, Sq, Sk) layout of the scores (terms of BLOOM's (B*H, ...) layout are
+    split), or None when it cannot be."""
+    if site.heads is None or node not in site.split_terms or t.dim() < 3:
+        return t
+    B, H = site.heads
+    if t.shape[0] == B * H:
+        return t.reshape(B, H, *t.shape[1:])
+    if t.shape[0] == 1:
+        return t.unsqueeze(0)
+    return None
 
 
 def _strip_transpose(kt: fx.Node) -> fx.Node | None:
@@ -525,13 +623,13 @@ def _causal_allowed(site: _Site, const: _ConstEval) -> torch.Tensor | None:
     """The combined "attend" mask when every mask term is a known constant, else None."""
     allowed = None
     for m, negate in site.allowed:
-        t = const(m)
+        t = _const_term(m, site, const)
         if not isinstance(t, torch.Tensor):
             return None
         t = ~t if negate else t
         allowed = t if allowed is None else allowed & t
     for m, _ in site.additive:
-        t = const(m)
+        t = _const_term(m, site, const)
         if not isinstance(t, torch.Tensor):
             return None
         keep, drop = t == 0, t <= MASK_FILL_THRESHOLD
@@ -539,6 +637,11 @@ def _causal_allowed(site: _Site, const: _ConstEval) -> torch.Tensor | None:
             return None  # a real bias, not a 0 / -inf mask
         allowed = keep if allowed is None else allowed & keep
     return allowed
+
+
+def _const_term(m: fx.Node, site: _Site, const: _ConstEval) -> torch.Tensor | None:
+    t = const(m)
+    return _term_4d(t, site, m) if isinstance(t, torch.Tensor) else None
 
 
 def _is_causal(site: _Site, const: _ConstEval) -> bool:
@@ -560,18 +663,57 @@ def _rows_nonempty(site: _Site, const: _ConstEval) -> bool:
     (additive terms: a value above the mask threshold, e.g. an ALiBi bias, counts as attending)."""
     allowed = None
     for m, negate in site.allowed:
-        t = const(m)
+        t = _const_term(m, site, const)
         if not isinstance(t, torch.Tensor):
             return False
         t = ~t if negate else t
         allowed = t if allowed is None else allowed & t
     for m, _ in site.additive:
-        t = const(m)
+        t = _const_term(m, site, const)
         if not isinstance(t, torch.Tensor):
             return False
         keep = t > MASK_FILL_THRESHOLD
         allowed = keep if allowed is None else allowed & keep
     return isinstance(allowed, torch.Tensor) and allowed.dim() >= 1 and bool(allowed.any(-1).all())
+
+
+# ------------------------------------------------------------------------------------------------------
+# autocast: the region each node runs in
+# ------------------------------------------------------------------------------------------------------
+_ENTER_AUTOCAST = torch.amp.autocast_mode._enter_autocast
+_EXIT_AUTOCAST = torch.amp.autocast_mode._exit_autocast
+
+
+class _AutocastRegions:
+    """Which autocast state each node of a torch-IR graph runs under: the regions Dynamo recorded
+    (``_enter_autocast``/``_exit_autocast`` nodes: a model's own ``with torch.autocast``, apply_autocast's
+    module wrappers) on top of the state around the compiled call (accelerate/Trainer's autocast)."""
+
+    def __init__(self, graph: fx.Graph):
+        self.stack_at: dict[fx.Node, tuple] = {}
+        stack: list[fx.Node] = []
+        for n in graph.nodes:
+            self.stack_at[n] = tuple(stack)
+            if _is_fn(n, {_ENTER_AUTOCAST}):
+                stack.append(n)
+            elif _is_fn(n, {_EXIT_AUTOCAST}) and stack:
+                stack.pop()
+
+    def dtype_at(self, node: fx.Node, device_type: str) -> torch.dtype | None:
+        """The autocast dtype the node runs under on ``device_type``, or None when autocast is off there."""
+        for enter in reversed(self.stack_at.get(node, ())):
+            args = list(enter.args)
+            dev = args[0] if args else enter.kwargs.get("device_type")
+            if dev != device_type:
+                continue
+            dtype = args[1] if len(args) > 1 else enter.kwargs.get("dtype")
+            enabled = args[2] if len(args) > 2 else enter.kwargs.get("enabled", True)
+            if not enabled:
+                return None
+            return dtype if isinstance(dtype, torch.dtype) else torch.get_autocast_dtype(device_type)
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+        return None
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -623,6 +765,7 @@ class FuseAttention(effpass.Pass):
     def transform_torch_ir(self, gm: fx.GraphModule, ctx) -> effpass.PassResult:
         graph = gm.graph
         const = _ConstEval(gm, ctx, self.assume_constant_buffers, self.max_mask_eval_elements)
+        regions = _AutocastRegions(graph)
         stats = {"rewritten": 0, "fused": 0, "unfused": 0, "causal": 0, "attn_mask": 0, "gqa": 0, "dropout": 0,
                  "flash_attn": 0, "empty_row_guard": 0, "skipped": 0}
         unfused: list[dict] = []
@@ -632,7 +775,7 @@ class FuseAttention(effpass.Pass):
             where = f"{module_path_of_node(sm) or '<root>'}:{sm.name}"
             try:
                 site = _match(sm, const)
-                self._rewrite(graph, site, const, stats, unfused, where)
+                self._rewrite(graph, site, const, stats, unfused, where, regions)
             except _Skip as e:
                 stats["skipped"] += 1
                 skipped.append({"site": where, "reason": str(e)})
@@ -644,7 +787,7 @@ class FuseAttention(effpass.Pass):
         return effpass.PassResult(changed=changed, stats=stats, skipped=skipped + unfused)
 
     def _rewrite(self, graph: fx.Graph, site: _Site, const: _ConstEval, stats: dict, unfused: list,
-                 where: str) -> None:
+                 where: str, autocast: _AutocastRegions) -> None:
         qv, vv = _val(site.q), _val(site.v)
         k = _strip_transpose(site.k_t)
         kv_ = _val(k) if k is not None else None
@@ -652,10 +795,20 @@ class FuseAttention(effpass.Pass):
             k = None
         if qv is None or vv is None or qv.dim() != vv.dim():
             raise _Skip("q and v have different ranks")
-        if not (qv.dtype == vv.dtype == _val(site.k_t).dtype):
-            raise _Skip(f"q, k, v dtypes differ ({qv.dtype}, {_val(site.k_t).dtype}, {vv.dtype})")
-        if _val(site.pv).dtype != qv.dtype:
-            raise _Skip("attention output dtype differs from q's")
+        dtypes = (qv.dtype, _val(site.k_t).dtype, vv.dtype)
+        # NOTE(autocast): under autocast both matmuls run in the autocast dtype whatever q, k, v are (Llama's
+        # rotary output is fp32 while v is bf16); SDPA then gets q, k, v (and a float mask) cast to it
+        ac = autocast.dtype_at(site.qk, qv.device.type)
+        if ac != autocast.dtype_at(site.pv, qv.device.type):
+            raise _Skip("q @ k^T and weights @ v run under different autocast states")
+        if ac is not None and all(d in (torch.float32, torch.float16, torch.bfloat16) for d in dtypes):
+            compute = ac
+        elif len(set(dtypes)) == 1:
+            compute = qv.dtype
+        else:
+            raise _Skip(f"q, k, v dtypes differ ({qv.dtype}, {_val(site.k_t).dtype}, {vv.dtype}) outside autocast")
+        if _val(site.pv).dtype != compute:
+            raise _Skip(f"attention output dtype ({_val(site.pv).dtype}) differs from the matmuls' ({compute})")
         kt_shape = _shape(site.k_t)
         k_base, v_base, rep = k, site.v, 1
         mqa = (qv.dim() == 4 and k is not None and len(kt_shape) == 4 and kt_shape[1] == 1 and vv.shape[1] == 1
@@ -683,20 +836,41 @@ class FuseAttention(effpass.Pass):
 
             if k_base is None:
                 k_base = call(torch.transpose, site.k_t, -2, -1)
+            q_in = site.q
+            # autocast casts each matmul operand to its dtype: cast once, before SDPA (none where equal;
+            # K/V un-repeated or transposed back keep the dtype of the k^T / v the matmuls read)
+            q_in, k_base, v_base = (x if dt == compute else call(torch.Tensor.to, x, compute)
+                                    for x, dt in zip((q_in, k_base, v_base), dtypes))
+            if site.heads is not None:
+                # BLOOM: q, k, v as (B*H, S, D) become (B, H, S, D) views, SDPA's layout
+                B, H = site.heads
+                q_in = call(torch.reshape, site.q, (B, H, *qv.shape[1:]))
+                k_base = call(torch.reshape, k_base, (B, H, *_shape(k_base)[1:]))
+                v_base = call(torch.reshape, v_base, (B, H, *vv.shape[1:]))
+
+            def term(m):
+                if site.heads is None or m not in site.split_terms or _val(m).dim() < 3:
+                    return m
+                B, H = site.heads
+                return call(torch.reshape, m, (B, H, *_val(m).shape[1:]) if _val(m).shape[0] == B * H
+                            else (1, *_val(m).shape))
+
             attn_mask = None
             if not causal:
                 allowed = None
                 for m, negate in site.allowed:
+                    m = term(m)
                     a = call(torch.logical_not, m) if negate else m
                     allowed = a if allowed is None else call(torch.logical_and, allowed, a)
                 additive = None
                 for m, f in site.additive:
+                    m = term(m)
                     t = m if f == 1.0 else call(torch.mul, m, f)
                     additive = t if additive is None else call(torch.add, additive, t)
                 if additive is not None:
-                    if _val(site.additive[0][0]).dtype != qv.dtype or len(site.additive) > 1:
+                    if _val(site.additive[0][0]).dtype != compute or len(site.additive) > 1:
                         # NOTE: SDPA wants a float mask in the query dtype
-                        additive = call(torch.Tensor.to, additive, qv.dtype)
+                        additive = call(torch.Tensor.to, additive, compute)
                     attn_mask = additive if allowed is None else call(
                         torch.masked_fill, additive, call(torch.logical_not, allowed), float("-inf"))
                 else:
@@ -714,7 +888,9 @@ class FuseAttention(effpass.Pass):
             if rep > 1:
                 kwargs["enable_gqa"] = True
             fn = _attention_fn(self.kernel) if rows_safe else masked_sdpa
-            fused = call(fn, site.q, k_base, v_base, **kwargs)
+            fused = call(fn, q_in, k_base, v_base, **kwargs)
+            if site.heads is not None:
+                fused = call(torch.reshape, fused, _shape(site.pv))
         _set_meta(new_nodes, site.pv)
         site.pv.replace_all_uses_with(fused)
         dead = [site.pv, *site.chain]
@@ -726,10 +902,12 @@ class FuseAttention(effpass.Pass):
         stats["attn_mask"] += int(attn_mask is not None)
         stats["gqa"] += int(rep > 1)
         stats["dropout"] += int(site.dropout_p > 0)
-        flash = self.kernel != "sdpa" and rows_safe and _flash_available() and _flash_applies(site, qv, attn_mask)
+        flash = (self.kernel != "sdpa" and rows_safe and _flash_available()
+                 and _flash_applies(site, _val(q_in), attn_mask))
         stats["flash_attn"] += int(flash)
         stats["empty_row_guard"] += int(not rows_safe)
-        why = None if flash else _why_unfused(qv, _val(k_base) if isinstance(k_base, fx.Node) else None, vv,
+        q4, v4 = _val(q_in), _val(v_base)
+        why = None if flash else _why_unfused(q4, _val(k_base) if isinstance(k_base, fx.Node) else None, v4,
                                               attn_mask, site, rep > 1)
         if why is None:
             stats["fused"] += 1

@@ -6,6 +6,7 @@ structural (the pass's stats, ``skipped`` reasons, and the op histogram before/a
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -91,6 +92,69 @@ def test_llama_with_padding_mask_in_training():
     res = compile_and_compare(case, [FuseAttention()], lowering="eager", strict=True)
     stats = res.report.stats("fuse_attention")
     assert stats["fused"] == 2 and stats["attn_mask"] == 2 and stats["gqa"] == 2
+
+
+def test_bloom_alibi_with_left_padding_in_training():
+    """BLOOM: the ALiBi bias (built from the padding mask) and the padding mask become one float attn_mask;
+    left padding leaves query rows with no key, so the empty-row guard runs, and the fused kernel runs."""
+    from _families import family_case
+
+    case = family_case("bloom")
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, :3] = 0                               # left padding: rows 0-2 of sequence 1 attend to nothing
+    labels = case.inputs["labels"].clone()
+    labels[1, :4] = -100                          # padded positions (and the first real token) not in the loss
+    case.inputs.update(attention_mask=mask, labels=labels)
+    res = compile_and_compare(case, [FuseAttention()], lowering="eager", atol=1e-5, rtol=1e-5, strict=True)
+    st = res.report.stats("fuse_attention")
+    assert st["fused"] == 1 and st["attn_mask"] == 1 and st["empty_row_guard"] == 1 and st["unfused"] == 0, st
+    assert _ops_after(res.compiled).get(MASKED_SDPA) == 1 and not any("baddbmm" in k for k in _ops_after(res.compiled))
+    ran = _kernels_run(lambda: case.loss(res.compiled(**case.inputs)).backward())
+    assert any("flash_attention" in k for k in ran) and not any("math" in k for k in ran), ran
+
+
+def test_llama_under_bf16_autocast_around_the_call_is_fused():
+    """TRL/accelerate's bf16 on CPU: autocast is entered around the compiled call. Llama's rotary output is fp32
+    while v is bf16; eager autocast runs both matmuls in bf16, so the site gets q, k, v cast to bf16. The fair
+    reference is eager torch.autocast with SDPA attention: bit-identical (logits, loss, gradients); against the
+    fp32 model the error is within eager autocast's (x2 + 1e-3)."""
+    from effpass.testing import grads_of
+
+    case = model_case("llama", train=True)
+    twin = model_case("llama", attn="sdpa", train=True).model
+    twin.load_state_dict(case.model.state_dict())
+    fp32, eager = copy.deepcopy(case.model), copy.deepcopy(case.model)
+    compiled = effpass.compile(case.model, passes=[FuseAttention()], lowering="eager", strict=True)
+    with torch.autocast("cpu", torch.bfloat16):
+        out, want, want_eager = compiled(**case.inputs), twin(**case.inputs), eager(**case.inputs)
+    ref = fp32(**case.inputs)
+    for o in (out, want, want_eager, ref):
+        case.loss(o).backward()
+    assert torch.equal(out.logits, want.logits) and torch.equal(out.loss, want.loss)
+    got, g_want = grads_of(case.model), grads_of(twin)
+    assert got.keys() == g_want.keys() and all(torch.equal(got[k], g_want[k]) for k in got)
+    err = lambda a, b: (a.float() - b.float()).abs().max().item()  # noqa: E731
+    assert err(out.logits, ref.logits) <= 2 * err(want_eager.logits, ref.logits) + 1e-3
+    st = effpass.report(compiled).stats("fuse_attention")
+    assert st["fused"] == case.num_layers and st["skipped"] == 0 and st["gqa"] == case.num_layers, st
+    casts = sum(v for k, v in _ops_after(compiled).items() if k.endswith(".to"))
+    assert casts >= 2 * case.num_layers      # q and k (fp32 after the rotary embedding) cast to bf16 per site
+
+
+def test_mixed_dtypes_outside_autocast_are_left_alone_with_the_reason():
+    """Without autocast, q @ k^T in fp32 and weights.to(bf16) @ v in bf16 are two precisions: not one SDPA."""
+    def fn(q, k, v):
+        p = F.softmax(q @ k.transpose(-2, -1) * 0.25, dim=-1)
+        return (p.to(v.dtype) @ v).float()
+
+    q, k, v = _qkv()
+    torch._dynamo.reset()
+    compiled = effpass.compile(_Wrap(fn), passes=[FuseAttention()], lowering="eager")
+    vb = v.detach().bfloat16()
+    torch.testing.assert_close(compiled(q, k, vb), fn(q, k, vb))
+    st = effpass.report(compiled).stats("fuse_attention")
+    assert st["fused"] == 0 and st["skipped"] == 1
+    assert "q, k, v dtypes differ" in _skipped(compiled)[0]["reason"] and "outside autocast" in _skipped(compiled)[0]["reason"]
 
 
 def test_bf16_llama_within_stated_bound():
@@ -222,7 +286,23 @@ def form_broadcast_mqa(q, k, v):
     return F.softmax(att, dim=-1) @ v1
 
 
+def form_baddbmm_alibi_bloom(q, k, v):
+    """BLOOM: q/k/v as (B*H, S, D), ``alibi.baddbmm(q, k^T, beta=, alpha=)``, the scores viewed as (B, H, S, S)
+    for the additive mask, fp32 softmax, the weights viewed back to (B*H, S, S) for ``bmm`` with v."""
+    b, h, s, d = q.shape
+    q3, v3 = q.reshape(b * h, s, d), v.reshape(b * h, s, d)
+    k3t = k.reshape(b * h, s, d).transpose(-1, -2)
+    alibi = (torch.linspace(0.1, 0.5, h).view(1, h, 1, 1) * torch.arange(s).view(1, 1, 1, s)).expand(b, h, 1, s)
+    scores = alibi.reshape(b * h, 1, s).baddbmm(batch1=q3, batch2=k3t, beta=0.5, alpha=d ** -0.5)
+    scores = scores.masked_fill(torch.zeros(1, s, s, dtype=torch.bool), float("-inf"))  # a (B*H, ...) mask term
+    keep = torch.ones(s, s, dtype=torch.bool).tril()
+    w = scores.view(b, h, s, -1) + torch.where(keep, 0.0, torch.finfo(q.dtype).min)
+    p = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.bmm(p.view(b * h, s, -1), v3).view(b, h, s, d)
+
+
 FORMS = {
+    "baddbmm_alibi_bloom": (form_baddbmm_alibi_bloom, H, {"causal": 0, "attn_mask": 1}),
     "inplace_div_falcon": (form_inplace_div_falcon, H, {"causal": 1}),
     "inplace_mul_add_view_alibi": (form_inplace_mul_add_view_alibi, H, {"causal": 0, "attn_mask": 1}),
     "broadcast_mqa": (form_broadcast_mqa, H, {"gqa": 1}),
