@@ -6,6 +6,8 @@ Arms (each in a fresh subprocess, same seed, data and TrainingArguments):
 * ``torch_compile``:  the same PEFT model with ``TrainingArguments(torch_compile=True)`` (accelerate, Inductor)
 * ``effpass``:        the plain model through ``effpass.compile(model, passes=[InjectLoRA(...), FuseAttention()])``
                       (Inductor), handed to the same Trainer
+* ``effpass_default``: ``InjectLoRA`` plus the device's default pipeline (``effpass.config.default_pipeline``: on
+                      CPU fuse_attention and fuse_cross_entropy, which never materialises the logits)
 
 Attention is Hugging Face's default (``sdpa``) in every arm. LoRA r=16 on q/k/v/o.
 Shapes: a small Llama on CPU (fp32; hidden 256, 2 layers, vocab 4096, T=256, batch 2); on a GPU a ~0.5B Llama
@@ -38,7 +40,7 @@ import platform
 import subprocess
 import sys
 
-ARMS = ("eager", "torch_compile", "effpass")
+ARMS = ("eager", "torch_compile", "effpass", "effpass_default")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 CPU_SHAPE = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=8,
                  num_key_value_heads=4, seq=256, batch=2, bf16=False)
@@ -69,8 +71,13 @@ def run_arm(arm: str, device: str, steps: int, warmup: int, threads: int | None 
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(cfg).to(device)
     torch.manual_seed(1)
+    lora = InjectLoRA(rank=16, alpha=32, targets=[f"*.{t}" for t in TARGETS])
     if arm == "effpass":
-        effpass.compile(model, passes=[InjectLoRA(rank=16, alpha=32, targets=[f"*.{t}" for t in TARGETS]), FuseAttention()])
+        effpass.compile(model, passes=[lora, FuseAttention()])
+    elif arm == "effpass_default":
+        from effpass.config import default_pipeline
+
+        effpass.compile(model, passes=[lora, *default_pipeline(torch.device(device), torch.bfloat16 if shape["bf16"] else torch.float32)])
     else:
         import peft
 
@@ -121,7 +128,7 @@ def run_arm(arm: str, device: str, steps: int, warmup: int, threads: int | None 
            "threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
            "first_steps_s": sum(times[:warmup]), "train_s": total, "peak_step_bytes": peak,
            "losses": losses, "graphs": None}
-    if arm == "effpass":
+    if arm.startswith("effpass"):
         rep = effpass.report(model)
         out["graphs"] = len(rep.graphs)
     out["dynamo"] = dict(dyn)
@@ -193,16 +200,17 @@ def main() -> None:
              f"interleaved round(s) per arm (by CPU time); 1-minute load average after each arm: "
              f"{', '.join(f'{x:.1f}' for x in loads if x is not None)}. The CPU is shared: compare ratios only.", "",
              "| arm | CPU ms/step | vs eager | wall ms/step (min) | steps/s | vs eager | peak step memory (MiB) | vs eager "
-             "| first steps (s) | graph breaks | recompiles |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| first steps (s) | graph breaks | recompiles | max abs loss diff vs eager |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         cpu = f"{base['cpu_ms_per_step'] / r['cpu_ms_per_step']:.2f}x" if base else ""
         sp = f"{r['steps_per_s'] / base['steps_per_s']:.2f}x" if base else ""
         mem = f"{r['peak_step_bytes'] / base['peak_step_bytes']:.2f}x" if base else ""
         dyn = r.get("dynamo") or {}
+        dl = f"{max(abs(x - y) for x, y in zip(r['losses'], base['losses'])):.1e}" if base else ""
         lines.append(f"| {r['arm']} | {r['cpu_ms_per_step']:.1f} | {cpu} | {r['step_ms']:.1f} ({r['step_ms_min']:.1f}) | "
                      f"{r['steps_per_s']:.3f} | {sp} | {r['peak_step_bytes'] / 2**20:.1f} | {mem} | "
-                     f"{r['first_steps_s']:.1f} | {dyn.get('graph_breaks', '')} | {dyn.get('recompiles', '')} |")
+                     f"{r['first_steps_s']:.1f} | {dyn.get('graph_breaks', '')} | {dyn.get('recompiles', '')} | {dl} |")
     with open(path[:-5] + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {path}")
