@@ -135,7 +135,9 @@ def backend_of(model: torch.nn.Module | None = None) -> EffpassBackend | None:
 def report(model: torch.nn.Module | None = None) -> CompileReport:
     """What effpass did to ``model``, however it was compiled (``effpass.compile``, ``effpass.prepare``,
     ``torch.compile(model, backend="effpass")`` or ``model.compile(backend="effpass")``), and to that model
-    only. With no argument: the last string-backend compile."""
+    only: the graphs compiled while it was called, and string-backend graphs that Dynamo reused for it (a model
+    of the same class and shapes compiled with the same options runs the first one's graphs; NOTE(shared
+    graphs) in effpass/backend.py). With no argument: the last string-backend compile."""
     if model is None:
         be = last_string_backend()
         if be is None:
@@ -153,7 +155,5 @@ def report(model: torch.nn.Module | None = None) -> CompileReport:
         return be.report if not graphs else CompileReport(module=be.report.module, graphs=be.report.graphs + graphs)
     if not graphs:
         raise ValueError(f"effpass has compiled no graph of this {type(model).__name__}: compile it with "
-                         "effpass.compile(model) or torch.compile(model, backend='effpass') and call it first (a "
-                         "model of the same class and shapes compiled earlier with the same string-backend options "
-                         "shares that model's graphs: Dynamo reuses them without calling the backend)")
+                         "effpass.compile(model) or torch.compile(model, backend='effpass') and call it first")
     return CompileReport(graphs=graphs)

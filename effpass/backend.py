@@ -74,6 +74,49 @@ def _modules_on_stack() -> list[weakref.ref]:
     return out
 
 
+class _NoteCallers:
+    """A string backend's compiled graph, noting in its report every model whose call runs it.
+
+    NOTE(shared graphs): ``torch.compile(b, backend="effpass")`` after ``torch.compile(a, backend="effpass")``
+    with the same options (one shared backend object) and a model of the same class and shapes: Dynamo's
+    guards do not depend on which module instance is called (parameters are graph inputs), so ``b``'s call
+    runs the graph compiled for ``a`` without calling the backend. The graph's report then has to learn
+    about ``b`` at run time: the graph's first parameter input identifies the model cheaply (a weak-set
+    lookup per call); only the first call with a new parameter object walks the stack for the modules
+    being called, as the compile did."""
+
+    def __init__(self, fn, report: GraphReport, index: int, first_param: torch.Tensor):
+        self.fn, self.report, self.index = fn, report, index
+        # id -> weak reference (tensors compare elementwise, so no WeakSet; the identity check guards ids reused)
+        self.seen: dict[int, weakref.ref] = {id(first_param): weakref.ref(first_param)}
+
+    def __call__(self, *args):
+        p = args[self.index] if len(args) > self.index else None
+        if p is not None:
+            r = self.seen.get(id(p))
+            if r is None or r() is not p:
+                self._note(p)
+        return self.fn(*args)
+
+    def _note(self, p) -> None:
+        try:
+            self.seen[id(p)] = weakref.ref(p)
+        except TypeError:  # pragma: no cover - tensors are weak-referenceable
+            return
+        known = {id(r()) for r in self.report.modules if r() is not None}
+        self.report.modules.extend(r for r in _modules_on_stack() if id(r()) not in known)
+
+    def __getattr__(self, name):  # anything Dynamo or AOTAutograd reads from the compiled function
+        return getattr(self.fn, name)
+
+
+def _note_callers(compiled, report: GraphReport, example_inputs: Sequence[Any]):
+    for i, x in enumerate(example_inputs):
+        if isinstance(x, torch.nn.Parameter):
+            return _NoteCallers(compiled, report, i, x)
+    return compiled  # no parameter input: nothing identifies the model (its compile-time modules stay)
+
+
 def copy_dynamo_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of Dynamo's GraphModule that passes may edit freely (Dynamo keeps the original)."""
     graph = snapshot_graph(gm.graph)
@@ -155,6 +198,10 @@ class EffpassBackend:
     def model(self) -> torch.nn.Module | None:
         return self._model_ref() if self._model_ref is not None else None
 
+    #: whether models other than the one being compiled may run this backend's graphs (the string backend,
+    #: shared by every model compiled with the same options): see NOTE(shared graphs)
+    shared: bool = False
+
     #: passes added to the pipeline after the backend was made (e.g. ``checkpoint_activations`` when Hugging
     #: Face gradient checkpointing is turned on); each is used unless the pipeline has one of that name.
     extra_passes: tuple = ()
@@ -217,6 +264,8 @@ class EffpassBackend:
                          "lower_ms": (t_lowered - t_lower) * 1e3 - late_ms, "late_pass_ms": late_ms}
         if self.dump:
             self.dump.write_index(report)  # last: with timing (its presence marks a finished compile)
+        if self.shared:
+            compiled = _note_callers(compiled, report, example_inputs)
         return compiled
 
     # -- lowering -------------------------------------------------------------------------------------
@@ -410,6 +459,7 @@ def effpass_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
                 "(it runs the module phase in place, then torch.compile with the same pipeline), or "
                 "effpass.prepare(model, passes=[...]) then torch.compile(model, backend=effpass.backend_of(model))")
         backend = EffpassBackend(opts)
+        backend.shared = True
         _STRING_BACKENDS[key] = backend
     return backend(gm, example_inputs)
 

@@ -58,7 +58,9 @@ class GraphReport:
     notes: dict[str, Any] = field(default_factory=dict)
     #: total_ms (the backend call), lower_ms (Inductor/AOTAutograd without effpass hooks), late_pass_ms
     timing: dict[str, float] = field(default_factory=dict)
-    #: weak references to the modules being called when Dynamo compiled this graph (which model it is of)
+    #: weak references to the modules being called when Dynamo compiled this graph (which model it is of),
+    #: and, for a string backend's graph, to those of every model whose call has run it since (Dynamo
+    #: reuses a graph for another model of the same class and shapes without calling the backend)
     modules: list[Any] = field(default_factory=list, repr=False, compare=False)
 
     def belongs_to(self, model: Any) -> bool:

@@ -120,8 +120,6 @@ def test_default_pipeline_is_chosen_per_graph_from_its_inputs(_registry):
 # ------------------------------------------------------------------------------------------------------
 def test_report_covers_each_model_however_compiled_and_only_that_model():
     opts = {"lowering": "eager", "passes": {"fuse_attention": {}}}
-    # (two models of one class and shape compiled with the same options share Dynamo's graphs: the second
-    # one's call reuses the first's without calling the backend; different shapes here)
     a, b, c = model_case("demo", layers=2), model_case("demo", layers=3), model_case("llama")
     ca = torch.compile(a.model, backend="effpass", options=opts)   # the same options: one shared backend
     cb = torch.compile(b.model, backend="effpass", options=opts)
@@ -135,6 +133,20 @@ def test_report_covers_each_model_however_compiled_and_only_that_model():
         assert r.graphs[0].belongs_to(case.model) and r.stats("fuse_attention")["fused"] == case.num_layers
     with pytest.raises(ValueError, match="compiled no graph of this GPT2LMHeadModel"):
         effpass.report(model_case("gpt2").model)
+
+    # A second model of a's class and shapes with the same options: Dynamo runs a's graph for it without
+    # calling the backend (NOTE(shared graphs)); its report still has that graph, the graph that ran for it.
+    d = model_case("demo", layers=2, seed=1)
+    cd = torch.compile(d.model, backend="effpass", options=opts)
+    with dynamo_counters() as counts:
+        out = cd(**d.inputs)
+    assert counts["unique_graphs"] == 0                                     # really reused, not compiled
+    torch.testing.assert_close(out, d.model(**d.inputs))                   # and computes d's function
+    rd = effpass.report(cd)
+    assert [g.graph_id for g in rd.graphs] == [g.graph_id for g in reports[0].graphs]
+    assert rd.stats("fuse_attention")["fused"] == 2 and rd.graphs[0].belongs_to(d.model)
+    assert not any(g.belongs_to(d.model) for g in reports[1].graphs + reports[2].graphs)   # that model only
+    assert [len(effpass.report(m).graphs) for m in (ca, cb, c.model)] == [1, 1, 1]
 
 
 # ------------------------------------------------------------------------------------------------------
