@@ -22,6 +22,9 @@ fi
 
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$ROOT/.cache/inductor}
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore::DeprecationWarning}
+# Two test workers on two cores: OpenMP threads that spin at barriers while their partner is descheduled waste
+# most of a compiled step on a shared CPU (docs/huggingface.md); waiting threads sleep instead.
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 cmd=${1:-test}
 shift || true
 case "$cmd" in

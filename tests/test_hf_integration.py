@@ -299,6 +299,7 @@ def test_trl_sft_trainer_default_config_runs_effpass_graphs_like_eager(tmp_path)
     assert counters["frames"] >= 1 and len(joint) >= 1 and counters["graph_breaks"] == 0
     assert report.stats("inject_lora", "torch_ir")["merged_groups"] >= 1
     assert report.stats("checkpoint_activations", "joint")["blocks"] >= 1   # effpass's checkpointing, not HF's
+    assert report.stats("fuse_attention", "torch_ir")["fused"] >= 1   # under TRL's bf16 autocast too
     assert not model.is_activation_checkpointing
 
 
