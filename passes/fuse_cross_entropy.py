@@ -69,10 +69,15 @@ import effpass
 from effpass.graph import tensor_meta
 from effpass.scope import module_path_of_node
 
-__all__ = ["FuseCrossEntropy", "linear_cross_entropy", "plan_chunks"]
+__all__ = ["FuseCrossEntropy", "default_chunk_bytes", "linear_cross_entropy", "plan_chunks"]
 
 #: a full row block of logits is used when the budget holds at least this many rows (else 2-D tiles)
 MIN_FULL_ROWS = 128
+#: the default budget never holds fewer rows than this (or all rows): every chunk re-reads the head's weight
+#: and reads and writes its gradient, so the op's arithmetic intensity is about ``3 * rows / 8`` flops per
+#: byte (fp32) whatever the hidden size and vocabulary; below ~256 rows the step is bound by that traffic and
+#: by per-chunk overhead (docs/fuse_cross_entropy.md, "Choosing the chunk")
+MIN_CHUNK_ROWS = 256
 _COMPUTE = {"": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -89,6 +94,12 @@ def plan_chunks(rows: int, vocab: int, chunk_bytes: int) -> tuple[int, int]:
         return max(1, min(rows, full)), vocab
     r = max(1, min(rows, math.isqrt(elems)))
     return r, max(1, min(vocab, elems // r))
+
+
+def default_chunk_bytes(rows: int, vocab: int, hidden_bytes: int) -> int:
+    """The default budget: a chunk of fp32 logits no larger than the larger of the batch's hidden states
+    (``hidden_bytes``) and ``MIN_CHUNK_ROWS`` full rows of logits (all rows when fewer)."""
+    return max(int(hidden_bytes), min(max(rows, 1), MIN_CHUNK_ROWS) * vocab * 4)
 
 
 def _num_chunks(rows: int, vocab: int, chunk_bytes: int) -> int:
@@ -155,10 +166,16 @@ def _forward_pass(xs, ws, b, tgt, spec: _Spec, grads: Optional[dict], gscale: Op
         r1 = min(n, r0 + rows)
         t = tgt[r0:r1]
         if vt == vocab:  # one pass: the full rows fit in a chunk
+            # NOTE(speed): log_softmax is one vectorised kernel (max, sum of exp, write); logsumexp then
+            # z - lse then exp took three more passes over the chunk and a temporary of its size
             z, th = spec.logits(xs, ws, b, r0, r1, 0, vocab)
-            lse = torch.logsumexp(z, 1)
             zt = z.gather(1, t[:, None]).squeeze(1)
-            zsum = z.sum(1) if eps else None
+            ls = torch.log_softmax(z, 1)
+            del z
+            lst = ls.gather(1, t[:, None]).squeeze(1)
+            lse = zt - lst
+            if eps:  # the smoothing term: lse - mean_v z_v = -mean_v log_softmax_v
+                smooth = ls.sum(1).div_(-vocab)
         else:  # log-sum-exp over vocabulary tiles, combined with logaddexp (online softmax)
             lse = torch.full((r1 - r0,), -math.inf, device=t.device)
             zt = torch.zeros(r1 - r0, device=t.device)
@@ -171,20 +188,22 @@ def _forward_pass(xs, ws, b, tgt, spec: _Spec, grads: Optional[dict], gscale: Op
                 if eps:
                     zsum += z.sum(1)
                 lse = torch.logaddexp(lse, torch.logsumexp(z, 1))
+            smooth = lse - zsum / vocab if eps else None
         lse_all[r0:r1] = lse
         l = lse - zt
         if eps:
-            l = (1.0 - eps) * l + eps * (lse - zsum / vocab)
+            l = (1.0 - eps) * l + eps * smooth
         loss[r0:r1] = l
         if grads is not None:
             g = gscale[r0:r1] if gscale is not None else None
             if vt == vocab:
-                _grad_tile(z, th, lse, t, g, xs, ws, r0, r1, 0, vocab, spec, grads)
+                _grad_tile(ls.exp_(), th, t, g, xs, ws, r0, r1, 0, vocab, spec, grads)
             else:
                 for v0 in range(0, vocab, vt):
                     v1 = min(vocab, v0 + vt)
                     z, th = spec.logits(xs, ws, b, r0, r1, v0, v1)
-                    _grad_tile(z, th, lse, t, g, xs, ws, r0, r1, v0, v1, spec, grads)
+                    _grad_tile(_softmax_(z, lse), th, t, g, xs, ws, r0, r1, v0, v1, spec, grads)
+        ls = None
     return loss, lse_all
 
 
@@ -198,16 +217,21 @@ def _backward_pass(xs, ws, b, tgt, lse_all, gscale, spec: _Spec, grads: dict):
         for v0 in range(0, vocab, vt):
             v1 = min(vocab, v0 + vt)
             z, th = spec.logits(xs, ws, b, r0, r1, v0, v1)
-            _grad_tile(z, th, lse_all[r0:r1], tgt[r0:r1], gscale[r0:r1], xs, ws, r0, r1, v0, v1, spec, grads)
+            _grad_tile(_softmax_(z, lse_all[r0:r1]), th, tgt[r0:r1], gscale[r0:r1], xs, ws, r0, r1, v0, v1, spec,
+                       grads)
 
 
-def _grad_tile(z, th, lse, t, g, xs, ws, r0, r1, v0, v1, spec: _Spec, grads: dict):
-    """d loss / d logits for one tile (softmax - smoothed one-hot, times the row's gradient), pushed
-    through the transform and the projection(s) into the accumulators."""
+def _softmax_(z: Tensor, lse: Tensor) -> Tensor:
+    """``exp(z - lse)`` in ``z``'s buffer: the softmax of a tile given its rows' log-sum-exp."""
+    return z.sub_(lse[:, None]).exp_()
+
+
+def _grad_tile(d, th, t, g, xs, ws, r0, r1, v0, v1, spec: _Spec, grads: dict):
+    """d loss / d logits for one tile (``d``: its softmax, overwritten: minus the smoothed one-hot, times
+    the row's gradient), pushed through the transform and the projection(s) into the accumulators."""
     eps = spec.smoothing
     if th is not None:  # d softcap(z)/dz = pre * post * (1 - tanh^2), computed in tanh's buffer
         deriv = th.mul_(th).neg_().add_(1.0).mul_(spec.pre * spec.post)
-    d = z.sub_(lse[:, None]).exp_()
     inside = (t >= v0) & (t < v1)
     rows = inside.nonzero().squeeze(1)
     if rows.numel():
@@ -387,12 +411,13 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Tensor
     """``F.cross_entropy(transform(x @ weight.T + bias [+ x2 @ weight2.T]), target)`` in chunks.
 
     ``transform`` is ``z * scale``, or ``softcap * tanh(z * scale / softcap)`` with ``softcap``.
-    ``x`` is ``(N, H)``, ``target`` ``(N,)``. The chunk budget defaults to the bytes of ``x``.
+    ``x`` is ``(N, H)``, ``target`` ``(N,)``. The chunk budget defaults to ``default_chunk_bytes``: the
+    larger of the bytes of ``x`` and ``MIN_CHUNK_ROWS`` rows of logits.
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction {reduction!r} is not valid; choose one of ['mean', 'sum', 'none']")
     if chunk_bytes is None:
-        chunk_bytes = x.numel() * x.element_size()
+        chunk_bytes = default_chunk_bytes(x.shape[0], weight.shape[0], x.numel() * x.element_size())
     pre, post, cap = (scale / softcap, softcap, True) if softcap else (scale, 1.0, False)
     compute = "" if compute_dtype is None else str(compute_dtype).removeprefix("torch.")
     if reduction == "none":
@@ -706,14 +731,15 @@ class FuseCrossEntropy(effpass.Pass):
     keep_logits: bool = field(default=False, metadata={
         "doc": "also compute and return the logits in training (default: the output's logits is None)"})
     chunk_bytes: int = field(default=0, metadata={
-        "doc": "bytes of one fp32 chunk of logits; 0: the bytes of the batch's hidden states"})
+        "doc": "bytes of one fp32 chunk of logits; 0: the larger of the batch's hidden states and 256 rows of "
+               "logits"})
     kernel: Literal["effpass", "torch"] = field(default="effpass", metadata={
         "doc": "'effpass': the chunked custom ops; 'torch': torch's F.linear_cross_entropy with chunking "
                "(torch >= 2.13; plain heads, mean/sum, no soft-capping or smoothing; else effpass's)"})
 
     def validate(self) -> None:
         if self.chunk_bytes < 0:
-            raise ValueError(f"fuse_cross_entropy.chunk_bytes must be >= 0 (0: the hidden states' size), "
+            raise ValueError(f"fuse_cross_entropy.chunk_bytes must be >= 0 (0: the default budget), "
                              f"got {self.chunk_bytes}")
 
     @classmethod
@@ -778,7 +804,7 @@ class FuseCrossEntropy(effpass.Pass):
             keep = self.keep_logits
         dtype = _autocast_dtype_at(graph, site.proj, hv.device.type)
         compute = "" if dtype is None or hv.dtype != torch.float32 else str(dtype).removeprefix("torch.")
-        budget = self.chunk_bytes or int(hv.numel() * hv.element_size())
+        budget = self.chunk_bytes or default_chunk_bytes(n_rows, vocab, hv.numel() * hv.element_size())
         new: list[fx.Node] = []
         with graph.inserting_before(ce):
             def call(fn, *args, **kwargs):
