@@ -67,6 +67,7 @@ from torch import Tensor
 
 import effpass
 from effpass.graph import tensor_meta
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from effpass.scope import module_path_of_node
 
 __all__ = ["FuseCrossEntropy", "default_chunk_bytes", "linear_cross_entropy", "plan_chunks"]
@@ -666,6 +667,19 @@ def _autocast_dtype_at(graph: fx.Graph, node: fx.Node, device_type: str) -> torc
     return None
 
 
+def _is_quantized(w: Tensor) -> bool:
+    from .quantize_linear import is_quantized
+
+    return is_quantized(w)
+
+
+def _dequantized(w: Tensor) -> Tensor:
+    """The high-precision weight a quantized tensor subclass stands for (in its nominal dtype)."""
+    from ._quant_formats import dequantize_weight
+
+    return dequantize_weight(w)
+
+
 def _set_meta(nodes: list[fx.Node], like: fx.Node) -> None:
     """Provenance from ``like`` and fake example values for the new nodes (checked by the caller)."""
     from torch._guards import detect_fake_mode
@@ -755,7 +769,7 @@ class FuseCrossEntropy(effpass.Pass):
         graph = gm.graph
         stats = {"fused": 0, "logits_bytes_avoided": 0, "chunks": 0, "chunk_bytes": 0, "logits_returned": 0,
                  "logits_dropped": 0, "lora_heads": 0, "low_precision_matmuls": 0, "torch_kernel": 0,
-                 "skipped": 0, "left_alone_no_grad": 0}
+                 "dequantized_heads": 0, "skipped": 0, "left_alone_no_grad": 0}
         skipped: list[dict] = []
         for ce in [n for n in graph.nodes if _is_fn(n, _CE_FNS)]:
             where = f"{module_path_of_node(ce) or '<root>'}:{ce.name}"
@@ -788,6 +802,9 @@ class FuseCrossEntropy(effpass.Pass):
         hv, wv = _val(site.h), _val(site.weight)
         if not (isinstance(hv, torch.Tensor) and isinstance(wv, torch.Tensor) and wv.dim() == 2):
             raise _Skip("the projection's input or weight has no static example value")
+        if is_traceable_wrapper_subclass(wv) and (wv.requires_grad or not _is_quantized(wv)):
+            raise _Skip(f"the head's weight is a {type(wv).__name__} (a tensor subclass that is not a frozen "
+                        "quantized weight from quantize_linear)")
         vocab, width = int(wv.shape[0]), int(wv.shape[1])
         n_rows = int(_val(a["input"]).shape[0])
         chain_set = set(site.chain) | {site.proj} | set(site.lora_nodes)
@@ -820,6 +837,12 @@ class FuseCrossEntropy(effpass.Pass):
                 return call(torch.reshape, src, (-1, w))
 
             x = rows_of(site.h, width)
+            weight = site.weight
+            if is_traceable_wrapper_subclass(wv):
+                # a quantized head (quantize_linear: torchao Int8Tensor, NF4, int4): the op takes plain
+                # tensors, so the frozen weight is dequantised once in the graph, as the unfused F.linear
+                # on it does (torchao's weight-only linear dequantises the whole weight too)
+                weight = call(_dequantized, site.weight)
             x2 = w2 = None
             if site.lora is not None:
                 u0, w2, s = site.lora
@@ -830,11 +853,11 @@ class FuseCrossEntropy(effpass.Pass):
             eps, ignore = float(a["label_smoothing"]), int(a["ignore_index"])
             use_torch = self.kernel == "torch" and self._torch_supports(site, reduction, eps, compute)
             if use_torch:
-                loss = call(F.linear_cross_entropy, x, site.weight, target, linear_bias=site.bias,
+                loss = call(F.linear_cross_entropy, x, weight, target, linear_bias=site.bias,
                             reduction=reduction, ignore_index=ignore,
                             options=torch.nn.LinearCrossEntropyOptions())
             elif reduction == "none":
-                res = call(torch.ops.effpass.linear_cross_entropy_rows.default, x, site.weight, x2, w2, site.bias,
+                res = call(torch.ops.effpass.linear_cross_entropy_rows.default, x, weight, x2, w2, site.bias,
                            target, ignore, eps, site.pre, site.softcap, site.post, budget, compute)
                 loss = call(operator.getitem, res, 0)
             else:
@@ -842,9 +865,9 @@ class FuseCrossEntropy(effpass.Pass):
                     v = _val(n)
                     return bool(isinstance(v, torch.Tensor) and v.requires_grad)
 
-                mask = [needs(site.h), site.lora is not None and needs(site.lora[0]), needs(site.weight),
+                mask = [needs(site.h), site.lora is not None and needs(site.lora[0]), needs(weight),
                         site.lora is not None and needs(w2), site.bias is not None and needs(site.bias)]
-                res = call(torch.ops.effpass.linear_cross_entropy.default, x, site.weight, x2, w2, site.bias,
+                res = call(torch.ops.effpass.linear_cross_entropy.default, x, weight, x2, w2, site.bias,
                            target, ignore, eps, site.pre, site.softcap, site.post, reduction == "mean", budget,
                            compute, mask)
                 loss = call(operator.getitem, res, 0)
@@ -879,6 +902,7 @@ class FuseCrossEntropy(effpass.Pass):
         stats["lora_heads"] += int(site.lora is not None)
         stats["low_precision_matmuls"] += int(bool(compute))
         stats["torch_kernel"] += int(use_torch)
+        stats["dequantized_heads"] += int(weight is not site.weight)
 
     @staticmethod
     def _torch_supports(site: _Site, reduction: str, eps: float, compute: str) -> bool:

@@ -359,17 +359,20 @@ def test_composes_with_lora_head_and_checkpointing():
     assert stats["fused"] == 1 and stats["lora_heads"] == 1 and stats.get("marked_save", 0) == 1, stats
 
 
-@pytest.mark.xfail(strict=True, reason="issue 15, open: quantize_linear's head is now an nn.Linear with a torchao "
-                   "Int8Tensor weight; the matcher knows only the old dequantize-then-linear form, so the head is "
-                   "left unfused (logits returned)")
 def test_composes_with_quantized_head():
+    """quantize_linear's int8 head (an nn.Linear whose weight is a torchao Int8Tensor): the frozen weight is
+    dequantised once in the graph and feeds the op; the loss and every gradient equal the prepared eager
+    model's (which runs torchao's weight-only linear)."""
     from effpass.passes import QuantizeLinear
 
     model = _demo()
     compiled = effpass.compile(model, passes=[QuantizeLinear(scheme="int8", targets=["lm_head"]), FuseCrossEntropy()],
                                lowering="eager", strict=True)
+    assert type(model.lm_head.weight).__name__ == "Int8WeightTensor"
     _train_and_compare(model, compiled, copy.deepcopy(model))
-    assert effpass.report(compiled).stats("fuse_cross_entropy")["fused"] == 1
+    stats = effpass.report(compiled).stats("fuse_cross_entropy")
+    assert stats["fused"] == 1 and stats["dequantized_heads"] == 1 and stats["logits_dropped"] == 1, stats
+    assert _ops_after(compiled).get(OP, 0) == 1
 
 
 def test_composes_with_autocast_bf16_matmuls_fp32_logsumexp():
