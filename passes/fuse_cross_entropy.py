@@ -34,9 +34,13 @@ The kernel
     ``sum``/``mean`` reductions: one custom op computes the loss and the gradients of its inputs in the
     forward, chunk by chunk (as Liger does); its registered backward only scales them by the incoming
     gradient, so the backward holds no logits at all. ``reduction="none"``: the forward saves the per-row
-    log-sum-exp and the backward (another custom op) recomputes each chunk. A chunk is a full row block
-    when ``chunk_bytes`` holds at least 128 full rows (one pass: 3 matmul-equivalents, as unfused);
-    otherwise a ``rows x vocab`` tile with an online log-sum-exp (two passes: 4 matmul-equivalents).
+    log-sum-exp and the backward (another custom op) recomputes each chunk. The default budget is the
+    larger of the batch's hidden states and ``MIN_CHUNK_ROWS`` (256) full rows of logits: every chunk
+    re-reads the head's weight and its gradient, so fewer rows make the step bandwidth-bound. A chunk is
+    a full row block when the budget holds at least 128 full rows (one pass: 3 matmul-equivalents, as
+    unfused); otherwise (a small explicit ``chunk_bytes``) a ``rows x vocab`` tile with an online
+    log-sum-exp (two passes: 4 matmul-equivalents). A quantized head's weight (``quantize_linear``) is
+    dequantised once in the graph and the plain weight feeds the op.
     Being custom ops, Inductor cannot fuse, reorder or keep extra chunks alive.
     ``kernel="torch"`` calls torch's ``F.linear_cross_entropy`` with ``LinearCrossEntropyOptions`` instead
     (feature-tested: torch >= 2.13; plain projections with mean/sum reductions, no transform, smoothing or
