@@ -35,7 +35,8 @@ The kernel
     forward, chunk by chunk (as Liger does); its registered backward only scales them by the incoming
     gradient, so the backward holds no logits at all. ``reduction="none"``: the forward saves the per-row
     log-sum-exp and the backward (another custom op) recomputes each chunk. The default budget is the
-    larger of the batch's hidden states and ``MIN_CHUNK_ROWS`` (256) full rows of logits: every chunk
+    larger of the batch's hidden states and ``MIN_CHUNK_ROWS`` (256; a quarter of the rows when that is
+    fewer) full rows of logits: every chunk
     re-reads the head's weight and its gradient, so fewer rows make the step bandwidth-bound. A chunk is
     a full row block when the budget holds at least 128 full rows (one pass: 3 matmul-equivalents, as
     unfused); otherwise (a small explicit ``chunk_bytes``) a ``rows x vocab`` tile with an online
@@ -79,7 +80,8 @@ __all__ = ["FuseCrossEntropy", "default_chunk_bytes", "linear_cross_entropy", "p
 
 #: a full row block of logits is used when the budget holds at least this many rows (else 2-D tiles)
 MIN_FULL_ROWS = 128
-#: the default budget never holds fewer rows than this (or all rows): every chunk re-reads the head's weight
+#: the default budget never holds fewer rows than this (or a quarter of the rows, so that a small batch is
+#: still cut in four): every chunk re-reads the head's weight
 #: and reads and writes its gradient, so the op's arithmetic intensity is about ``3 * rows / 8`` flops per
 #: byte (fp32) whatever the hidden size and vocabulary; below ~256 rows the step is bound by that traffic and
 #: by per-chunk overhead (docs/fuse_cross_entropy.md, "Choosing the chunk")
@@ -92,11 +94,12 @@ _COMPUTE = {"": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "flo
 # ------------------------------------------------------------------------------------------------------
 def plan_chunks(rows: int, vocab: int, chunk_bytes: int) -> tuple[int, int]:
     """``(rows per chunk, vocabulary entries per chunk)`` for a fp32 logits tile of at most
-    ``chunk_bytes``: full rows when at least ``MIN_FULL_ROWS`` (or all rows) fit, else a near-square tile."""
+    ``chunk_bytes``: full rows when at least ``MIN_FULL_ROWS`` (or a quarter of the rows) fit, else a
+    near-square tile."""
     elems = max(1, chunk_bytes // 4)
     rows = max(1, rows)
     full = elems // vocab
-    if full >= min(rows, MIN_FULL_ROWS):
+    if full >= min(-(-rows // 4), MIN_FULL_ROWS):
         return max(1, min(rows, full)), vocab
     r = max(1, min(rows, math.isqrt(elems)))
     return r, max(1, min(vocab, elems // r))
@@ -104,8 +107,8 @@ def plan_chunks(rows: int, vocab: int, chunk_bytes: int) -> tuple[int, int]:
 
 def default_chunk_bytes(rows: int, vocab: int, hidden_bytes: int) -> int:
     """The default budget: a chunk of fp32 logits no larger than the larger of the batch's hidden states
-    (``hidden_bytes``) and ``MIN_CHUNK_ROWS`` full rows of logits (all rows when fewer)."""
-    return max(int(hidden_bytes), min(max(rows, 1), MIN_CHUNK_ROWS) * vocab * 4)
+    (``hidden_bytes``) and ``min(MIN_CHUNK_ROWS, rows / 4)`` full rows of logits."""
+    return max(int(hidden_bytes), min(-(-max(rows, 1) // 4), MIN_CHUNK_ROWS) * vocab * 4)
 
 
 def _num_chunks(rows: int, vocab: int, chunk_bytes: int) -> int:
@@ -792,8 +795,8 @@ class FuseCrossEntropy(effpass.Pass):
     keep_logits: bool = field(default=False, metadata={
         "doc": "also compute and return the logits in training (default: the output's logits is None)"})
     chunk_bytes: int = field(default=0, metadata={
-        "doc": "bytes of one fp32 chunk of logits; 0: the larger of the batch's hidden states and 256 rows of "
-               "logits"})
+        "doc": "bytes of one fp32 chunk of logits; 0: the larger of the batch's hidden states and "
+               "min(256, rows / 4) rows of logits"})
     kernel: Literal["effpass", "torch"] = field(default="effpass", metadata={
         "doc": "'effpass': the chunked custom ops; 'torch': torch's F.linear_cross_entropy with chunking "
                "(torch >= 2.13; plain heads, mean/sum, no soft-capping or smoothing; else effpass's)"})

@@ -156,16 +156,17 @@ def test_kernel_matches_cross_entropy_in_every_form():
     assert worst > 0.0  # the comparison is live: chunked sums differ from the unfused ones in rounding
 
 
-def test_default_budget_never_holds_fewer_than_256_rows():
-    """The default chunk: the larger of the hidden states and 256 full rows of logits (all rows when
-    fewer): full-row chunks (one pass) at the benchmark's shape, where the hidden states (2 MiB) held 4 rows."""
+def test_default_budget_holds_at_least_256_rows_or_a_quarter():
+    """The default chunk: the larger of the hidden states and min(256, rows / 4) full rows of logits:
+    full-row chunks (one pass) at the benchmark's shape, where the hidden states (2 MiB) held 4 rows."""
     llama3 = 128256
     assert default_chunk_bytes(2048, llama3, 2048 * 256 * 4) == 256 * llama3 * 4
     assert plan_chunks(2048, llama3, default_chunk_bytes(2048, llama3, 2048 * 256 * 4)) == (256, llama3)
     # 8k tokens at hidden 4096 in fp32: the hidden states (128 MiB) hold 261 rows, more than the floor
     big = default_chunk_bytes(8192, llama3, 8192 * 4096 * 4)
     assert big == 8192 * 4096 * 4 and plan_chunks(8192, llama3, big) == (261, llama3)
-    assert default_chunk_bytes(10, 1000, 40) == 10 * 1000 * 4  # fewer rows than the floor: all of them
+    # a small batch: a quarter of its rows (still four chunks), one pass
+    assert default_chunk_bytes(128, 1000, 40) == 32 * 1000 * 4 and plan_chunks(128, 1000, 32 * 4000) == (32, 1000)
 
 
 def test_kernel_rejects_out_of_range_targets():
@@ -193,9 +194,9 @@ def test_fuses_the_loss_of_real_models(name):
     ref = copy.deepcopy(model)
     # DemoLM runs effpass's default pipeline (fuse_attention + fuse_cross_entropy on CPU): the pass is in it.
     # Gemma 2 (soft-cap) and Cohere (scale) run a small explicit budget: 2-D tiles over the vocabulary (the
-    # default holds all 32 rows of these small batches in one chunk)
+    # default cuts these small batches into four full-row chunks)
     small = name in ("gemma2", "cohere")
-    passes = None if name == "demo" else [FuseCrossEntropy(chunk_bytes=8192 if small else 0)]
+    passes = None if name == "demo" else [FuseCrossEntropy(chunk_bytes=4096 if small else 0)]
     compiled = effpass.compile(model, passes=passes, lowering="eager", strict=True)
     out, ref_out = compiled(**kwargs), ref(**kwargs)
     loss, ref_loss = (out[0], ref_out[0]) if name == "demo" else (out.loss, ref_out.loss)
@@ -211,12 +212,12 @@ def test_fuses_the_loss_of_real_models(name):
     n_rows = ids.shape[0] * (ids.shape[1] - 1) if name == "demo" else ids.numel()
     assert stats["fused"] == 1 and stats["skipped"] == 0 and stats["logits_dropped"] == 1, stats
     assert stats["logits_bytes_avoided"] == n_rows * V * 4
-    # default: the larger of the batch's hidden states and 256 rows of logits (here: all rows, one chunk)
-    budget = 8192 if small else max(ids.numel() * 64 * 4, min(n_rows, 256) * V * 4)
-    assert stats["chunk_bytes"] == budget == (8192 if small else default_chunk_bytes(n_rows, V, ids.numel() * 256))
+    # default: the larger of the batch's hidden states and min(256, rows / 4) rows of logits (here: 8 rows)
+    budget = 4096 if small else max(ids.numel() * 64 * 4, -(-n_rows // 4) * V * 4)
+    assert stats["chunk_bytes"] == budget == (4096 if small else default_chunk_bytes(n_rows, V, ids.numel() * 256))
     r, vt = plan_chunks(n_rows, V, budget)
     assert stats["chunks"] == -(-n_rows // r) * -(-V // vt)
-    assert stats["chunks"] == (4 if small else 1) and (vt < V) == small
+    assert stats["chunks"] == (8 if small else 4) and (vt < V) == small
     recs = [r for r in _records(compiled) if r.phase == "torch_ir"]
     assert len(recs) == 1  # one graph: no break between the head and the loss (GPT-2: loss_type below)
     before, after = recs[0].ops_before, recs[0].ops_after
