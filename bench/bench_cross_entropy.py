@@ -8,12 +8,18 @@ Arms (each in a fresh subprocess, same seed and batch, all in one run):
   hand-wired as a user would (``model.model(...)`` hidden states, shifted labels), eager
 * ``effpass_off``: effpass's default pipeline without the pass (``disable=["fuse_cross_entropy"]``), Inductor
 * ``effpass``: effpass's default pipeline (includes ``fuse_cross_entropy``, default chunk budget), Inductor
-* ``effpass_64m``: as ``effpass`` with ``chunk_bytes=64 MiB`` (full-row chunks: one pass instead of two)
+* ``effpass_64m``: as ``effpass`` with ``chunk_bytes=64 MiB``
+* ``effpass_2m``: as ``effpass`` with the budget of the first version's default (the hidden states: 2 MiB
+  here, 2-D tiles and two passes over the vocabulary)
+
+Default arms: eager, compile, effpass, torch_lce (``--arms`` picks others).
 
 Per arm: peak memory of one step (forward + backward) above the bytes live before it (CPU:
 ``effpass.testing.memory.peak_memory``: torch.profiler allocator events, which see Inductor's own buffers;
 checked against a known allocation at start-up; CUDA: ``max_memory_allocated``), median step time
-after warm-up, first-call (compile) time, and the loss (checked against the eager arm's).
+after warm-up, first-call (compile) time, and the loss (checked against the eager arm's). On the CPU also
+the process CPU time of each timed step (``cpu_s``: all threads; less sensitive than wall time to other jobs
+on a shared machine) and the 1-minute load average when the arm ended (``load``).
 
 CPU: fp32, hidden 256, 2 layers, heads 4/2, ffn 688, batch 1 x 2048 tokens, vocab 32,000 and 128,256.
 GPU (when present; not run yet): bf16 weights with the same shapes scaled to hidden 2048, 4 layers.
@@ -37,7 +43,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import timed  # noqa: E402
 
-ARMS = ("eager", "effpass", "compile", "effpass_off", "effpass_64m", "torch_lce")
+ARMS = ("eager", "effpass", "compile", "effpass_off", "effpass_64m", "effpass_2m", "torch_lce")
+DEFAULT_ARMS = ("eager", "compile", "effpass", "torch_lce")
 
 
 def shape(device: str, vocab: int) -> dict:
@@ -95,12 +102,13 @@ def run_arm(arm: str, vocab: int, device: str, steps: int | None = None) -> dict
         opts = {}
         if arm == "effpass_off":
             opts["disable"] = ["fuse_cross_entropy"]
-        if arm == "effpass_64m":
+        if arm in ("effpass_64m", "effpass_2m"):
             from effpass.passes import FuseCrossEntropy
 
+            budget = 64 << 20 if arm == "effpass_64m" else cfg["seq"] * cfg["batch"] * cfg["hidden"] * 4
             names = [p for p, k in effpass.registered_passes().items()
                      if k.enabled_by_default(device) and p != "fuse_cross_entropy"]
-            passes = [effpass.make_pass(p) for p in names] + [FuseCrossEntropy(chunk_bytes=64 << 20)]
+            passes = [effpass.make_pass(p) for p in names] + [FuseCrossEntropy(chunk_bytes=budget)]
         c = effpass.compile(model, passes=passes, **opts)
         fwd = lambda: c(input_ids=ids, labels=ids).loss  # noqa: E731
 
@@ -120,13 +128,18 @@ def run_arm(arm: str, vocab: int, device: str, steps: int | None = None) -> dict
     first = time.perf_counter() - t0
     for _ in range(cfg["warmup"]):
         step()
-    times = [timed(step, cuda) for _ in range(cfg["steps"])]
+    times, cpu = [], []
+    for _ in range(cfg["steps"]):
+        c0 = time.process_time()
+        times.append(timed(step, cuda))
+        cpu.append(time.process_time() - c0)
     live = live_tensor_bytes(model.parameters())
     _, peak = peak_memory(step, device)
     if arm.startswith("effpass") and arm != "effpass_off":
         stats = effpass.report(c).stats("fuse_cross_entropy")
     return {"arm": arm, "vocab": vocab, "peak_bytes": peak, "live_bytes": live, "step_s": statistics.median(times),
-            "steps_s": times, "first_call_s": first, "loss": losses[0], "logits_bytes": cfg["seq"] * vocab * 4,
+            "steps_s": times, "cpu_s": statistics.median(cpu), "steps_cpu_s": cpu,
+            "load": os.getloadavg()[0] if hasattr(os, "getloadavg") else None, "first_call_s": first, "loss": losses[0], "logits_bytes": cfg["seq"] * vocab * 4,
             "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))}, "shape": cfg}
 
 
@@ -143,7 +156,7 @@ def check_method(device: str) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arm", choices=ARMS)
-    ap.add_argument("--arms", nargs="*", default=list(ARMS))
+    ap.add_argument("--arms", nargs="*", default=list(DEFAULT_ARMS), choices=ARMS)
     ap.add_argument("--vocab", type=int, nargs="+", default=[32000])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per arm (default: 2 on CPU, 10 on GPU)")
@@ -164,7 +177,8 @@ def main() -> None:
             line = next((l for l in reversed(p.stdout.splitlines()) if l.startswith("{")), None)
             err = "\n".join(l for l in p.stderr.splitlines() if "torchao" not in l and "_pytree" not in l)
             res = json.loads(line) if line else {"arm": arm, "vocab": vocab, "error": err[-2000:]}
-            print(json.dumps({k: v for k, v in res.items() if k not in ("shape", "steps_s")}), flush=True)
+            print(json.dumps({k: v for k, v in res.items() if k not in ("shape", "steps_s", "steps_cpu_s")}),
+                  flush=True)
             results.append(res)
             write(args.out, device, results)  # after every arm: a run cut short keeps what it measured
     print(write(args.out, device, results))
@@ -208,11 +222,11 @@ def markdown(meta: dict, results: list[dict]) -> str:
                   f"{cfg.get('heads')}/{cfg.get('kv_heads')}, ffn {cfg.get('ffn')}, batch {cfg.get('batch')} x "
                   f"{cfg.get('seq')} tokens, {cfg.get('dtype')}; fp32 logits of the batch: "
                   f"{mib(cfg.get('seq', 0) * vocab * 4)}.", "",
-                  "| arm | step peak | vs eager | vs compile | step (median) | vs effpass_off | vs compile | "
-                  "first call | loss | chunks |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| arm | step peak | vs eager | vs compile | step (median) | vs compile | step CPU time | "
+                  "vs compile | load | first call | loss | chunks |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             if "error" in r:
-                lines.append(f"| {r['arm']} | error: {r['error'][-120:].strip()!r} |||||||||")
+                lines.append(f"| {r['arm']} | error: {r['error'][-120:].strip()!r} |||||||||||")
                 continue
 
             def ratio(key, other):
@@ -221,12 +235,13 @@ def markdown(meta: dict, results: list[dict]) -> str:
 
             lines.append(f"| {r['arm']} | {mib(r['peak_bytes'])} | {ratio('peak_bytes', 'eager')} | "
                          f"{ratio('peak_bytes', 'compile')} | {r['step_s'] * 1e3:,.0f} ms | "
-                         f"{ratio('step_s', 'effpass_off')} | {ratio('step_s', 'compile')} | "
-                         f"{r['first_call_s']:.1f} s | {r['loss']:.5f} | {r['stats'].get('chunks', '-')} |")
+                         f"{ratio('step_s', 'compile')} | {r.get('cpu_s', 0) * 1e3:,.0f} ms | "
+                         f"{ratio('cpu_s', 'compile')} | {r.get('load') or 0:.1f} | {r['first_call_s']:.1f} s | {r['loss']:.5f} | {r['stats'].get('chunks', '-')} |")
         lines.append("")
     lines += ["Step peak: bytes allocated during one step above those live before it (parameters: "
-              "`live_bytes` in the JSON). CPU step times are noisy on the shared 2-core machine (other jobs ran "
-              "beside it): compare ratios within one run only.", ""]
+              "`live_bytes` in the JSON). Step CPU time: the process's CPU time (all threads) of a timed step. "
+              "Load: the 1-minute load average when the arm ended. CPU step times are noisy on the shared 2-core "
+              "machine (other jobs ran beside it): compare ratios within one run only.", ""]
     return "\n".join(lines)
 
 

@@ -34,9 +34,14 @@ The kernel
     ``sum``/``mean`` reductions: one custom op computes the loss and the gradients of its inputs in the
     forward, chunk by chunk (as Liger does); its registered backward only scales them by the incoming
     gradient, so the backward holds no logits at all. ``reduction="none"``: the forward saves the per-row
-    log-sum-exp and the backward (another custom op) recomputes each chunk. A chunk is a full row block
-    when ``chunk_bytes`` holds at least 128 full rows (one pass: 3 matmul-equivalents, as unfused);
-    otherwise a ``rows x vocab`` tile with an online log-sum-exp (two passes: 4 matmul-equivalents).
+    log-sum-exp and the backward (another custom op) recomputes each chunk. The default budget is the
+    larger of the batch's hidden states and ``MIN_CHUNK_ROWS`` (256; a quarter of the rows when that is
+    fewer) full rows of logits: every chunk
+    re-reads the head's weight and its gradient, so fewer rows make the step bandwidth-bound. A chunk is
+    a full row block when the budget holds at least 128 full rows (one pass: 3 matmul-equivalents, as
+    unfused); otherwise (a small explicit ``chunk_bytes``) a ``rows x vocab`` tile with an online
+    log-sum-exp (two passes: 4 matmul-equivalents). A quantized head's weight (``quantize_linear``) is
+    dequantised once in the graph and the plain weight feeds the op.
     Being custom ops, Inductor cannot fuse, reorder or keep extra chunks alive.
     ``kernel="torch"`` calls torch's ``F.linear_cross_entropy`` with ``LinearCrossEntropyOptions`` instead
     (feature-tested: torch >= 2.13; plain projections with mean/sum reductions, no transform, smoothing or
@@ -67,12 +72,20 @@ from torch import Tensor
 
 import effpass
 from effpass.graph import tensor_meta
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from effpass.scope import module_path_of_node
 
-__all__ = ["FuseCrossEntropy", "linear_cross_entropy", "plan_chunks"]
+__all__ = ["FuseCrossEntropy", "default_chunk_bytes", "linear_cross_entropy", "plan_chunks",
+           "set_hf_loss_type"]
 
 #: a full row block of logits is used when the budget holds at least this many rows (else 2-D tiles)
 MIN_FULL_ROWS = 128
+#: the default budget never holds fewer rows than this (or a quarter of the rows, so that a small batch is
+#: still cut in four): every chunk re-reads the head's weight
+#: and reads and writes its gradient, so the op's arithmetic intensity is about ``3 * rows / 8`` flops per
+#: byte (fp32) whatever the hidden size and vocabulary; below ~256 rows the step is bound by that traffic and
+#: by per-chunk overhead (docs/fuse_cross_entropy.md, "Choosing the chunk")
+MIN_CHUNK_ROWS = 256
 _COMPUTE = {"": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -81,14 +94,21 @@ _COMPUTE = {"": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "flo
 # ------------------------------------------------------------------------------------------------------
 def plan_chunks(rows: int, vocab: int, chunk_bytes: int) -> tuple[int, int]:
     """``(rows per chunk, vocabulary entries per chunk)`` for a fp32 logits tile of at most
-    ``chunk_bytes``: full rows when at least ``MIN_FULL_ROWS`` (or all rows) fit, else a near-square tile."""
+    ``chunk_bytes``: full rows when at least ``MIN_FULL_ROWS`` (or a quarter of the rows) fit, else a
+    near-square tile."""
     elems = max(1, chunk_bytes // 4)
     rows = max(1, rows)
     full = elems // vocab
-    if full >= min(rows, MIN_FULL_ROWS):
+    if full >= min(-(-rows // 4), MIN_FULL_ROWS):
         return max(1, min(rows, full)), vocab
     r = max(1, min(rows, math.isqrt(elems)))
     return r, max(1, min(vocab, elems // r))
+
+
+def default_chunk_bytes(rows: int, vocab: int, hidden_bytes: int) -> int:
+    """The default budget: a chunk of fp32 logits no larger than the larger of the batch's hidden states
+    (``hidden_bytes``) and ``min(MIN_CHUNK_ROWS, rows / 4)`` full rows of logits."""
+    return max(int(hidden_bytes), min(-(-max(rows, 1) // 4), MIN_CHUNK_ROWS) * vocab * 4)
 
 
 def _num_chunks(rows: int, vocab: int, chunk_bytes: int) -> int:
@@ -155,10 +175,16 @@ def _forward_pass(xs, ws, b, tgt, spec: _Spec, grads: Optional[dict], gscale: Op
         r1 = min(n, r0 + rows)
         t = tgt[r0:r1]
         if vt == vocab:  # one pass: the full rows fit in a chunk
+            # NOTE(speed): log_softmax is one vectorised kernel (max, sum of exp, write); logsumexp then
+            # z - lse then exp took three more passes over the chunk and a temporary of its size
             z, th = spec.logits(xs, ws, b, r0, r1, 0, vocab)
-            lse = torch.logsumexp(z, 1)
             zt = z.gather(1, t[:, None]).squeeze(1)
-            zsum = z.sum(1) if eps else None
+            ls = torch.log_softmax(z, 1)
+            del z
+            lst = ls.gather(1, t[:, None]).squeeze(1)
+            lse = zt - lst
+            if eps:  # the smoothing term: lse - mean_v z_v = -mean_v log_softmax_v
+                smooth = ls.sum(1).div_(-vocab)
         else:  # log-sum-exp over vocabulary tiles, combined with logaddexp (online softmax)
             lse = torch.full((r1 - r0,), -math.inf, device=t.device)
             zt = torch.zeros(r1 - r0, device=t.device)
@@ -171,20 +197,22 @@ def _forward_pass(xs, ws, b, tgt, spec: _Spec, grads: Optional[dict], gscale: Op
                 if eps:
                     zsum += z.sum(1)
                 lse = torch.logaddexp(lse, torch.logsumexp(z, 1))
+            smooth = lse - zsum / vocab if eps else None
         lse_all[r0:r1] = lse
         l = lse - zt
         if eps:
-            l = (1.0 - eps) * l + eps * (lse - zsum / vocab)
+            l = (1.0 - eps) * l + eps * smooth
         loss[r0:r1] = l
         if grads is not None:
             g = gscale[r0:r1] if gscale is not None else None
             if vt == vocab:
-                _grad_tile(z, th, lse, t, g, xs, ws, r0, r1, 0, vocab, spec, grads)
+                _grad_tile(ls.exp_(), th, t, g, xs, ws, r0, r1, 0, vocab, spec, grads)
             else:
                 for v0 in range(0, vocab, vt):
                     v1 = min(vocab, v0 + vt)
                     z, th = spec.logits(xs, ws, b, r0, r1, v0, v1)
-                    _grad_tile(z, th, lse, t, g, xs, ws, r0, r1, v0, v1, spec, grads)
+                    _grad_tile(_softmax_(z, lse), th, t, g, xs, ws, r0, r1, v0, v1, spec, grads)
+        ls = None
     return loss, lse_all
 
 
@@ -198,16 +226,21 @@ def _backward_pass(xs, ws, b, tgt, lse_all, gscale, spec: _Spec, grads: dict):
         for v0 in range(0, vocab, vt):
             v1 = min(vocab, v0 + vt)
             z, th = spec.logits(xs, ws, b, r0, r1, v0, v1)
-            _grad_tile(z, th, lse_all[r0:r1], tgt[r0:r1], gscale[r0:r1], xs, ws, r0, r1, v0, v1, spec, grads)
+            _grad_tile(_softmax_(z, lse_all[r0:r1]), th, tgt[r0:r1], gscale[r0:r1], xs, ws, r0, r1, v0, v1, spec,
+                       grads)
 
 
-def _grad_tile(z, th, lse, t, g, xs, ws, r0, r1, v0, v1, spec: _Spec, grads: dict):
-    """d loss / d logits for one tile (softmax - smoothed one-hot, times the row's gradient), pushed
-    through the transform and the projection(s) into the accumulators."""
+def _softmax_(z: Tensor, lse: Tensor) -> Tensor:
+    """``exp(z - lse)`` in ``z``'s buffer: the softmax of a tile given its rows' log-sum-exp."""
+    return z.sub_(lse[:, None]).exp_()
+
+
+def _grad_tile(d, th, t, g, xs, ws, r0, r1, v0, v1, spec: _Spec, grads: dict):
+    """d loss / d logits for one tile (``d``: its softmax, overwritten: minus the smoothed one-hot, times
+    the row's gradient), pushed through the transform and the projection(s) into the accumulators."""
     eps = spec.smoothing
     if th is not None:  # d softcap(z)/dz = pre * post * (1 - tanh^2), computed in tanh's buffer
         deriv = th.mul_(th).neg_().add_(1.0).mul_(spec.pre * spec.post)
-    d = z.sub_(lse[:, None]).exp_()
     inside = (t >= v0) & (t < v1)
     rows = inside.nonzero().squeeze(1)
     if rows.numel():
@@ -387,12 +420,13 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Tensor
     """``F.cross_entropy(transform(x @ weight.T + bias [+ x2 @ weight2.T]), target)`` in chunks.
 
     ``transform`` is ``z * scale``, or ``softcap * tanh(z * scale / softcap)`` with ``softcap``.
-    ``x`` is ``(N, H)``, ``target`` ``(N,)``. The chunk budget defaults to the bytes of ``x``.
+    ``x`` is ``(N, H)``, ``target`` ``(N,)``. The chunk budget defaults to ``default_chunk_bytes``: the
+    larger of the bytes of ``x`` and ``MIN_CHUNK_ROWS`` rows of logits.
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction {reduction!r} is not valid; choose one of ['mean', 'sum', 'none']")
     if chunk_bytes is None:
-        chunk_bytes = x.numel() * x.element_size()
+        chunk_bytes = default_chunk_bytes(x.shape[0], weight.shape[0], x.numel() * x.element_size())
     pre, post, cap = (scale / softcap, softcap, True) if softcap else (scale, 1.0, False)
     compute = "" if compute_dtype is None else str(compute_dtype).removeprefix("torch.")
     if reduction == "none":
@@ -534,7 +568,9 @@ def _match(ce: fx.Node) -> _Site:
             raise _Skip("the logits do not come from a tensor in this graph")
         if n.op == "placeholder":
             raise _Skip(f"the logits are a graph input ({n.name}): the projection is in another graph "
-                        "(a graph break between the head and the loss?)")
+                        "(a graph break between the head and the loss?; a Hugging Face model whose loss_type is "
+                        "None, such as GPT2LMHeadModel, breaks there: set_hf_loss_type(model) or "
+                        "model.loss_type = 'ForCausalLM' before compiling)")
         if _is_fn(n, _LINEAR_FNS):
             h, w, b = _linear_parts(n)
             site = _Site(ce, n, h, w, b, None, [], [])
@@ -641,6 +677,59 @@ def _autocast_dtype_at(graph: fx.Graph, node: fx.Node, device_type: str) -> torc
     return None
 
 
+def set_hf_loss_type(model: torch.nn.Module) -> list[str]:
+    """Set ``loss_type = "ForCausalLM"`` on the Hugging Face models in ``model`` whose ``loss_type`` is
+    unrecognised; returns their names. Meant for effpass.compile's Hugging Face preparation.
+
+    ``PreTrainedModel.__init__`` infers ``loss_type`` from the class name; for names matching none of
+    transformers' loss kinds (``GPT2LMHeadModel``) it is ``None``, and the ``loss_function`` property then
+    calls ``logger.warning_once`` on every call before returning ``ForCausalLMLoss``. Dynamo cannot trace
+    a logger method ("logging.Logger method not supported"): the graph breaks between the head and the
+    loss, and nothing can be fused. Setting the type the property falls back to anyway gives the same loss
+    function without the warning, so the head and the loss stay in one graph. Models with their own
+    ``loss_function`` (``_loss_function`` set) or a recognised type are left alone."""
+    mapping = _hf_loss_mapping()
+    if mapping is None or "ForCausalLM" not in mapping:
+        return []
+    from transformers import PreTrainedModel
+
+    fixed, outer = [], []
+    for name, m in model.named_modules():
+        if not isinstance(m, PreTrainedModel) or any(name.startswith(o + ".") or o == "" for o in outer):
+            continue  # only the outermost Hugging Face models compute the loss (not GPT2LMHeadModel.transformer)
+        outer.append(name)
+        if "_loss_function" not in vars(m) and getattr(m, "loss_type", None) not in mapping:
+            m.loss_type = "ForCausalLM"
+            fixed.append(name or type(m).__name__)
+    return fixed
+
+
+def _hf_loss_mapping() -> dict | None:
+    """transformers' ``LOSS_MAPPING`` when transformers is imported (never imports it), else None."""
+    import sys
+
+    if "transformers" not in sys.modules:
+        return None
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+    except ImportError:  # pragma: no cover - older transformers
+        return None
+    return LOSS_MAPPING
+
+
+def _is_quantized(w: Tensor) -> bool:
+    from .quantize_linear import is_quantized
+
+    return is_quantized(w)
+
+
+def _dequantized(w: Tensor) -> Tensor:
+    """The high-precision weight a quantized tensor subclass stands for (in its nominal dtype)."""
+    from ._quant_formats import dequantize_weight
+
+    return dequantize_weight(w)
+
+
 def _set_meta(nodes: list[fx.Node], like: fx.Node) -> None:
     """Provenance from ``like`` and fake example values for the new nodes (checked by the caller)."""
     from torch._guards import detect_fake_mode
@@ -706,14 +795,15 @@ class FuseCrossEntropy(effpass.Pass):
     keep_logits: bool = field(default=False, metadata={
         "doc": "also compute and return the logits in training (default: the output's logits is None)"})
     chunk_bytes: int = field(default=0, metadata={
-        "doc": "bytes of one fp32 chunk of logits; 0: the bytes of the batch's hidden states"})
+        "doc": "bytes of one fp32 chunk of logits; 0: the larger of the batch's hidden states and "
+               "min(256, rows / 4) rows of logits"})
     kernel: Literal["effpass", "torch"] = field(default="effpass", metadata={
         "doc": "'effpass': the chunked custom ops; 'torch': torch's F.linear_cross_entropy with chunking "
                "(torch >= 2.13; plain heads, mean/sum, no soft-capping or smoothing; else effpass's)"})
 
     def validate(self) -> None:
         if self.chunk_bytes < 0:
-            raise ValueError(f"fuse_cross_entropy.chunk_bytes must be >= 0 (0: the hidden states' size), "
+            raise ValueError(f"fuse_cross_entropy.chunk_bytes must be >= 0 (0: the default budget), "
                              f"got {self.chunk_bytes}")
 
     @classmethod
@@ -729,7 +819,7 @@ class FuseCrossEntropy(effpass.Pass):
         graph = gm.graph
         stats = {"fused": 0, "logits_bytes_avoided": 0, "chunks": 0, "chunk_bytes": 0, "logits_returned": 0,
                  "logits_dropped": 0, "lora_heads": 0, "low_precision_matmuls": 0, "torch_kernel": 0,
-                 "skipped": 0, "left_alone_no_grad": 0}
+                 "dequantized_heads": 0, "skipped": 0, "left_alone_no_grad": 0}
         skipped: list[dict] = []
         for ce in [n for n in graph.nodes if _is_fn(n, _CE_FNS)]:
             where = f"{module_path_of_node(ce) or '<root>'}:{ce.name}"
@@ -762,6 +852,9 @@ class FuseCrossEntropy(effpass.Pass):
         hv, wv = _val(site.h), _val(site.weight)
         if not (isinstance(hv, torch.Tensor) and isinstance(wv, torch.Tensor) and wv.dim() == 2):
             raise _Skip("the projection's input or weight has no static example value")
+        if is_traceable_wrapper_subclass(wv) and (wv.requires_grad or not _is_quantized(wv)):
+            raise _Skip(f"the head's weight is a {type(wv).__name__} (a tensor subclass that is not a frozen "
+                        "quantized weight from quantize_linear)")
         vocab, width = int(wv.shape[0]), int(wv.shape[1])
         n_rows = int(_val(a["input"]).shape[0])
         chain_set = set(site.chain) | {site.proj} | set(site.lora_nodes)
@@ -778,7 +871,7 @@ class FuseCrossEntropy(effpass.Pass):
             keep = self.keep_logits
         dtype = _autocast_dtype_at(graph, site.proj, hv.device.type)
         compute = "" if dtype is None or hv.dtype != torch.float32 else str(dtype).removeprefix("torch.")
-        budget = self.chunk_bytes or int(hv.numel() * hv.element_size())
+        budget = self.chunk_bytes or default_chunk_bytes(n_rows, vocab, hv.numel() * hv.element_size())
         new: list[fx.Node] = []
         with graph.inserting_before(ce):
             def call(fn, *args, **kwargs):
@@ -794,6 +887,12 @@ class FuseCrossEntropy(effpass.Pass):
                 return call(torch.reshape, src, (-1, w))
 
             x = rows_of(site.h, width)
+            weight = site.weight
+            if is_traceable_wrapper_subclass(wv):
+                # a quantized head (quantize_linear: torchao Int8Tensor, NF4, int4): the op takes plain
+                # tensors, so the frozen weight is dequantised once in the graph, as the unfused F.linear
+                # on it does (torchao's weight-only linear dequantises the whole weight too)
+                weight = call(_dequantized, site.weight)
             x2 = w2 = None
             if site.lora is not None:
                 u0, w2, s = site.lora
@@ -804,11 +903,11 @@ class FuseCrossEntropy(effpass.Pass):
             eps, ignore = float(a["label_smoothing"]), int(a["ignore_index"])
             use_torch = self.kernel == "torch" and self._torch_supports(site, reduction, eps, compute)
             if use_torch:
-                loss = call(F.linear_cross_entropy, x, site.weight, target, linear_bias=site.bias,
+                loss = call(F.linear_cross_entropy, x, weight, target, linear_bias=site.bias,
                             reduction=reduction, ignore_index=ignore,
                             options=torch.nn.LinearCrossEntropyOptions())
             elif reduction == "none":
-                res = call(torch.ops.effpass.linear_cross_entropy_rows.default, x, site.weight, x2, w2, site.bias,
+                res = call(torch.ops.effpass.linear_cross_entropy_rows.default, x, weight, x2, w2, site.bias,
                            target, ignore, eps, site.pre, site.softcap, site.post, budget, compute)
                 loss = call(operator.getitem, res, 0)
             else:
@@ -816,9 +915,9 @@ class FuseCrossEntropy(effpass.Pass):
                     v = _val(n)
                     return bool(isinstance(v, torch.Tensor) and v.requires_grad)
 
-                mask = [needs(site.h), site.lora is not None and needs(site.lora[0]), needs(site.weight),
+                mask = [needs(site.h), site.lora is not None and needs(site.lora[0]), needs(weight),
                         site.lora is not None and needs(w2), site.bias is not None and needs(site.bias)]
-                res = call(torch.ops.effpass.linear_cross_entropy.default, x, site.weight, x2, w2, site.bias,
+                res = call(torch.ops.effpass.linear_cross_entropy.default, x, weight, x2, w2, site.bias,
                            target, ignore, eps, site.pre, site.softcap, site.post, reduction == "mean", budget,
                            compute, mask)
                 loss = call(operator.getitem, res, 0)
@@ -853,6 +952,7 @@ class FuseCrossEntropy(effpass.Pass):
         stats["lora_heads"] += int(site.lora is not None)
         stats["low_precision_matmuls"] += int(bool(compute))
         stats["torch_kernel"] += int(use_torch)
+        stats["dequantized_heads"] += int(weight is not site.weight)
 
     @staticmethod
     def _torch_supports(site: _Site, reduction: str, eps: float, compute: str) -> bool:
