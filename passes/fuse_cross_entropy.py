@@ -72,6 +72,7 @@ from torch import Tensor
 
 import effpass
 from effpass.graph import tensor_meta
+from effpass.integrations.huggingface import set_hf_loss_type  # noqa: F401  (re-exported)
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from effpass.scope import module_path_of_node
 
@@ -569,7 +570,8 @@ def _match(ce: fx.Node) -> _Site:
         if n.op == "placeholder":
             raise _Skip(f"the logits are a graph input ({n.name}): the projection is in another graph "
                         "(a graph break between the head and the loss?; a Hugging Face model whose loss_type is "
-                        "None, such as GPT2LMHeadModel, breaks there: set_hf_loss_type(model) or "
+                        "None, such as GPT2LMHeadModel, breaks there; effpass.compile sets it, or call "
+                        "effpass.integrations.huggingface.set_hf_loss_type(model) or "
                         "model.loss_type = 'ForCausalLM' before compiling)")
         if _is_fn(n, _LINEAR_FNS):
             h, w, b = _linear_parts(n)
@@ -675,46 +677,6 @@ def _autocast_dtype_at(graph: fx.Graph, node: fx.Node, device_type: str) -> torc
         if dev == device_type:
             return dtype if enabled else None
     return None
-
-
-def set_hf_loss_type(model: torch.nn.Module) -> list[str]:
-    """Set ``loss_type = "ForCausalLM"`` on the Hugging Face models in ``model`` whose ``loss_type`` is
-    unrecognised; returns their names. Meant for effpass.compile's Hugging Face preparation.
-
-    ``PreTrainedModel.__init__`` infers ``loss_type`` from the class name; for names matching none of
-    transformers' loss kinds (``GPT2LMHeadModel``) it is ``None``, and the ``loss_function`` property then
-    calls ``logger.warning_once`` on every call before returning ``ForCausalLMLoss``. Dynamo cannot trace
-    a logger method ("logging.Logger method not supported"): the graph breaks between the head and the
-    loss, and nothing can be fused. Setting the type the property falls back to anyway gives the same loss
-    function without the warning, so the head and the loss stay in one graph. Models with their own
-    ``loss_function`` (``_loss_function`` set) or a recognised type are left alone."""
-    mapping = _hf_loss_mapping()
-    if mapping is None or "ForCausalLM" not in mapping:
-        return []
-    from transformers import PreTrainedModel
-
-    fixed, outer = [], []
-    for name, m in model.named_modules():
-        if not isinstance(m, PreTrainedModel) or any(name.startswith(o + ".") or o == "" for o in outer):
-            continue  # only the outermost Hugging Face models compute the loss (not GPT2LMHeadModel.transformer)
-        outer.append(name)
-        if "_loss_function" not in vars(m) and getattr(m, "loss_type", None) not in mapping:
-            m.loss_type = "ForCausalLM"
-            fixed.append(name or type(m).__name__)
-    return fixed
-
-
-def _hf_loss_mapping() -> dict | None:
-    """transformers' ``LOSS_MAPPING`` when transformers is imported (never imports it), else None."""
-    import sys
-
-    if "transformers" not in sys.modules:
-        return None
-    try:
-        from transformers.loss.loss_utils import LOSS_MAPPING
-    except ImportError:  # pragma: no cover - older transformers
-        return None
-    return LOSS_MAPPING
 
 
 def _is_quantized(w: Tensor) -> bool:

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 import effpass
 from effpass.passes import FuseCrossEntropy
-from effpass.passes.fuse_cross_entropy import default_chunk_bytes, linear_cross_entropy, plan_chunks, set_hf_loss_type
+from effpass.integrations.huggingface import set_hf_loss_type
+from effpass.passes.fuse_cross_entropy import default_chunk_bytes, linear_cross_entropy, plan_chunks
 from effpass.testing import model_case
 
 V = 256
@@ -188,7 +189,6 @@ def test_fuses_the_loss_of_real_models(name):
         kwargs = {"tokens": ids, "labels": labels}
     else:
         model = _hf(name)
-        set_hf_loss_type(model)  # GPT-2: see test_gpt2_loss_type_graph_break_and_its_fix
         kwargs = {"input_ids": ids, "labels": labels}
     model.train()
     ref = copy.deepcopy(model)
@@ -228,8 +228,9 @@ def test_fuses_the_loss_of_real_models(name):
 def test_gpt2_loss_type_graph_break_and_its_fix():
     """GPT2LMHeadModel's loss_type is None (its class name matches no transformers loss kind): the
     loss_function property then calls logger.warning_once, which Dynamo cannot trace, a graph break between
-    head and loss: nothing is fused and the reason says why. set_hf_loss_type sets the type the property
-    falls back to (the same loss function): head and loss are then in one graph and fused."""
+    head and loss: nothing is fused and the reason says why (the string backend sees the model only as
+    graphs). set_hf_loss_type sets the type the property falls back to (the same loss function), and
+    effpass.compile calls it: head and loss are then in one graph and fused with no user action."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     model = _hf("gpt2")
@@ -237,18 +238,26 @@ def test_gpt2_loss_type_graph_break_and_its_fix():
     assert model.loss_type is None
     ids, labels = _batch()
     ref = copy.deepcopy(model)
-    compiled = effpass.compile(model, passes=[FuseCrossEntropy()], lowering="eager")
+    compiled = torch.compile(model, backend="effpass", options={"passes": {"fuse_cross_entropy": {}},
+                                                                 "lowering": "eager"})
     out = compiled(input_ids=ids, labels=labels)
     assert _rel(out.loss, ref(input_ids=ids, labels=labels).loss) <= 1e-5 and out.logits is not None
-    assert effpass.report(compiled).stats("fuse_cross_entropy")["fused"] == 0
-    reasons = [s["reason"] for s in _skipped(compiled)]
+    assert effpass.report(model).stats("fuse_cross_entropy")["fused"] == 0
+    reasons = [s["reason"] for g in effpass.report(model).graphs for r in g.records
+               if r.name == "fuse_cross_entropy" for s in r.skipped]
     assert any("graph input" in r and "loss_type" in r for r in reasons), reasons
     # the fix: same loss function, no warning, one graph
+    assert set_hf_loss_type(_hf("gpt2")) == ["GPT2LMHeadModel"]
+    assert set_hf_loss_type(_hf("llama")) == []  # a recognised type: left alone
     torch._dynamo.reset()
     model = _hf("gpt2")
-    assert set_hf_loss_type(model) == ["GPT2LMHeadModel"] and set_hf_loss_type(model) == []
+    model.train()
+    compiled = effpass.compile(model, passes=[FuseCrossEntropy()], lowering="eager")  # calls it
     assert model.loss_type == "ForCausalLM" and model.loss_function is ForCausalLMLoss
-    assert set_hf_loss_type(_hf("llama")) == []  # a recognised type: left alone
+    assert set_hf_loss_type(model) == []
+    out = compiled(input_ids=ids, labels=labels)
+    assert _rel(out.loss, ref(input_ids=ids, labels=labels).loss) <= 1e-5 and out.logits is None
+    assert effpass.report(compiled).stats("fuse_cross_entropy")["fused"] == 1
 
 
 def test_gradient_accumulation_with_num_items_in_batch():

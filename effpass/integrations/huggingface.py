@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["attach", "check_training_args", "allow_trl_kernels", "EffpassCallback", "HF_CHECKPOINT_POLICY", "is_effpass_compiled"]
+__all__ = ["attach", "set_hf_loss_type", "check_training_args", "allow_trl_kernels", "EffpassCallback", "HF_CHECKPOINT_POLICY", "is_effpass_compiled"]
 
 #: the checkpoint_activations options used when Hugging Face gradient checkpointing is turned on
 HF_CHECKPOINT_POLICY = {"policy": "full"}
@@ -91,8 +91,49 @@ def attach(model: torch.nn.Module) -> bool:
     for name in ("gradient_checkpointing_disable", "activation_checkpointing_disable"):
         setattr(model, name, types.MethodType(_checkpointing_disable, model))
     model.save_pretrained = types.MethodType(_save_pretrained, model)
+    set_hf_loss_type(model)
     _install_first_call_check(model)
     return True
+
+
+def set_hf_loss_type(model: torch.nn.Module) -> list[str]:
+    """Set ``loss_type = "ForCausalLM"`` on the Hugging Face models in ``model`` whose ``loss_type`` is
+    unrecognised; returns their names. effpass.compile calls it for Hugging Face models (:func:`attach`).
+
+    ``PreTrainedModel.__init__`` infers ``loss_type`` from the class name; for names matching none of
+    transformers' loss kinds (``GPT2LMHeadModel``) it is ``None``, and the ``loss_function`` property then
+    calls ``logger.warning_once`` on every call before returning ``ForCausalLMLoss``. Dynamo cannot trace
+    a logger method ("logging.Logger method not supported"): the graph breaks between the head and the
+    loss, and nothing can be fused. Setting the type the property falls back to anyway gives the same loss
+    function without the warning, so the head and the loss stay in one graph. Models with their own
+    ``loss_function`` (``_loss_function`` set) or a recognised type are left alone."""
+    mapping = _hf_loss_mapping()
+    if mapping is None or "ForCausalLM" not in mapping:
+        return []
+    from transformers import PreTrainedModel
+
+    fixed, outer = [], []
+    for name, m in model.named_modules():
+        if not isinstance(m, PreTrainedModel) or any(name.startswith(o + ".") or o == "" for o in outer):
+            continue  # only the outermost Hugging Face models compute the loss (not GPT2LMHeadModel.transformer)
+        outer.append(name)
+        if "_loss_function" not in vars(m) and getattr(m, "loss_type", None) not in mapping:
+            m.loss_type = "ForCausalLM"
+            fixed.append(name or type(m).__name__)
+    return fixed
+
+
+def _hf_loss_mapping() -> dict | None:
+    """transformers' ``LOSS_MAPPING`` when transformers is imported (never imports it), else None."""
+    import sys
+
+    if "transformers" not in sys.modules:
+        return None
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+    except ImportError:  # pragma: no cover - older transformers
+        return None
+    return LOSS_MAPPING
 
 
 def _install_first_call_check(model) -> None:
