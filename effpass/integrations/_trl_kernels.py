@@ -26,13 +26,15 @@ from typing import Optional
 
 import torch
 
-__all__ = ["install", "installed", "ChunkedLogProb", "chunked_logprob"]
+__all__ = ["install", "installed", "ChunkedLogProb", "chunked_logprob", "CALLS"]
 
 # the kernel's per-token outputs besides the log-probabilities (TRL's OPTIONAL_OUTPUTS), in its order
 _OPTIONAL = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 _FORWARD_PARAMS = ["ctx", "hidden", "weight", "bias", "targets", "temperature", "chunk_size",
                    "final_logit_softcapping", "logit_scale", "outputs"]
 _STATE: dict = {"fn": None, "installed": False}
+#: how many times the ops' real implementations ran (TRL's forward / backward through the op)
+CALLS = {"forward": 0, "backward": 0}
 
 
 def _trl_function():
@@ -97,6 +99,7 @@ def _forward_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     """(logprobs, log_z, entropy, log_sum_sq_probs, mean_logits, is_top1): TRL's forward; an output not named
     in ``outputs`` (comma-separated names) is an empty placeholder."""
     fn = _STATE["fn"]
+    CALLS["forward"] += 1
     ctx = _Ctx()
     with torch.no_grad(), _autocast(hidden.device.type, autocast_dtype):
         res = fn.forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale,
@@ -130,6 +133,7 @@ def _backward_op(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_hidden, grad_weight, grad_bias): TRL's backward; a gradient not needed is an empty placeholder."""
     fn = _STATE["fn"]
+    CALLS["backward"] += 1
     ctx = _Ctx(saved_tensors=(hidden, weight, bias, targets, log_z, entropy), compute_dtype=compute_dtype,
                chunk_size=chunk_size, kernel_args=_kernel_args(temperature, softcap, logit_scale),
                needs_input_grad=(needs_hidden, needs_weight, needs_bias) + (False,) * 6)
@@ -216,6 +220,7 @@ class ChunkedLogProb:
 def _self_test(fn) -> str | None:
     """Runs TRL's Function and the op on a tiny CPU problem (every output, softcap, bias, two token chunks
     would be too big: one chunk, two vocabulary tiles); returns why they differ, or None."""
+    calls = dict(CALLS)
     try:
         g = torch.Generator().manual_seed(0)
         h = torch.randn(5, 8, generator=g, dtype=torch.float64)
@@ -238,6 +243,8 @@ def _self_test(fn) -> str | None:
                 return "the custom op's results differ from TRL's Function"
     except Exception as e:  # noqa: BLE001 - any failure means: do not install
         return f"{type(e).__name__}: {e}"
+    finally:
+        CALLS.update(calls)
     return None
 
 
