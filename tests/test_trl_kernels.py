@@ -61,6 +61,23 @@ def test_op_matches_trl_function(case):
                 assert torch.allclose(a.float(), c.float(), rtol=1e-6, atol=0), (a - c).abs().max()
 
 
+def test_opcheck_schema_fake_and_autograd():
+    """torch.library.opcheck: schema, fake implementation (shapes), autograd registration and AOT dispatch
+    with dynamic shapes, for both ops."""
+    assert _trl_kernels.install()
+    g = torch.Generator().manual_seed(0)
+    h, w, b = torch.randn(9, 8, generator=g), torch.randn(20, 8, generator=g), torch.randn(20, generator=g)
+    t = torch.randint(0, 20, (9,), generator=g)
+    fwd = (h.requires_grad_(), w.requires_grad_(), b.requires_grad_(), t, 0.8, 8, 2.0, 1.0,
+           "log_probs,entropy,is_top1", None)
+    bwd = (h.detach(), w.detach(), b.detach(), t, torch.zeros(9), torch.zeros(9), torch.ones(9), None, 0.8, 8, 2.0,
+           1.0, torch.float32, True, True, False)
+    for op, args in ((torch.ops.effpass.trl_chunked_logprob.default, fwd),
+                     (torch.ops.effpass.trl_chunked_logprob_backward.default, bwd)):
+        result = torch.library.opcheck(op, args)
+        assert set(result.values()) == {"SUCCESS"}, result
+
+
 def test_op_compiles_once_for_every_length():
     """Compiled (aot_eager) with the op: one recompile (to a dynamic length) over 4 lengths, no graph break,
     loss and gradients equal to TRL's Function run eagerly."""
