@@ -253,13 +253,17 @@ def allow_trl_kernels() -> list[str]:
     its matmuls with ``torch.mm(..., out=tile)``, which Dynamo cannot trace: the step would graph-break
     there. ``torch.compiler.allow_in_graph`` (public torch API; TRL's code is not changed) makes Dynamo
     record the function as one call that AOTAutograd traces through (``out=`` is fine at that level),
-    forward and backward exactly as TRL computes them. Returns the names registered."""
-    done = []
+    forward and backward exactly as TRL computes them. When TRL's kernel is the one it knows, the fused head
+    calls it through an opaque custom op instead (``_trl_kernels``: no recompile per token count).
+    Returns the names registered."""
+    from . import _trl_kernels  # ChunkedLogProbFunction as an opaque custom op (no recompile per length)
+
+    done = ["effpass::trl_chunked_logprob"] if _trl_kernels.install() else []
     kernels = sys.modules.get("trl.kernels")
     for name in ("ChunkedLogProbFunction",):
         fn = getattr(kernels, name, None) if kernels is not None else None
         if fn is not None:
-            torch.compiler.allow_in_graph(fn)
+            torch.compiler.allow_in_graph(fn)  # the fallback when the custom op is not installed
             done.append(f"trl.kernels.{name}")
     return done
 

@@ -1,0 +1,179 @@
+"""TRL's fused LM-head kernel (trl.kernels.ChunkedLogProbFunction) as effpass's opaque custom op
+(effpass/integrations/_trl_kernels.py): the op's numbers are TRL's, and a compiled SFTTrainer(padding_free=True)
+step does not recompile for every packed length."""
+import copy
+
+import pytest
+import torch
+
+import effpass
+from effpass.integrations import _trl_kernels
+from effpass.integrations.huggingface import allow_trl_kernels
+from effpass.testing import dynamo_counters, model_case
+from effpass.passes import FuseAttention, PackSequences
+
+import trl.trainer.utils as trl_utils
+from trl.kernels.chunked_logprob import OPTIONAL_OUTPUTS, ChunkedLogProbFunction
+
+ALL = ("log_probs",) + OPTIONAL_OUTPUTS
+
+
+def _run(fn, h, w, b, t, dtype, **kw):
+    """Outputs and gradients of one call: loss = sum(logprobs) + 0.3 * sum(entropy) when entropy is asked for."""
+    x, y = h.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
+    z = b.to(dtype).requires_grad_() if b is not None else None
+    out = fn(x, y, z, t, kw.get("temperature", 1.0), kw.get("chunk", 16), kw.get("softcap"), kw.get("scale", 1.0),
+             kw.get("outputs", ALL))
+    loss = out[0].sum() + (0.3 * out[1].sum() if out[1] is not None else 0)
+    loss.backward()
+    return [o.detach() if o is not None else None for o in out] + [x.grad, y.grad, z.grad if z is not None else None]
+
+
+@pytest.mark.parametrize("case", [
+    dict(n=37, bias=True, softcap=5.0, scale=0.7, temperature=0.9, chunk=16, outputs=ALL),
+    dict(n=5, bias=False, chunk=64, outputs=("log_probs",)),  # vocabulary in one tile, log-probs only
+    dict(n=4100, bias=False, chunk=32, outputs=("log_probs", "entropy")),  # two token chunks (4096 + 4)
+])
+def test_op_matches_trl_function(case):
+    """Forward outputs and gradients of hidden, weight, bias: the op equals TRL's Function bit for bit (fp32),
+    and within 1e-6 under bf16 autocast (TRL's compute dtype follows autocast in both)."""
+    assert _trl_kernels.install() and trl_utils._ChunkedLogProbFunction is _trl_kernels.ChunkedLogProb
+    g = torch.Generator().manual_seed(case["n"])
+    h, w = torch.randn(case["n"], 24, generator=g), torch.randn(50, 24, generator=g) * 0.3
+    b = torch.randn(50, generator=g) if case["bias"] else None
+    t = torch.randint(0, 50, (case["n"],), generator=g)
+    kw = {k: case[k] for k in ("softcap", "scale", "temperature", "chunk", "outputs") if k in case}
+    want = _run(ChunkedLogProbFunction.apply, h, w, b, t, torch.float32, **kw)
+    got = _run(_trl_kernels.chunked_logprob, h, w, b, t, torch.float32, **kw)
+    assert len(want) == len(got) == 8
+    for name, a, c in zip(list(ALL) + ["grad_hidden", "grad_weight", "grad_bias"], want, got):
+        assert (a is None) == (c is None), name
+        if a is not None:
+            assert a.dtype == c.dtype and a.shape == c.shape and torch.equal(a, c), name
+    if case["n"] == 37:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = _run(ChunkedLogProbFunction.apply, h, w, b, t, torch.float32, **kw)
+            got = _run(_trl_kernels.chunked_logprob, h, w, b, t, torch.float32, **kw)
+        ref32 = _run(ChunkedLogProbFunction.apply, h, w, b, t, torch.float32, **kw)
+        assert not torch.equal(want[0], ref32[0])  # autocast really changed TRL's compute dtype
+        for a, c in zip(want, got):
+            if a is not None:
+                assert torch.allclose(a.float(), c.float(), rtol=1e-6, atol=0), (a - c).abs().max()
+
+
+def test_opcheck_schema_fake_and_autograd():
+    """torch.library.opcheck: schema, fake implementation (shapes), autograd registration and AOT dispatch
+    with dynamic shapes, for both ops."""
+    assert _trl_kernels.install()
+    g = torch.Generator().manual_seed(0)
+    h, w, b = torch.randn(9, 8, generator=g), torch.randn(20, 8, generator=g), torch.randn(20, generator=g)
+    t = torch.randint(0, 20, (9,), generator=g)
+    fwd = (h.requires_grad_(), w.requires_grad_(), b.requires_grad_(), t, 0.8, 8, 2.0, 1.0,
+           "log_probs,entropy,is_top1", None)
+    bwd = (h.detach(), w.detach(), b.detach(), t, torch.zeros(9), torch.zeros(9), torch.ones(9), None, 0.8, 8, 2.0,
+           1.0, torch.float32, True, True, False)
+    for op, args in ((torch.ops.effpass.trl_chunked_logprob.default, fwd),
+                     (torch.ops.effpass.trl_chunked_logprob_backward.default, bwd)):
+        result = torch.library.opcheck(op, args)
+        assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_op_compiles_once_for_every_length():
+    """Compiled (aot_eager) with the op: one recompile (to a dynamic length) over 4 lengths, no graph break,
+    loss and gradients equal to TRL's Function run eagerly."""
+    assert _trl_kernels.install()
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 16, generator=g)
+
+    def step(x, y, t):
+        return trl_utils._ChunkedLogProbFunction.apply(x, y, None, t, 1.0, 16, None, 1.0, ("log_probs",))[0].sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager")
+    with dynamo_counters() as counters:
+        for n in (7, 9, 13, 21):
+            h, t = torch.randn(n, 16, generator=g), torch.randint(0, 40, (n,), generator=g)
+            got = _run(lambda x, y, z, t, *a: (compiled(x, y, t), None), h, w, None, t, torch.float32)
+            want = _run(lambda x, y, z, t, *a: (step(x, y, t), None), h, w, None, t, torch.float32)
+            assert all(torch.equal(a, c) for a, c in zip(got, want) if a is not None), n
+    assert counters["graph_breaks"] == 0 and counters["recompiles"] == 1, counters
+
+
+def test_install_falls_back_when_trl_kernel_is_unknown(monkeypatch):
+    """A kernel whose signature differs, or a fused head that calls something else, is not wrapped:
+    allow_trl_kernels keeps today's allow_in_graph and TRL's name is left alone."""
+    assert _trl_kernels.install()
+    monkeypatch.setitem(_trl_kernels._STATE, "installed", False)
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", ChunkedLogProbFunction)
+    monkeypatch.setattr(ChunkedLogProbFunction, "forward", staticmethod(lambda ctx, hidden, weight, targets: hidden))
+    assert not _trl_kernels.install()
+    assert allow_trl_kernels() == ["trl.kernels.ChunkedLogProbFunction"]
+    assert trl_utils._ChunkedLogProbFunction is ChunkedLogProbFunction
+    monkeypatch.undo()
+
+    class Other(torch.autograd.Function):
+        pass
+
+    monkeypatch.setitem(_trl_kernels._STATE, "installed", False)
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", Other)
+    assert not _trl_kernels.install() and trl_utils._ChunkedLogProbFunction is Other
+    monkeypatch.undo()
+    assert allow_trl_kernels() == ["effpass::trl_chunked_logprob", "trl.kernels.ChunkedLogProbFunction"]
+    assert trl_utils._ChunkedLogProbFunction is _trl_kernels.ChunkedLogProb
+
+
+def test_sft_trainer_padding_free_many_lengths(tmp_path, monkeypatch):
+    """SFTTrainer(padding_free=True) over 4 steps of different packed lengths on an effpass model: each step's
+    loss equals the token-weighted loss of its examples run alone in an untouched eager copy, with no graph
+    break, at most one recompile (the length turns dynamic once), and TRL's kernel ran as effpass's op."""
+    import datasets
+    import transformers as tf
+    import trl
+
+    from effpass.testing.hf import tiny_tokenizer
+
+    tf.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = model_case("llama", layers=1).model.train()
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(0)
+    words = [3, 11, 6, 8, 2, 14, 5, 9, 7, 4, 12, 9, 10, 6, 5, 21]  # each step of 4 packs a different length
+    text = [" ".join(f"w{j}" for j in torch.randint(0, 250, (n,), generator=g).tolist()) for n in words]
+    effpass.compile(model, passes=[FuseAttention(), PackSequences()], lowering="eager", strict=True)
+    batches = []
+
+    @torch._dynamo.disable
+    def capture(module, args, kwargs):
+        batches.append({k: kwargs[k].clone() for k in ("input_ids", "labels", "position_ids")})
+
+    model.register_forward_pre_hook(capture, with_kwargs=True, prepend=True)
+    # installed by the Trainer's first compiled call (allow_trl_kernels), as for a user
+    monkeypatch.setitem(_trl_kernels._STATE, "installed", False)
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", ChunkedLogProbFunction)
+    monkeypatch.setattr(_trl_kernels, "CALLS", {"forward": 0, "backward": 0})
+    config = trl.SFTConfig(str(tmp_path), padding_free=True, max_length=None, max_steps=4,
+                           per_device_train_batch_size=4, learning_rate=0.0, logging_steps=1, report_to=[], seed=0,
+                           save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=False,
+                           gradient_checkpointing=False)
+    trainer = trl.SFTTrainer(model=model, args=config, train_dataset=datasets.Dataset.from_dict({"text": text}),
+                             processing_class=tiny_tokenizer())
+    with dynamo_counters() as counters:
+        trainer.train()
+    assert _trl_kernels.installed()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 4 and len(batches) == 4
+    assert len({b["input_ids"].shape[1] for b in batches}) == 4, [b["input_ids"].shape for b in batches]
+    for loss, b in zip(losses, batches):
+        starts = (b["position_ids"][0] == 0).nonzero().flatten().tolist() + [b["position_ids"].shape[1]]
+        total, count = 0.0, 0
+        for s, e in zip(starts[:-1], starts[1:]):
+            t = b["input_ids"][:, s:e]
+            with torch.no_grad():
+                total += ref(input_ids=t, labels=t, use_cache=False).loss.item() * (e - s - 1)
+            count += e - s - 1
+        assert abs(loss - total / count) <= 1e-4 * (total / count), (loss, total / count)
+    print("dynamo counters", counters)
+    assert counters["graph_breaks"] == 0 and counters["recompiles"] <= 1, counters
+    # every step ran TRL's forward and backward through effpass's op
+    assert _trl_kernels.CALLS == {"forward": 4, "backward": 4}, _trl_kernels.CALLS
