@@ -311,9 +311,8 @@ def test_trl_sft_trainer_padding_free(tmp_path):
                 total += ref(input_ids=t, labels=t, use_cache=False).loss.item() * (e - s - 1)
             count += e - s - 1
         assert abs(loss - total / count) <= 1e-4 * (total / count), (loss, total / count)
-    # NOTE(known gap): TRL's fused LM head (trl.kernels ChunkedLogProbFunction, which effpass lets into the
-    # graph whole) loops in Python over token chunks, which fixes the packed length: every new length
-    # recompiles TRL's frame once (pack_sequences itself marks the length dynamic; see the plain-model tests)
+    # TRL's fused LM head runs as effpass's opaque custom op (effpass/integrations/_trl_kernels.py), so its
+    # Python loop over token chunks does not fix the packed length (tests/test_trl_kernels.py: many lengths)
     assert counters["graph_breaks"] == 0 and counters["recompiles"] <= 1 and counters["frames"] <= 2, counters
     st = effpass.report(model).stats("pack_sequences")
     assert st["sdpa_rewritten"] >= 1 and st["packed_steps"] == 2 and st["packed_examples"] == 8, st
