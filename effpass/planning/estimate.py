@@ -220,13 +220,15 @@ class _Tracker(TorchDispatchMode):
         f = sys._getframe(2)
         while f is not None:
             fn = f.f_code.co_filename
-            if fn.startswith("<eval_with_key>"):
+            inductor = f.f_code in _FAKE_WRAPPER_CODE
+            if fn.startswith("<eval_with_key>") or inductor:
                 line = linecache.getline(fn, f.f_lineno).strip()
                 key = (self.phase or "-", fn)
                 if key not in self.graphs:
                     self.graphs[key] = str(1 + sum(1 for k in self.graphs if k[0] == key[0]))
                 node = line.split("=", 1)[0].strip() if "=" in line else line
-                return f"{self.phase} graph {self.graphs[key]}", f"{node} ({func})"
+                kind = "Inductor " if inductor else ""
+                return f"{self.phase} {kind}graph {self.graphs[key]}", f"{node} ({func})"
             f = f.f_back
         return "eager code", str(func)
 
@@ -282,6 +284,95 @@ class _Tracker(TorchDispatchMode):
                     self.grads_at_peak = sum(p.grad.untyped_storage().nbytes() for p in self.params
                                              if p.grad is not None)
         return out
+
+
+# ------------------------------------------------------------------------------------------------------
+# replaying Inductor's generated code on fake tensors
+# ------------------------------------------------------------------------------------------------------
+class _NoKernel:
+    """Stands in for a generated kernel (C++ or Triton): kernels write into buffers the wrapper allocated,
+    so skipping them changes no allocation."""
+
+    def __call__(self, *args, **kwargs):
+        return None
+
+    def run(self, *args, **kwargs):
+        return None
+
+
+def _noop(*args, **kwargs):
+    return None
+
+
+#: the code objects of the fake wrappers made so far -> their generated file (for "where is the peak")
+_FAKE_WRAPPER_CODE: dict[Any, str] = {}
+
+
+def _fake_wrapper(compiled_graph, device, cache: dict):
+    """The ``call`` of Inductor's generated Python wrapper for ``compiled_graph`` with fake allocations.
+
+    The wrapper allocates every buffer (``empty_strided_cpu/cuda``), runs kernels into them, reuses them
+    (``buf5 = buf2; del buf2  # reuse``) and frees them (``del buf3``, ``args.clear()``) in exactly the
+    order of the real run. Run with its globals swapped (allocators make fake tensors, kernels do nothing,
+    ``reinterpret_tensor`` is ``as_strided``), under the fake mode and the tracker, it replays the real
+    allocation sequence; extern kernels (``extern_kernels.mm(..., out=buf)``) and ATen fallbacks
+    (``aten._scaled_dot_product_flash_attention_for_cpu``) run as fake ops. The module itself is not
+    changed (a real run of the same code in this process still works): a copy of ``call`` gets new globals.
+    """
+    import types
+
+    from torch._inductor.codecache import PyCodeCache
+
+    key = compiled_graph.cache_key
+    if key in cache:
+        return cache[key]
+    mod = PyCodeCache.load_by_key_path(key, compiled_graph.write_to_disk())
+    g = dict(mod.__dict__)
+
+    def empty(size, stride, dtype, *_a, _dev=device, **_k):
+        return torch.empty_strided(size, stride, dtype=dtype, device=_dev)
+
+    for name, value in list(g.items()):
+        if name.startswith("empty_strided"):
+            g[name] = empty
+        elif name.startswith(("cpp_", "triton_")) and not isinstance(value, type(torch)):
+            g[name] = _NoKernel()
+    g["reinterpret_tensor"] = lambda t, size, stride, offset: t.as_strided(size, stride, t.storage_offset() + offset)
+    g["assert_size_stride"] = _noop
+    g["assert_alignment"] = _noop
+    call = mod.call
+    if isinstance(call, types.MethodType):  # torch >= 2.11: a Runner object's bound method
+        f = call.__func__
+        fn = types.MethodType(types.FunctionType(f.__code__, g, f.__name__, f.__defaults__, f.__closure__),
+                              call.__self__)
+        code = f.__code__
+    else:
+        fn = types.FunctionType(call.__code__, g, call.__name__, call.__defaults__, call.__closure__)
+        code = call.__code__
+    _FAKE_WRAPPER_CODE[code] = getattr(mod, "__file__", key)
+    cache[key] = fn
+    return fn
+
+
+@contextlib.contextmanager
+def _replay_inductor_wrappers(device):
+    """While active, every Inductor-compiled graph runs its generated wrapper with fake allocations
+    (:func:`_fake_wrapper`) instead of its kernels."""
+    from torch._inductor.output_code import CompiledFxGraph
+
+    orig = CompiledFxGraph.__call__
+    cache: dict = {}
+
+    def call(self, inputs):
+        if not isinstance(self, CompiledFxGraph) or getattr(self, "cache_key", None) is None:
+            return orig(self, inputs)
+        return _fake_wrapper(self, device, cache)(inputs)
+
+    CompiledFxGraph.__call__ = call
+    try:
+        yield
+    finally:
+        CompiledFxGraph.__call__ = orig
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -435,10 +526,14 @@ def estimate_memory(model: torch.nn.Module, example_inputs, passes=None, optimiz
 
     tracker = _Tracker()
     notes: list[str] = []
+    # Inductor is replayed from its generated code (its fusions, buffer reuse and frees); every other
+    # lowering (eager, TensorRT) by the eager lowering's op-by-op run of the same partitioned graphs
+    replay_lowering = "inductor" if requested_lowering == "inductor" else "eager"
+    wrappers = _replay_inductor_wrappers(dev) if replay_lowering == "inductor" else contextlib.nullcontext()
     try:
         torch._dynamo.reset()
-        with _allow_non_fake_inputs(), fake_mode, tracker:
-            compiled = effpass.compile(work, passes=pass_list, lowering="eager", **opts)
+        with _allow_non_fake_inputs(), fake_mode, tracker, wrappers:
+            compiled = effpass.compile(work, passes=pass_list, lowering=replay_lowering, **opts)
             trainable = [p for p in work.parameters() if p.requires_grad]
             tracker.params = trainable
             opt = None
@@ -503,12 +598,11 @@ def estimate_memory(model: torch.nn.Module, example_inputs, passes=None, optimiz
         largest_transient=tracker.largest[0], largest_transient_op=tracker.largest[1],
         peak_phase=tracker.peak_where[0], peak_graph=tracker.peak_where[1], peak_node=tracker.peak_where[2],
         gradients_at_peak=tracker.grads_at_peak, phase_peaks=dict(tracker.phase_peaks), flops=tracker.flops, optimizer=optimizer, device=str(dev),
-        requested_lowering=requested_lowering, passes=[p.name for p in be.options.passes] if be else [],
+        replay_lowering=replay_lowering, requested_lowering=requested_lowering, passes=[p.name for p in be.options.passes] if be else [],
         pass_stats=stats, notes=notes, trainable_numels=[p.numel() for p in trainable])
-    if requested_lowering == "inductor":
-        est.notes.append("replayed with the eager lowering (same joint graph, passes and partitioner); Inductor "
-                         "fuses and reuses buffers, so this is an upper bound for it (12% above the measured peak "
-                         "on the benchmark's Llama, docs/memory_planner.md)")
+    if requested_lowering not in ("inductor", "eager"):
+        est.notes.append(f"lowering={requested_lowering!r} is predicted by the eager lowering's replay of the same "
+                         f"partitioned graphs (its own buffer plan is not replayed)")
     if world_size > 1:
         est = fold_fsdp(est, world_size, _largest_unit_bytes(work))
     est.seconds = time.perf_counter() - t0
