@@ -87,6 +87,20 @@ def test_meta_model_predicts_the_same_as_real_weights():
     assert meta.breakdown() == real.breakdown()
 
 
+def test_depth_extrapolation_equals_the_full_replay():
+    """Identical blocks: replays of the first 2, 3 and 4 blocks extrapolate to the full depth exactly (what
+    makes a Llama-3-8B prediction take seconds, not minutes); a model with too few blocks is replayed whole."""
+    case = model_case("llama", layers=5, seq=32, batch=1)
+    ext = estimate_memory(case.model, case.inputs, passes=[], lowering="eager", extrapolate=True)
+    full = estimate_memory(case.model, case.inputs, passes=[], lowering="eager", extrapolate=False)
+    assert ext.depths == [2, 3, 4] and full.depths == []
+    assert ext.peak_bytes == full.peak_bytes and ext.breakdown() == full.breakdown()
+    assert ext.flops == full.flops and ext.phase_peaks == full.phase_peaks
+    assert sorted(ext.trainable_numels) == sorted(full.trainable_numels)
+    assert len(case.model.model.layers) == 5  # the user's model is restored
+    assert _plain_llama()[1].depths == []  # 2 blocks: replayed whole
+
+
 def test_world_size_folds_fsdp_sharding():
     case, one = _plain_llama()
     four = estimate_memory(case.model, case.inputs, passes=[], lowering="eager", world_size=4)
