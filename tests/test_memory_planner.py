@@ -165,7 +165,10 @@ def test_nothing_fits_names_the_smallest_plan():
     # the same replays, a budget that fits the smallest: that plan is chosen
     plan = plan_memory(case.model, case.inputs, e.value.smallest, passes=[], lowering="eager", _cache=cache)
     assert plan.chosen.name == e.value.plan.name
-    assert e.value.smallest > params and e.value.plan.checkpoint == "full"
+    # the smallest of the replayed candidates (which checkpoint policy is smallest depends on the shape:
+    # here "ops", as full recomputation's backward holds a recomputed block)
+    assert e.value.smallest == min(c.peak_bytes for c in e.value.candidates if c.estimate)
+    assert e.value.smallest > params and e.value.plan.checkpoint in ("ops", "full")
 
 
 @pytest.mark.parametrize("budget,err", [("24 gigs", "cannot read '24 gigs' as a size"), (-1, "positive"),
