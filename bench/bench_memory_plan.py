@@ -63,7 +63,8 @@ def combos(family: str):
     out = {"none": [], "checkpoint": [CheckpointActivations()]}
     if "fuse_cross_entropy" in effpass.registered_passes():
         out = {"none": [], "checkpoint+fused_ce": [CheckpointActivations(), effpass.make_pass("fuse_cross_entropy")]}
-    out["lora+nf4+checkpoint"] = [QuantizeLinear(scheme="nf4", exclude=["lm_head", "embed_out"]),
+    head = "embed_out" if family == "gpt_neox" else "lm_head"  # exclude patterns must match a module
+    out["lora+nf4+checkpoint"] = [QuantizeLinear(scheme="nf4", exclude=[head]),
                                   InjectLoRA(rank=8, targets=targets), CheckpointActivations()]
     return out
 
@@ -85,11 +86,18 @@ def _write(name: str, data: dict, md: str) -> None:
     print(md)
 
 
-def accuracy(families=None, inductor_combos=None, inductor_families=None, hidden=512, layers=4, vocab=32000, seq=512, batch=2):
-    rows = []
+def accuracy(families=None, inductor_combos=None, inductor_families=None, hidden=512, layers=4, vocab=32000, seq=512, batch=2,
+             resume=False):
+    rows, done = [], set()
+    if resume and os.path.exists(os.path.join(RESULTS, "memory_plan_accuracy.json")):
+        with open(os.path.join(RESULTS, "memory_plan_accuracy.json")) as f:
+            rows = json.load(f)["rows"]
+        done = {(r["family"], r["combo"], r["lowering"]) for r in rows}
     for fam in families or FAMILIES:
         for combo, passes in combos(fam).items():
             for lowering in ("eager", "inductor"):
+                if (fam, combo, lowering) in done:
+                    continue
                 if lowering == "inductor" and ((inductor_combos is not None and combo not in inductor_combos)
                                                or (inductor_families is not None and fam not in inductor_families)):
                     continue
@@ -248,7 +256,7 @@ if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "accuracy"
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.getcwd(), ".cache", "inductor"))
     if what == "accuracy":
-        accuracy()
+        accuracy(resume="--resume" in sys.argv)
     elif what == "budget":
         budget()
     elif what == "table":
