@@ -3,12 +3,15 @@
 How: the model is copied with every parameter, buffer and tensor attribute replaced by a *fake* tensor
 (``torch._subclasses.FakeTensor``: shape, dtype and device, no storage) on the target device, the
 module-level passes run on the copy (quantization and adapters make fake buffers and parameters), then
-the copy is compiled with effpass (``lowering="eager"``: the same AOTAutograd joint graph, passes and
-min-cut partitioner as Inductor, run op by op) and one training step (forward, backward, optimizer step,
-``zero_grad``) runs twice on fake inputs: the first compiles and creates the optimizer states, the second
+the copy is compiled with effpass (``lowering="eager"``: the AOTAutograd joint graph, passes and min-cut
+partition run op by op; ``lowering="inductor"``: Inductor compiles, and its generated wrapper runs with
+fake allocations and no kernels, see :func:`_fake_wrapper`) and one training step (forward, backward,
+optimizer step, ``zero_grad``) runs twice on fake inputs: the first compiles and creates the optimizer states, the second
 is tracked. A :class:`TorchDispatchMode` adds a storage's bytes when an op creates it (a storage none of
 the op's inputs hold) and subtracts them when the storage dies (``weakref.finalize``); the running maximum
 is the step's peak above the bytes live at its start (parameters, buffers, optimizer states, inputs).
+Models with many identical blocks are replayed at 2, 3 and 4 blocks and extrapolated (checked affine,
+see :func:`_extrapolate_depth`).
 
 Why fake CPU/CUDA tensors, not the meta device: on ``meta`` tensors ``scaled_dot_product_attention``
 picks the math path (it materialises the scores) and ``nll_loss`` loses its backward (Python Meta kernels
