@@ -26,7 +26,7 @@ import effpass  # noqa: E402
 from effpass.planning import estimate_memory, format_bytes, plan_memory  # noqa: E402
 from effpass.planning.measure import measure_step  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+RESULTS = os.environ.get("EFFPASS_BENCH_RESULTS") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 #: family -> (config class, model class, LoRA targets)
 FAMILIES = {
@@ -256,7 +256,8 @@ if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "accuracy"
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.getcwd(), ".cache", "inductor"))
     if what == "accuracy":
-        accuracy(resume="--resume" in sys.argv)
+        fams = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--families=")), None)
+        accuracy(families=fams, resume="--resume" in sys.argv)
     elif what == "budget":
         budget()
     elif what == "table":
