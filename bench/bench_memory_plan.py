@@ -63,7 +63,7 @@ def combos(family: str):
     out = {"none": [], "checkpoint": [CheckpointActivations()]}
     if "fuse_cross_entropy" in effpass.registered_passes():
         out = {"none": [], "checkpoint+fused_ce": [CheckpointActivations(), effpass.make_pass("fuse_cross_entropy")]}
-    head = "embed_out" if family == "gpt_neox" else "lm_head"  # exclude patterns must match a module
+    head = "lm_head"  # exclude patterns must match a module (GPT-NeoX's head is lm_head in transformers 5)
     out["lora+nf4+checkpoint"] = [QuantizeLinear(scheme="nf4", exclude=[head]),
                                   InjectLoRA(rank=8, targets=targets), CheckpointActivations()]
     return out
