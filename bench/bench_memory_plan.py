@@ -26,7 +26,7 @@ import effpass  # noqa: E402
 from effpass.planning import estimate_memory, format_bytes, plan_memory  # noqa: E402
 from effpass.planning.measure import measure_step  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+RESULTS = os.environ.get("EFFPASS_BENCH_RESULTS") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 #: family -> (config class, model class, LoRA targets)
 FAMILIES = {
@@ -63,7 +63,8 @@ def combos(family: str):
     out = {"none": [], "checkpoint": [CheckpointActivations()]}
     if "fuse_cross_entropy" in effpass.registered_passes():
         out = {"none": [], "checkpoint+fused_ce": [CheckpointActivations(), effpass.make_pass("fuse_cross_entropy")]}
-    out["lora+nf4+checkpoint"] = [QuantizeLinear(scheme="nf4", exclude=["lm_head", "embed_out"]),
+    head = "lm_head"  # exclude patterns must match a module (GPT-NeoX's head is lm_head in transformers 5)
+    out["lora+nf4+checkpoint"] = [QuantizeLinear(scheme="nf4", exclude=[head]),
                                   InjectLoRA(rank=8, targets=targets), CheckpointActivations()]
     return out
 
@@ -85,12 +86,20 @@ def _write(name: str, data: dict, md: str) -> None:
     print(md)
 
 
-def accuracy(families=None, inductor_combos=("none",), inductor_families=("llama", "gpt_neox"), hidden=512, layers=4, vocab=32000, seq=512, batch=2):
-    rows = []
+def accuracy(families=None, inductor_combos=None, inductor_families=None, hidden=512, layers=4, vocab=32000, seq=512, batch=2,
+             resume=False):
+    rows, done = [], set()
+    if resume and os.path.exists(os.path.join(RESULTS, "memory_plan_accuracy.json")):
+        with open(os.path.join(RESULTS, "memory_plan_accuracy.json")) as f:
+            rows = json.load(f)["rows"]
+        done = {(r["family"], r["combo"], r["lowering"]) for r in rows}
     for fam in families or FAMILIES:
         for combo, passes in combos(fam).items():
             for lowering in ("eager", "inductor"):
-                if lowering == "inductor" and (combo not in inductor_combos or fam not in inductor_families):
+                if (fam, combo, lowering) in done:
+                    continue
+                if lowering == "inductor" and ((inductor_combos is not None and combo not in inductor_combos)
+                                               or (inductor_families is not None and fam not in inductor_families)):
                     continue
                 model = build(fam, hidden, layers, vocab)
                 tok = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
@@ -104,6 +113,7 @@ def accuracy(families=None, inductor_combos=("none",), inductor_families=("llama
                 err = (est.peak_bytes - meas.peak_bytes) / meas.peak_bytes
                 row = dict(family=fam, combo=combo, lowering=lowering, predicted=est.peak_bytes,
                            measured=meas.peak_bytes, error_pct=100 * err, predict_s=round(t_pred, 1),
+                           load1=round(os.getloadavg()[0], 1),
                            peak_at=f"{est.peak_phase}: {est.peak_node}")
                 print(row, flush=True)
                 rows.append(row)
@@ -116,13 +126,16 @@ def accuracy(families=None, inductor_combos=("none",), inductor_families=("llama
 def _write_accuracy(rows, hidden, layers, vocab, seq, batch):
     md = [f"# Memory planner: predicted vs measured peak of one training step (CPU)\n",
           f"{header()}\n", f"Shapes: hidden {hidden}, {layers} layers, vocabulary {vocab}, batch {batch} x seq {seq}, "
-          f"fp32, SDPA attention, AdamW (for-loop, as on CPU). Prediction: fake-tensor replay with the eager "
-          f"lowering; measured: live at the step's start + profiler peak during it.\n",
-          "| family | passes | lowering | predicted | measured | error | predict time | peak at |",
+          f"fp32, SDPA attention, AdamW (for-loop, as on CPU). Prediction: fake-tensor replay with the row's "
+          f"lowering (eager: the partitioned graphs op by op; inductor: Inductor's generated wrapper with fake "
+          f"allocations and no kernels); measured: live at the step's start + profiler peak during it, same "
+          f"lowering. `predict time`: wall seconds on the shared CPU, with the 1-minute load average.\n",
+          "| family | passes | lowering | predicted | measured | error | predict time (load) | peak at |",
           "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         md.append(f"| {r['family']} | {r['combo']} | {r['lowering']} | {format_bytes(r['predicted'])} | "
-                  f"{format_bytes(r['measured'])} | {r['error_pct']:+.3f}% | {r['predict_s']} s | {r['peak_at'][:50]} |")
+                  f"{format_bytes(r['measured'])} | {r['error_pct']:+.3f}% | {r['predict_s']} s ({r.get('load1', '-')}) | "
+                  f"{r['peak_at'][:60]} |")
     _write("accuracy", {"header": header(), "rows": rows}, "\n".join(md) + "\n")
 
 
@@ -243,7 +256,8 @@ if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "accuracy"
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.getcwd(), ".cache", "inductor"))
     if what == "accuracy":
-        accuracy()
+        fams = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--families=")), None)
+        accuracy(families=fams, resume="--resume" in sys.argv)
     elif what == "budget":
         budget()
     elif what == "table":

@@ -139,9 +139,20 @@ Int8WeightTensor.__module__ = "effpass.passes._quant_formats"
 _LUTS: dict = {}
 
 
-def _shared_lut(device, dtype) -> torch.Tensor:
-    """One NF4 code table per (device, dtype) shared by every weight (16 values; counted once)."""
+def _shared_lut(device, dtype, like: torch.Tensor | None = None) -> torch.Tensor:
+    """One NF4 code table per (device, dtype) shared by every weight (16 values; counted once).
+
+    NOTE(fake tensors): weights quantized under a ``FakeTensorMode`` (the memory planner's replay) share a
+    fake table kept on that mode (it dies with it); a real table must never meet fake weights, nor a fake
+    one real weights ("got mixed fake and real tensors")."""
     key = (str(device), dtype)
+    mode = getattr(like, "fake_mode", None)
+    if mode is not None:
+        luts = mode.__dict__.setdefault("_effpass_nf4_luts", {})
+        if key not in luts:
+            with mode:
+                luts[key] = torch.tensor(NF4_CODE, device=device, dtype=dtype)
+        return luts[key]
     if key not in _LUTS:
         _LUTS[key] = torch.tensor(NF4_CODE, device=device, dtype=dtype)
     return _LUTS[key]
@@ -214,7 +225,7 @@ class NF4WeightTensor(NF4Tensor):
     def from_nf4(cls, t: NF4Tensor) -> "NF4WeightTensor":
         meta = SubclassTensorArgs(t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, False)
         return cls(meta, t.block_size, t.n_blocks, t.scaler_block_size, t.quantized_scalers, t.quantization_factor,
-                   t.scaler_mean, t.quantized_data, _shared_lut(t.device, t.dtype))
+                   t.scaler_mean, t.quantized_data, _shared_lut(t.device, t.dtype, like=t.quantized_data))
 
 
 NF4WeightTensor.__module__ = "effpass.passes._quant_formats"
@@ -357,7 +368,7 @@ def weight_nbytes(w: torch.Tensor, seen: set | None = None) -> int:
     """Bytes a (quantized) weight holds in memory; storages in ``seen`` (shared NF4 code tables) count once."""
     total = 0
     for t in inner_tensors(w):
-        key = t.untyped_storage().data_ptr()
+        key = t.untyped_storage()._cdata  # NOTE: not data_ptr(): fake tensors (planner replay) have none
         if seen is not None and t.numel() and key in seen:
             continue
         if seen is not None:

@@ -50,9 +50,7 @@ COMBOS = {
 
 @pytest.mark.parametrize("name,combo", [
     ("llama", "none"), ("gpt2", "checkpoint"),
-    pytest.param("demo", "qlora", marks=pytest.mark.xfail(strict=True, reason=(
-        "issue 17, open: since quantize_linear moved to torchao tensor subclasses, the fake-tensor replay mixes "
-        "the NF4 weight's real inner tensors with fake ones ('got mixed fake and real tensors')"))),
+    ("demo", "qlora"),  # torchao NF4 weights quantized on the fake copy (issue 17: once mixed real and fake)
 ])
 def test_prediction_matches_measurement(name, combo):
     if name == "llama" and combo == "none":
@@ -87,6 +85,20 @@ def test_meta_model_predicts_the_same_as_real_weights():
     meta = estimate_memory(meta_model, meta_inputs, passes=[], lowering="eager", device="cpu")
     assert meta.peak_bytes == real.peak_bytes
     assert meta.breakdown() == real.breakdown()
+
+
+def test_depth_extrapolation_equals_the_full_replay():
+    """Identical blocks: replays of the first 2, 3 and 4 blocks extrapolate to the full depth exactly (what
+    makes a Llama-3-8B prediction take seconds, not minutes); a model with too few blocks is replayed whole."""
+    case = model_case("llama", layers=5, seq=32, batch=1)
+    ext = estimate_memory(case.model, case.inputs, passes=[], lowering="eager", extrapolate=True)
+    full = estimate_memory(case.model, case.inputs, passes=[], lowering="eager", extrapolate=False)
+    assert ext.depths == [2, 3, 4] and full.depths == []
+    assert ext.peak_bytes == full.peak_bytes and ext.breakdown() == full.breakdown()
+    assert ext.flops == full.flops and ext.phase_peaks == full.phase_peaks
+    assert sorted(ext.trainable_numels) == sorted(full.trainable_numels)
+    assert len(case.model.model.layers) == 5  # the user's model is restored
+    assert _plain_llama()[1].depths == []  # 2 blocks: replayed whole
 
 
 def test_world_size_folds_fsdp_sharding():
@@ -153,7 +165,10 @@ def test_nothing_fits_names_the_smallest_plan():
     # the same replays, a budget that fits the smallest: that plan is chosen
     plan = plan_memory(case.model, case.inputs, e.value.smallest, passes=[], lowering="eager", _cache=cache)
     assert plan.chosen.name == e.value.plan.name
-    assert e.value.smallest > params and e.value.plan.checkpoint == "full"
+    # the smallest of the replayed candidates (which checkpoint policy is smallest depends on the shape:
+    # here "ops", as full recomputation's backward holds a recomputed block)
+    assert e.value.smallest == min(c.peak_bytes for c in e.value.candidates if c.estimate)
+    assert e.value.smallest > params and e.value.plan.checkpoint in ("ops", "full")
 
 
 @pytest.mark.parametrize("budget,err", [("24 gigs", "cannot read '24 gigs' as a size"), (-1, "positive"),
@@ -218,14 +233,19 @@ def test_cli_plan(tmp_path, capsys):
 
 
 @pytest.mark.inductor
-def test_inductor_prediction_is_an_upper_bound():
-    """Inductor is predicted by the eager-lowering replay; its fusions allocate less, so the prediction is
-    above the measured peak: 26.7% above at this tiny shape, 12.4% at the benchmark's Llama shape (the
-    issue's 5% target is not met yet; docs/memory_planner.md)."""
-    case = _case("llama")
+def test_inductor_prediction_matches_measurement():
+    """The default lowering is predicted by replaying Inductor's generated wrapper (its fused buffers,
+    reuse and frees) on fake tensors: within 1% of the measured peak (byte-exact here). The eager-lowering
+    replay of the same step, which Inductor's fusions undercut, is >5% off: the check discriminates."""
+    case, eager_est = _plain_llama()
+    case = case.fresh()
     est = estimate_memory(case.model, case.inputs, passes=[], lowering="inductor")
     meas = _measure(case.model, case.inputs, [], lowering="inductor")
-    assert meas.peak_bytes <= est.peak_bytes <= 1.5 * meas.peak_bytes, (est.peak_bytes, meas.peak_bytes)
+    assert est.replay_lowering == "inductor" and est.requested_lowering == "inductor"
+    assert est.start_bytes == meas.start_bytes
+    assert abs(est.peak_bytes - meas.peak_bytes) <= 0.01 * meas.peak_bytes, (est.summary(), meas)
+    assert eager_est.peak_bytes > 1.05 * meas.peak_bytes  # Inductor allocates less than the op-by-op program
+    assert est.peak_phase in ("forward", "backward", "optimizer") and est.peak_node != "-"
 
 
 @pytest.mark.gpu
