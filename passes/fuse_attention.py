@@ -844,8 +844,10 @@ class FuseAttention(effpass.Pass):
             if site.heads is not None:
                 # BLOOM: q, k, v as (B*H, S, D) become (B, H, S, D) views, SDPA's layout
                 B, H = site.heads
-                q_in = call(torch.reshape, site.q, (B, H, *qv.shape[1:]))
-                k_base = call(torch.reshape, k_base, (B, H, *_shape(k_base)[1:]))
+                # shapes from the matmuls' operands: a cast or transpose made above has no example value yet
+                k_shape = (*kt_shape[:-2], kt_shape[-1], kt_shape[-2])
+                q_in = call(torch.reshape, q_in, (B, H, *qv.shape[1:]))
+                k_base = call(torch.reshape, k_base, (B, H, *k_shape[1:]))
                 v_base = call(torch.reshape, v_base, (B, H, *vv.shape[1:]))
 
             def term(m):
