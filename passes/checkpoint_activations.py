@@ -303,10 +303,10 @@ def _block_of_stack(stack: tuple[str, ...], targets: tuple[str, ...], blocks: se
             if any(fnmatch.fnmatchcase(prefix, g) for g in targets):
                 return prefix
         elif blocks is not None:
-            # the graph's paths may carry a root the model's names lack (a model compiled in place through its
-            # _call_impl names itself "L.args.0"; a wrapper adds its own prefix): match the model's block name
-            # as a suffix of the path's prefix
-            if any(".".join(parts[j:i]) in blocks for j in range(i)):
+            # exact names: effpass.graph.normalize_module_path strips the traced frame's root (L['self'],
+            # L['args'][0]); a wrapper's own prefix names no block and falls back to numbered children
+            # (find_blocks). A suffix match would take a top-level block "0" for a path "x.0".
+            if prefix in blocks:
                 return prefix
         elif _INDEX.match(parts[i - 1]) and i > 1:
             return prefix

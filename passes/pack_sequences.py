@@ -349,7 +349,8 @@ class _BoundaryHook:
             # model's frame is compiled with a symbolic packed length from the first call: no recompile
             # when the length changes. Inlined into an outer trace, Dynamo's automatic dynamic shapes apply.
             _mark_packed_length_dynamic(args, kwargs, pos.shape[-1])
-            self.stats.add(pos)
+            if torch.is_grad_enabled():  # training steps only: evaluation / generation forwards are not counted
+                self.stats.add(pos)
         return args, kwargs
 
 

@@ -392,6 +392,8 @@ def test_packing_statistics_in_the_report_and_the_dump_without_host_sync(tmp_pat
         compiled(input_ids=i, position_ids=p, labels=i.clone()).loss.backward()
     assert counters["recompiles"] == 0 and counters["frames"] == 0, counters
     assert len(mode.ops) > 50 and torch.ops.aten._local_scalar_dense.default not in mode.ops
+    with torch.no_grad():  # an evaluation forward is not a training step: not counted
+        compiled(input_ids=i, position_ids=p, labels=i.clone())
     st = _stats(compiled)
     # 2 layers x 4 heads x (q.k + p.v, head dim 8): 2*4*(8+8) FLOPs per attended pair, per layer
     per_pair = 2 * 2 * 4 * (8 + 8)
