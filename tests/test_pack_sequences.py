@@ -269,48 +269,23 @@ def test_trl_sft_trainer_padding_free(tmp_path):
     the token-weighted loss of that step's examples run alone (an untouched eager copy: per-example
     separation), effpass's rewritten graph runs (no graph break), and the report counts the packed steps. TRL's collator also sends cu_seq_lens_q/k,
     max_length_q/k (Python ints, dropped by the hook) and seq_idx."""
-    import datasets
     import transformers as tf
-    import trl
 
-    from effpass.testing.hf import tiny_tokenizer
+    from effpass.testing.hf import examples_alone_losses, sft_padding_free
 
     tf.logging.set_verbosity_error()
     torch.manual_seed(0)
     model = model_case("llama", layers=1).model.train()   # vocabulary 256, the tiny tokenizer's
     ref = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(0)
-    words = [3, 11, 6, 8, 2, 14, 5, 9]  # uneven lengths: each step packs a different total length
-    text = [" ".join(f"w{j}" for j in torch.randint(0, 250, (n,), generator=g).tolist()) for n in words]
     effpass.compile(model, passes=[FuseAttention(), PackSequences()], lowering="eager", strict=True)
-    batches = []
-
-    @torch._dynamo.disable
-    def capture(module, args, kwargs):  # runs before pack_sequences' hook: the batch as TRL built it
-        batches.append({k: kwargs[k].clone() for k in ("input_ids", "labels", "position_ids") if k in kwargs})
-
-    model.register_forward_pre_hook(capture, with_kwargs=True, prepend=True)
-    config = trl.SFTConfig(str(tmp_path), padding_free=True, max_length=None, max_steps=2,
-                           per_device_train_batch_size=4, learning_rate=0.0, logging_steps=1, report_to=[], seed=0,
-                           save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=False,
-                           gradient_checkpointing=False)
-    trainer = trl.SFTTrainer(model=model, args=config, train_dataset=datasets.Dataset.from_dict({"text": text}),
-                             processing_class=tiny_tokenizer())
-    with dynamo_counters() as counters:
-        trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    with dynamo_counters() as counters:  # uneven lengths: each step packs a different total length
+        losses, batches, _ = sft_padding_free(model, tmp_path, [3, 11, 6, 8, 2, 14, 5, 9], steps=2)
     assert len(losses) == 2 and len(batches) == 2
     assert batches[0]["input_ids"].shape != batches[1]["input_ids"].shape  # two packed lengths
-    for loss, b in zip(losses, batches):
-        starts = (b["position_ids"][0] == 0).nonzero().flatten().tolist() + [b["position_ids"].shape[1]]
-        assert len(starts) == 5 and (b["labels"][b["position_ids"] == 0] == -100).all()
-        total, count = 0.0, 0
-        for s, e in zip(starts[:-1], starts[1:]):
-            t = b["input_ids"][:, s:e]
-            with torch.no_grad():
-                total += ref(input_ids=t, labels=t, use_cache=False).loss.item() * (e - s - 1)
-            count += e - s - 1
-        assert abs(loss - total / count) <= 1e-4 * (total / count), (loss, total / count)
+    for b in batches:
+        assert int((b["position_ids"] == 0).sum()) == 4 and (b["labels"][b["position_ids"] == 0] == -100).all()
+    for loss, want in zip(losses, examples_alone_losses(ref, batches)):
+        assert abs(loss - want) <= 1e-4 * want, (loss, want)
     # TRL's fused LM head runs as effpass's opaque custom op (effpass/integrations/_trl_kernels.py), so its
     # Python loop over token chunks does not fix the packed length (tests/test_trl_kernels.py: many lengths)
     assert counters["graph_breaks"] == 0 and counters["recompiles"] <= 1 and counters["frames"] <= 2, counters

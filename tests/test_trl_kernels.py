@@ -126,53 +126,28 @@ def test_sft_trainer_padding_free_many_lengths(tmp_path, monkeypatch):
     """SFTTrainer(padding_free=True) over 4 steps of different packed lengths on an effpass model: each step's
     loss equals the token-weighted loss of its examples run alone in an untouched eager copy, with no graph
     break, at most one recompile (the length turns dynamic once), and TRL's kernel ran as effpass's op."""
-    import datasets
     import transformers as tf
-    import trl
 
-    from effpass.testing.hf import tiny_tokenizer
+    from effpass.testing.hf import examples_alone_losses, sft_padding_free
 
     tf.logging.set_verbosity_error()
     torch.manual_seed(0)
     torch._dynamo.reset()
     model = model_case("llama", layers=1).model.train()
     ref = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(0)
-    words = [3, 11, 6, 8, 2, 14, 5, 9, 7, 4, 12, 9, 10, 6, 5, 21]  # each step of 4 packs a different length
-    text = [" ".join(f"w{j}" for j in torch.randint(0, 250, (n,), generator=g).tolist()) for n in words]
     effpass.compile(model, passes=[FuseAttention(), PackSequences()], lowering="eager", strict=True)
-    batches = []
-
-    @torch._dynamo.disable
-    def capture(module, args, kwargs):
-        batches.append({k: kwargs[k].clone() for k in ("input_ids", "labels", "position_ids")})
-
-    model.register_forward_pre_hook(capture, with_kwargs=True, prepend=True)
     # installed by the Trainer's first compiled call (allow_trl_kernels), as for a user
     monkeypatch.setitem(_trl_kernels._STATE, "installed", False)
     monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", ChunkedLogProbFunction)
     monkeypatch.setattr(_trl_kernels, "CALLS", {"forward": 0, "backward": 0})
-    config = trl.SFTConfig(str(tmp_path), padding_free=True, max_length=None, max_steps=4,
-                           per_device_train_batch_size=4, learning_rate=0.0, logging_steps=1, report_to=[], seed=0,
-                           save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=False,
-                           gradient_checkpointing=False)
-    trainer = trl.SFTTrainer(model=model, args=config, train_dataset=datasets.Dataset.from_dict({"text": text}),
-                             processing_class=tiny_tokenizer())
+    words = [3, 11, 6, 8, 2, 14, 5, 9, 7, 4, 12, 9, 10, 6, 5, 21]  # each step of 4 packs a different length
     with dynamo_counters() as counters:
-        trainer.train()
+        losses, batches, _ = sft_padding_free(model, tmp_path, words, steps=4)
     assert _trl_kernels.installed()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 4 and len(batches) == 4
     assert len({b["input_ids"].shape[1] for b in batches}) == 4, [b["input_ids"].shape for b in batches]
-    for loss, b in zip(losses, batches):
-        starts = (b["position_ids"][0] == 0).nonzero().flatten().tolist() + [b["position_ids"].shape[1]]
-        total, count = 0.0, 0
-        for s, e in zip(starts[:-1], starts[1:]):
-            t = b["input_ids"][:, s:e]
-            with torch.no_grad():
-                total += ref(input_ids=t, labels=t, use_cache=False).loss.item() * (e - s - 1)
-            count += e - s - 1
-        assert abs(loss - total / count) <= 1e-4 * (total / count), (loss, total / count)
+    for loss, want in zip(losses, examples_alone_losses(ref, batches)):
+        assert abs(loss - want) <= 1e-4 * want, (loss, want)
     print("dynamo counters", counters)
     assert counters["graph_breaks"] == 0 and counters["recompiles"] <= 1, counters
     # every step ran TRL's forward and backward through effpass's op

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["tiny_tokenizer", "lm_dataset", "text_dataset", "VOCAB"]
+__all__ = ["tiny_tokenizer", "lm_dataset", "text_dataset", "sft_padding_free", "examples_alone_losses", "VOCAB"]
 
 #: the vocabulary size of :func:`tiny_tokenizer` (matches ``model_case``'s models: 256)
 VOCAB = 256
@@ -46,3 +46,50 @@ def text_dataset(n: int = 16, words: int = 12, *, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     rows = torch.randint(0, VOCAB - 2, (n, words), generator=g).tolist()
     return datasets.Dataset.from_dict({"text": [" ".join(f"w{i}" for i in r) for r in rows]})
+
+
+def sft_padding_free(model, out_dir, lengths, *, steps: int, batch: int = 4, seed: int = 0):
+    """Train ``model`` with TRL's ``SFTTrainer(padding_free=True)`` on texts of ``lengths`` words (fp32, learning
+    rate 0, no gradient checkpointing, one logged loss per step). Returns ``(losses, batches, trainer)``:
+    ``batches`` are the packed batches as TRL built them (``input_ids``, ``labels``, ``position_ids``),
+    captured before any other forward pre-hook."""
+    import datasets
+    import trl
+
+    g = torch.Generator().manual_seed(seed)
+    text = [" ".join(f"w{j}" for j in torch.randint(0, VOCAB - 6, (n,), generator=g).tolist()) for n in lengths]
+    batches: list[dict] = []
+
+    @torch._dynamo.disable
+    def capture(module, args, kwargs):
+        batches.append({k: kwargs[k].clone() for k in ("input_ids", "labels", "position_ids") if k in kwargs})
+
+    handle = model.register_forward_pre_hook(capture, with_kwargs=True, prepend=True)
+    config = trl.SFTConfig(str(out_dir), padding_free=True, max_length=None, max_steps=steps,
+                           per_device_train_batch_size=batch, learning_rate=0.0, logging_steps=1, report_to=[],
+                           seed=seed, save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=False,
+                           gradient_checkpointing=False)
+    trainer = trl.SFTTrainer(model=model, args=config, train_dataset=datasets.Dataset.from_dict({"text": text}),
+                             processing_class=tiny_tokenizer())
+    try:
+        trainer.train()
+    finally:
+        handle.remove()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return losses, batches, trainer
+
+
+def examples_alone_losses(reference, batches) -> list[float]:
+    """For each packed batch (one row, ``position_ids`` restarting at 0 per example): the token-weighted mean of
+    the loss of each example run alone through ``reference`` (per-example separation by construction)."""
+    out = []
+    for b in batches:
+        starts = (b["position_ids"][0] == 0).nonzero().flatten().tolist() + [b["position_ids"].shape[1]]
+        total, count = 0.0, 0
+        for s, e in zip(starts[:-1], starts[1:]):
+            t = b["input_ids"][:, s:e]
+            with torch.no_grad():
+                total += reference(input_ids=t, labels=t, use_cache=False).loss.item() * (e - s - 1)
+            count += e - s - 1
+        out.append(total / count)
+    return out
