@@ -20,6 +20,7 @@ The family x pass matrix measured here is in docs/families.md.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -60,13 +61,16 @@ def _attn_sites(case) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("family", SUITE)
-def test_apply_autocast_bit_identical(family):
+def test_apply_autocast_bit_identical(family, dtype):
     case = family_case(family)
     reference = copy.deepcopy(case.model)
-    compiled = effpass.compile(case.model, passes=[ApplyAutocast(dtype=BF16)], lowering="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fp16 without scale_loss warns (tested in test_apply_autocast.py)
+        compiled = effpass.compile(case.model, passes=[ApplyAutocast(dtype=dtype)], lowering="eager")
     out = compiled(**case.inputs)
-    with torch.autocast("cpu", BF16):
+    with torch.autocast("cpu", dtype):
         expected = reference(**case.inputs)
     loss_of(out).backward()
     loss_of(expected).backward()
@@ -78,7 +82,7 @@ def test_apply_autocast_bit_identical(family):
     assert not bad, f"gradients differ from eager torch.autocast: {bad[:5]}"
     st = effpass.report(compiled).stats("apply_autocast")
     assert st["capture"] == "module" and st["regions"] >= 1 and st["fp32_islands"] == 0
-    assert st["matmuls_by_dtype_after"].get("bfloat16", 0) > 0
+    assert st["matmuls_by_dtype_after"].get(str(dtype).removeprefix("torch."), 0) > 0
 
 
 # --------------------------------------------------------------------------------------------------
