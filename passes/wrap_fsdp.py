@@ -267,8 +267,10 @@ def _compile_root(model: nn.Module, boundary: str, backend, compile_kwargs: dict
     """
     child = getattr(model, boundary)
     child._orig_forward = child.forward
-    child.forward = torch._dynamo.disable(child.forward, reason="wrap_fsdp: the blocks' FSDP units are compiled "
-                                          "on their own; the root's graph resumes after them")
+    # bound with MethodType, like the units' compiled forwards (not a closure over the bound method)
+    disabled = torch._dynamo.disable(child.forward.__func__, reason="wrap_fsdp: the blocks' FSDP units are "
+                                     "compiled on their own; the root's graph resumes after them")
+    child.forward = types.MethodType(disabled, child)
     model._orig_forward = model.forward
     caller = _fresh_caller(model.forward.__func__, "effpass_fsdp_root")
     kwargs = {k: v for k, v in compile_kwargs.items() if k != "fullgraph"}

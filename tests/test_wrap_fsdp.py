@@ -373,6 +373,34 @@ def test_wrap_fsdp_fuses_the_sharded_head_and_loss(tmp_path):
     assert abs(mean - results[0]["ref_loss"]) < 1e-6, (mean, results[0]["ref_loss"])
 
 
+def test_wrap_fsdp_fuses_a_tied_sharded_head_at_world_size_1(tmp_path):
+    """GPT-2 (head tied to the embedding, boundary ``transformer``) in this process, world size 1."""
+    from effpass.passes import FuseCrossEntropy
+
+    case = effpass.testing.model_case("gpt2")
+    case.model.train()
+    ref = copy.deepcopy(case.model)
+    ref(**case.inputs).loss.backward()
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        torch._dynamo.reset()
+        model = effpass.compile(case.model, passes=[FuseCrossEntropy(), WrapFSDP()], lowering="eager", dump_dir=None)
+        out = model(**case.inputs)
+        out.loss.backward()
+        grads = _grads(model)
+        rep = effpass.report(model)
+    finally:
+        dist.destroy_process_group()
+    assert grads.keys() == _grads(ref).keys()
+    for n, g in _grads(ref).items():
+        torch.testing.assert_close(grads[n], g, atol=1e-6, rtol=1e-5, msg=lambda m: f"{n}: {m}")
+    assert out.logits is None
+    f, s = rep.stats("fuse_cross_entropy"), rep.stats("wrap_fsdp")
+    assert f["fused"] == 1 and f["logits_bytes_avoided"] == case.inputs["input_ids"].numel() * 256 * 4, f
+    assert s["compiled_root"] == 1 and s["root_boundary"] == "transformer" and s["world_size"] == 1, s
+
+
 @pytest.mark.inductor
 @pytest.mark.slow
 def test_wrap_fsdp_inductor_lowering_matches_one_process(tmp_path):
