@@ -145,6 +145,8 @@ class WrapFSDP(effpass.Pass):
           model.layers.0: FSDPLlamaDecoderLayer               (its own DTensor shards, all-gathered
             .forward = torch.compile(..., backend=effpass)     just before its compiled forward)
           model.layers.1: FSDPLlamaDecoderLayer
+        .forward = torch.compile(..., backend=effpass)         root: head + loss in one graph, after
+        model.forward = torch._dynamo.disable(...)              the boundary (run eagerly, units inside)
     """
 
     reshard_after_forward: bool = field(default=True, metadata={
