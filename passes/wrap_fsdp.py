@@ -12,7 +12,15 @@ What it does
        (attention fusion, autocast, checkpointing, LoRA, ...) applies inside each unit unchanged.
     3. Wraps the root last (it owns the parameters outside the blocks: embeddings, final norm, head),
        and sets ``ctx.compile_root = False`` so ``effpass.compile`` returns the (sharded) model itself.
-       The code outside the blocks runs eagerly.
+    4. ``compile_root``: compiles the root's ``forward`` too, with the same backend, after wrapping the
+       forward of the root's child that holds the blocks (the *boundary*, ``model`` in a
+       ``LlamaForCausalLM``) in ``torch._dynamo.disable``. Dynamo breaks the root's graph there (one
+       deliberate graph break), that call runs eagerly with its compiled units and FSDP's hooks, and the
+       graph resumed after it holds the code after the blocks (``lm_head`` and the loss), so graph passes
+       such as ``fuse_cross_entropy`` see head and loss together. FSDP2's root hooks run in ``_call_impl``,
+       outside the compiled ``forward``, and have unsharded the root's parameters before it runs. Without
+       a boundary (the blocks sit directly in a ``ModuleList`` of the root, or a unit is a direct child of
+       the root) the root runs eagerly, with a warning when ``fuse_cross_entropy`` is in the pipeline.
 
 Ordering: runs after every other module pass (``quantize_linear``, ``inject_lora``) because sharding
 turns parameters into DTensors; modules added or swapped later would not be sharded. It is also
@@ -24,7 +32,8 @@ Invariants
     * Each unit's compiled graph names modules with their full path from the root (``model.layers.3.
       self_attn``): the per-unit backend prefixes ``nn_module_stack`` so ``targets`` globs of the graph
       passes keep their meaning.
-    * After the pass the eager model (each unit's ``_orig_forward``) computes what the compiled one does.
+    * After the pass the eager model (each unit's and the root's ``_orig_forward``) computes what the
+      compiled one does (the boundary's disabled ``forward`` is its own ``forward`` when run eagerly).
 
 Also here: :func:`estimate` / :func:`estimate_table` (memory per rank on paper, ZeRO accounting) and
 :func:`save_checkpoint` / :func:`load_checkpoint` (``torch.distributed.checkpoint`` of model, optimizer
@@ -34,6 +43,7 @@ from __future__ import annotations
 
 import os
 import types
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,6 +145,8 @@ class WrapFSDP(effpass.Pass):
           model.layers.0: FSDPLlamaDecoderLayer               (its own DTensor shards, all-gathered
             .forward = torch.compile(..., backend=effpass)     just before its compiled forward)
           model.layers.1: FSDPLlamaDecoderLayer
+        .forward = torch.compile(..., backend=effpass)         root: head + loss in one graph, after
+        model.forward = torch._dynamo.disable(...)              the boundary (run eagerly, units inside)
     """
 
     reshard_after_forward: bool = field(default=True, metadata={
@@ -147,6 +159,9 @@ class WrapFSDP(effpass.Pass):
         "doc": "dtype of the gradient reduction (default: float32 when param_dtype is lower precision)"})
     compile_units: bool = field(default=True, metadata={
         "doc": "compile each unit's forward with the pipeline's effpass backend (False: shard only, run eagerly)"})
+    compile_root: bool = field(default=True, metadata={
+        "doc": "also compile the root's forward around the child holding the blocks (excluded from Dynamo), so "
+               "head and loss are one graph of the pipeline (fuse_cross_entropy); needs compile_units"})
 
     def validate(self) -> None:
         if self.replicate < 1:
@@ -207,13 +222,67 @@ class WrapFSDP(effpass.Pass):
         # reshard_after_forward=False avoids re-gathering them at the start of backward.
         fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
         ctx.compile_root = False
+        boundary, why_not = _root_boundary(model, units)
+        if backend is not None and self.compile_root and boundary is not None:
+            _compile_root(model, boundary, backend, ctx.compile_kwargs)
+        else:
+            why_not = (why_not if backend is not None and self.compile_root else
+                       "compile_root=False" if backend is not None else "compile_units=False")
+            boundary = None
+            if ctx.find_pass("fuse_cross_entropy") is not None:
+                warnings.warn(
+                    f"effpass: wrap_fsdp does not compile the root module ({why_not}): its code outside the "
+                    "blocks runs eagerly, so fuse_cross_entropy never sees the head and the loss; the head "
+                    "runs unfused and the logits are materialised", UserWarning, stacklevel=2)
         n_params = sum(p.numel() for p in model.parameters())
         local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
         return effpass.PassResult(changed=True, stats={
-            "units": len(units), "compiled_units": compiled, "world_size": dist.get_world_size(),
+            "units": len(units), "compiled_units": compiled, "compiled_root": int(boundary is not None),
+            "root_boundary": boundary or "", "world_size": dist.get_world_size(),
             "replicate": self.replicate, "reshard_after_forward": self.reshard_after_forward,
             "param_dtype": str(mp.param_dtype).removeprefix("torch.") if mp.param_dtype else "unchanged",
             "params": n_params, "local_params": local})
+
+
+def _root_boundary(model: nn.Module, units: list[tuple[str, nn.Module]]) -> tuple[str | None, str]:
+    """The root's child that holds every unit and is called as a whole (``model`` of a ``LlamaForCausalLM``,
+    ``transformer`` of a GPT-2), or ``(None, reason)``."""
+    heads = {name.split(".")[0] for name, _ in units}
+    if len(heads) != 1:
+        return None, f"the units lie under several children of the root ({sorted(heads)})"
+    name = heads.pop()
+    child = getattr(model, name, None)
+    if child is None or any(n == name for n, _ in units):
+        return None, f"the unit {name!r} is a direct child of the root: no submodule around the blocks"
+    if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+        return None, f"the blocks are in the root's {type(child).__name__} {name!r}, iterated by the root's forward"
+    return name, ""
+
+
+def _compile_root(model: nn.Module, boundary: str, backend, compile_kwargs: dict) -> None:
+    """Compile ``model.forward`` with ``backend``, the boundary child's ``forward`` excluded from Dynamo.
+
+    NOTE(graph break): the exclusion is the point: Dynamo must not trace into the units (already compiled,
+    each with its own backend) nor into FSDP2's hooks (run in each unit's ``_call_impl``). The boundary's
+    call runs eagerly; the units inside compile as before; the graph after it (head, loss) is compiled
+    with the pipeline's backend. ``fullgraph`` is not passed on: the break is deliberate.
+    """
+    child = getattr(model, boundary)
+    child._orig_forward = child.forward
+    # bound with MethodType, like the units' compiled forwards (not a closure over the bound method)
+    disabled = torch._dynamo.disable(child.forward.__func__, reason="wrap_fsdp: the blocks' FSDP units are "
+                                     "compiled on their own; the root's graph resumes after them")
+    child.forward = types.MethodType(disabled, child)
+    model._orig_forward = model.forward
+    caller = _fresh_caller(model.forward.__func__, "effpass_fsdp_root")
+    kwargs = {k: v for k, v in compile_kwargs.items() if k != "fullgraph"}
+    model.forward = types.MethodType(torch.compile(caller, backend=backend, **kwargs), model)
+    import sys
+
+    if "transformers" in sys.modules:  # GPT-2 & co: no logger call between head and loss (a graph break)
+        from effpass.integrations.huggingface import set_hf_loss_type
+
+        set_hf_loss_type(model)
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -37,7 +37,8 @@ def count_unit_linears(gm, ctx):
             linears += 1
             path = effpass.scope.module_path_of_node(n)
             units.add(".".join(path.split(".")[:3]))
-    return effpass.PassResult(stats={"graphs": 1, "linears": linears, "units": sorted(units)})
+    return effpass.PassResult(stats={"graphs": 1, "linears": linears, "units": sorted(units),
+                                     "per_graph": [f"{'+'.join(sorted(units))}:{linears}"]})
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -214,7 +215,61 @@ def scenario_hsdp(rank, world, out_dir):
             "placements": [x.__class__.__name__[0] + (f"({x.dim})" if hasattr(x, "dim") else "") for x in p.placements], "local_numel": p.to_local().numel(), "numel": p.numel()}
 
 
-SCENARIOS = {"train": scenario_train, "passes": scenario_passes, "inductor": scenario_inductor,
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+            for n, p in model.named_parameters() if p.grad is not None}
+
+
+def scenario_fused_head(rank, world, out_dir):
+    """fuse_cross_entropy on the sharded root: head + loss in the root's compiled graph, after the blocks."""
+    import warnings
+
+    from effpass.passes import FuseCrossEntropy
+
+    case = _llama(world)
+    tokens = case.inputs["input_ids"]
+    init = copy.deepcopy(case.model)
+    ref = copy.deepcopy(init)
+    ref_out = ref(input_ids=tokens, labels=tokens)
+    ref_out.loss.backward()
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    model = effpass.compile(case.model, passes=[FuseCrossEntropy(), WrapFSDP(), count_unit_linears()],
+                            lowering="eager", dump_dir=None)
+    local = _local_batch(tokens, rank, world)
+    losses, grads = [], []
+    for _ in range(2):  # the second step: no recompile, no new graph break
+        out = model(input_ids=local, labels=local)
+        out.loss.backward()
+        losses.append(float(out.loss.detach()))
+        grads.append(_grads(model))
+        model.zero_grad(set_to_none=True)
+        if not grads[1:]:
+            breaks_first = dict(counters["graph_break"])
+    rep = effpass.report(model)
+
+    # the limit, explicit: no submodule around the blocks (effpass's DemoLM iterates its ModuleList itself)
+    demo = effpass.testing.model_case("demo").model
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        effpass.compile(demo, passes=[FuseCrossEntropy(), WrapFSDP()], lowering="eager", dump_dir=None)
+        effpass.compile(copy.deepcopy(init), passes=[FuseCrossEntropy(), WrapFSDP(compile_root=False)],
+                        lowering="eager", dump_dir=None)
+        effpass.compile(copy.deepcopy(init), passes=[WrapFSDP(compile_root=False)], lowering="eager", dump_dir=None)
+    return {
+        "ref_grads": _grads(ref), "ref_loss": float(ref_out.loss), "grads": grads, "losses": losses,
+        "logits": out.logits, "local_tokens": local.numel(), "vocab": init.config.vocab_size,
+        "fce": rep.stats("fuse_cross_entropy"), "fsdp_stats": rep.stats("wrap_fsdp"),
+        "count_stats": rep.stats("count_unit_linears"),
+        "breaks_first": breaks_first, "breaks": dict(counters["graph_break"]),
+        "unique_graphs": counters["stats"]["unique_graphs"], "recompiles": dict(counters["recompiles"]),
+        "warnings": [str(w.message) for w in caught if "wrap_fsdp" in str(w.message)],
+        "demo_stats": effpass.report(demo).stats("wrap_fsdp"),
+    }
+
+
+SCENARIOS = {"fused_head": scenario_fused_head, "train": scenario_train, "passes": scenario_passes, "inductor": scenario_inductor,
              "hsdp": scenario_hsdp}
 
 
@@ -240,9 +295,12 @@ def test_wrap_fsdp_two_ranks_match_one_process_and_resume_exactly(tmp_path):
         s = r["fsdp_stats"]
         assert s["units"] == 2 and s["compiled_units"] == 2 and s["world_size"] == 2
         assert s["local_params"] * 2 == s["params"]
-        # the graph pass ran inside each sharded unit, one graph per unit, 7 linears each, full paths
+        # the graph pass ran inside each sharded unit, one graph per unit, 7 linears each, full paths;
+        # and on the root's graph after the blocks: the head only (nothing traced into the units)
         c = r["count_stats"]
-        assert c["graphs"] == 2 and c["linears"] == 14 and c["units"] == ["model.layers.0", "model.layers.1"]
+        assert c["graphs"] == 3 and c["linears"] == 15, c
+        assert sorted(c["per_graph"]) == ["lm_head:1", "model.layers.0:7", "model.layers.1:7"], c
+        assert s["compiled_root"] == 1 and s["root_boundary"] == "model"
         # memory: measured parameter and optimizer bytes per rank within 5% of the estimate
         est = r["estimate"]["zero3"]
         assert abs(r["param_bytes"] - est["params"]) / est["params"] < 0.05, (r["param_bytes"], est)
@@ -269,7 +327,7 @@ def test_wrap_fsdp_other_passes_act_inside_sharded_units(tmp_path):
             assert r["fsdp_stats"]["param_dtype"] == "bfloat16"  # the FSDP policy follows apply_autocast
         if "checkpoint_activations" in r["passes"]:
             assert r["stats"]["checkpoint_activations"].get("blocks") == 2, r["stats"]["checkpoint_activations"]
-        assert r["count_stats"]["units"] == ["model.layers.0", "model.layers.1"]
+        assert sorted(r["count_stats"]["units"]) == ["lm_head", "model.layers.0", "model.layers.1"]
         if "inject_lora" in r["passes"]:
             assert r["stats"]["inject_lora"].get("adapters_in_graph") == 4, r["stats"]["inject_lora"]
             assert r["trainable"] and all("lora" in n for n in r["trainable"]), r["trainable"]
@@ -277,6 +335,70 @@ def test_wrap_fsdp_other_passes_act_inside_sharded_units(tmp_path):
             assert r["frozen_unchanged"] and not r["grads_frozen"]   # no grads on the frozen base
             assert set(r["state_names"]) == set(r["trainable"])      # no optimizer state for it
         assert all(math.isfinite(x) for x in r["losses"]), r["losses"]  # no NaN and no inf
+
+
+def test_wrap_fsdp_fuses_the_sharded_head_and_loss(tmp_path):
+    results = spawn("fused_head", 2, tmp_path)
+    for r in results:
+        # numerical oracle: the mean of the 2 ranks' gradients (FSDP's reduce-scatter) equals one process's
+        # unfused eager gradients on the full batch; the ranks' mean loss its loss
+        for grads in r["grads"]:
+            assert grads.keys() == r["ref_grads"].keys()
+            for n, g in grads.items():
+                torch.testing.assert_close(g, r["ref_grads"][n], atol=1e-6, rtol=1e-5, msg=lambda m: f"{n}: {m}")
+        # structural oracle: fused once, in the root's graph, from inside the sharded run; the logits are
+        # never materialised (returned as None)
+        f = r["fce"]
+        assert f["fused"] == 1 and f["skipped"] == 0, f
+        assert f["logits_bytes_avoided"] == r["local_tokens"] * r["vocab"] * 4, f
+        assert r["logits"] is None
+        s = r["fsdp_stats"]
+        assert s["compiled_units"] == 2 and s["compiled_root"] == 1 and s["root_boundary"] == "model", s
+        # three graphs: one per unit and the root's head + loss, whose one "linear" is the fused op (it has no
+        # module path); nothing of the units or FSDP's hooks traced into the root's graph
+        per = sorted(r["count_stats"]["per_graph"])
+        assert per[0] in (":1", "lm_head:1") and per[1:] == ["model.layers.0:7", "model.layers.1:7"], per
+        assert r["unique_graphs"] == 3, r["unique_graphs"]
+        # graph breaks: only the deliberate one, at the disabled boundary (Dynamo counts it once per Python
+        # frame it unwinds: the root's compiled forward, transformers' two decorators, LlamaForCausalLM.forward);
+        # the second step adds none and recompiles nothing
+        assert r["breaks"] and all("torch.compiler.disable" in k for k in r["breaks"]), r["breaks"]
+        assert r["breaks"] == r["breaks_first"] and not r["recompiles"], (r["breaks"], r["recompiles"])
+        # the limit is explicit where the root cannot be compiled around its blocks
+        w = r["warnings"]
+        assert r["demo_stats"]["compiled_root"] == 0 and r["demo_stats"]["compiled_units"] == 2
+        assert len(w) == 2 and all("fuse_cross_entropy" in m and "head runs unfused" in m for m in w), w
+        assert "ModuleList 'layers'" in w[0] and "compile_root=False" in w[1], w
+    mean = (results[0]["losses"][0] + results[1]["losses"][0]) / 2
+    assert abs(mean - results[0]["ref_loss"]) < 1e-6, (mean, results[0]["ref_loss"])
+
+
+def test_wrap_fsdp_fuses_a_tied_sharded_head_at_world_size_1(tmp_path):
+    """GPT-2 (head tied to the embedding, boundary ``transformer``) in this process, world size 1."""
+    from effpass.passes import FuseCrossEntropy
+
+    case = effpass.testing.model_case("gpt2")
+    case.model.train()
+    ref = copy.deepcopy(case.model)
+    ref(**case.inputs).loss.backward()
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        torch._dynamo.reset()
+        model = effpass.compile(case.model, passes=[FuseCrossEntropy(), WrapFSDP()], lowering="eager", dump_dir=None)
+        out = model(**case.inputs)
+        out.loss.backward()
+        grads = _grads(model)
+        rep = effpass.report(model)
+    finally:
+        dist.destroy_process_group()
+    assert grads.keys() == _grads(ref).keys()
+    for n, g in _grads(ref).items():
+        torch.testing.assert_close(grads[n], g, atol=1e-6, rtol=1e-5, msg=lambda m: f"{n}: {m}")
+    assert out.logits is None
+    f, s = rep.stats("fuse_cross_entropy"), rep.stats("wrap_fsdp")
+    assert f["fused"] == 1 and f["logits_bytes_avoided"] == case.inputs["input_ids"].numel() * 256 * 4, f
+    assert s["compiled_root"] == 1 and s["root_boundary"] == "transformer" and s["world_size"] == 1, s
 
 
 @pytest.mark.inductor
