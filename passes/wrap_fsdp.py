@@ -270,8 +270,11 @@ def _compile_root(model: nn.Module, boundary: str, backend, compile_kwargs: dict
     child = getattr(model, boundary)
     child._orig_forward = child.forward
     # bound with MethodType, like the units' compiled forwards (not a closure over the bound method)
-    disabled = torch._dynamo.disable(child.forward.__func__, reason="wrap_fsdp: the blocks' FSDP units are "
-                                     "compiled on their own; the root's graph resumes after them")
+    why = "wrap_fsdp: the blocks' FSDP units are compiled on their own; the root's graph resumes after them"
+    try:
+        disabled = torch._dynamo.disable(child.forward.__func__, reason=why)
+    except TypeError:  # a torch whose disable() takes no reason
+        disabled = torch._dynamo.disable(child.forward.__func__)
     child.forward = types.MethodType(disabled, child)
     model._orig_forward = model.forward
     caller = _fresh_caller(model.forward.__func__, "effpass_fsdp_root")
