@@ -39,6 +39,8 @@ CALLS = {"forward": 0, "backward": 0}
 
 def _trl_function():
     """TRL's Function when its kernel module is importable and has the expected shape, else None."""
+    if "trl" not in sys.modules:
+        return None  # the user has not imported TRL: nothing of it to route (and importing it costs seconds)
     mod = sys.modules.get("trl.kernels.chunked_logprob")
     if mod is None:
         try:
