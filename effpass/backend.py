@@ -439,8 +439,10 @@ def effpass_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
         key = json.dumps(options, sort_keys=True, default=repr) + f"|{mode}"
     except TypeError:
         key = repr(options) + f"|{mode}"
-    backend = _STRING_BACKENDS.get(key)
-    if backend is None:
+    backend = _STRING_BACKENDS.pop(key, None)
+    if backend is not None:
+        _STRING_BACKENDS[key] = backend  # most recently used last (last_string_backend)
+    else:
         opts = parse_options(options, mode=mode, device=_device_of(example_inputs))
         # NOTE(string backend): it never sees the eager model, so no module hook runs. A pass with a module
         # hook runs here only if it declares module_phase_optional (its graph hooks do the job alone, with
@@ -465,12 +467,12 @@ def effpass_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
 
 
 def last_string_backend() -> EffpassBackend | None:
-    """The most recently created string backend (for ``effpass.report()`` with no argument)."""
+    """The string backend that compiled a graph most recently (for ``effpass.report()`` with no argument)."""
     return next(reversed(_STRING_BACKENDS.values()), None)
 
 
 def string_backends() -> list[EffpassBackend]:
-    """Every string backend made in this process (one per distinct options), oldest first."""
+    """Every string backend made in this process (one per distinct options), least recently used first."""
     return list(_STRING_BACKENDS.values())
 
 

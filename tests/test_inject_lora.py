@@ -187,8 +187,12 @@ def test_compiled_matches_eager_and_shared_input_adapters_merge(name):
     case = prepared(name, layers=2 if name == "llama" else 1, rank=4)  # (GPT-2 compiles slower: 3 graphs)
     before = {n: p.detach().clone() for n, p in case.model.named_parameters()}
     res = compile_and_compare(case, passes=[InjectLoRA(targets=TARGETS[name], rank=4)])
-    # no graph break beyond the unmodified model's own (GPT-2's transformers code logs a warning: 2 breaks)
-    assert res.counters["graph_breaks"] == plain_graph_breaks(name, case.num_layers) and res.counters["recompiles"] == 0
+    # no graph break beyond the unmodified model's own (plain torch.compile breaks GPT-2 where transformers logs a
+    # warning about its loss_type; effpass.compile sets loss_type for Hugging Face models, so none remain there)
+    want = 0 if name == "gpt2" else plain_graph_breaks(name, case.num_layers)
+    assert res.counters["graph_breaks"] == want and res.counters["recompiles"] == 0
+    if name == "gpt2":
+        assert plain_graph_breaks(name, case.num_layers) > 0  # the breaks effpass removes are really there
     stats = res.report.stats("inject_lora", graph="torch_ir")
     assert stats["adapters_in_graph"] == ADAPTERS_PER_LAYER[name] * case.num_layers
     assert stats["merged_groups"] == GROUPS_PER_LAYER[name] * case.num_layers
