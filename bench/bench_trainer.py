@@ -191,6 +191,7 @@ def main() -> None:
             "load_average_1m_at_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
     os.makedirs(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"), exist_ok=True)
     path = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"trainer_{device}.json")
+    path = path if path.endswith(".json") else path + ".json"  # the .md is written beside it
     with open(path, "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=2)
     lines = [f"# Trainer LoRA fine-tuning: eager vs torch.compile vs effpass ({device})", "",
