@@ -521,7 +521,6 @@ class QuantizeLinear(effpass.Pass):
             by_module.setdefault(id(mod), []).append((full, mod, attr))
         for group in by_module.values():
             mod = group[0][1]
-            mname = group[0][0].rpartition(".")[0]
 
             def skip_all(reason, group=group):
                 for full, _, _ in group:

@@ -11,7 +11,6 @@ import sys
 
 import effpass
 
-from .estimate import format_bytes
 
 __all__ = ["model_from_config", "plan_config"]
 

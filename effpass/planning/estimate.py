@@ -645,7 +645,7 @@ def with_adamw8bit(est: MemoryEstimate, trainable_numels: Sequence[int]) -> Memo
 
 def _without_fsdp(passes, device):
     """The pipeline without ``wrap_fsdp`` (sharding is accounted for by :func:`fold_fsdp`, not replayed)."""
-    from effpass.config import _build_passes, default_pipeline
+    from effpass.config import _build_passes
 
     if passes is None:
         return None
