@@ -204,7 +204,7 @@ CONFIGS = {  # published config.json fields (Hugging Face hub), written out: not
 
 def table(models=None, budgets=(24, 48, 80), batch=1, seq=2048, lora=None):
     from effpass.planning.cli import model_from_config
-    from effpass.planning.planner import MemoryBudgetError, plan_memory
+    from effpass.planning.planner import MemoryBudgetError
 
     rows = []
     for name in models or CONFIGS:

@@ -316,6 +316,7 @@ def test_wrap_fsdp_other_passes_act_inside_sharded_units(tmp_path):
     results = spawn("passes", 2, tmp_path)
     for r in results:
         assert not r["failures"], r["failures"]
+        assert set(others) <= set(r["passes"]), (others, r["passes"])  # every other pass was in the pipeline
         for name in r["passes"]:
             # graph passes ran on the units' graphs, not only on the (uncompiled) root
             assert set(r["graph_records"][name]) - {"module"}, (name, r["graph_records"][name])
