@@ -39,7 +39,7 @@ from .pass_api import (Pass, PassResult, Phase, register_pass, registered_passes
                        get_pass_class, reserved_pass_names, PassOptionError, register_extension,
                        register_command, register_cacheable_function)
 from .scope import skip, only, TargetMatchError  # noqa: E402
-from .manager import PassContext, PipelineError, EffpassPassError, order_passes  # noqa: E402
+from .manager import PassContext, PipelineError, EffpassPassError, WrongResultError, order_passes  # noqa: E402
 from .config import parse_options, default_pipeline  # noqa: E402
 from .report import CompileReport, GraphReport, PassRecord  # noqa: E402
 from .api import compile, prepare, report, backend_of  # noqa: E402
@@ -63,7 +63,7 @@ __all__ = [
     "compile", "prepare", "report", "backend_of", "register_pass", "registered_passes", "make_pass",
     "get_pass_class", "skip", "only", "Pass", "PassResult", "PassContext", "Phase", "EffpassBackend",
     "parse_options", "default_pipeline", "order_passes", "CompileReport", "GraphReport", "PassRecord",
-    "PipelineError", "EffpassPassError", "TargetMatchError", "PassOptionError", "reserved_pass_names",
+    "PipelineError", "EffpassPassError", "WrongResultError", "TargetMatchError", "PassOptionError", "reserved_pass_names",
     "register_extension", "register_command", "register_cacheable_function", "export_onnx",
     "estimate_memory", "plan_memory",
     "MemoryBudgetError",

@@ -27,7 +27,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from .config import Options, describe_options, parse_options
 from .dump import DumpInstrument, RecordStore, claim_graph_dir
 from .graph import has_tangents, snapshot_graph
-from .manager import PassManager
+from .manager import EffpassPassError, PassManager, WrongResultError
 from .pass_api import Phase, cacheable_functions
 from .report import CompileReport, GraphReport, PassRecord
 
@@ -294,12 +294,45 @@ class EffpassBackend:
         return inductor, functorch
 
     def _lower(self, gm, example_inputs, report, common):
+        """Lower with the chosen lowering; if the lowering itself fails on this graph, fall back (with a
+        warning naming the graph and the reason) to the other lowering, then to running the torch-IR graph
+        as it is (the torch-IR passes applied, no joint/post-grad passes). ``strict=True`` raises instead.
+        Errors that mean a wrong result (``WrongResultError``) or a failing pass in strict mode propagate."""
+        order = [self.options.lowering] + [x for x in ("eager", "inductor") if x != self.options.lowering
+                                             and self.options.lowering != "tensorrt"]
+        errors: list[str] = []
+        for i, lowering in enumerate(order):
+            try:
+                compiled = self._lower_with(lowering, gm, example_inputs, report, common)
+            except (WrongResultError, EffpassPassError):
+                raise
+            except Exception as e:
+                if self.options.strict:
+                    raise
+                errors.append(f"{lowering}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                continue
+            if errors:
+                self._fell_back(report, lowering, errors)
+            return compiled
+        self._fell_back(report, "none", errors)
+        return _run_graph_as_is(gm)
+
+    @staticmethod
+    def _fell_back(report: GraphReport, to: str, errors: list[str]) -> None:
+        import warnings
+
+        report.notes["lowering_fallback"] = {"to": to, "errors": errors}
+        what = f"lowered with {to!r} instead" if to != "none" else "runs as captured (torch-IR passes applied, no lowering)"
+        warnings.warn(f"effpass: lowering failed on {report.graph_id}; it {what}. Reason(s): {'; '.join(errors)} "
+                      "(strict=True raises instead)", RuntimeWarning, stacklevel=3)
+
+    def _lower_with(self, lowering, gm, example_inputs, report, common):
         inductor_patches, functorch_patches = self._config_patches(common)
         with torch._functorch.config.patch(functorch_patches):
-            if self.options.lowering == "eager":
+            if lowering == "eager":
                 with torch._inductor.config.patch(inductor_patches):
                     return self._lower_eager(gm, example_inputs, report, common)
-            if self.options.lowering == "tensorrt":
+            if lowering == "tensorrt":
                 return self._lower_tensorrt(gm, example_inputs)
             return self._lower_inductor(gm, example_inputs, report, common, inductor_patches)
 
@@ -350,6 +383,9 @@ class EffpassBackend:
 
         def compiler(g, _inputs):
             self._run_late_phase(Phase.POST_GRAD, g, report, common, manager=manager)
+            n = _views_as_reshapes(g)
+            if n:
+                report.notes["eager_views_as_reshape"] = report.notes.get("eager_views_as_reshape", 0) + n
             return make_boxed_func(g.forward)
 
         def inference_compiler(g, inputs):
@@ -423,6 +459,30 @@ class EffpassBackend:
                 for name, text in entry.get("files", {}).items():
                     write_atomic(os.path.join(report.dump_path, name), text)
                 report.notes.setdefault("_dump_inputs", {}).update(entry.get("inputs", {}))
+
+
+def _views_as_reshapes(g: fx.GraphModule) -> int:
+    """NOTE(eager strides): the eager lowering runs AOTAutograd's aten graphs with eager kernels, whose output
+    strides may differ from the traced ones (e.g. ``aten.cat`` keeps an input's memory format), so an
+    ``aten.view`` traced on a contiguous value can fail at run time (Qwen3-Next's gated DeltaNet backward).
+    Inductor plans its own layouts and never meets this. ``aten.reshape`` is a view wherever ``view`` would
+    succeed (same aliasing, same values) and copies only where ``view`` would raise, so rewriting every view
+    keeps every graph that ran before and runs the ones that crashed. Returns how many were rewritten."""
+    n = 0
+    for node in g.graph.find_nodes(op="call_function", target=torch.ops.aten.view.default):
+        node.target = torch.ops.aten.reshape.default
+        n += 1
+    if n:
+        g.recompile()
+    return n
+
+
+def _run_graph_as_is(gm: fx.GraphModule):
+    """The last fallback: the torch-IR graph run by Python (autograd differentiates it as eager code)."""
+    def run(*args):
+        return gm(*args)
+
+    return run
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -22,7 +22,8 @@ from .pass_api import Pass, PassResult, Phase, PHASE_HOOKS
 from .report import GraphReport, PassRecord
 from .scope import Scope
 
-__all__ = ["PassManager", "PassContext", "order_passes", "PipelineError", "EffpassPassError"]
+__all__ = ["PassManager", "PassContext", "order_passes", "PipelineError", "EffpassPassError",
+           "WrongResultError"]
 
 
 class PipelineError(ValueError):
@@ -31,6 +32,12 @@ class PipelineError(ValueError):
 
 class EffpassPassError(RuntimeError):
     """A pass failed in strict mode."""
+
+
+class WrongResultError(RuntimeError):
+    """A pass found a site where going on would compute a silently wrong result (e.g. packed examples that
+    would attend to each other). Never rolled back, never skipped, never caught by a lowering fallback:
+    the message names the site and how to avoid it."""
 
 
 def order_passes(passes: Sequence[Pass]) -> list[Pass]:
@@ -152,7 +159,7 @@ class PassManager:
             except Exception as e:
                 record.error = f"{type(e).__name__}: {e}"
                 report.add(record)
-                if isinstance(e, (ValueError, TypeError)):
+                if isinstance(e, (ValueError, TypeError, WrongResultError)):
                     raise
                 raise EffpassPassError(
                     f"pass {p.name!r} failed at module level: {type(e).__name__}: {e}; passes that ran before: {done}"
@@ -209,6 +216,9 @@ class PassManager:
             record.ms = (time.perf_counter() - t0) * 1e3
             record.error = f"{type(e).__name__}: {e}"
             record.traceback = traceback.format_exc(limit=8)
+            if isinstance(e, WrongResultError):  # NOTE: rolling back would leave the wrong result in place
+                report.add(record)
+                raise
             if self.strict:
                 report.add(record)
                 for inst in self.instruments:
