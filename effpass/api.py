@@ -86,9 +86,10 @@ def compile(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None =
     dtype), ``passes=[]`` none. A Hugging Face model also gets effpass's take on gradient checkpointing
     and adapter saving (:mod:`effpass.integrations.huggingface`).
 
-    ``memory_budget="24GiB"`` (with ``example_inputs=`` of one training step): the memory planner adds the
-    passes that fit the step into the budget with the least extra compute, lossy ones only if named in
-    ``allow`` (``effpass.report(model).memory_plan`` says what and why; docs/memory_planner.md).
+    ``memory_budget="24GiB"``: the memory planner adds the passes that fit the step into the budget with the
+    least extra compute, lossy ones only if named in ``allow``; with ``example_inputs=`` of one training step
+    it plans before compiling, without them on the first call (options that act on graphs only: one that
+    must change the eager model first, a quantized base or sharding, raises asking for ``example_inputs``) (``effpass.report(model).memory_plan`` says what and why; docs/memory_planner.md).
 
     >>> model = effpass.compile(model, passes=[FuseAttention(), ApplyAutocast(dtype=torch.bfloat16)])
     """
@@ -98,11 +99,20 @@ def compile(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None =
         raise TypeError("effpass.compile got a torch.compile'd module (OptimizedModule); pass the model itself "
                         "(its ._orig_mod): effpass compiles it in place")
     plan = None
+    deferred = False
     if memory_budget is not None:  # the memory planner chooses the pipeline (effpass/planning)
-        from .planning.planner import plan_for_compile
+        from .planning import planner
 
-        passes, plan = plan_for_compile(model, passes, memory_budget, allow, example_inputs, optimizer=optimizer,
-                                        world_size=world_size, lowering=lowering, strict=strict, disable=disable)
+        if example_inputs is None:  # planned on the first call (graph options only); raises if not enough
+            planner.check_plan_without_inputs(model, passes, allow, optimizer, world_size)
+            from .config import parse_size
+
+            parse_size(memory_budget, "memory_budget")
+            deferred = True
+        else:
+            passes, plan = planner.plan_for_compile(model, passes, memory_budget, allow, example_inputs,
+                                                    optimizer=optimizer, world_size=world_size, lowering=lowering,
+                                                    strict=strict, disable=disable)
     opts = _options(passes, dump_dir, lowering, strict, bisect, disable, inductor_config, mode,
                     _device_of_model(model), detailed_stats)
     backend = EffpassBackend(opts, model=model)
@@ -112,6 +122,9 @@ def compile(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None =
     if not ctx.compile_root:  # a module-level pass compiled the units itself (e.g. FSDP per block)
         return model
     compile_in_place(model, backend, fullgraph=fullgraph, dynamic=dynamic)
+    if deferred:
+        planner.plan_on_first_call(model, passes, memory_budget, allow, optimizer, world_size, lowering=lowering,
+                                   strict=strict, disable=disable)
     import sys
 
     if "transformers" in sys.modules:  # a Hugging Face model implies transformers is imported

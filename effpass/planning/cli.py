@@ -78,7 +78,7 @@ def _add_arguments(p) -> None:
     p.add_argument("--batch", type=int, required=True, help="micro-batch (per rank)")
     p.add_argument("--seq", type=int, required=True, help="sequence length")
     p.add_argument("--budget", required=True, help="memory per device, e.g. 24GiB")
-    p.add_argument("--allow", nargs="*", default=[], help="lossy techniques the plan may use: nf4 int8 adamw8bit")
+    p.add_argument("--allow", nargs="*", default=[], help="lossy techniques the plan may use (the memory options registered passes declare, e.g. a quantized base or 8-bit optimizer states; docs/memory_planner.md)")
     p.add_argument("--world-size", dest="world_size", type=int, default=1, help="ranks (FSDP is tried when > 1)")
     p.add_argument("--lora", type=int, default=None, metavar="RANK", help="train LoRA adapters of this rank")
     p.add_argument("--passes", default=None, help='the pipeline as JSON, e.g. \'{"fuse_attention": {}}\'')
