@@ -535,6 +535,10 @@ def _build_replay_backend(work, pass_list, lowering, opts, dev):
     if opts:
         raise TypeError(f"estimate_memory: unknown compile option(s) {sorted(opts)}")
     _run_module_phase(work, backend, kwargs)
+    if "transformers" in sys.modules:  # as effpass.compile does for a Hugging Face model: the same graphs
+        from effpass.integrations.huggingface import set_hf_loss_type
+
+        set_hf_loss_type(work)
     return backend, torch.compile(work, backend=backend, **kwargs)
 
 
