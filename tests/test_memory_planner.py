@@ -104,7 +104,7 @@ def test_depth_extrapolation_equals_the_full_replay():
 def test_world_size_folds_fsdp_sharding():
     case, one = _plain_llama()
     four = estimate_memory(case.model, case.inputs, passes=[], lowering="eager", world_size=4)
-    assert four.sharding == "fsdp" and four.world_size == 4
+    assert four.sharding == "zero3" and four.world_size == 4
     assert four.parameters == -(-one.parameters // 4) and four.optimizer_states == -(-one.optimizer_states // 4)
     assert four.peak_bytes < one.peak_bytes
     assert four.peak_bytes == fold_fsdp(one, 4, _unit_bytes(case.model)).peak_bytes

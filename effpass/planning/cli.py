@@ -82,7 +82,8 @@ def _add_arguments(p) -> None:
     p.add_argument("--world-size", dest="world_size", type=int, default=1, help="ranks (FSDP is tried when > 1)")
     p.add_argument("--lora", type=int, default=None, metavar="RANK", help="train LoRA adapters of this rank")
     p.add_argument("--passes", default=None, help='the pipeline as JSON, e.g. \'{"fuse_attention": {}}\'')
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit", "none"])
+    p.add_argument("--optimizer", default="adamw", help="an optimizer registered with effpass.register_optimizer "
+                   "(adamw is torch's AdamW), or none")
     p.add_argument("--dtype", default=None, help="parameter dtype (default: the config's)")
     p.add_argument("--device", default="cpu", help="device to predict for (fake tensors; cuda is untested)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")

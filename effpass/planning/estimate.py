@@ -127,7 +127,7 @@ class MemoryEstimate:
                                     # written by any other op
     optimizer: str | None = "adamw"
     world_size: int = 1
-    sharding: str = "none"          # "none" or "fsdp" (ZeRO-3 accounting, see fold_fsdp)
+    sharding: str = "none"          # "none" or the folded sharding mode, e.g. "zero3" (see fold_fsdp)
     device: str = "cpu"
     replay_lowering: str = "eager"
     requested_lowering: str = "eager"
@@ -752,11 +752,6 @@ def with_optimizer(est: MemoryEstimate, optimizer: str, *, device=None, lr: floa
                                notes=list(est.notes) + [f"{optimizer}: states and step transient from the real "
                                                         f"optimizer built on fake parameters; forward/backward "
                                                         f"from the replay with {est.optimizer}"])
-
-
-def with_adamw8bit(est: MemoryEstimate, trainable_numels: Sequence[int] = ()) -> MemoryEstimate:
-    """:func:`with_optimizer` with torchao's AdamW8bit (kept for callers of the old name)."""
-    return with_optimizer(est, "adamw8bit")
 
 
 def _without_fsdp(passes, device):

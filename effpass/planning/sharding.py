@@ -68,7 +68,7 @@ def fold_sharding(est, world_size: int, unit_bytes: int, mode: str = "zero3"):
     start = est.start_bytes - model_states + s["params"] + s["optimizer"]
     whole = shard_model_states(est.trainable_parameters, est.gradients, 0, N, mode)
     return dataclasses.replace(
-        est, world_size=N, sharding="fsdp", start_bytes=start, step_peak_bytes=during, peak_bytes=start + during,
+        est, world_size=N, sharding=mode, start_bytes=start, step_peak_bytes=during, peak_bytes=start + during,
         parameters=s["params"], trainable_parameters=whole["params"], optimizer_states=s["optimizer"],
         gradients=whole["grads"], gradients_at_peak=s["grads"], notes=list(est.notes) + [
             f"FSDP over {N} ranks: model states sharded, + 2 gathered units ({unit_bytes * 2} bytes) and one "
