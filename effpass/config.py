@@ -29,9 +29,11 @@ OPTION_DOCS = {
     "inductor_config": "extra torch._inductor.config patches applied around lowering",
     "detailed_stats": "also compute statistics that cost extra compile work (e.g. checkpoint_activations' "
                       "saved bytes before/after from two extra partitions); on whenever dump_dir is set",
-    "memory_budget": "fit the training step into this many bytes ('24GiB'): effpass.compile(model, memory_budget=..., "
-                     "example_inputs=...) chooses passes (effpass.planning; docs/memory_planner.md)",
-    "allow": "lossy techniques the memory planner may use: 'nf4', 'int8' (LoRA base), 'adamw8bit'",
+    "memory_budget": "fit the training step into this many bytes ('24GiB'): effpass.compile(model, memory_budget=...) "
+                     "chooses passes, with example_inputs= before compiling, else on the first call "
+                     "(effpass.planning; docs/memory_planner.md)",
+    "allow": "lossy techniques the memory planner may use: the memory options registered passes declare "
+             "(effpass.config.allow_techniques())",
 }
 
 #: Environment variables effpass reads (all of them, here and nowhere else).

@@ -393,13 +393,13 @@ def _(grad, lse, x, w, x2, w2, bias, target, ignore_index, smoothing, pre, softc
     return like(x, grad_mask[0]), like(w, grad_mask[2]), like(x2, grad_mask[1]), like(w2, grad_mask[3]), like(bias, grad_mask[4])
 
 
-def _head_flops(x, w, x2, w2, grad_mask=None, recompute=False) -> int:
-    """Matmul FLOPs of the chunked head: logits (2*N*H*V, plus the adapter's 2*N*r*V), once more to
-    recompute them in backward, and one matmul per gradient computed (dx, dw; dx2, dw2)."""
+def _head_flops(x, w, x2, w2, grad_mask=None) -> int:
+    """Matmul FLOPs of the chunked head: the logits (2*N*H*V, plus the adapter's 2*N*r*V; computed again
+    by the per-row form's backward) and one matmul per gradient computed (dx, dw; dx2, dw2)."""
     n, v = x.shape[0], w.shape[0]
     main, side = 2 * n * x.shape[-1] * v, (2 * n * x2.shape[-1] * v if x2 is not None and x2.numel() else 0)
     m = grad_mask or [False] * 5
-    return (main * (1 + recompute + m[0] + m[2]) + side * (1 + recompute + m[1] + m[3]))
+    return main * (1 + m[0] + m[2]) + side * (1 + m[1] + m[3])
 
 
 effpass.register_flop_formula(torch.ops.effpass.linear_cross_entropy, lambda x, w, x2, w2, bias, target, *a, out_val=None, **k:
@@ -408,7 +408,7 @@ effpass.register_flop_formula(torch.ops.effpass.linear_cross_entropy_rows,
                               lambda x, w, x2, w2, *a, out_val=None, **k: _head_flops(x, w, x2, w2))
 effpass.register_flop_formula(torch.ops.effpass.linear_cross_entropy_rows_backward,
                               lambda grad, lse, x, w, x2, w2, bias, target, *a, out_val=None, **k: _head_flops(
-                                  x, w, x2, w2, list(a[7]) if len(a) > 7 else k.get("grad_mask"), recompute=True))
+                                  x, w, x2, w2, list(a[7]) if len(a) > 7 else k.get("grad_mask")))
 
 
 def _rows_setup(ctx, inputs, output):
