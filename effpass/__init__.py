@@ -50,6 +50,13 @@ from .planning import estimate_memory, plan_memory, MemoryBudgetError  # noqa: E
 from .memory_options import MemoryOption, register_memory_option, register_optimizer, register_flop_formula  # noqa: E402,E501
 
 
+def verify(model, example_inputs, passes=None, **kwargs):
+    """Check a pipeline against reference semantics on ``model`` (see :mod:`effpass.verification`)."""
+    from .verification import verify as _verify
+
+    return _verify(model, example_inputs, passes, **kwargs)
+
+
 
 def __getattr__(name: str):
     """Helpers that passes register (``effpass.loss_scaler``, ``effpass.lora``), loaded on first use."""
@@ -67,5 +74,6 @@ __all__ = [
     "PipelineError", "EffpassPassError", "WrongResultError", "TargetMatchError", "PassOptionError", "reserved_pass_names",
     "register_extension", "register_command", "register_cacheable_function", "export_onnx",
     "estimate_memory", "plan_memory",
-    "MemoryBudgetError", "MemoryOption", "register_memory_option", "register_optimizer", "register_flop_formula",
+    "MemoryBudgetError", "verify", "MemoryOption", "register_memory_option", "register_optimizer",
+    "register_flop_formula",
 ]

@@ -434,6 +434,7 @@ class _PlanOnFirstCall:
         self.args = (base_passes, memory_budget, allow, optimizer, world_size, compile_options)
         self.backend = inner.backend
         self.first_call_checks = inner.first_call_checks
+        self.first_input_checks = getattr(inner, "first_input_checks", [])
 
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():
@@ -471,6 +472,8 @@ class _PlanOnFirstCall:
         api._BACKENDS[self.model] = new
         call = self.model._compiled_call_impl
         call.first_call_checks = list(self.first_call_checks)
+        if hasattr(call, "first_input_checks"):
+            call.first_input_checks = list(self.first_input_checks)
         return call(*args, **kwargs)
 
     def __deepcopy__(self, memo):
