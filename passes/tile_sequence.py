@@ -129,6 +129,11 @@ def row_wise_reason(n: fx.Node, lead: tuple) -> str | None:
     Operands are checked by the caller: here, what the op itself does."""
     if n.op not in ("call_function", "call_method"):
         return "not an op"
+    if _is_feature_split(n, lead):  # chunk/split of the features: a tuple of row tensors
+        return None
+    if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node) \
+            and _is_feature_split(n.args[0], lead) and isinstance(n.args[1], int):
+        return None
     if not _row_lead(n, lead):
         return "output is not a row tensor"
     rank = len(lead) + 1
@@ -177,6 +182,16 @@ def row_wise_reason(n: fx.Node, lead: tuple) -> str | None:
         return None
     name = getattr(t, "__name__", str(t))
     return f"{name} is not known to be row-wise"
+
+
+def _is_feature_split(n: fx.Node, lead: tuple) -> bool:
+    """``x.chunk(k, -1)`` / ``torch.split(x, s, dim=-1)`` of a row tensor (Phi-3's fused gate/up)."""
+    is_split = (n.op == "call_method" and n.target in ("chunk", "split")) or (
+        n.op == "call_function" and n.target in (torch.chunk, torch.split))
+    if not is_split or not (n.args and isinstance(n.args[0], fx.Node) and _row_lead(n.args[0], lead)):
+        return False
+    dim = n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)
+    return _dim_is_last(dim, len(lead) + 1)
 
 
 def _operands_ok(n: fx.Node, lead: tuple, member) -> bool:
@@ -246,6 +261,8 @@ def find_row_regions(gm: fx.GraphModule, model: torch.nn.Module | None = None,
         for n in nodes:  # graph order: operands are classified before their users
             if n in taken or row_wise_reason(n, lead) is not None:
                 continue
+            if n.target is operator.getitem and n.args[0] not in rw:
+                continue  # a piece of a split outside the region
             if _operands_ok(n, lead, lambda a: a in rw):
                 rw.add(n)
         # exit linears: all users outside the row-wise set (q/k/v projections feeding attention)
@@ -275,11 +292,15 @@ def find_row_regions(gm: fx.GraphModule, model: torch.nn.Module | None = None,
             region = Region(nodes=comp, lead=lead, block=block)
             cs = set(comp)
             region.outputs = [m for m in comp if any(u not in cs for u in m.users)]
+            if any(not _row_lead(m, lead) for m in region.outputs):  # a split whose pieces leave the region
+                skipped.append({"site": f"{block or 'graph'}: {comp[0].name}..{comp[-1].name}",
+                                "reason": "an output of the region is not one row tensor"})
+                continue
             region.row_inputs = sorted({a for m in comp for a in _tensor_args(m)
                                         if a not in cs and _row_lead(a, lead) and not
                                         (_is_linear(m) and a is not m.args[0])}, key=order.get)
             in_width = max([_shape(tensor_meta(a))[-1] for a in region.row_inputs] or [0])
-            widest = max(_shape(tensor_meta(m))[-1] for m in comp)
+            widest = max(_shape(tensor_meta(m))[-1] for m in comp if _shape(tensor_meta(m)))
             if not any(_is_linear(m) for m in comp):
                 skipped.append({"site": f"{block or 'graph'}: {comp[0].name}..{comp[-1].name}",
                                 "reason": "no linear in the region (its intermediates are no wider than its "

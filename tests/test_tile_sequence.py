@@ -138,7 +138,7 @@ def test_lora_composes():
 
     case = family_case("llama", batch=2, seq=32, attn="sdpa")
     case.model.train()
-    extra = [InjectLoRA(targets=("*.gate_proj", "*.up_proj", "*.down_proj", "*.q_proj"), r=4)]
+    extra = [InjectLoRA(targets=("*.gate_proj", "*.up_proj", "*.down_proj", "*.q_proj"), rank=4)]
     torch.manual_seed(0)
     ref, tiled = _compile_pair(case, extra, tile_rows=16)
     tiled.load_state_dict(ref.state_dict())
