@@ -48,9 +48,12 @@ def fused_loss(rows):
             p = arms.get(peer)
             if p is None:
                 continue
-            where = f"{meta['device']}, {meta['date'][:10]}, V={vocab:,}, load {p.get('load') or 0:.0f}"
+            where = f"{meta['device']}, {meta['date'][:10]}, V={vocab:,}" + (f", load {p['load']:.0f}" if p.get('load') else "")
             if "error" in p:
-                rows.append(("fused linear + cross-entropy", label, "did not run: " + p["error"].strip().splitlines()[-1][:90],
+                why = p["error"].strip().splitlines()[-1][:90]
+                if "active drivers" in why:
+                    why = "Triton kernels, no GPU here (triton: 0 active drivers)"
+                rows.append(("fused linear + cross-entropy", label, "did not run: " + why,
                              "", where, "bench/bench_cross_entropy.py"))
                 continue
             mem = f"{_r(ours['peak_bytes'], p['peak_bytes'])} ({ours['peak_bytes'] / 2**20:,.0f} vs {p['peak_bytes'] / 2**20:,.0f} MiB; peer {_r(p['peak_bytes'], eager['peak_bytes'])} of eager)"
