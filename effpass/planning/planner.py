@@ -334,8 +334,16 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
     for tier in (lossless, lossy):
         if not tier:
             continue
-        for c in tier:
-            evaluate(c)
+        from ..progress import progress
+
+        bar = progress(len(tier), "effpass plan")  # each candidate: a replay unless shared with another
+        try:
+            for c in tier:
+                bar.set_postfix_str(c.name[:40])
+                evaluate(c)
+                bar.update()
+        finally:
+            bar.close()
         considered += tier
         done = [c for c in considered if c.estimate is not None]
         if not done:
