@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 import torch
 
@@ -160,14 +160,6 @@ def _flops(n: float) -> str:
             return f"{n / size:.2f} {unit}"
     return f"{int(n)} FLOP"
 
-
-
-# ------------------------------------------------------------------------------------------------------
-def _flops(n: float) -> str:
-    for unit, size in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} FLOP"
 
 
 def _check_allow(allow, world_size: int = 2) -> tuple[str, ...]:
