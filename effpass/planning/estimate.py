@@ -137,6 +137,8 @@ class MemoryEstimate:
     notes: list = field(default_factory=list)
     largest_unit_bytes: int = 0     # parameters of the largest block (FSDP unit), after module passes
     depths: list = field(default_factory=list)  # block counts replayed when extrapolated (else empty)
+    #: live bytes over the step by category (:func:`step_timeline`); None when not recorded (extrapolated)
+    timeline: dict | None = None
 
     def breakdown(self) -> dict[str, int]:
         return {"parameters": self.parameters, "buffers": self.buffers, "inputs": self.inputs,
@@ -237,6 +239,7 @@ class _Tracker(TorchDispatchMode):
         self.largest = (0, "-")
         self.params = list(params)
         self.grads_at_peak = 0
+        self.events = []
         self.phase_peaks: dict[str | None, int] = {}
         self.graphs: dict[tuple[str, str], str] = {}
         self.flops = 0
@@ -249,6 +252,8 @@ class _Tracker(TorchDispatchMode):
             pass
 
     def reset(self):
+        #: (+bytes or -bytes, storage key, phase, op) per allocation and free of the measured step: the timeline
+        self.events: list[tuple[int, int, str | None, str]] = []
         self.live = self.peak = 0
         self.peak_where = ("-", "-", "-")
         self.largest = (0, "-")
@@ -257,7 +262,10 @@ class _Tracker(TorchDispatchMode):
         self.phase_peaks = {}
 
     def _free(self, key):
-        self.live -= self.sizes.pop(key, 0)
+        n = self.sizes.pop(key, 0)
+        self.live -= n
+        if n and self.enabled:
+            self.events.append((-n, key, self.phase, ""))
 
     def _where(self, func) -> tuple[str, str]:
         f = sys._getframe(2)
@@ -318,6 +326,7 @@ class _Tracker(TorchDispatchMode):
             self.sizes[key] = n
             weakref.finalize(st, self._free, key)
             self.live += n
+            self.events.append((n, key, self.phase, str(getattr(func, "__name__", func))))
             if n > self.largest[0]:
                 self.largest = (n, f"{func} in the {self.phase}")
             if self.live > self.phase_peaks.get(self.phase, 0):
@@ -330,6 +339,67 @@ class _Tracker(TorchDispatchMode):
                     self.grads_at_peak = _bytes([p.grad for p in self.params if p.grad is not None],
                                                 self.device)
         return out
+
+
+TIMELINE_CATEGORIES = ("parameters", "optimizer states", "inputs", "saved activations", "gradients", "transients")
+
+
+def step_timeline(events, est: "MemoryEstimate", max_points: int = 600) -> dict:
+    """Live bytes over one step, stacked by category, from the tracker's allocation events.
+
+    What is live at the step's start is constant (parameters and buffers, optimizer states, inputs). What the
+    step allocates is classified by when it was made and freed: made in the forward and alive past it = saved
+    activations (the loss included); made in the backward and alive into the optimizer step or past it =
+    gradients; everything else = transients. Downsampled to ``max_points`` points, keeping each bucket's
+    highest point (so the peak is drawn at its height)."""
+    made: dict[int, str | None] = {}
+    freed: dict[int, str | None] = {}
+    for delta, key, phase, _ in events:
+        if delta > 0:
+            made[key] = phase
+            freed.pop(key, None)
+        else:
+            freed[key] = phase
+
+    def category(key) -> str:
+        a, f = made.get(key), freed.get(key, "end")
+        if a == "forward" and f != "forward":
+            return "saved activations"
+        if a == "backward" and f != "backward":
+            return "gradients"
+        return "transients"
+
+    static = {"parameters": est.parameters + est.buffers, "optimizer states": est.optimizer_states,
+              "inputs": est.inputs}
+    live = {"saved activations": 0, "gradients": 0, "transients": 0}
+    sizes: dict[int, tuple[str, int]] = {}
+    points, peak_i, peak_total = [], 0, -1
+    for i, (delta, key, phase, op) in enumerate(events):
+        if delta > 0:
+            c = category(key)
+            sizes[key] = (c, delta)
+            live[c] += delta
+        else:
+            c, n = sizes.pop(key, ("transients", 0))
+            live[c] -= n
+        total = sum(live.values())
+        points.append((i, phase or "-", live["saved activations"], live["gradients"], live["transients"], op))
+        if total > peak_total:
+            peak_total, peak_i = total, i
+    if len(points) > max_points:  # keep each bucket's highest point
+        step = -(-len(points) // max_points)
+        kept = []
+        for b in range(0, len(points), step):
+            chunk = points[b:b + step]
+            kept.append(max(chunk, key=lambda p: p[2] + p[3] + p[4]))
+        if all(p[0] != peak_i for p in kept):
+            kept.append(points[peak_i])
+            kept.sort()
+        points = kept
+    return {"categories": list(TIMELINE_CATEGORIES), "static": static, "events": len(events),
+            "points": [list(p[:5]) for p in points],
+            "peak": {"event": peak_i, "bytes": est.start_bytes + max(peak_total, 0), "phase": est.peak_phase,
+                     "graph": est.peak_graph, "node": est.peak_node}}
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -685,6 +755,7 @@ def estimate_memory(model: torch.nn.Module, example_inputs, passes=None, optimiz
         requested_lowering=requested_lowering, passes=[p.name for p in be.options.passes] if be else [],
         pass_stats=stats, notes=notes, trainable_numels=[p.numel() for p in trainable],
         trainable_shapes=[(tuple(p.shape), str(p.dtype).removeprefix("torch.")) for p in trainable])
+    est.timeline = step_timeline(tracker.events, est)
     if requested_lowering not in ("inductor", "eager"):
         est.notes.append(f"lowering={requested_lowering!r} is predicted by the eager lowering's replay of the same "
                          f"partitioned graphs (its own buffer plan is not replayed)")

@@ -142,8 +142,14 @@ class MemoryPlan:
         lines += ["", self.table()]
         return "\n".join(lines)
 
+    def timelines(self) -> list[tuple[str, dict]]:
+        """(plan name, live-byte timeline) of the chosen plan first, then of every other evaluated candidate."""
+        order = [self.chosen] + [c for c in self.candidates if c is not self.chosen]
+        return [(c.name, c.estimate.timeline) for c in order
+                if c.estimate is not None and getattr(c.estimate, "timeline", None)]
+
     def to_dict(self) -> dict[str, Any]:
-        return {"budget": self.budget, "chosen": self.chosen.name, "peak_bytes": self.peak_bytes,
+        return {"budget": self.budget, "timelines": dict(self.timelines()), "chosen": self.chosen.name, "peak_bytes": self.peak_bytes,
                 "reason": self.reason, "optimizer": self.optimizer, "world_size": self.world_size,
                 "passes": [{"name": p.name, "options": p.options()} for p in self.passes],
                 "candidates": [{"plan": c.name, "techniques": list(c.techniques()), "lossy": c.lossy, "peak_bytes": c.peak_bytes, "fits": c.fits,
