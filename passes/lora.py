@@ -439,6 +439,8 @@ expert_mm.register_autograd(_expert_mm_backward, setup_context=_expert_mm_setup)
 
 def _float_weight(module: nn.Module, name: str) -> torch.Tensor:
     w = getattr(module, name)
+    if type(w) is nn.Parameter or type(w) is torch.Tensor:  # NOTE(compile): is_quantized breaks Dynamo's graph
+        return w
     from effpass.quantized import dequantize, is_quantized
 
     return dequantize(w) if is_quantized(w) else w
