@@ -298,3 +298,27 @@ def test_expert_lora_rejects_unknown_layout():
     model = nn.Sequential(nn.Linear(8, 8), OddExperts())
     with pytest.raises(ValueError, match=r"'1.w' of OddExperts \(layout unknown.*Supported expert layouts: routed"):
         effpass.prepare(model, passes=[InjectLoRA(rank=2, targets=["*.w", "0"])])
+
+
+def test_routers_are_fp32_islands_under_autocast():
+    """apply_autocast keeps each MoE router (gate/router beside experts) in fp32: its logits are fp32 and the
+    compiled step equals the eager prepared model; expert adapters train under bf16 autocast."""
+    from effpass.passes import ApplyAutocast
+    c = family_case("qwen3_moe")
+    passes = [InjectLoRA(rank=4, alpha=8, targets=TARGETS), ApplyAutocast(dtype=torch.bfloat16)]
+    effpass.prepare(c.model, passes=passes)
+    st = effpass.report(c.model).stats("apply_autocast")
+    assert "model.layers.0.mlp.gate" in st["island_modules"]
+    seen = {}
+    def hook(mod, args, out):
+        seen["dtype"] = out[0].dtype
+
+    c.model.model.layers[0].mlp.gate.register_forward_hook(hook)
+    _perturb(c.model)
+    ref = copy.deepcopy(c.model)
+    compiled = effpass.compile(c.model, passes=passes, lowering="eager")
+    out, want = compiled(**c.inputs), ref(**c.inputs)
+    assert seen["dtype"] == torch.float32
+    assert _rel(out.loss.float(), want.loss.float()) < 1e-3
+    out.loss.backward()
+    assert all(ad.lora_B.grad is not None for ad in lora.expert_lora_modules(c.model).values())
