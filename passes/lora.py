@@ -438,12 +438,20 @@ expert_mm.register_autograd(_expert_mm_backward, setup_context=_expert_mm_setup)
 
 
 def _float_weight(module: nn.Module, name: str) -> torch.Tensor:
+    """The expert weight as a float tensor: plain weights as they are, quantized ones (quantize_linear's
+    int8 experts) dequantized for the base matmul (QLoRA: the adapters stay in full precision)."""
     w = getattr(module, name)
     if type(w) is nn.Parameter or type(w) is torch.Tensor:  # NOTE(compile): is_quantized breaks Dynamo's graph
         return w
-    from effpass.quantized import dequantize, is_quantized
+    return w.dequantize()  # torchao's Int8Tensor / NF4Tensor; checked at injection (_check_dequantizable)
 
-    return dequantize(w) if is_quantized(w) else w
+
+def _check_dequantizable(full: str, mod: nn.Module, attr: str) -> None:
+    w = getattr(mod, attr)
+    if type(w) is nn.Parameter or type(w) is torch.Tensor:
+        return
+    if not callable(getattr(w, "dequantize", None)):
+        raise _unsupported(full, mod, f"its weight is a {type(w).__name__} without a dequantize() method")
 
 
 def _routed_lora_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -567,6 +575,8 @@ def inject_experts(model: nn.Module, names: Iterable[str], *, rank: int, alpha: 
                 "PEFT's target_parameters LoRA defines expert adapters without dropout (it adds B@A to the "
                 "weight), so an adapter trained with dropout would have no PEFT equivalent; use dropout=0, or "
                 "exclude the expert parameters from targets and keep dropout on the linears")
+        for other in roles:
+            _check_dequantizable(f"{full.rpartition('.')[0]}.{other}", mod, other)
         w = getattr(mod, attr)
         r = rank_of(full) if rank_of else rank
         a = alpha_of(full) if alpha_of else alpha

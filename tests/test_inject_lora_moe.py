@@ -322,3 +322,25 @@ def test_routers_are_fp32_islands_under_autocast():
     assert _rel(out.loss.float(), want.loss.float()) < 1e-3
     out.loss.backward()
     assert all(ad.lora_B.grad is not None for ad in lora.expert_lora_modules(c.model).values())
+
+
+def test_expert_lora_on_int8_quantized_experts():
+    """QLoRA-style: quantize_linear's int8 expert tensors stay quantized; the adapters wrap them and the
+    output equals the same adapters on the dequantized weights (compiled too)."""
+    from effpass.passes import QuantizeLinear
+    c = family_case("qwen3_moe")
+    passes = [QuantizeLinear(scheme="int8"), InjectLoRA(rank=4, alpha=8, targets=EXPERT_TARGETS)]
+    effpass.prepare(c.model, passes=passes)
+    experts = c.model.model.layers[0].mlp.experts
+    assert type(experts.gate_up_proj) is not nn.Parameter  # a quantized tensor subclass
+    _perturb(c.model)
+    plain = copy.deepcopy(c.model)
+    for m in plain.modules():
+        for a in ("gate_up_proj", "down_proj"):
+            w = getattr(m, a, None)
+            if isinstance(w, torch.Tensor) and type(w) is not nn.Parameter:
+                setattr(m, a, nn.Parameter(w.dequantize().detach(), requires_grad=False))
+    out, want = c.model(**c.inputs), plain(**c.inputs)
+    assert _rel(out.logits, want.logits) < 1e-5
+    compiled = effpass.compile(c.model, passes=passes, lowering="eager")
+    assert _rel(compiled(**c.inputs).logits, want.logits) < 1e-5
