@@ -344,3 +344,29 @@ def test_expert_lora_on_int8_quantized_experts():
     assert _rel(out.logits, want.logits) < 1e-5
     compiled = effpass.compile(c.model, passes=passes, lowering="eager")
     assert _rel(compiled(**c.inputs).logits, want.logits) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])   # GPT-OSS's attention sinks: pack_sequences' domain
+def test_packed_moe_with_expert_lora_equals_each_example_alone(name):
+    """pack_sequences on an MoE model with expert adapters: routing is per token, attention per example,
+    so each packed example's logits equal the example run alone (eager prepared model)."""
+    from effpass.passes import FuseAttention, PackSequences
+    c = family_case(name)
+    model = c.model
+    effpass.prepare(model, passes=[InjectLoRA(rank=4, alpha=8, targets=TARGETS)])
+    _perturb(model)
+    ref = copy.deepcopy(model)
+    lens = [5, 9, 3]
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 120, (1, sum(lens)), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    compiled = effpass.compile(model, passes=[InjectLoRA(rank=4, alpha=8, targets=TARGETS), FuseAttention(),
+                                              PackSequences()], lowering="eager")
+    with torch.no_grad():
+        out = compiled(input_ids=ids, position_ids=pos).logits
+        s = 0
+        for n in lens:
+            want = ref(input_ids=ids[:, s:s + n]).logits
+            assert _rel(out[:, s:s + n], want) < 1e-5
+            s += n
+    assert effpass.report(compiled).stats("pack_sequences")["skipped"] == 0
