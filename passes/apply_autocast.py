@@ -126,6 +126,16 @@ def _wrap_module(mod: torch.nn.Module, device: str, dtype: torch.dtype, enabled:
     site.update(device=device, dtype=dtype, enabled=enabled, cache=cache)
 
 
+def _routers(model: torch.nn.Module) -> list[str]:
+    """MoE routers: a ``gate`` / ``router`` child beside an ``experts`` child (transformers' MoE blocks)."""
+    out = []
+    for name, mod in model.named_modules():
+        children = dict(mod.named_children())
+        if "experts" in children:
+            out += [f"{name}.{c}" if name else c for c in ("gate", "router") if c in children]
+    return out
+
+
 def _parent(name: str) -> str:
     return name.rpartition(".")[0]
 
@@ -157,6 +167,8 @@ class ApplyAutocast(effpass.Pass):
         "doc": "low-precision dtype of the autocast region: bfloat16 or float16 (float16 wants scale_loss)"})
     cache_enabled: bool | None = field(default=None, metadata={
         "doc": "autocast's weight-cast cache (None: torch's default)"})
+    fp32_routers: bool = field(default=True, metadata={
+        "doc": "MoE routers (the gate/router beside an experts module) run as fp32 islands"})
 
     def validate(self) -> None:
         if self.dtype not in _LOW_DTYPES:
@@ -185,6 +197,8 @@ class ApplyAutocast(effpass.Pass):
         scope = ctx.scope
         names = [n for n, _ in model.named_modules() if n]
         allowed = {n for n, _ in scope.select_modules(model, what="module")}  # raises on unmatched globs
+        if self.fp32_routers:  # NOTE(moe): routing decisions in bf16 flip experts; keep the router in fp32
+            allowed -= {n for r in _routers(model) for n in allowed if n == r or n.startswith(r + ".")}
         allowed_root = not self.targets and scope.allows_root(model)
         if allowed_root:
             allowed.add("")
