@@ -18,22 +18,30 @@ What it does
       and turns ``use_cache`` off for packed calls (with a cache Hugging Face ignores the boundaries).
       Because the hook is on the eager model, Hugging Face models whose own masking honours the
       boundaries without a cache compute the same function eagerly (reference semantics).
-    * torch-IR phase: computes per-token document ids once from the boundary input
-      (``cumsum(position_ids == 0)``, ``searchsorted(cu_seq_lens)`` or ``seq_idx``), then
+    * torch-IR phase, in every graph Dynamo makes of the model: per-token document ids and per-example
+      positions once per graph, from the boundary input (``cumsum(position_ids == 0)``,
+      ``searchsorted(cu_seq_lens)`` or ``seq_idx``), or, in a graph without it (after a graph break such as
+      OPT's layer-drop check), from the per-call context the hook set (``effpass::pack_context_get``); then
 
-      - replaces every ``scaled_dot_product_attention`` call (the model's own, or the one
-        ``fuse_attention`` made from hand-written attention) with one whose mask is the original mask
-        (``is_causal`` -> lower triangle) AND "same example";
-      - puts the same mask into every remaining hand-written attention (a ``softmax`` over a
-        ``(..., N, N)`` score matrix of the packed length ``N``): ``masked_fill(~same, finfo.min)``.
+      - every fused attention call (the core's attention-op registry: SDPA, ``masked_sdpa``, what other
+        passes register) becomes one whose mask is the original mask AND "same example";
+      - every hand-written attention (a ``softmax`` over a ``(..., N, N)`` score matrix) gets
+        ``masked_fill(~same, finfo.min)``; a softmax over ``cat([scores, sinks], -1)`` (learned attention
+        sinks, N x (N+k)) gets the mask on the score columns only, so every row keeps its sink columns;
+      - masks and scalings computed from absolute row positions (``arange(N)``: HF's ``cache_position``,
+        chunked local attention, a position-dependent attention temperature) read per-example positions.
+
+    Fail closed: a site that cannot be isolated (lengths other than the packed length, a registered op that
+    takes no mask, a position-derived mask with several packed rows that differs per example, an excluded
+    site) raises :class:`effpass.WrongResultError` naming the site, the graph and why, in the packed call that
+    compiles the graph and in every later packed call (the hook checks); never a warning.
 
 Kernels (``kernel``)
-    ``"auto"``: on CUDA with the ``flash-attn`` package, fp16/bf16, no dropout and no other mask than
-    causal, flash-attn's varlen kernel (:mod:`effpass.passes._flash_attn_op`, boundaries as ``cu_seqlens``
-    of fixed length ``B*N+1`` so no host sync; untested: no GPU here). Everywhere else SDPA with the
-    block-diagonal boolean mask, which on CPU runs the fused flash kernel. Measured on CPU
-    (``docs/pack_sequences.md``): ``flex_attention`` and a per-example loop were not faster and the loop
-    needs the boundaries on the host.
+    ``"auto"``/``"varlen"``: on CUDA, fp16/bf16, no dropout and no other mask than causal, torch's varlen
+    kernel (``torch.nn.attention.varlen.varlen_attn``, feature-tested; boundaries as ``cu_seqlens`` of fixed
+    length ``B*N+1`` so no host sync; untested: no GPU here). Everywhere else SDPA with the block-diagonal
+    boolean mask, which on CPU runs the fused flash kernel. Measured on CPU (``docs/pack_sequences.md``):
+    ``flex_attention`` and a per-example loop were not faster and the loop needs the boundaries on the host.
 
 Phase ordering: runs after ``fuse_attention`` (so hand-written attention is already an SDPA call) and
 before ``apply_autocast`` / ``checkpoint_activations`` (which see the rewritten call).
@@ -49,9 +57,8 @@ Statistics: the hook also counts, on the inputs' device (no host sync), examples
 and the attended pairs per step (:class:`PackingCounters`); the torch-IR phase records each rewritten
 site's FLOPs per pair. The module record's ``live_stats`` reads them when a report or dump is asked for.
 
-Invariants: placeholders are never added or removed; a site whose query and key lengths differ from the
-packed length (decoding with a cache, cross-attention) is left alone and reported; a graph with
-attention but no boundary input is reported (nothing is rewritten there).
+Invariants: placeholders are never added or removed; every attention site of a graph is rewritten or listed
+as unisolated (and a packed call then raises).
 """
 from __future__ import annotations
 
@@ -67,10 +74,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import effpass
-from effpass.graph import tensor_meta
+from effpass.attention import attention_op, masked_sdpa
+from effpass.graph import Skip, copy_provenance, infer_fake_values, is_softmax as _is_softmax, shape_of, tensor_meta
 from effpass.scope import module_path_of_node
-
-from ._sdpa_safe import masked_sdpa
 
 __all__ = ["PackSequences", "packing_stats", "document_ids", "position_ids_from"]
 
@@ -78,8 +84,6 @@ __all__ = ["PackSequences", "packing_stats", "document_ids", "position_ids_from"
 BOUNDARY_KWARGS = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "position_ids")
 _PLACEHOLDER_RE = re.compile(r"^L_(?:kwargs_)?(seq_idx|cu_seq_lens_q|cu_seq_lens_k|position_ids)_$")
 _TOKENS_RE = re.compile(r"^L_(?:kwargs_)?(input_ids|inputs_embeds|tokens)_$")
-_SDPA_FNS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
-_SOFTMAX_FNS = {torch.softmax, F.softmax, torch.special.softmax}
 _CONTEXT_SET_OPS: set = set()  # filled below, once the custom op exists
 
 
@@ -469,10 +473,10 @@ class PackSequences(effpass.Pass):
         out  = packed_sdpa(q, k, v, same, attn_mask=None, scale=0.125)
     """
 
-    kernel: Literal["auto", "sdpa", "flash_attn"] = field(default="auto", metadata={
-        "doc": "'sdpa': SDPA with the block-diagonal mask (CPU: fused flash kernel); 'flash_attn': flash-attn's "
-               "varlen kernel where it applies (CUDA, fp16/bf16, causal or no mask, no dropout), SDPA elsewhere; "
-               "'auto': flash_attn when installed on CUDA, else SDPA"})
+    kernel: Literal["auto", "sdpa", "varlen"] = field(default="auto", metadata={
+        "doc": "'sdpa': SDPA with the block-diagonal mask (CPU: fused flash kernel); 'varlen': torch's varlen "
+               "kernel (torch.nn.attention.varlen, CUDA FlashAttention; untested on GPU) where it applies (CUDA, "
+               "fp16/bf16, causal or no mask, no dropout), SDPA elsewhere; 'auto': the same as 'varlen'"})
     require_boundaries: bool = field(default=True, metadata={
         "doc": "a training call without position_ids / cu_seq_lens_* / seq_idx is an error (packed rows "
                "without boundaries would mix examples)"})
@@ -564,15 +568,20 @@ class PackSequences(effpass.Pass):
             try:
                 if not ctx.allows(site):
                     if _is_sdpa(site) or _attention_scores(site) is not None:
-                        raise _Skip("excluded by targets/exclude, but an attention site left alone mixes the "
+                        raise Skip("excluded by targets/exclude, but an attention site left alone mixes the "
                                     "packed examples")
                     continue
                 if _is_sdpa(site):
+                    op = attention_op(site)
+                    if not op.maskable:
+                        raise Skip(f"{op.owner}'s attention op {getattr(op.target, '__name__', op.target)} takes "
+                                   "no other mask (pack_sequences cannot make it block-diagonal); run that pass "
+                                   "after packing is off, or use SDPA")
                     q, k, v, mask, dropout_p, is_causal, scale, gqa = _sdpa_args(site)
-                    sq, sk = _shape(q)[-2], _shape(k)[-2]
+                    sq, sk = shape_of(q)[-2], shape_of(k)[-2]
                     pro = get_prologue(site, q, 0, -2)
                     if not (_same(sq, pro.n_len) and _same(sk, pro.n_len)):
-                        raise _Skip(f"query/key lengths ({sq}, {sk}) are not the packed length {pro.n_len} "
+                        raise Skip(f"query/key lengths ({sq}, {sk}) are not the packed length {pro.n_len} "
                                     "(decoding with a cache or cross-attention)")
                     stats["positions_per_example"] += _per_example_positions(graph, site, pro, call)
                     q, k, v, mask, dropout_p, is_causal, scale, gqa = _sdpa_args(site)
@@ -594,10 +603,10 @@ class PackSequences(effpass.Pass):
                     if found is None:
                         continue  # not attention: a softmax over something else (e.g. MoE routing)
                     scores, extra = found
-                    sh = _shape(scores)
+                    sh = shape_of(scores)
                     pro = get_prologue(site, scores, 0, -2)
                     if not (_same(sh[-1], pro.n_len) and _same(sh[-2], pro.n_len)):
-                        raise _Skip(f"scores {sh} are not (packed length {pro.n_len})^2 (cross-attention?)")
+                        raise Skip(f"scores {sh} are not (packed length {pro.n_len})^2 (cross-attention?)")
                     stats["positions_per_example"] += _per_example_positions(graph, site, pro, call)
                     found = _attention_scores(site)
                     scores, extra = found
@@ -611,7 +620,7 @@ class PackSequences(effpass.Pass):
                     stats["softmax_masked"] += 1
                     stats["sink_columns_kept"] += int(extra is not None)
                     costs[where.rsplit(":", 1)[0] + f"#{len(costs)}"] = (_scores_pair_cost(scores), False)
-            except _Skip as e:
+            except Skip as e:
                 stats["skipped"] += 1
                 skipped.append({"site": where, "reason": str(e)})
                 unisolated.append((gname, where, str(e)))
@@ -666,9 +675,9 @@ class _Prologue:
         src = bnode
         if kind in ("cu_seq_lens_q", "cu_seq_lens_k"):
             # NOTE: the packed length N is the tokens' length (cu_seq_lens has one entry per example)
-            src = next((n for n in placeholders if _TOKENS_RE.match(str(n.target)) and _shape(n)), None)
+            src = next((n for n in placeholders if _TOKENS_RE.match(str(n.target)) and shape_of(n)), None)
             if src is None:
-                raise _Skip("cu_seq_lens boundaries without input_ids / inputs_embeds in the graph")
+                raise Skip("cu_seq_lens boundaries without input_ids / inputs_embeds in the graph")
         dim = 1 if src is not bnode else -1
         after = bnode if bnode.op != "placeholder" else placeholders[-1]
         with graph.inserting_after(after):
@@ -678,7 +687,7 @@ class _Prologue:
         with graph.inserting_after(doc):
             pos = call(positions_of, kind, bnode, n_len_node)
         _set_meta([n_len_node, doc, pos], None)
-        return cls(graph, call, doc, pos, _shape(src)[dim], pos)
+        return cls(graph, call, doc, pos, shape_of(src)[dim], pos)
 
     @classmethod
     def from_context(cls, graph, site, like, batch_dim, length_dim, call) -> "_Prologue":
@@ -689,7 +698,7 @@ class _Prologue:
             doc = call(operator.getitem, both, 0)
             pos = call(operator.getitem, both, 1)
         _set_meta([both, doc, pos], None)
-        return cls(graph, call, doc, pos, _shape(like)[length_dim], pos)
+        return cls(graph, call, doc, pos, shape_of(like)[length_dim], pos)
 
 
 def _first_row(pos: torch.Tensor) -> torch.Tensor:
@@ -719,17 +728,8 @@ def _unisolated_message(model_name: str, sites: list[tuple[str, str, str]]) -> s
             "the model's attention path; the pass never runs a packed row it did not isolate")
 
 
-class _Skip(Exception):
-    pass
-
-
 def _where(n: fx.Node) -> str:
     return f"{module_path_of_node(n) or '<root>'}:{n.name}"
-
-
-def _shape(n: Any):
-    v = tensor_meta(n) if isinstance(n, fx.Node) else None
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
 def _same(a, b) -> bool:
@@ -749,17 +749,16 @@ def _same(a, b) -> bool:
 
 
 def _is_sdpa(n: fx.Node) -> bool:
-    return n.op == "call_function" and (n.target in _SDPA_FNS or n.target is masked_sdpa)
-
-
-def _is_softmax(n: fx.Node) -> bool:
-    return (n.op == "call_function" and n.target in _SOFTMAX_FNS) or (n.op == "call_method" and n.target == "softmax")
+    """A call of a fused attention op with SDPA's signature (the core's registry, :mod:`effpass.attention`:
+    SDPA, masked_sdpa and what other passes register). A registered op that takes no extra mask is a site
+    too: :meth:`PackSequences.transform_torch_ir` refuses it (it cannot be isolated)."""
+    return attention_op(n) is not None
 
 
 def _softmax_input(sm: fx.Node) -> fx.Node | None:
     """The input of a softmax over the last dim of a tensor of >= 3 dims, else None."""
     x = sm.args[0] if sm.args else sm.kwargs.get("input")
-    sh = _shape(x)
+    sh = shape_of(x)
     if sh is None or len(sh) < 3:
         return None
     dim = sm.args[1] if len(sm.args) > 1 else sm.kwargs.get("dim")
@@ -775,7 +774,7 @@ def _attention_scores(sm: fx.Node) -> tuple[fx.Node, fx.Node | None] | None:
     x = _softmax_input(sm)
     if x is None:
         return None
-    sh = _shape(x)
+    sh = shape_of(x)
     if _static_same(sh[-1], sh[-2]):
         return x, None
     src = x
@@ -783,14 +782,14 @@ def _attention_scores(sm: fx.Node) -> tuple[fx.Node, fx.Node | None] | None:
         if src.op == "call_function" and src.target in (torch.cat, torch.concat, torch.concatenate):
             break
         nxt = src.args[0] if src.args and isinstance(src.args[0], fx.Node) else None
-        if nxt is None or src.op not in ("call_function", "call_method") or _shape(nxt) != sh:
+        if nxt is None or src.op not in ("call_function", "call_method") or shape_of(nxt) != sh:
             return None
         src = nxt
     if src.op == "call_function" and src.target in (torch.cat, torch.concat, torch.concatenate):
         parts = src.args[0] if src.args else src.kwargs.get("tensors")
         dim = src.args[1] if len(src.args) > 1 else src.kwargs.get("dim", 0)
         if isinstance(parts, (list, tuple)) and parts and isinstance(parts[0], fx.Node):
-            ps = _shape(parts[0])
+            ps = shape_of(parts[0])
             if ps is not None and isinstance(dim, int) and dim % len(ps) == len(ps) - 1 and _static_same(ps[-1], ps[-2]):
                 return parts[0], src
     return None
@@ -816,16 +815,16 @@ def _sdpa_args(n: fx.Node):
         vals["scale"] = n.args[6]
     q, k, v = vals.get("query"), vals.get("key"), vals.get("value")
     if not all(isinstance(t, fx.Node) for t in (q, k, v)):
-        raise _Skip("q, k or v is not a tensor")
-    if _shape(q) is None or len(_shape(q)) != 4:
-        raise _Skip("q is not (batch, heads, length, head_dim)")
+        raise Skip("q, k or v is not a tensor")
+    if shape_of(q) is None or len(shape_of(q)) != 4:
+        raise Skip("q is not (batch, heads, length, head_dim)")
     is_causal = vals.get("is_causal", False)
     dropout = vals.get("dropout_p", 0.0)
     if not isinstance(is_causal, bool):
-        raise _Skip("is_causal is not a constant")
+        raise Skip("is_causal is not a constant")
     mask = vals.get("attn_mask")
     if mask is not None and not isinstance(mask, fx.Node):
-        raise _Skip("attn_mask is not a tensor")
+        raise Skip("attn_mask is not a tensor")
     return q, k, v, mask, dropout, is_causal, vals.get("scale"), bool(vals.get("enable_gqa", False))
 
 
@@ -839,14 +838,14 @@ def _static(x) -> int:
 def _pair_cost(q: fx.Node, v: fx.Node) -> int:
     """FLOPs per attended (query, key) pair and row of an SDPA call: ``2*H*D`` for ``q @ k^T`` plus
     ``2*H*Dv`` for ``p @ v``."""
-    qs, vs = _shape(q), _shape(v)
+    qs, vs = shape_of(q), shape_of(v)
     return 2 * _static(qs[-3]) * (_static(qs[-1]) + _static(vs[-1] if vs else qs[-1]))
 
 
 def _scores_pair_cost(scores: fx.Node) -> int:
     """FLOPs per pair and row of hand-written attention: heads from the scores' shape, the head dim from the
     ``q @ k^T`` matmul found by walking back through elementwise ops (scaling, soft-capping)."""
-    sh = _shape(scores)
+    sh = shape_of(scores)
     heads = _static(sh[-3]) if len(sh) >= 3 else 1
     n, d = scores, 0
     for _ in range(8):
@@ -854,10 +853,10 @@ def _scores_pair_cost(scores: fx.Node) -> int:
             break
         if n.target in (torch.matmul, torch.bmm, "matmul", "__matmul__") or getattr(n.target, "__name__", "") in (
                 "matmul", "bmm", "matmul_"):
-            qs = _shape(n.args[0]) if n.args else None
+            qs = shape_of(n.args[0]) if n.args else None
             d = _static(qs[-1]) if qs else 0
             break
-        n = next((a for a in n.args if isinstance(a, fx.Node) and _shape(a) is not None), None)
+        n = next((a for a in n.args if isinstance(a, fx.Node) and shape_of(a) is not None), None)
     return 4 * heads * d
 
 
@@ -898,25 +897,10 @@ def _varlen_usable(q: fx.Node, mask, dropout_p) -> bool:
 
 def _set_meta(nodes: list[fx.Node], like: fx.Node | None) -> None:
     """Provenance from ``like`` and fake example values for new nodes (best effort: AOT re-traces)."""
-    from torch._guards import detect_fake_mode
-
     for n in nodes:
         if like is not None:
-            for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr"):
-                if key in like.meta:
-                    n.meta[key] = like.meta[key]
-    for n in nodes:
-        vals = [tensor_meta(a) for a in n.all_input_nodes]
-        fake = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
-        if fake is None:
-            continue
-        args = fx.node.map_arg(n.args, lambda a: tensor_meta(a))
-        kwargs = fx.node.map_arg(n.kwargs, lambda a: tensor_meta(a))
-        try:
-            with fake:
-                n.meta["example_value"] = n.target(*args, **kwargs)
-        except Exception:
-            pass
+            copy_provenance(n, like)
+        infer_fake_values([n])
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -941,7 +925,7 @@ def _is_row_arange(n: fx.Node, n_len) -> bool:
     """``torch.arange(N)`` / ``arange(0, N)`` / ``arange(0, N, 1)`` of the packed length: absolute row positions."""
     if n.op != "call_function" or n.target is not torch.arange:
         return False
-    sh = _shape(n)
+    sh = shape_of(n)
     if sh is None or len(sh) != 1 or not _same(sh[0], n_len):
         return False
     args = list(n.args)
@@ -973,7 +957,7 @@ def _absolute_index(n: fx.Node, dep: set[fx.Node], n_len) -> bool:
         base = n.args[0] if n.args else None
     else:
         return False
-    sh = _shape(base) if isinstance(base, fx.Node) else None
+    sh = shape_of(base) if isinstance(base, fx.Node) else None
     return sh is not None and any(_static_same(d, n_len) for d in sh)
 
 
@@ -1015,7 +999,7 @@ def _per_example_positions(graph: fx.Graph, site: fx.Node, pro: "_Prologue", cal
     the copies. Returns the number of ``arange`` nodes substituted. With several packed rows in a call
     (``B > 1``), where one vector cannot stand for every row's positions, only what does not change under a
     shift of positions (differences, comparisons of two positions: causal and sliding-window masks) is left
-    as is; anything else raises :class:`_Skip`."""
+    as is; anything else raises :class:`Skip`."""
     anc = _ancestors(site)
     aranges = {n for n in anc if _is_row_arange(n, pro.n_len)}
     if not aranges:
@@ -1028,12 +1012,12 @@ def _per_example_positions(graph: fx.Graph, site: fx.Node, pro: "_Prologue", cal
     site_ins = [a for a in site.all_input_nodes if a in dep]
     if not site_ins:
         return 0
-    batch = _shape(pro.pos)[0] if _shape(pro.pos) else None
+    batch = shape_of(pro.pos)[0] if shape_of(pro.pos) else None
     if not (isinstance(batch, int) and batch == 1):
         cls = _shift_class(order, aranges, dep, pro.n_len)
         bad = [a.name for a in site_ins if cls.get(a) in ("P", "X")]
         if bad:
-            raise _Skip(f"its mask or scaling ({', '.join(bad)}) is computed from absolute row positions "
+            raise Skip(f"its mask or scaling ({', '.join(bad)}) is computed from absolute row positions "
                         "(arange over the packed row) in a way that differs per example (e.g. chunked local "
                         f"attention, a position-dependent temperature), and the call packs {batch} rows: per-example "
                         "positions can stand in only with one packed row per call (DataCollatorWithFlattening and "
