@@ -114,6 +114,7 @@ def make_fn(cfg_name: str, cls_name: str, kwargs: dict, attn: str = "eager"):
 
 def run(names=None) -> list[dict]:
     import effpass
+    from effpass.passes import FuseAttention, PackSequences
     from effpass.testing.packing import packed_vs_alone
 
     rows = []
@@ -125,7 +126,7 @@ def run(names=None) -> list[dict]:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                r = packed_vs_alone(make_fn(cfg, cls, kw), lens=(5, 9, 7))
+                r = packed_vs_alone(make_fn(cfg, cls, kw), [FuseAttention(), PackSequences()], lens=(5, 9, 7))
             s = r.stats
             row.update(result="isolated" if r.worst <= 1e-4 else "LEAK", worst=r.worst, plain=r.plain_err,
                        how=", ".join(f"{k} {s[k]}" for k in ("sdpa_rewritten", "softmax_masked", "sink_columns_kept",

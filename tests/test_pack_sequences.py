@@ -507,7 +507,7 @@ def test_mechanisms_that_leaked_are_isolated(maker, stat):
     the statistics say which mechanism the pass handled; plain eager on the same packed row leaks."""
     from effpass.testing.packing import packed_vs_alone
 
-    r = packed_vs_alone(maker(), lens=(5, 9, 7))
+    r = packed_vs_alone(maker(), [FuseAttention(), PackSequences()], lens=(5, 9, 7))
     assert max(r.logits_err) <= 1e-5 and r.loss_err <= 1e-5 and r.grad_err <= 1e-4, r
     assert r.stats[stat] >= 1 and r.stats["skipped"] == 0, r.stats
     assert r.stats["sdpa_rewritten"] + r.stats["softmax_masked"] >= 1, r.stats

@@ -1,7 +1,7 @@
 """Packed rows against the examples run alone: the oracle of ``pack_sequences`` (tests and the family matrix).
 
-``packed_vs_alone(make, lens)`` builds two models with identical weights from ``make()``, compiles one with
-``FuseAttention`` + ``PackSequences``, runs one packed row of ``len(lens)`` examples (``position_ids``
+``packed_vs_alone(make, passes, lens)`` builds two models with identical weights from ``make()``, compiles one
+with ``passes`` (e.g. ``FuseAttention`` + ``PackSequences``), runs one packed row of ``len(lens)`` examples (``position_ids``
 restarting at 0, labels as ``DataCollatorWithFlattening`` makes them) forward and backward, and runs each
 example alone on the eager copy. It returns the worst relative error of each example's logits, of the loss
 (against the token-weighted loss of the examples alone) and of every gradient (against the sum of the
@@ -35,11 +35,10 @@ class PackedResult:
         return max([*self.logits_err, self.loss_err, self.grad_err])
 
 
-def packed_vs_alone(make: Callable[[], torch.nn.Module], lens: Sequence[int] = (5, 9, 3), *, vocab: int = 128,
-                    passes: Sequence[Any] | None = None, seed: int = 1, train: bool = True,
+def packed_vs_alone(make: Callable[[], torch.nn.Module], passes: Sequence[Any], lens: Sequence[int] = (5, 9, 3), *,
+                    vocab: int = 128, seed: int = 1, train: bool = True,
                     grads: bool = True, kwargs: dict | None = None) -> PackedResult:
     import effpass
-    from effpass.passes import FuseAttention, PackSequences
 
     model = make()
     ref = copy.deepcopy(model)
@@ -52,7 +51,7 @@ def packed_vs_alone(make: Callable[[], torch.nn.Module], lens: Sequence[int] = (
     labels[pos == 0] = -100
     extra = dict(kwargs or {})
     torch._dynamo.reset()
-    compiled = effpass.compile(model, passes=list(passes) if passes is not None else [FuseAttention(), PackSequences()],
+    compiled = effpass.compile(model, passes=list(passes),
                                lowering="eager", strict=True)
     out = compiled(input_ids=ids, position_ids=pos, labels=labels, **extra)
     if grads:
