@@ -389,9 +389,12 @@ class _BoundaryHook:
         #: attention sites that compiled graphs could not isolate: (graph, site, why); a packed call raises
         self.unisolated: list[tuple[str, str, str]] = []
         self.graphs = 0  #: graphs compiled (names graphs in errors)
+        self.pending: torch.Tensor | None = None  #: positions of the call in progress, counted once it returns
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
         eager = not torch.compiler.is_compiling()
+        if eager:
+            self.pending = None
         if kwargs.get("past_key_values") is not None or kwargs.get("use_cache") is True:
             if eager:
                 _set_context(None)
@@ -450,8 +453,15 @@ class _BoundaryHook:
             # when the length changes. Inlined into an outer trace, Dynamo's automatic dynamic shapes apply.
             _mark_packed_length_dynamic(args, kwargs, pos.shape[-1])
             if torch.is_grad_enabled():  # training steps only: evaluation / generation forwards are not counted
-                self.stats.add(pos)
+                # NOTE: counted when the forward returned (after_forward): a call that raised (a site the pass
+                # could not isolate) is never reported as a packed row
+                self.pending = pos
         return args, kwargs
+
+    def after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output):
+        if self.pending is not None and not torch.compiler.is_compiling():
+            self.stats.add(self.pending)
+        self.pending = None
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -514,12 +524,14 @@ class PackSequences(effpass.Pass):
         hook = _BoundaryHook(params, accepts_kwargs, max_pos, self.require_boundaries, self.check_inputs,
                              type(model).__name__)
         handle = model.register_forward_pre_hook(hook, with_kwargs=True)
-        model._effpass_pack_hooks = [handle]
+        after = model.register_forward_hook(hook.after_forward, with_kwargs=True)
+        model._effpass_pack_hooks = [handle, after]
         model._effpass_pack_counters = hook.stats
         model._effpass_pack_hook = hook
         can_generate = getattr(model, "can_generate", None)
         hook.stats.causal_model = bool(can_generate()) if callable(can_generate) else False
         eager_hook = _run_top_level_frame_eagerly(_BoundaryHook.__call__)
+        _run_top_level_frame_eagerly(_BoundaryHook.after_forward)
         return effpass.PassResult(True, {"boundary_hook": 1, "max_positions": max_pos or 0,
                                          "position_ids_accepted": int("position_ids" in params),
                                          "length_marked_dynamic": int(eager_hook)},

@@ -547,6 +547,10 @@ def test_absolute_positions_with_several_rows_and_unisolated_sites_raise():
     assert "graph #1 (inputs" in str(e.value) and "<root>:p in" in str(e.value)
     with pytest.raises(effpass.WrongResultError, match="could not be made block-diagonal"):
         compiled(input_ids=ids, position_ids=pos)
+    model.train()  # a training call that raised is not reported as packed
+    with pytest.raises(effpass.WrongResultError):
+        compiled(input_ids=ids, position_ids=pos)
+    assert _stats(compiled)["packed_steps"] == 0
     # one row per call is isolated (the substitution), several rows of the causal-only toy need none
     model = _toy_maker("sinks")()
     torch._dynamo.reset()
