@@ -1042,7 +1042,7 @@ def _per_example_positions(graph: fx.Graph, site: fx.Node, pro: "_Prologue", cal
         if dtype == torch.long:
             subst[a] = row
         else:
-            with graph.inserting_after(a):
+            with graph.inserting_before(site):
                 subst[a] = call(torch.Tensor.to, row, dtype)
             _set_meta([subst[a]], a)
     for n in order:
@@ -1050,7 +1050,9 @@ def _per_example_positions(graph: fx.Graph, site: fx.Node, pro: "_Prologue", cal
             continue
         if _absolute_index(n, dep, pro.n_len):
             continue  # reads a per-token tensor at a token of the row: stays absolute
-        with graph.inserting_after(n):
+        # NOTE: copies go right before the site: after their inputs (ancestors of the site) and after the
+        # positions (which, read from the per-call context, may come after the original arange)
+        with graph.inserting_before(site):
             copy = graph.node_copy(n, lambda x: subst.get(x, x))
         name = copy.target if isinstance(copy.target, str) else getattr(copy.target, "__name__", "")
         if name in _INPLACE_FN:  # NOTE: never mutate the per-example positions in place

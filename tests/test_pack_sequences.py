@@ -531,6 +531,28 @@ def test_graph_without_boundary_outside_a_packed_call_is_unchanged():
     assert _stats(compiled)["boundary_from_context"] >= 1
 
 
+def test_prepared_model_inside_the_users_compiled_step_with_a_graph_break():
+    """The boundary hook traced inline into the user's own compiled function (whose inputs have other names):
+    the op that sets the per-call context is the boundary, and the graphs after the layer-drop break read it."""
+    model = _toy_maker("break")().train()
+    ref = copy.deepcopy(model)
+    effpass.prepare(model, passes=[PackSequences()])
+    torch._dynamo.reset()
+
+    @torch.compile(backend=effpass.backend_of(model))
+    def step(a, b):
+        return model(input_ids=a, position_ids=b).logits
+
+    ids, pos = _packed()
+    out = step(ids, pos)
+    s = 0
+    for i, n in enumerate(LENS):
+        _assert_rel(out[:, s:s + n], ref(input_ids=ids[:, s:s + n]).logits, 1e-5, f"example {i}")
+        s += n
+    stats = _stats(model)
+    assert stats["boundary_from_context"] >= 1 and stats["softmax_masked"] >= 2 and stats["skipped"] == 0, stats
+
+
 def test_absolute_positions_with_several_rows_and_unisolated_sites_raise():
     """Fail closed: a chunked mask from absolute positions with two packed rows (one position vector cannot
     stand for both), and an attention site left out by ``exclude``, raise WrongResultError naming the site and
