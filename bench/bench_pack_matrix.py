@@ -132,9 +132,13 @@ def run(names=None) -> list[dict]:
                        how=", ".join(f"{k} {s[k]}" for k in ("sdpa_rewritten", "softmax_masked", "sink_columns_kept",
                                                              "positions_per_example", "boundary_from_context")
                                      if s.get(k)))
-        except effpass.WrongResultError as e:
-            row.update(result="raised", reason=str(e)[:300])
         except Exception as e:  # noqa: BLE001 - the matrix records every outcome
+            inner = getattr(e, "inner_exception", e)
+            if isinstance(inner, effpass.WrongResultError):
+                row.update(result="raised", reason=str(inner).split("would attend to each other: ")[-1][:400])
+                rows.append(row)
+                print(row, flush=True)
+                continue
             row.update(result="error", reason=f"{type(e).__name__}: {str(e)[:300]}")
             traceback.print_exc()
         row["seconds"] = round(time.time() - t0, 1)

@@ -666,6 +666,7 @@ class _Prologue:
         self._anchor = anchor
         self._masks: dict[bool, fx.Node] = {}
         self._pos_row: fx.Node | None = None
+        self.batch = None  #: packed rows per call (static int, or a symbol)
 
     def mask(self, causal: bool) -> fx.Node:
         if causal not in self._masks:
@@ -699,7 +700,9 @@ class _Prologue:
         with graph.inserting_after(doc):
             pos = call(positions_of, kind, bnode, n_len_node)
         _set_meta([n_len_node, doc, pos], None)
-        return cls(graph, call, doc, pos, shape_of(src)[dim], pos)
+        pro = cls(graph, call, doc, pos, shape_of(src)[dim], pos)
+        pro.batch = shape_of(bnode)[0] if kind in ("position_ids", "seq_idx") and shape_of(bnode) else 1
+        return pro
 
     @classmethod
     def from_context(cls, graph, site, like, batch_dim, length_dim, call) -> "_Prologue":
@@ -709,8 +712,15 @@ class _Prologue:
             both = call(torch.ops.effpass.pack_context_get.default, like, batch_dim, length_dim)
             doc = call(operator.getitem, both, 0)
             pos = call(operator.getitem, both, 1)
-        _set_meta([both, doc, pos], None)
-        return cls(graph, call, doc, pos, shape_of(like)[length_dim], pos)
+        _set_meta([both], None)
+        vals = both.meta.get("example_value")
+        if isinstance(vals, (tuple, list)) and len(vals) == 2:
+            doc.meta["example_value"], pos.meta["example_value"] = vals
+        else:
+            _set_meta([doc, pos], None)
+        pro = cls(graph, call, doc, pos, shape_of(like)[length_dim], pos)
+        pro.batch = shape_of(like)[batch_dim]
+        return pro
 
 
 def _first_row(pos: torch.Tensor) -> torch.Tensor:
@@ -1024,7 +1034,7 @@ def _per_example_positions(graph: fx.Graph, site: fx.Node, pro: "_Prologue", cal
     site_ins = [a for a in site.all_input_nodes if a in dep]
     if not site_ins:
         return 0
-    batch = shape_of(pro.pos)[0] if shape_of(pro.pos) else None
+    batch = pro.batch
     if not (isinstance(batch, int) and batch == 1):
         cls = _shift_class(order, aranges, dep, pro.n_len)
         bad = [a.name for a in site_ins if cls.get(a) in ("P", "X")]
