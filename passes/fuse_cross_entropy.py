@@ -71,7 +71,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import effpass
-from effpass.graph import tensor_meta
+from effpass.graph import autocast_dtype_at, tensor_meta
 from effpass.integrations.huggingface import set_hf_loss_type  # noqa: F401  (re-exported)
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from effpass.scope import module_path_of_node
@@ -468,8 +468,6 @@ _ADD_FNS = {operator.add, torch.add}
 _TANH = {torch.tanh, torch.nn.functional.tanh}
 _NOOP_METHODS = {"float", "to", "type_as", "contiguous", "type"}
 _RESHAPE_METHODS = {"view", "reshape"}
-_ENTER = torch.amp.autocast_mode._enter_autocast
-_EXIT = torch.amp.autocast_mode._exit_autocast
 _CE_PARAMS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
 _CE_DEFAULTS = {"weight": None, "size_average": None, "ignore_index": -100, "reduce": None, "reduction": "mean",
                 "label_smoothing": 0.0}
@@ -680,23 +678,6 @@ def _replay_shape(graph: fx.Graph, op: fx.Node, src: fx.Node, vocab: int, width:
     return graph.call_function(torch.reshape, (src, tuple(shape)))
 
 
-def _autocast_dtype_at(graph: fx.Graph, node: fx.Node, device_type: str) -> torch.dtype | None:
-    """The autocast dtype in force at ``node`` (enter/exit nodes in the graph), or None."""
-    stack: list[tuple] = []
-    for n in graph.nodes:
-        if n is node:
-            break
-        if _is_fn(n, {_ENTER}):
-            dev, dtype, enabled = (list(n.args) + [None] * 3)[:3]
-            stack.append((dev, dtype, enabled))
-        elif _is_fn(n, {_EXIT}) and stack:
-            stack.pop()
-    for dev, dtype, enabled in reversed(stack):
-        if dev == device_type:
-            return dtype if enabled else None
-    return None
-
-
 def _is_quantized(w: Tensor) -> bool:
     from .quantize_linear import is_quantized
 
@@ -856,7 +837,7 @@ class FuseCrossEntropy(effpass.Pass):
             keep = True
         else:
             keep = self.keep_logits
-        dtype = _autocast_dtype_at(graph, site.proj, hv.device.type)
+        dtype = autocast_dtype_at(graph, site.proj, hv.device.type)
         compute = "" if dtype is None or hv.dtype != torch.float32 else str(dtype).removeprefix("torch.")
         budget = self.chunk_bytes or default_chunk_bytes(n_rows, vocab, hv.numel() * hv.element_size())
         new: list[fx.Node] = []
