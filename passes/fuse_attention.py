@@ -96,11 +96,13 @@ from effpass.graph import (MASK_FILL_THRESHOLD, AutocastRegions, Skip, copy_prov
 
 __all__ = ["FuseAttention"]
 
-_MATMUL_FNS = {torch.matmul, operator.matmul, torch.bmm}
-_MATMUL_METHODS = {"matmul", "bmm", "__matmul__"}
-_MUL_FNS = {torch.mul, operator.mul, torch.multiply, operator.imul}
-_DIV_FNS = {torch.div, operator.truediv, torch.true_divide, torch.divide, operator.itruediv}
-_ADD_FNS = {torch.add, operator.add, operator.iadd}
+# NOTE(canonical): the manager canonicalizes torch-IR graphs first (effpass.canonicalize): one function per op
+# (torch.matmul, torch.mul, torch.div, torch.add, torch.masked_fill, torch.transpose, torch.softmax) and in-place
+# forms out of place where no alias sees the difference. In-place forms below are the ones it had to keep.
+_MATMUL_FNS = {torch.matmul, torch.bmm}
+_MUL_FNS = {torch.mul, operator.imul}
+_DIV_FNS = {torch.div, operator.itruediv}
+_ADD_FNS = {torch.add, operator.iadd}
 #: in-place spellings (Falcon scales its scores with ``/=`` and ``*=``): same value, the input is updated
 _INPLACE = {operator.imul, operator.itruediv, operator.iadd, "mul_", "div_", "add_", "masked_fill_", "__imul__",
             "__itruediv__", "__iadd__"}
@@ -124,7 +126,7 @@ def _static(shape) -> bool:
 
 
 def _is_matmul(n: Any) -> bool:
-    return is_fn(n, _MATMUL_FNS) or is_method(n, _MATMUL_METHODS)
+    return is_fn(n, _MATMUL_FNS)
 
 
 def _is_baddbmm(n: Any) -> bool:
@@ -357,7 +359,7 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
             nxt = args[0]
         elif _is_same_shape_view(cur):
             nxt = args[0]
-        elif is_fn(cur, _MUL_FNS) or is_method(cur, {"mul", "__mul__", "mul_", "__imul__"}):
+        elif is_fn(cur, _MUL_FNS) or is_method(cur, {"mul_", "__imul__"}):
             a, b = args[0], args[1]
             nxt, c = (a, b) if isinstance(a, fx.Node) and not isinstance(b, fx.Node) else (b, a)
             if not is_number(c):
@@ -365,7 +367,7 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
             if c <= 0:
                 raise Skip(f"scale not constant positive ({c})")
             site.scale *= c
-        elif is_fn(cur, _DIV_FNS) or is_method(cur, {"div", "__truediv__", "div_", "__itruediv__"}):
+        elif is_fn(cur, _DIV_FNS) or is_method(cur, {"div_", "__itruediv__"}):
             nxt, c = args[0], args[1]
             if cur.kwargs.get("rounding_mode") is not None:
                 raise Skip("scores divided with a rounding mode")
@@ -374,7 +376,7 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
             if c <= 0:
                 raise Skip(f"scale not constant positive (1/{c})")
             site.scale /= c
-        elif is_fn(cur, _ADD_FNS) or is_method(cur, {"add", "__add__", "add_", "__iadd__"}):
+        elif is_fn(cur, _ADD_FNS) or is_method(cur, {"add_", "__iadd__"}):
             if cur.kwargs.get("alpha", 1) != 1:
                 raise Skip("scores added with alpha")
             a, b = args[0], args[1]
@@ -391,7 +393,7 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
                     site.split_terms.add(m)
             else:
                 raise Skip(f"scores added to {type(m).__name__}")
-        elif is_method(cur, {"masked_fill", "masked_fill_"}) or is_fn(cur, {torch.masked_fill}):
+        elif is_method(cur, {"masked_fill_"}) or is_fn(cur, {torch.masked_fill}):
             nxt, mask, value = args[0], _arg(cur, 1, "mask"), _arg(cur, 2, "value")
             if not _fill_value_ok(value, const):
                 raise Skip(f"masked_fill with {value!r} is not a mask (needs -inf or <= {MASK_FILL_THRESHOLD:g})")
@@ -511,7 +513,7 @@ def _strip_transpose(kt: fx.Node) -> fx.Node | None:
     if shape is None:
         return None
     nd = len(shape)
-    if is_method(kt, {"transpose"}) or is_fn(kt, {torch.transpose}):
+    if is_fn(kt, {torch.transpose}):
         d0, d1 = kt.args[1], kt.args[2]
         if isinstance(d0, int) and isinstance(d1, int) and {d0 % nd, d1 % nd} == {nd - 2, nd - 1}:
             return kt.args[0]
