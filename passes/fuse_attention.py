@@ -584,24 +584,29 @@ def _unrepeat(n: fx.Node, const: _ConstEval) -> tuple[fx.Node, int] | None:
     return None
 
 
-def _causal_allowed(site: _Site, const: _ConstEval) -> torch.Tensor | None:
-    """The combined "attend" mask when every mask term is a known constant, else None."""
+def _allowed(site: _Site, const: _ConstEval, keep_of) -> torch.Tensor | None:
+    """The combined "attend" mask when every mask term is a known constant, else None; ``keep_of(t)`` reads
+    an additive term as "attend" (None: the term is not a mask)."""
     allowed = None
-    for m, negate in site.allowed:
+    terms = [(m, negate, False) for m, negate in site.allowed] + [(m, False, True) for m, _ in site.additive]
+    for m, negate, additive in terms:
         t = _const_term(m, site, const)
         if not isinstance(t, torch.Tensor):
             return None
-        t = ~t if negate else t
+        t = keep_of(t) if additive else (~t if negate else t)
+        if t is None:
+            return None
         allowed = t if allowed is None else allowed & t
-    for m, _ in site.additive:
-        t = _const_term(m, site, const)
-        if not isinstance(t, torch.Tensor):
-            return None
-        keep, drop = t == 0, t <= MASK_FILL_THRESHOLD
-        if not bool((keep | drop).all()):
-            return None  # a real bias, not a 0 / -inf mask
-        allowed = keep if allowed is None else allowed & keep
     return allowed
+
+
+def _causal_allowed(site: _Site, const: _ConstEval) -> torch.Tensor | None:
+    """The "attend" mask when the terms are constant 0 / -inf masks (a real bias is not), else None."""
+    def keep_of(t):
+        keep, drop = t == 0, t <= MASK_FILL_THRESHOLD
+        return keep if bool((keep | drop).all()) else None
+
+    return _allowed(site, const, keep_of)
 
 
 def _const_term(m: fx.Node, site: _Site, const: _ConstEval) -> torch.Tensor | None:
@@ -626,19 +631,7 @@ def _is_causal(site: _Site, const: _ConstEval) -> bool:
 def _rows_nonempty(site: _Site, const: _ConstEval) -> bool:
     """True when the mask is a known constant in which every query row attends to at least one key
     (additive terms: a value above the mask threshold, e.g. an ALiBi bias, counts as attending)."""
-    allowed = None
-    for m, negate in site.allowed:
-        t = _const_term(m, site, const)
-        if not isinstance(t, torch.Tensor):
-            return False
-        t = ~t if negate else t
-        allowed = t if allowed is None else allowed & t
-    for m, _ in site.additive:
-        t = _const_term(m, site, const)
-        if not isinstance(t, torch.Tensor):
-            return False
-        keep = t > MASK_FILL_THRESHOLD
-        allowed = keep if allowed is None else allowed & keep
+    allowed = _allowed(site, const, lambda t: t > MASK_FILL_THRESHOLD)
     return isinstance(allowed, torch.Tensor) and allowed.dim() >= 1 and bool(allowed.any(-1).all())
 
 
