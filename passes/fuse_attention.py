@@ -87,6 +87,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from torch._inductor import pattern_matcher as pm
+
 import effpass
 from effpass.attention import masked_sdpa
 from effpass.graph import (MASK_FILL_THRESHOLD, AutocastRegions, Skip, copy_provenance, erase_dead,
@@ -527,35 +529,65 @@ def _strip_transpose(kt: fx.Node) -> fx.Node | None:
     return None
 
 
+def _repeat_kv_patterns() -> list:
+    """HF ``repeat_kv``: ``kv[:, :, None].expand(B, Hkv, r, S, D).reshape(B, H, S, D)`` and its spellings
+    (``unsqueeze(kv, 2)``; ``expand`` with a size tuple; ``view``/``torch.reshape``; sizes as a tuple)."""
+    def sizes(n):  # NOTE: one Ignored per position: a pattern object met twice must match one node
+        return [pm.Ignored() for _ in range(n)]
+
+    kv = pm.KeywordArg("kv")
+    inserts = [pm.CallMethod("unsqueeze", kv, pm.KeywordArg("dim"), _users=pm.MULTIPLE),
+               pm.CallFunction(torch.unsqueeze, kv, pm.KeywordArg("dim"), _users=pm.MULTIPLE),
+               pm.CallFunction(operator.getitem, kv, pm.KeywordArg("index"), _users=pm.MULTIPLE)]
+    expands = [pm.CallMethod("expand", ins, *sizes(k), _users=pm.MULTIPLE) for ins in inserts for k in (5, 1)]
+    return [p for e in expands for p in (
+        pm.CallMethod(["reshape", "view"], e, *sizes(4), _users=pm.MULTIPLE),
+        pm.CallMethod(["reshape", "view"], e, *sizes(1), _users=pm.MULTIPLE),
+        pm.CallFunction(torch.reshape, e, *sizes(1), _users=pm.MULTIPLE))]
+
+
+_REPEAT_KV = _repeat_kv_patterns()
+
+
+def _match_repeat_kv(n: fx.Node) -> "pm.Match | None":
+    for pattern in _REPEAT_KV:
+        m = pattern.match(n)
+        if m:
+            return m
+    return None
+
+
 def _unrepeat(n: fx.Node, const: _ConstEval) -> tuple[fx.Node, int] | None:
     """(un-repeated K or V, repeat factor) when ``n`` repeats KV heads as ``repeat_interleave`` does."""
     shape = shape_of(n)
     if shape is None or len(shape) != 4:
         return None
     B, H, S, D = shape
-    # expand + reshape (HF repeat_kv), with the new axis right after the heads
-    if (is_method(n, {"reshape", "view"}) or is_fn(n, {torch.reshape})) and isinstance(n.args[0], fx.Node):
-        x = n.args[0]
-        xs = shape_of(x)
-        if is_method(x, {"expand"}) and xs is not None and len(xs) == 5:
-            y = x.args[0]
-            ys = shape_of(y)
-            if ys is None or len(ys) != 5 or ys[2] != 1 or ys[:2] + ys[3:] != xs[:2] + xs[3:]:
+    # expand + reshape (HF repeat_kv), with the new axis right after the heads: the fixed shape of the
+    # pattern by torch's pattern matcher, the axis and shapes as its extra check
+    m = _match_repeat_kv(n)
+    if m is not None:
+        z, x, y = m.kwargs["kv"], n.args[0], n.args[0].args[0]
+        xs, ys = shape_of(x), shape_of(y)
+        if xs is None or ys is None or len(xs) != 5 or len(ys) != 5:
+            return None
+        if ys[2] != 1 or ys[:2] + ys[3:] != xs[:2] + xs[3:]:
+            return None
+        if xs[0] != B or xs[1] * xs[2] != H or xs[3:] != (S, D):
+            return None
+        if "dim" in m.kwargs:
+            if not (isinstance(m.kwargs["dim"], int) and m.kwargs["dim"] % 5 == 2):
                 return None
-            if xs[0] != B or xs[1] * xs[2] != H or xs[3:] != (S, D):
+        else:
+            idx = m.kwargs["index"]
+            idx = idx if isinstance(idx, tuple) else (idx,)
+            full = all(i is None or i is Ellipsis or i == slice(None) for i in idx)
+            if not (full and sum(i is None for i in idx) == 1 and Ellipsis not in idx and idx.index(None) == 2):
                 return None
-            z = None
-            if is_method(y, {"unsqueeze"}) or is_fn(y, {torch.unsqueeze}):
-                d = y.args[1] if len(y.args) > 1 else y.kwargs.get("dim")
-                if isinstance(d, int) and d % 5 == 2:
-                    z = y.args[0]
-            elif is_fn(y, {operator.getitem}):
-                idx = y.args[1] if isinstance(y.args[1], tuple) else (y.args[1],)
-                full = all(i is None or i is Ellipsis or i == slice(None) for i in idx)
-                if full and sum(i is None for i in idx) == 1 and Ellipsis not in idx and idx.index(None) == 2:
-                    z = y.args[0]
-            if z is not None and shape_of(z) == (B, xs[1], S, D):
-                return z, xs[2]
+        if shape_of(z) == (B, xs[1], S, D):
+            return z, xs[2]
+        return None
+    if is_method(n, {"reshape", "view"}) or is_fn(n, {torch.reshape}):
         return None
     # repeat_interleave(r, dim=1)
     if is_method(n, {"repeat_interleave"}) or is_fn(n, {torch.repeat_interleave}):
