@@ -376,12 +376,22 @@ class AutocastRegions:
     def __init__(self, graph: fx.Graph):
         self.stack_at: dict[fx.Node, tuple] = {}
         stack: list[fx.Node] = []
+        #: every exit closes an open region and every region is closed by the end of the graph
+        self.balanced = True
         for n in graph.nodes:
             self.stack_at[n] = tuple(stack)
             if is_autocast_enter(n):
                 stack.append(n)
-            elif is_autocast_exit(n) and stack:
-                stack.pop()
+            elif is_autocast_exit(n):
+                if stack:
+                    stack.pop()
+                else:
+                    self.balanced = False
+        self.balanced = self.balanced and not stack
+
+    def inside(self, node: fx.Node) -> bool:
+        """Whether ``node`` runs inside a region recorded in the graph (not counting the outer autocast)."""
+        return bool(self.stack_at.get(node))
 
     def dtype_at(self, node: fx.Node, device_type: str) -> torch.dtype | None:
         """The autocast dtype ``node`` runs under on ``device_type``, or None when autocast is off there."""

@@ -200,6 +200,8 @@ class PassManager:
         for inst in self.instruments:
             inst.graph_input(report, graph_kind, gm)
         changed_any = False
+        if phase is Phase.TORCH_IR:
+            changed_any = self._canonicalize(gm, report)
         done: list[str] = []
         for p in passes:
             model = ctx_kwargs.get("model")
@@ -209,6 +211,25 @@ class PassManager:
             changed_any |= self._run_hook(p, phase, gm, ctx, report, done)
             done.append(p.name)
         return changed_any
+
+    def _canonicalize(self, gm: fx.GraphModule, report: GraphReport) -> bool:
+        """One spelling per op before the torch-IR passes match (:mod:`effpass.canonicalize`); on any error the
+        graph is restored and the passes see it as Dynamo made it (strict: raise)."""
+        from .canonicalize import canonicalize
+
+        snapshot = snapshot_graph(gm.graph)
+        try:
+            stats = canonicalize(gm)
+        except Exception as e:
+            if self.strict:
+                raise EffpassPassError(f"canonicalizing {report.graph_id} failed: {type(e).__name__}: {e}") from e
+            restore_graph(gm.graph, snapshot)
+            gm.recompile()
+            warnings.warn(f"effpass: canonicalizing {report.graph_id} failed, the torch-IR passes see the graph as "
+                          f"Dynamo made it. Reason: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
+            return False
+        report.notes["canonicalized"] = stats
+        return any(v for k, v in stats.items() if k != "inplace_kept")
 
     def _run_hook(self, p: Pass, phase: Phase, gm: fx.GraphModule, ctx: PassContext, report: GraphReport,
                   done: list[str]) -> bool:

@@ -87,6 +87,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from torch._inductor import pattern_matcher as pm
+
 import effpass
 from effpass.attention import masked_sdpa
 from effpass.graph import (MASK_FILL_THRESHOLD, AutocastRegions, Skip, copy_provenance, erase_dead,
@@ -96,11 +98,13 @@ from effpass.graph import (MASK_FILL_THRESHOLD, AutocastRegions, Skip, copy_prov
 
 __all__ = ["FuseAttention"]
 
-_MATMUL_FNS = {torch.matmul, operator.matmul, torch.bmm}
-_MATMUL_METHODS = {"matmul", "bmm", "__matmul__"}
-_MUL_FNS = {torch.mul, operator.mul, torch.multiply, operator.imul}
-_DIV_FNS = {torch.div, operator.truediv, torch.true_divide, torch.divide, operator.itruediv}
-_ADD_FNS = {torch.add, operator.add, operator.iadd}
+# NOTE(canonical): the manager canonicalizes torch-IR graphs first (effpass.canonicalize): one function per op
+# (torch.matmul, torch.mul, torch.div, torch.add, torch.masked_fill, torch.transpose, torch.softmax) and in-place
+# forms out of place where no alias sees the difference. In-place forms below are the ones it had to keep.
+_MATMUL_FNS = {torch.matmul, torch.bmm}
+_MUL_FNS = {torch.mul, operator.imul}
+_DIV_FNS = {torch.div, operator.itruediv}
+_ADD_FNS = {torch.add, operator.iadd}
 #: in-place spellings (Falcon scales its scores with ``/=`` and ``*=``): same value, the input is updated
 _INPLACE = {operator.imul, operator.itruediv, operator.iadd, "mul_", "div_", "add_", "masked_fill_", "__imul__",
             "__itruediv__", "__iadd__"}
@@ -124,7 +128,7 @@ def _static(shape) -> bool:
 
 
 def _is_matmul(n: Any) -> bool:
-    return is_fn(n, _MATMUL_FNS) or is_method(n, _MATMUL_METHODS)
+    return is_fn(n, _MATMUL_FNS)
 
 
 def _is_baddbmm(n: Any) -> bool:
@@ -357,7 +361,7 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
             nxt = args[0]
         elif _is_same_shape_view(cur):
             nxt = args[0]
-        elif is_fn(cur, _MUL_FNS) or is_method(cur, {"mul", "__mul__", "mul_", "__imul__"}):
+        elif is_fn(cur, _MUL_FNS) or is_method(cur, {"mul_", "__imul__"}):
             a, b = args[0], args[1]
             nxt, c = (a, b) if isinstance(a, fx.Node) and not isinstance(b, fx.Node) else (b, a)
             if not is_number(c):
@@ -365,7 +369,7 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
             if c <= 0:
                 raise Skip(f"scale not constant positive ({c})")
             site.scale *= c
-        elif is_fn(cur, _DIV_FNS) or is_method(cur, {"div", "__truediv__", "div_", "__itruediv__"}):
+        elif is_fn(cur, _DIV_FNS) or is_method(cur, {"div_", "__itruediv__"}):
             nxt, c = args[0], args[1]
             if cur.kwargs.get("rounding_mode") is not None:
                 raise Skip("scores divided with a rounding mode")
@@ -374,7 +378,7 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
             if c <= 0:
                 raise Skip(f"scale not constant positive (1/{c})")
             site.scale /= c
-        elif is_fn(cur, _ADD_FNS) or is_method(cur, {"add", "__add__", "add_", "__iadd__"}):
+        elif is_fn(cur, _ADD_FNS) or is_method(cur, {"add_", "__iadd__"}):
             if cur.kwargs.get("alpha", 1) != 1:
                 raise Skip("scores added with alpha")
             a, b = args[0], args[1]
@@ -391,7 +395,7 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
                     site.split_terms.add(m)
             else:
                 raise Skip(f"scores added to {type(m).__name__}")
-        elif is_method(cur, {"masked_fill", "masked_fill_"}) or is_fn(cur, {torch.masked_fill}):
+        elif is_method(cur, {"masked_fill_"}) or is_fn(cur, {torch.masked_fill}):
             nxt, mask, value = args[0], _arg(cur, 1, "mask"), _arg(cur, 2, "value")
             if not _fill_value_ok(value, const):
                 raise Skip(f"masked_fill with {value!r} is not a mask (needs -inf or <= {MASK_FILL_THRESHOLD:g})")
@@ -511,7 +515,7 @@ def _strip_transpose(kt: fx.Node) -> fx.Node | None:
     if shape is None:
         return None
     nd = len(shape)
-    if is_method(kt, {"transpose"}) or is_fn(kt, {torch.transpose}):
+    if is_fn(kt, {torch.transpose}):
         d0, d1 = kt.args[1], kt.args[2]
         if isinstance(d0, int) and isinstance(d1, int) and {d0 % nd, d1 % nd} == {nd - 2, nd - 1}:
             return kt.args[0]
@@ -525,35 +529,65 @@ def _strip_transpose(kt: fx.Node) -> fx.Node | None:
     return None
 
 
+def _repeat_kv_patterns() -> list:
+    """HF ``repeat_kv``: ``kv[:, :, None].expand(B, Hkv, r, S, D).reshape(B, H, S, D)`` and its spellings
+    (``unsqueeze(kv, 2)``; ``expand`` with a size tuple; ``view``/``torch.reshape``; sizes as a tuple)."""
+    def sizes(n):  # NOTE: one Ignored per position: a pattern object met twice must match one node
+        return [pm.Ignored() for _ in range(n)]
+
+    kv = pm.KeywordArg("kv")
+    inserts = [pm.CallMethod("unsqueeze", kv, pm.KeywordArg("dim"), _users=pm.MULTIPLE),
+               pm.CallFunction(torch.unsqueeze, kv, pm.KeywordArg("dim"), _users=pm.MULTIPLE),
+               pm.CallFunction(operator.getitem, kv, pm.KeywordArg("index"), _users=pm.MULTIPLE)]
+    expands = [pm.CallMethod("expand", ins, *sizes(k), _users=pm.MULTIPLE) for ins in inserts for k in (5, 1)]
+    return [p for e in expands for p in (
+        pm.CallMethod(["reshape", "view"], e, *sizes(4), _users=pm.MULTIPLE),
+        pm.CallMethod(["reshape", "view"], e, *sizes(1), _users=pm.MULTIPLE),
+        pm.CallFunction(torch.reshape, e, *sizes(1), _users=pm.MULTIPLE))]
+
+
+_REPEAT_KV = _repeat_kv_patterns()
+
+
+def _match_repeat_kv(n: fx.Node) -> "pm.Match | None":
+    for pattern in _REPEAT_KV:
+        m = pattern.match(n)
+        if m:
+            return m
+    return None
+
+
 def _unrepeat(n: fx.Node, const: _ConstEval) -> tuple[fx.Node, int] | None:
     """(un-repeated K or V, repeat factor) when ``n`` repeats KV heads as ``repeat_interleave`` does."""
     shape = shape_of(n)
     if shape is None or len(shape) != 4:
         return None
     B, H, S, D = shape
-    # expand + reshape (HF repeat_kv), with the new axis right after the heads
-    if (is_method(n, {"reshape", "view"}) or is_fn(n, {torch.reshape})) and isinstance(n.args[0], fx.Node):
-        x = n.args[0]
-        xs = shape_of(x)
-        if is_method(x, {"expand"}) and xs is not None and len(xs) == 5:
-            y = x.args[0]
-            ys = shape_of(y)
-            if ys is None or len(ys) != 5 or ys[2] != 1 or ys[:2] + ys[3:] != xs[:2] + xs[3:]:
+    # expand + reshape (HF repeat_kv), with the new axis right after the heads: the fixed shape of the
+    # pattern by torch's pattern matcher, the axis and shapes as its extra check
+    m = _match_repeat_kv(n)
+    if m is not None:
+        z, x, y = m.kwargs["kv"], n.args[0], n.args[0].args[0]
+        xs, ys = shape_of(x), shape_of(y)
+        if xs is None or ys is None or len(xs) != 5 or len(ys) != 5:
+            return None
+        if ys[2] != 1 or ys[:2] + ys[3:] != xs[:2] + xs[3:]:
+            return None
+        if xs[0] != B or xs[1] * xs[2] != H or xs[3:] != (S, D):
+            return None
+        if "dim" in m.kwargs:
+            if not (isinstance(m.kwargs["dim"], int) and m.kwargs["dim"] % 5 == 2):
                 return None
-            if xs[0] != B or xs[1] * xs[2] != H or xs[3:] != (S, D):
+        else:
+            idx = m.kwargs["index"]
+            idx = idx if isinstance(idx, tuple) else (idx,)
+            full = all(i is None or i is Ellipsis or i == slice(None) for i in idx)
+            if not (full and sum(i is None for i in idx) == 1 and Ellipsis not in idx and idx.index(None) == 2):
                 return None
-            z = None
-            if is_method(y, {"unsqueeze"}) or is_fn(y, {torch.unsqueeze}):
-                d = y.args[1] if len(y.args) > 1 else y.kwargs.get("dim")
-                if isinstance(d, int) and d % 5 == 2:
-                    z = y.args[0]
-            elif is_fn(y, {operator.getitem}):
-                idx = y.args[1] if isinstance(y.args[1], tuple) else (y.args[1],)
-                full = all(i is None or i is Ellipsis or i == slice(None) for i in idx)
-                if full and sum(i is None for i in idx) == 1 and Ellipsis not in idx and idx.index(None) == 2:
-                    z = y.args[0]
-            if z is not None and shape_of(z) == (B, xs[1], S, D):
-                return z, xs[2]
+        if shape_of(z) == (B, xs[1], S, D):
+            return z, xs[2]
+        return None
+    if is_method(n, {"reshape", "view"}) or is_fn(n, {torch.reshape}):
         return None
     # repeat_interleave(r, dim=1)
     if is_method(n, {"repeat_interleave"}) or is_fn(n, {torch.repeat_interleave}):
@@ -582,24 +616,29 @@ def _unrepeat(n: fx.Node, const: _ConstEval) -> tuple[fx.Node, int] | None:
     return None
 
 
-def _causal_allowed(site: _Site, const: _ConstEval) -> torch.Tensor | None:
-    """The combined "attend" mask when every mask term is a known constant, else None."""
+def _allowed(site: _Site, const: _ConstEval, keep_of) -> torch.Tensor | None:
+    """The combined "attend" mask when every mask term is a known constant, else None; ``keep_of(t)`` reads
+    an additive term as "attend" (None: the term is not a mask)."""
     allowed = None
-    for m, negate in site.allowed:
+    terms = [(m, negate, False) for m, negate in site.allowed] + [(m, False, True) for m, _ in site.additive]
+    for m, negate, additive in terms:
         t = _const_term(m, site, const)
         if not isinstance(t, torch.Tensor):
             return None
-        t = ~t if negate else t
+        t = keep_of(t) if additive else (~t if negate else t)
+        if t is None:
+            return None
         allowed = t if allowed is None else allowed & t
-    for m, _ in site.additive:
-        t = _const_term(m, site, const)
-        if not isinstance(t, torch.Tensor):
-            return None
-        keep, drop = t == 0, t <= MASK_FILL_THRESHOLD
-        if not bool((keep | drop).all()):
-            return None  # a real bias, not a 0 / -inf mask
-        allowed = keep if allowed is None else allowed & keep
     return allowed
+
+
+def _causal_allowed(site: _Site, const: _ConstEval) -> torch.Tensor | None:
+    """The "attend" mask when the terms are constant 0 / -inf masks (a real bias is not), else None."""
+    def keep_of(t):
+        keep, drop = t == 0, t <= MASK_FILL_THRESHOLD
+        return keep if bool((keep | drop).all()) else None
+
+    return _allowed(site, const, keep_of)
 
 
 def _const_term(m: fx.Node, site: _Site, const: _ConstEval) -> torch.Tensor | None:
@@ -624,19 +663,7 @@ def _is_causal(site: _Site, const: _ConstEval) -> bool:
 def _rows_nonempty(site: _Site, const: _ConstEval) -> bool:
     """True when the mask is a known constant in which every query row attends to at least one key
     (additive terms: a value above the mask threshold, e.g. an ALiBi bias, counts as attending)."""
-    allowed = None
-    for m, negate in site.allowed:
-        t = _const_term(m, site, const)
-        if not isinstance(t, torch.Tensor):
-            return False
-        t = ~t if negate else t
-        allowed = t if allowed is None else allowed & t
-    for m, _ in site.additive:
-        t = _const_term(m, site, const)
-        if not isinstance(t, torch.Tensor):
-            return False
-        keep = t > MASK_FILL_THRESHOLD
-        allowed = keep if allowed is None else allowed & keep
+    allowed = _allowed(site, const, lambda t: t > MASK_FILL_THRESHOLD)
     return isinstance(allowed, torch.Tensor) and allowed.dim() >= 1 and bool(allowed.any(-1).all())
 
 

@@ -289,8 +289,9 @@ def test_unknown_option_is_the_parse_options_error(name):
 
 
 def test_fuse_attention_misspelt_option():
-    with pytest.raises(ValueError, match=r"unknown option 'kernal' for pass 'fuse_attention' \(did you mean 'kernel'"):
-        FuseAttention(kernal="x")
+    with pytest.raises(ValueError, match=r"unknown option 'prove_casual' for pass 'fuse_attention' \(did you mean "
+                                         r"'prove_causal'"):
+        FuseAttention(prove_casual=True)
 
 
 def test_report_stats_of_an_unknown_pass_names_the_valid_ones():
