@@ -1,0 +1,160 @@
+"""shard_sequence: Ulysses sequence parallelism on gloo ranks equals one process on the whole batch.
+
+Ranks are spawned with ``torch.multiprocessing``; each computes the single-process reference itself (same
+seed, whole batch, no pass) and writes the comparison to a file the test reads back. Each scenario checks
+several families at once to keep the file short on 2 cores.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import effpass
+from effpass.passes import ShardSequence
+
+VOCAB = 96
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, scenario, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = globals()[f"scenario_{scenario}"](rank, world)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(scenario: str, world: int, tmp_path) -> list[dict]:
+    mp.spawn(_worker, args=(world, _free_port(), scenario, str(tmp_path)), nprocs=world, join=True)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+# -- models -------------------------------------------------------------------------------------------
+def make_model(family: str, *, attn: str = "eager", layers: int = 2, heads: int = 4, kv_heads: int = 2,
+               seed: int = 0):
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                  bos_token_id=0, eos_token_id=0, pad_token_id=0, use_cache=False)
+    cfg_cls, model_cls, extra = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}),
+        "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 5}),
+        "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {}),
+    }[family]
+    torch.manual_seed(seed)
+    cfg = getattr(tf, cfg_cls)(**common, **extra)
+    cfg._attn_implementation = attn
+    return getattr(tf, model_cls)(cfg).float()
+
+
+def batch(seed: int, b: int = 2, s: int = 16, packed: bool = False) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (b, s), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100                              # some ignored tokens
+    out = {"input_ids": ids, "labels": labels}
+    if packed:                                        # one row, examples of 5, 7 and 4 tokens (packed)
+        ids = ids[:1]
+        pos = torch.cat([torch.arange(n) for n in (5, 7, 4)])[None]
+        labels = ids.clone()
+        labels[0, [0, 5, 12]] = -100                 # DataCollatorWithFlattening's boundary labels
+        out = {"input_ids": ids, "labels": labels, "position_ids": pos}
+    return out
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _compare(family, rank, world, sp, *, attn="eager", kv_heads=2, packed=False, compile_=True, passes=()):
+    dp = world // sp
+    data_index = rank // sp
+    # reference: one process, the whole global batch (every data group's batch) in one call
+    ref = make_model(family, attn=attn, kv_heads=kv_heads)
+    batches = [batch(100 + d, packed=packed) for d in range(dp)]
+    full = {k: torch.cat([b_[k] for b_ in batches]) for k in batches[0]}
+    if packed:       # packed rows cannot be concatenated into one call: sum the per-group losses instead
+        ref_loss = sum(ref(**b_).loss for b_ in batches) / dp
+    else:
+        ref_loss = ref(**full).loss
+    ref_loss.backward()
+    want = _grads(ref)
+
+    model = make_model(family, attn=attn, kv_heads=kv_heads)
+    ps = [ShardSequence(size=sp), *passes]
+    if compile_:
+        effpass.compile(model, passes=ps, lowering="eager")
+    else:
+        effpass.prepare(model, passes=ps)
+    stats = effpass.report(model).stats("shard_sequence")
+    loss = model(**batches[data_index]).loss
+    loss.backward()
+    got = _grads(model)
+    loss_ref_group = (ref_loss if dp == 1 else None)
+    rels = {n: _rel(got[n], want[n]) for n in want}
+    return {"family": family, "loss": float(loss), "ref_loss": float(ref_loss),
+            "group_loss_ref": float(loss_ref_group) if loss_ref_group is not None else None,
+            "max_grad_rel": max(rels.values()), "worst": max(rels, key=rels.get),
+            "missing": sorted(set(want) - set(got)), "stats": {k: v for k, v in stats.items()
+                                                               if isinstance(v, (int, float, str))}}
+
+
+def scenario_sp2(rank, world):
+    out = [_compare("llama", rank, world, 2),                         # GQA 4 heads / 2 kv heads
+           _compare("qwen3", rank, world, 2, attn="sdpa"),            # q/k norms, SDPA
+           _compare("mistral", rank, world, 2, kv_heads=1),           # sliding window; 1 kv head replicated
+           _compare("llama", rank, world, 2, packed=True, attn="sdpa")]   # packed boundaries from position_ids
+    return out
+
+
+def scenario_dp2_sp2(rank, world):
+    return [_compare("llama", rank, world, 2), _compare("qwen3", rank, world, 2, attn="sdpa")]
+
+
+@pytest.mark.timeout(600)
+def test_shard_sequence_two_ranks_equal_one_process(tmp_path):
+    results = spawn("sp2", 2, tmp_path)
+    for per_rank in results:
+        for r in per_rank:
+            assert r["missing"] == [], r
+            assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * abs(r["ref_loss"]), r
+            assert r["max_grad_rel"] <= 1e-5, r
+            assert r["stats"]["size"] == 2 and r["stats"]["attention_modules"] == 2
+    assert results[0][2]["stats"]["kv_replication"] == 2          # mistral: 1 kv head over 2 ranks
+    assert results[0][0]["stats"]["kv_replication"] == 1
+
+
+@pytest.mark.timeout(600)
+def test_shard_sequence_data2_x_sequence2_equals_one_process(tmp_path):
+    results = spawn("dp2_sp2", 4, tmp_path)
+    for per_rank in results:
+        for r in per_rank:
+            assert r["max_grad_rel"] <= 1e-5, r
+            assert r["stats"]["data_parallel"] == 2
+    # ranks of one sequence group return the same loss (their group's unsplit loss); the data mean is the
+    # whole-batch loss
+    for i in range(2):
+        assert results[0][i]["loss"] == pytest.approx(results[1][i]["loss"], rel=1e-6)
+        mean = (results[0][i]["loss"] + results[2][i]["loss"]) / 2
+        assert mean == pytest.approx(results[0][i]["ref_loss"], rel=1e-5)
