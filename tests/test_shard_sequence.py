@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ import effpass
 from effpass.passes import ShardSequence
 
 VOCAB = 96
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _free_port() -> int:
@@ -80,7 +83,12 @@ def batch(seed: int, b: int = 2, s: int = 16, packed: bool = False) -> dict:
 
 
 def _grads(model) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    out = {}
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad   # FSDP2: DTensor shards
+            out[n] = g.detach().clone()
+    return out
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -129,7 +137,10 @@ def scenario_sp2(rank, world):
 
 
 def scenario_dp2_sp2(rank, world):
-    return [_compare("llama", rank, world, 2), _compare("qwen3", rank, world, 2, attn="sdpa")]
+    from effpass.passes import WrapFSDP
+
+    return [_compare("llama", rank, world, 2),
+            _compare("qwen3", rank, world, 2, attn="sdpa", passes=(WrapFSDP(),))]   # FSDP2 over all 4 ranks
 
 
 @pytest.mark.timeout(600)
@@ -158,3 +169,31 @@ def test_shard_sequence_data2_x_sequence2_equals_one_process(tmp_path):
         assert results[0][i]["loss"] == pytest.approx(results[1][i]["loss"], rel=1e-6)
         mean = (results[0][i]["loss"] + results[2][i]["loss"]) / 2
         assert mean == pytest.approx(results[0][i]["ref_loss"], rel=1e-5)
+
+
+def _torchrun(args, check=True):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "examples", "train_sequence_parallel.py"), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=400,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"})
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.timeout(900)
+def test_shard_sequence_with_fsdp_killed_rank_resumes_to_the_same_weights(tmp_path):
+    """sp=2 + FSDP2 under torchrun: rank 1 dies at step 3, the relaunch resumes from step 2 and ends equal."""
+    common = ["--sp", "2", "--steps", "4", "--ckpt-every", "2", "--seq", "32"]
+    ref = _torchrun([*common, "--out", str(tmp_path / "ref.pt")])
+    ckpt = tmp_path / "ckpt"
+    crashed = _torchrun([*common, "--ckpt-dir", str(ckpt), "--fail-at-step", "3"], check=False)
+    assert crashed.returncode != 0 and (ckpt / "failed_once").exists() and not (ckpt / "step_4").exists()
+    resumed = _torchrun([*common, "--ckpt-dir", str(ckpt), "--fail-at-step", "3", "--out", str(tmp_path / "b.pt")])
+    assert "resumed from" in resumed.stdout and "step_2" in resumed.stdout
+    a, b = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "b.pt")
+    assert a.keys() == b.keys() and len(a) > 10
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    tail = lambda out: [l for l in out.splitlines() if l.startswith("step 3 ")]  # noqa: E731
+    assert tail(ref.stdout) == tail(resumed.stdout) != []
