@@ -95,11 +95,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def _compare(family, rank, world, sp, *, attn="eager", kv_heads=2, packed=False, compile_=True, passes=()):
+def _compare(family, rank, world, sp, *, attn="eager", kv_heads=2, packed=False, compile_=True, passes=(),
+             ref_passes=()):
     dp = world // sp
     data_index = rank // sp
     # reference: one process, the whole global batch (every data group's batch) in one call
     ref = make_model(family, attn=attn, kv_heads=kv_heads)
+    if ref_passes:
+        torch.manual_seed(1)
+        effpass.compile(ref, passes=list(ref_passes), lowering="eager")
     batches = [batch(100 + d, packed=packed) for d in range(dp)]
     full = {k: torch.cat([b_[k] for b_ in batches]) for k in batches[0]}
     if packed:       # packed rows cannot be concatenated into one call: sum the per-group losses instead
@@ -111,6 +115,7 @@ def _compare(family, rank, world, sp, *, attn="eager", kv_heads=2, packed=False,
 
     model = make_model(family, attn=attn, kv_heads=kv_heads)
     ps = [ShardSequence(size=sp), *passes]
+    torch.manual_seed(1)
     if compile_:
         effpass.compile(model, passes=ps, lowering="eager")
     else:
@@ -189,6 +194,18 @@ def scenario_sp2(rank, world):
            _compare("mistral", rank, world, 2, kv_heads=1),           # sliding window; 1 kv head replicated
            _compare("llama", rank, world, 2, packed=True, attn="sdpa")]   # packed boundaries from position_ids
     return out + [_errors(rank, world), _memory(rank, world)]
+
+
+def scenario_compose(rank, world):
+    from effpass.passes import CheckpointActivations, FuseAttention, FuseCrossEntropy, InjectLoRA
+
+    lora = lambda: InjectLoRA(rank=4, alpha=8, targets=["*.q_proj", "*.v_proj"])  # noqa: E731
+    out = []
+    for name, ps in [("fused", (FuseAttention(), FuseCrossEntropy(), CheckpointActivations())), ("lora", (lora(),))]:
+        r = _compare("llama", rank, world, 2, passes=ps, ref_passes=ps if name == "lora" else ())
+        r["name"] = name
+        out.append(r)
+    return out
 
 
 def scenario_dp2_sp2(rank, world):
