@@ -3,7 +3,7 @@
 Each sp runs as its own ``torchrun``-style job (``python -m torch.distributed.run --nproc-per-node sp``), one
 after the other, in one invocation, so the ratios are measured under one load.
 
-* CPU (gloo, no GPU here): a small Llama (2 layers, hidden 128, 8 heads / 2 key-value heads, vocabulary
+* CPU (gloo, no GPU here): a small Llama (2 layers, hidden 64, 8 heads / 2 key-value heads, vocabulary
   8192), SDPA attention, fp32, ``lowering="eager"``, one sequence of ``--seq`` tokens (default 8192), every
   rank single-threaded (``OMP_NUM_THREADS=1``). Peak = bytes allocated during one warm forward + backward
   (``effpass.testing.memory.peak_memory``: torch.profiler's allocator events), plus the bytes of the
@@ -41,7 +41,7 @@ def _model(device: str):
                              num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=262144,
                              tie_word_embeddings=True)
     else:
-        cfg = tf.LlamaConfig(vocab_size=8192, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        cfg = tf.LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=65536)
     cfg.use_cache = False
     cfg._attn_implementation = "sdpa"
@@ -125,7 +125,7 @@ def main():
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--sp", default=None, help="comma-separated sizes (default: 1,2,4 on CPU; 1,2,4,8 on GPU)")
     ap.add_argument("--seq", type=int, default=None)
-    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="GPU bf16 dense peak (H100 SXM: 989)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--worker", action="store_true")

@@ -126,10 +126,14 @@ def _compare(family, rank, world, sp, *, attn="eager", kv_heads=2, packed=False,
     got = _grads(model)
     loss_ref_group = (ref_loss if dp == 1 else None)
     rels = {n: _rel(got[n], want[n]) for n in want}
+    report = effpass.report(model)
+    pass_stats = {p.name: {k: v for k, v in report.stats(p.name).items() if isinstance(v, (int, float))}
+                  for p in passes}
     return {"family": family, "loss": float(loss), "ref_loss": float(ref_loss),
             "group_loss_ref": float(loss_ref_group) if loss_ref_group is not None else None,
             "max_grad_rel": max(rels.values()), "worst": max(rels, key=rels.get),
-            "missing": sorted(set(want) - set(got)), "stats": {k: v for k, v in stats.items()
+            "missing": sorted(set(want) - set(got)), "graphs": len(report.graphs), "pass_stats": pass_stats,
+            "stats": {k: v for k, v in stats.items()
                                                                if isinstance(v, (int, float, str))}}
 
 
@@ -193,7 +197,7 @@ def scenario_sp2(rank, world):
            _compare("qwen3", rank, world, 2, attn="sdpa"),            # q/k norms, SDPA
            _compare("mistral", rank, world, 2, kv_heads=1),           # sliding window; 1 kv head replicated
            _compare("llama", rank, world, 2, packed=True, attn="sdpa")]   # packed boundaries from position_ids
-    return out + [_errors(rank, world), _memory(rank, world)]
+    return out + scenario_compose(rank, world) + [_errors(rank, world), _memory(rank, world)]
 
 
 def scenario_compose(rank, world):
@@ -211,8 +215,12 @@ def scenario_compose(rank, world):
 def scenario_dp2_sp2(rank, world):
     from effpass.passes import WrapFSDP
 
+    from effpass.passes.shard_sequence import build_sequence_mesh, sequence_parallel_sampler
+
+    sampler = sequence_parallel_sampler(list(range(8)), build_sequence_mesh(2), shuffle=False)
     return [_compare("llama", rank, world, 2),
-            _compare("qwen3", rank, world, 2, attn="sdpa", passes=(WrapFSDP(),))]   # FSDP2 over all 4 ranks
+            _compare("qwen3", rank, world, 2, attn="sdpa", passes=(WrapFSDP(),)),   # FSDP2 over all 4 ranks
+            {"sampler": list(sampler)}]
 
 
 def test_shard_sequence_two_ranks_equal_one_process(tmp_path):
@@ -227,8 +235,14 @@ def test_shard_sequence_two_ranks_equal_one_process(tmp_path):
     # each rank's activation memory at sp=2 is at most 0.6x one process on the whole sequence
     for r in results:
         assert r[-1]["sp"] <= 0.6 * r[-1]["single"], r[-1]
+    fused, lora = results[0][4], results[0][5]
+    assert fused["pass_stats"]["fuse_attention"]["fused"] == 2, fused            # the other passes acted
+    assert fused["pass_stats"]["fuse_cross_entropy"]["fused"] == 1, fused
+    assert fused["pass_stats"]["checkpoint_activations"]["blocks"] == 2, fused
+    assert lora["pass_stats"]["inject_lora"]["adapters"] == 4, lora
     for per_rank in results:
         for r in per_rank[:-2]:
+            assert r["graphs"] == 1, r                                      # no graph break around the all-to-alls
             assert r["missing"] == [], r
             assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * abs(r["ref_loss"]), r
             assert r["max_grad_rel"] <= 1e-5, r
@@ -239,8 +253,11 @@ def test_shard_sequence_two_ranks_equal_one_process(tmp_path):
 
 def test_shard_sequence_data2_x_sequence2_equals_one_process(tmp_path):
     results = spawn("dp2_sp2", 4, tmp_path)
+    # the sampler gives both ranks of a sequence group the same examples, the two groups different ones
+    samples = [r[-1]["sampler"] for r in results]
+    assert samples[0] == samples[1] == [0, 2, 4, 6] and samples[2] == samples[3] == [1, 3, 5, 7]
     for per_rank in results:
-        for r in per_rank:
+        for r in per_rank[:-1]:
             assert r["max_grad_rel"] <= 1e-5, r
             assert r["stats"]["data_parallel"] == 2
     # ranks of one sequence group return the same loss (their group's unsplit loss); the data mean is the
