@@ -49,6 +49,13 @@ from .export import export_onnx  # noqa: E402
 from .planning import estimate_memory, plan_memory, MemoryBudgetError  # noqa: E402
 
 
+def verify(model, example_inputs, passes=None, **kwargs):
+    """Check a pipeline against reference semantics on ``model`` (see :mod:`effpass.verification`)."""
+    from .verification import verify as _verify
+
+    return _verify(model, example_inputs, passes, **kwargs)
+
+
 
 def __getattr__(name: str):
     """Helpers that passes register (``effpass.loss_scaler``, ``effpass.lora``), loaded on first use."""
@@ -66,5 +73,5 @@ __all__ = [
     "PipelineError", "EffpassPassError", "WrongResultError", "TargetMatchError", "PassOptionError", "reserved_pass_names",
     "register_extension", "register_command", "register_cacheable_function", "export_onnx",
     "estimate_memory", "plan_memory",
-    "MemoryBudgetError",
+    "MemoryBudgetError", "verify",
 ]

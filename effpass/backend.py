@@ -556,13 +556,28 @@ class _CompiledCall:
         self.fn, self.backend = fn, backend
         #: callables run (once, eagerly) before the first call: integrations' checks of the caller
         self.first_call_checks: list = []
+        #: callables ``check(args, kwargs)`` run (once, eagerly) on the first call's inputs (``verify=True``);
+        #: one may return a new compiled call to run instead (the model compiled again without a pass)
+        self.first_input_checks: list = []
 
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():
             self._compiled_again()
         if self.first_call_checks:
             self._run_checks()
+        if self.first_input_checks:
+            replacement = self._run_input_checks(args, kwargs)
+            if replacement is not None:
+                return replacement(*args, **kwargs)
         return self.fn(*args, **kwargs)
+
+    @torch._dynamo.disable
+    def _run_input_checks(self, args, kwargs):
+        checks, self.first_input_checks = self.first_input_checks, []
+        replacement = None
+        for check in checks:
+            replacement = check(args, kwargs) or replacement
+        return replacement
 
     @torch._dynamo.disable
     def _run_checks(self):
