@@ -33,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def _model(device: str):
+def _model(device: str, vocab: int | None = None):
     import transformers as tf
 
     if device == "cuda":   # the Llama-3.2-1B shape
@@ -41,7 +41,7 @@ def _model(device: str):
                              num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=262144,
                              tie_word_embeddings=True)
     else:
-        cfg = tf.LlamaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        cfg = tf.LlamaConfig(vocab_size=vocab or 8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=65536)
     cfg.use_cache = False
     cfg._attn_implementation = "sdpa"
@@ -62,7 +62,7 @@ def worker(args) -> None:
     if cuda:
         torch.cuda.set_device(dev)
     torch.manual_seed(0)
-    model, cfg = _model(args.device)
+    model, cfg = _model(args.device, args.vocab)
     model.to(dev).train()
     passes = [ShardSequence(size=world)] if world > 1 else []
     if cuda:
@@ -128,6 +128,7 @@ def main():
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="GPU bf16 dense peak (H100 SXM: 989)")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--vocab", type=int, default=None, help="CPU model's vocabulary (default 8192)")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -150,7 +151,7 @@ def main():
             out = f.name
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(sp),
                os.path.abspath(__file__), "--worker", "--device", args.device, "--seq", str(args.seq),
-               "--steps", str(args.steps), "--peak-tflops", str(args.peak_tflops), "--out", out]
+               "--steps", str(args.steps), *(["--vocab", str(args.vocab)] if args.vocab else []), "--peak-tflops", str(args.peak_tflops), "--out", out]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": ROOT}
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
         if proc.returncode:
@@ -181,12 +182,12 @@ def main():
     result = {"device": args.device, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
               "cpu_count": os.cpu_count(), "load_before": load, "seq": args.seq, "steps": args.steps,
-              "summary": summary, "per_rank": {str(k): v for k, v in rows.items()}}
+              "vocab": args.vocab, "summary": summary, "per_rank": {str(k): v for k, v in rows.items()}}
     name = f"sequence_parallel_{args.device}{args.tag}"
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     with open(os.path.join(HERE, "results", name + ".json"), "w") as f:
         json.dump(result, f, indent=1)
-    lines = [f"# shard_sequence: per-rank peak and step time ({args.device}, {args.seq} tokens, one sequence)", "",
+    lines = [f"# shard_sequence: per-rank peak and step time ({args.device}, {args.seq} tokens, one sequence, vocabulary {args.vocab or 'default'})", "",
              f"{result['date']}, torch {torch.__version__}, transformers {transformers.__version__}, "
              f"{os.cpu_count()} CPUs, load average before {load}", "",
              "| sp | peak / rank (MiB) | allocated during step (MiB) | step (s) | peak ratio | during-step ratio | time ratio |"
