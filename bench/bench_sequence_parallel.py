@@ -64,7 +64,9 @@ def worker(args) -> None:
     torch.manual_seed(0)
     model, cfg = _model(args.device, args.vocab)
     model.to(dev).train()
-    passes = [ShardSequence(size=world)] if world > 1 else []
+    # NOTE: sp=1 runs the pass too (a group of one): the same mask handling as the split runs (the pass skips
+    # the plain causal S x S mask that Hugging Face materialises under Dynamo), so the ratio is the split's
+    passes = [ShardSequence(size=world)] if (world > 1 or not args.no_pass_at_1) else []
     if cuda:
         from effpass.passes import ApplyAutocast, FuseCrossEntropy
 
@@ -128,6 +130,7 @@ def main():
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="GPU bf16 dense peak (H100 SXM: 989)")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--no-pass-at-1", action="store_true", help="sp=1 without the pass (Hugging Face's own masks)")
     ap.add_argument("--vocab", type=int, default=None, help="CPU model's vocabulary (default 8192)")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--out", default=None)
@@ -151,7 +154,8 @@ def main():
             out = f.name
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(sp),
                os.path.abspath(__file__), "--worker", "--device", args.device, "--seq", str(args.seq),
-               "--steps", str(args.steps), *(["--vocab", str(args.vocab)] if args.vocab else []), "--peak-tflops", str(args.peak_tflops), "--out", out]
+               "--steps", str(args.steps), *(["--vocab", str(args.vocab)] if args.vocab else []),
+               *(["--no-pass-at-1"] if args.no_pass_at_1 else []), "--peak-tflops", str(args.peak_tflops), "--out", out]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": ROOT}
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
         if proc.returncode:
