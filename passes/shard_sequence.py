@@ -225,28 +225,6 @@ def _block_pre_hook(state: _State):
     return hook
 
 
-def _causal_skipping_mask(base_mask_fn):
-    """``sdpa_mask`` that returns None (SDPA's ``is_causal``) for a plain causal mask also under Dynamo.
-
-    NOTE(memory): Hugging Face skips the mask only when not tracing (``_ignore_causal_mask_sdpa``), so a
-    compiled model materialises a whole ``S x S`` mask. Under sequence parallelism that mask does not
-    shrink with the group (attention sees whole sequences), so it would bound the per-rank saving. Skipped
-    only where eager Hugging Face skips it too: causal mask function, no padding mask, no sliding window or
-    chunk, query and key of the same length (packing and sliding windows change ``mask_function``)."""
-    from transformers.masking_utils import causal_mask_function
-
-    def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=causal_mask_function,
-             attention_mask=None, local_size=None, allow_is_causal_skip=True, **kwargs):
-        if (allow_is_causal_skip and mask_function is causal_mask_function and attention_mask is None
-                and local_size is None and q_length == kv_length and isinstance(q_offset, int) and q_offset == 0
-                and isinstance(kv_offset, int) and kv_offset == 0):
-            return None
-        return base_mask_fn(batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset,
-                            mask_function=mask_function, attention_mask=attention_mask, local_size=local_size,
-                            allow_is_causal_skip=allow_is_causal_skip, **kwargs)
-    return mask
-
-
 def _grad_hook(group):
     def hook(param):
         if param.grad is not None:
@@ -400,10 +378,9 @@ class ShardSequence(effpass.Pass):
         name = f"effpass_sp_{base}"
         AttentionInterface.register(name, _sp_attention)
         if base in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
-            mask_fn = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[base]
-            if base == "sdpa":
-                mask_fn = _causal_skipping_mask(mask_fn)
-            AttentionMaskInterface.register(name, mask_fn)
+            # NOTE(memory): under Dynamo Hugging Face never skips the causal mask (it cannot rule out packing
+            # there), so a compiled model builds a whole S x S mask, which does not shrink with the group.
+            AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[base])
         for _, mod, eager in attns:
             inner = eager if base == "eager" else ALL_ATTENTION_FUNCTIONS[base]
             mod._effpass_sp_attn = (state, inner, kv_rep)
