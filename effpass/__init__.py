@@ -47,6 +47,7 @@ from .backend import EffpassBackend  # noqa: E402
 from .inspect import html as _html_renderer  # noqa: E402,F401  (registers CompileReport.to_html)
 from .export import export_onnx  # noqa: E402
 from .planning import estimate_memory, plan_memory, MemoryBudgetError  # noqa: E402
+from .memory_options import MemoryOption, register_memory_option, register_optimizer, register_flop_formula  # noqa: E402,E501
 
 
 def verify(model, example_inputs, passes=None, **kwargs):
@@ -73,5 +74,6 @@ __all__ = [
     "PipelineError", "EffpassPassError", "WrongResultError", "TargetMatchError", "PassOptionError", "reserved_pass_names",
     "register_extension", "register_command", "register_cacheable_function", "export_onnx",
     "estimate_memory", "plan_memory",
-    "MemoryBudgetError", "verify",
+    "MemoryBudgetError", "verify", "MemoryOption", "register_memory_option", "register_optimizer",
+    "register_flop_formula",
 ]

@@ -17,7 +17,11 @@ _BUILTINS = {
     "pack_sequences": ("PackSequences",),
     "wrap_fsdp": ("WrapFSDP",),
     "fuse_cross_entropy": ("FuseCrossEntropy",),
+<<<<<<< HEAD
     "shard_sequence": ("ShardSequence",),
+=======
+    "tile_sequence": ("TileSequence",),
+>>>>>>> main
 }
 
 __all__ = []
@@ -28,3 +32,4 @@ for _mod, _names in _BUILTINS.items():
     for _n in _names:
         globals()[_n] = getattr(_m, _n)
         __all__.append(_n)
+importlib.import_module(f"{__name__}._optimizers")  # optimizers the memory planner may choose
