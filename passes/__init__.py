@@ -17,11 +17,8 @@ _BUILTINS = {
     "pack_sequences": ("PackSequences",),
     "wrap_fsdp": ("WrapFSDP",),
     "fuse_cross_entropy": ("FuseCrossEntropy",),
-<<<<<<< HEAD
     "shard_sequence": ("ShardSequence",),
-=======
     "tile_sequence": ("TileSequence",),
->>>>>>> main
 }
 
 __all__ = []
