@@ -17,6 +17,7 @@ _BUILTINS = {
     "pack_sequences": ("PackSequences",),
     "wrap_fsdp": ("WrapFSDP",),
     "fuse_cross_entropy": ("FuseCrossEntropy",),
+    "shard_sequence": ("ShardSequence",),
     "tile_sequence": ("TileSequence",),
 }
 

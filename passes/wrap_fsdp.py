@@ -129,7 +129,8 @@ class _UnitBackend:
         return self.backend(gm, example_inputs, **kwargs)
 
 
-@effpass.register_pass("wrap_fsdp", run_after=("inject_lora", "quantize_linear", "apply_autocast", "scale_loss"))
+@effpass.register_pass("wrap_fsdp", run_after=("inject_lora", "quantize_linear", "apply_autocast", "scale_loss",
+                                               "shard_sequence"))
 @dataclass(frozen=True, kw_only=True)
 class WrapFSDP(effpass.Pass):
     """Shard the model with FSDP2 per repeated block (root last) and compile inside each unit.
