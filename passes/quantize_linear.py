@@ -51,9 +51,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import effpass
+from effpass.quantized import is_quantized, storage_bytes
 from ._quant_formats import (  # noqa: F401  (re-exported)
     NF4_CODE, INT4_KERNELS, Int4WeightTensor, Int8WeightTensor, NF4WeightTensor, dequantize_weight,
-    int8pack_applies, nf4_code_from_normal_quantiles, nf4_scaler_block, sqnr, to_nf4_weight, weight_nbytes)
+    int8pack_applies, nf4_code_from_normal_quantiles, nf4_scaler_block, sqnr, to_nf4_weight)
 
 SCHEMES = ("int8", "int4", "nf4", "fp8")
 KERNELS = ("auto", "torchao", "triton")
@@ -174,11 +175,6 @@ def _outlier_load_pre_hook(mod, state_dict, prefix, *args):
 # ------------------------------------------------------------------------------------------------------
 # helpers
 # ------------------------------------------------------------------------------------------------------
-def is_quantized(w) -> bool:
-    return isinstance(w, (Int8WeightTensor, NF4WeightTensor, Int4WeightTensor)) or \
-        type(w).__name__ in ("Int8Tensor", "NF4Tensor")
-
-
 def dequantized_weight(module: nn.Module, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The weight a (quantized) linear computes with, ``[out, in]``, outlier columns included."""
     w = dequantize_weight(module.weight, dtype)
@@ -479,7 +475,7 @@ class QuantizeLinear(effpass.Pass):
                 w = self._add_outliers(mod)
                 mod.weight = nn.Parameter(self._quantize_tensor(w), requires_grad=False)
                 mod.__effpass_linear__ = True  # NOTE(lora): a quantized base; lora.merge refuses it
-                b1 = weight_nbytes(mod.weight, storages) + sum(
+                b1 = storage_bytes(mod.weight, storages) + sum(
                     b.numel() * b.element_size() for n_, b in mod.named_buffers(recurse=False) if n_.startswith("outlier_"))
             inference, grad = self._kernel_names(mod, dev)
             report[name] = {"status": "quantized", "kind": kind, "scheme": self.scheme,
@@ -588,7 +584,7 @@ class QuantizeLinear(effpass.Pass):
                 switched = f"{impl} -> eager"
             for full, _, attr in todo:
                 p0 = originals[attr]
-                b0, b1 = p0.numel() * p0.element_size(), weight_nbytes(getattr(mod, attr), storages)
+                b0, b1 = p0.numel() * p0.element_size(), storage_bytes(getattr(mod, attr), storages)
                 report[full] = {"status": "quantized", "kind": "experts", "scheme": "int8",
                                 "weight_type": type(getattr(mod, attr)).__name__, "shape": list(p0.shape),
                                 "experts": int(p0.shape[0]), "bytes_before": b0, "bytes_after": b1,
