@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from effpass.quantized import register_quantized_format
 
-from ._quant_formats import _compact, _shared_lut, nf4_scaler_block  # first: imports torchao quietly
+from ._quant_formats import _compact, _shared_lut, nf4_scaler_block, stable_hash_for_caching  # first: imports torchao quietly
 from torchao.quantization.granularity import PerRow  # noqa: E402
 from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor  # noqa: E402
 from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4  # noqa: E402
@@ -195,6 +195,7 @@ def _experts_torch_function(cls, func, types, args=(), kwargs=None):
 
 
 ExpertsWeightTensor.__torch_function__ = classmethod(_experts_torch_function)
+ExpertsWeightTensor._stable_hash_for_caching = stable_hash_for_caching
 
 
 class ExpertWeight(torch.Tensor):
