@@ -148,7 +148,8 @@ def test_experts_bytes_before_after_and_state_dict_round_trip():
     stats = effpass.report(model).stats("quantize_linear")
     ex = [v for v in stats["modules"].values() if v["kind"] == "experts"]
     assert sum(v["bytes_before"] for v in ex) == before == (4 * 128 * 64 + 4 * 64 * 64) * 4
-    assert sum(v["bytes_after"] for v in ex) == after and after < before / 7.5  # NF4: ~0.52 B/param vs 4
+    # the shared 16-value NF4 code table (64 B) is counted once per model, here in a linear before the experts
+    assert sum(v["bytes_after"] for v in ex) == after - 64 and after < before / 7.5  # NF4: ~0.52 B/param vs 4
     buf = io.BytesIO()
     torch.save(model.state_dict(), buf)
     buf.seek(0)
