@@ -631,3 +631,39 @@ def test_qlora_tracks_full_precision_lora():
     assert ref[-1] < ref[0] - 0.2 and q[-1] < q[0] - 0.2  # both learn
     # Tolerance: NF4's ~20 dB weight noise shifts the loss by much less than 2% over 20 steps here.
     assert ((q - ref).abs() / ref).max() < 0.02, (ref.tolist(), q.tolist())
+
+
+# ------------------------------------------------------------------------------------------------------
+# AOTAutograd's cache keys quantized weights (_stable_hash_for_caching)
+# ------------------------------------------------------------------------------------------------------
+@pytest.mark.inductor
+@pytest.mark.parametrize("scheme", ["int8", "nf4", "int4"])
+def test_warm_aot_autograd_cache_hit_with_quantized_weights(scheme, tmp_path, monkeypatch):
+    """A second compile of the same model (after torch._dynamo.reset) hits AOTAutograd's cache, and no
+    'does not implement _stable_hash_for_caching' warning is raised for effpass's formats."""
+    import warnings
+
+    import torch._functorch.config as fc
+    import torch._inductor.config as ic
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    x = torch.randn(4, 64, requires_grad=True)
+    hits = []
+    with warnings.catch_warnings(record=True) as caught, fc.patch(enable_autograd_cache=True), \
+            ic.patch(fx_graph_cache=True):
+        warnings.simplefilter("always")
+        counters.clear()
+        for _ in range(2):
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            m = _prepare(nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64)), scheme=scheme,
+                         **SCHEMES[scheme])
+            assert type(m[0].weight) is WEIGHT_TYPE[scheme]
+            torch.compile(m, backend="inductor")(x).sum().backward()
+            hits.append(counters["aot_autograd"]["autograd_cache_hit"])
+    torch._dynamo.reset()
+    assert hits == [0, 1], dict(counters["aot_autograd"])
+    assert not [w for w in caught if "_stable_hash_for_caching" in str(w.message)]
+    w = m[0].weight
+    assert w._stable_hash_for_caching() == copy.deepcopy(w)._stable_hash_for_caching()
