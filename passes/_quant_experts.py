@@ -177,6 +177,9 @@ def _plain(args, kwargs):
     return torch.utils._pytree.tree_map(one, (args, kwargs or {}))
 
 
+# NOTE(compile): the experts loop is data-dependent (which experts are hit) and Dynamo breaks the graph there
+# anyway; these overrides run eagerly (a graph break per call under torch.compile), not traced.
+@torch._dynamo.disable
 def _experts_torch_function(cls, func, types, args=(), kwargs=None):
     kwargs = kwargs or {}
     if func is torch.Tensor.__getitem__ and isinstance(args[0], ExpertsWeightTensor):
@@ -218,6 +221,7 @@ class ExpertWeight(torch.Tensor):
         return f"ExpertWeight(expert={int(self.e)}, shape={tuple(self.shape)}, scheme={self.experts.scheme})"
 
     @classmethod
+    @torch._dynamo.disable
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear and len(args) >= 2 and isinstance(args[1], ExpertWeight) \

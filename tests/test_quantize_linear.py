@@ -500,8 +500,6 @@ def test_inductor_matches_eager_int8():
     case = model_case("llama", layers=1)
     res = compile_and_compare(case, [QuantizeLinear(scheme="int8")], lowering="inductor", atol=1e-4, rtol=1e-4)
     assert res.report.stats("quantize_linear")["quantized"] == 8
-    q = res.report.stats("quantize_linear")["modules"]["model.layers.0.self_attn.q_proj"]
-    assert q["weight_type"] == "Parameter" and q["kernel"] == "torchao Float8Linear (emulated)"
     assert res.counters["graph_breaks"] == 0
     with torch.no_grad():
         out = res.compiled(**case.inputs).logits
