@@ -56,6 +56,13 @@ _LAZY = {
     **dict.fromkeys(["estimate_memory", "plan_memory", "MemoryBudgetError"], ".planning"),
 }
 
+def verify(model, example_inputs, passes=None, **kwargs):
+    """Check a pipeline against reference semantics on ``model`` (see :mod:`effpass.verification`)."""
+    from .verification import verify as _verify
+
+    return _verify(model, example_inputs, passes, **kwargs)
+
+
 
 def __getattr__(name: str):
     """Public names load their submodule on first use; other names are helpers that passes register
@@ -98,5 +105,5 @@ __all__ = [
     "PipelineError", "EffpassPassError", "WrongResultError", "TargetMatchError", "PassOptionError", "reserved_pass_names",
     "register_extension", "register_command", "register_cacheable_function", "export_onnx",
     "estimate_memory", "plan_memory",
-    "MemoryBudgetError",
+    "MemoryBudgetError", "verify",
 ]

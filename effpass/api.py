@@ -76,7 +76,8 @@ def compile(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None =
             bisect: int | None = None, disable: Iterable[str] = (), inductor_config: dict | None = None,
             mode: str | None = None, fullgraph: bool = False, dynamic: bool | None = None,
             detailed_stats: bool = False, memory_budget: str | int | None = None, allow: Iterable[str] = (),
-            example_inputs: Any = None, optimizer: str | None = "adamw", world_size: int = 1) -> torch.nn.Module:
+            example_inputs: Any = None, optimizer: str | None = "adamw", world_size: int = 1,
+            verify: bool = False) -> torch.nn.Module:
     """Prepare ``model`` in place with the module-level passes, then compile it in place with the rest.
 
     Like ``nn.Module.compile()``, the model itself is compiled and returned: the same object and class,
@@ -90,6 +91,11 @@ def compile(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None =
     passes that fit the step into the budget with the least extra compute, lossy ones only if named in
     ``allow`` (``effpass.report(model).memory_plan`` says what and why; docs/memory_planner.md).
 
+    ``verify=True``: on the first call, check the pipeline against the eager model on that call's inputs
+    (:func:`effpass.verify`; each pass alone and all together, forward, loss and gradients) and turn a failing
+    graph pass off with a warning naming it (``strict=True`` raises). It keeps a copy of the unprepared model
+    until the first call and compiles the model once per pass plus twice more on that call (docs/verify.md).
+
     >>> model = effpass.compile(model, passes=[FuseAttention(), ApplyAutocast(dtype=torch.bfloat16)])
     """
     if not isinstance(model, torch.nn.Module):
@@ -97,6 +103,13 @@ def compile(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None =
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         raise TypeError("effpass.compile got a torch.compile'd module (OptimizedModule); pass the model itself "
                         "(its ._orig_mod): effpass compiles it in place")
+    if not isinstance(verify, bool):
+        raise TypeError(f"verify must be a bool, got {type(verify).__name__} {verify!r}")
+    original = None
+    if verify:
+        import copy
+
+        original = copy.deepcopy(model)  # before any pass changes it: verification's reference
     plan = None
     if memory_budget is not None:  # the memory planner chooses the pipeline (effpass/planning)
         from .planning.planner import plan_for_compile
@@ -112,6 +125,8 @@ def compile(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None =
     if not ctx.compile_root:  # a module-level pass compiled the units itself (e.g. FSDP per block)
         return model
     compile_in_place(model, backend, fullgraph=fullgraph, dynamic=dynamic)
+    if original is not None:
+        _verify_on_first_call(model, backend, original, passes, lowering, strict)
     import sys
 
     if "transformers" in sys.modules:  # a Hugging Face model implies transformers is imported
@@ -119,6 +134,22 @@ def compile(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None =
 
         huggingface.attach(model)
     return model
+
+
+def _verify_on_first_call(model, backend: EffpassBackend, original, passes, lowering: str, strict: bool) -> None:
+    import dataclasses
+
+    from .verification import FirstCallVerifier
+
+    def recompile(bad: list[str]):
+        opts = dataclasses.replace(backend.options, disable=tuple(backend.options.disable) + tuple(bad))
+        new = EffpassBackend(opts, model=model, report=backend.report)
+        compile_in_place(model, new, **getattr(model, "_effpass_compile_kwargs", {}))
+        return model._compiled_call_impl
+
+    verifier = FirstCallVerifier(original, passes, lowering=lowering, strict=strict, recompile=recompile)
+    model._compiled_call_impl.first_input_checks.append(verifier)
+    backend.report.verifier = verifier
 
 
 def backend_of(model: torch.nn.Module | None = None) -> EffpassBackend | None:

@@ -180,6 +180,12 @@ class Pass:
     def prepare_module(self, model: torch.nn.Module, ctx) -> PassResult | None:  # pragma: no cover - default
         return None
 
+    def verify_tolerance(self) -> float:
+        """The relative error (``||compiled - eager|| / ||eager||`` per output, loss and gradient, fp32) within
+        which this pass promises the compiled model matches the eager prepared one; ``effpass verify`` checks
+        it. Lossless passes keep the default; a pass that changes arithmetic on purpose states its bound."""
+        return 1e-5
+
     def transform_torch_ir(self, gm: torch.fx.GraphModule, ctx) -> PassResult | None:  # pragma: no cover
         return None
 

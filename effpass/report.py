@@ -98,6 +98,13 @@ class CompileReport:
         return CompileReport(module=self.module, graphs=[g for g in self.graphs if g.belongs_to(model)])
     #: the memory planner's choice (``effpass.compile(model, memory_budget=...)``), else None
     memory_plan: Any = None
+    #: ``effpass.compile(model, verify=True)``: the first-call verifier (its ``.report`` after the first call)
+    verifier: Any = None
+
+    @property
+    def verification(self):
+        """The :class:`effpass.verification.VerifyReport` of ``verify=True`` (None before the first call / without)."""
+        return getattr(self.verifier, "report", None)
 
     def records(self, pass_name: str | None = None) -> list[PassRecord]:
         out = list(self.module.records)

@@ -2,7 +2,7 @@
 no module of the package takes part in an import circle.
 
     effpass/ core: backend manager pass_api config scope graph report dump
-    effpass/<tool>/: cli, inspect, integrations, planning, testing  -> may import the core
+    effpass/<tool>/: cli, inspect, integrations, planning, testing, verification  -> may import the core
     effpass/__init__.py, effpass/api.py: the public facade          -> may import the core and tools
     passes/ (effpass.passes)                                        -> may import the core and tools
 """

@@ -139,6 +139,42 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_verify(args) -> int:
+    from ..verification import hf_inputs, model_from_hf_config, verify
+
+    passes = None
+    if args.passes is not None:
+        passes = json.loads(args.passes) if args.passes.strip().startswith("{") else \
+            [p for p in args.passes.split(",") if p.strip()]
+    overrides = {}
+    for item in args.set or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"effpass verify: --set {item!r} must be KEY=VALUE (e.g. hidden_size=64)")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    try:
+        model, cfg = model_from_hf_config(args.config, layers=args.layers, overrides=overrides)
+        inputs = hf_inputs(cfg, batch=args.batch, seq=args.seq)
+        rep = verify(model, inputs, passes, lowering=args.lowering, packed=True if args.packed else None,
+                     alone=not args.no_alone)
+    except (ValueError, TypeError, ImportError) as e:
+        raise SystemExit(f"effpass verify: {e}") from None
+    if args.json:
+        import dataclasses
+
+        print(json.dumps({"ok": rep.ok, "failing_pass": rep.failing_pass, "site": rep.site,
+                          "seconds": rep.seconds, "checks": [dataclasses.asdict(c) for c in rep.checks]},
+                         indent=1, default=str))
+    else:
+        print(f"{cfg.model_type}: {args.layers} layers, batch {args.batch} x {args.seq} tokens, fp32, "
+              f"lowering={args.lowering}")
+        print(rep.to_text())
+    return 0 if rep.ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="effpass", description="effpass: graph passes for faster, leaner training")
@@ -169,6 +205,22 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--dump-dir", default=None, help="also leave an effpass dump of the passes")
     sp.add_argument("--no-check", action="store_true", help="skip the onnxruntime check")
     sp.set_defaults(func=cmd_export)
+
+    sp = sub.add_parser("verify", help="check a pipeline against the eager model on a Hugging Face config (2 layers): "
+                                       "each pass alone, all together, packed rows; bisects a mismatch to its pass")
+    sp.add_argument("config", help="a config.json, a folder with one, or a model type (llama, qwen3, mixtral, ...)")
+    sp.add_argument("--passes", help="comma-separated pass names, or JSON {name: {option: value}}; default: the "
+                                     "default pipeline")
+    sp.add_argument("--layers", type=int, default=2)
+    sp.add_argument("--batch", type=int, default=2)
+    sp.add_argument("--seq", type=int, default=16)
+    sp.add_argument("--set", action="append", metavar="KEY=VALUE",
+                    help="override a config field (JSON value), e.g. --set hidden_size=64 (repeatable)")
+    sp.add_argument("--packed", action="store_true", help="also check packed rows against examples alone")
+    sp.add_argument("--no-alone", action="store_true", help="skip the each-pass-alone checks")
+    sp.add_argument("--lowering", default="eager", choices=("eager", "inductor"))
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_verify)
 
     sub.add_parser("demo", help="train the embedded Llama-style model eagerly and with effpass", add_help=False)
 

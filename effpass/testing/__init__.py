@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from ..graph import op_histogram
+from ..verification import loss_of
 
 __all__ = ["ModelCase", "model_case", "MODEL_NAMES", "compile_and_compare", "CompareResult", "dynamo_counters",
            "loss_of", "op_histogram", "ops_before_after", "assert_close_tree", "grads_of", "train_steps"]
@@ -44,17 +45,6 @@ class ModelCase:
     def fresh(self) -> "ModelCase":
         """The same case with a new model holding identical weights."""
         return dataclasses.replace(self, model=copy.deepcopy(self.model))
-
-
-def loss_of(out) -> torch.Tensor:
-    """A scalar loss from a model output: HF ``ModelOutput.loss``, a ``(loss, ...)`` tuple, or a sum."""
-    if hasattr(out, "loss") and out.loss is not None:
-        return out.loss
-    if isinstance(out, (tuple, list)):
-        return out[0] if out[0].dim() == 0 else out[0].float().sum()
-    if hasattr(out, "logits"):
-        return out.logits.float().pow(2).mean()
-    return out.float().pow(2).mean()
 
 
 def _hf_model(name: str, attn: str, layers: int, dropout: float, **overrides):
