@@ -27,6 +27,7 @@ from typing import Any, Iterable
 import torch
 import torch.nn as nn
 
+from effpass.linear_like import Adapter, LinearParts, register_linear_like
 from effpass.scope import skip
 
 __all__ = ["LoRALinear", "is_linear_like", "linear_shape", "lora_modules", "inject", "freeze_base",
@@ -198,6 +199,18 @@ class LoRALinear(nn.Module):
 # ------------------------------------------------------------------------------------------------------
 # injection and freezing
 # ------------------------------------------------------------------------------------------------------
+def _describe(m: "LoRALinear"):
+    """effpass.linear_like: ``base(x) + scaling * B(A(dropout(x)))`` (None for a Conv1D base: not F.linear)."""
+    if m.fan_in_fan_out or not isinstance(getattr(m.base_layer, "weight", None), torch.Tensor):
+        return None
+    adapters = () if m.merged else (Adapter(a=m.lora_A.weight, b=m.lora_B.weight, scale=float(m.scaling),
+                                            dropout=m.lora_dropout),)
+    return LinearParts(weight=m.base_layer.weight, bias=m.bias, adapters=adapters)
+
+
+register_linear_like(LoRALinear, _describe)
+
+
 def check_no_expert_targets(model: nn.Module, globs: Iterable[str], who: str = "inject_lora") -> None:
     """Raise when a ``targets`` glob names MoE expert weights (3-D parameters of an ``*Experts`` module,
     transformers 5's Mixtral / Qwen3-MoE): LoRA adapters wrap 2-D linears and cannot reach them."""

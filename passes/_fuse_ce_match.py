@@ -1,0 +1,332 @@
+"""The sites ``fuse_cross_entropy`` rewrites: output projection -> (casts, reshapes, slices, scaling,
+soft-capping) -> ``F.cross_entropy``, found by walking back from each cross-entropy (the chain between the
+two is variadic), with the projection a plain ``F.linear`` or the output of a linear-like module with an
+adapter (``effpass.linear_like``: a LoRA head, known by its module, not by the graph its forward traces to).
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import Tensor
+
+from effpass.graph import source_path, tensor_meta
+from effpass.linear_like import linear_parts
+from effpass.scope import module_path_of_node
+
+# ------------------------------------------------------------------------------------------------------
+_LINEAR_FNS = {torch._C._nn.linear, F.linear}
+_CE_FNS = {F.cross_entropy}
+_MUL_FNS = {operator.mul, torch.mul, torch.multiply}
+_DIV_FNS = {operator.truediv, torch.div, torch.true_divide, torch.divide}
+_ADD_FNS = {operator.add, torch.add}
+_TANH = {torch.tanh, torch.nn.functional.tanh}
+_NOOP_METHODS = {"float", "to", "type_as", "contiguous", "type"}
+_RESHAPE_METHODS = {"view", "reshape"}
+_ENTER = torch.amp.autocast_mode._enter_autocast
+_EXIT = torch.amp.autocast_mode._exit_autocast
+_CE_PARAMS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
+_CE_DEFAULTS = {"weight": None, "size_average": None, "ignore_index": -100, "reduce": None, "reduction": "mean",
+                "label_smoothing": 0.0}
+
+
+class Skip(Exception):
+    """A site the pass looked at and left alone; the message is the reason."""
+
+
+def _val(n: Any):
+    return tensor_meta(n) if isinstance(n, fx.Node) else None
+
+
+def _is_fn(n: Any, fns) -> bool:
+    return isinstance(n, fx.Node) and n.op == "call_function" and n.target in fns
+
+
+def _is_method(n: Any, names) -> bool:
+    return isinstance(n, fx.Node) and n.op == "call_method" and n.target in names
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _linear_parts(n: fx.Node):
+    """``(h, weight, bias)`` of a linear node."""
+    args = list(n.args) + [None] * (3 - len(n.args))
+    return args[0], args[1], n.kwargs.get("bias", args[2])
+
+
+def ce_args(n: fx.Node) -> dict:
+    out = dict(_CE_DEFAULTS)
+    out.update(zip(_CE_PARAMS, n.args))
+    out.update(n.kwargs)
+    return out
+
+
+@dataclass
+class Site:
+    ce: fx.Node
+    proj: fx.Node                       # the node computing the raw logits (linear, or base + LoRA)
+    h: fx.Node
+    weight: fx.Node
+    bias: Any
+    lora: tuple | None                  # (u0, B, scaling) for a LoRA head
+    chain: list[fx.Node]                # proj -> ... -> ce input, in graph order (proj excluded)
+    shape_ops: list[fx.Node]            # the chain's shape ops, in order
+    pre: float = 1.0
+    softcap: bool = False
+    post: float = 1.0
+    lora_nodes: tuple = ()
+
+
+def _scale_of(n: fx.Node) -> tuple[fx.Node, float] | None:
+    """``(tensor input, factor)`` of a multiplication or division by a Python number."""
+    if _is_fn(n, _MUL_FNS) or _is_method(n, {"mul", "__mul__"}):
+        a, b = n.args[0], n.args[1] if len(n.args) > 1 else None
+        if isinstance(a, fx.Node) and _is_number(b):
+            return a, float(b)
+        if isinstance(b, fx.Node) and _is_number(a):
+            return b, float(a)
+    if _is_fn(n, _DIV_FNS) or _is_method(n, {"div", "__truediv__"}):
+        a, b = n.args[0], n.args[1] if len(n.args) > 1 else None
+        if isinstance(a, fx.Node) and _is_number(b) and b != 0 and not n.kwargs.get("rounding_mode"):
+            return a, 1.0 / float(b)
+    return None
+
+
+def _tensor_of(node: Any, model) -> Optional[Tensor]:
+    """The parameter or buffer of ``model`` a torch-IR placeholder stands for (None otherwise)."""
+    if not (isinstance(node, fx.Node) and node.op == "placeholder") or model is None:
+        return None
+    name = source_path(node)
+    if not name:
+        return None
+    for get in (model.get_parameter, model.get_buffer):
+        try:
+            return get(name)
+        except AttributeError:
+            continue
+    return None
+
+
+def _adapter_head(n: fx.Node, model):
+    """The output of a linear-like module with one adapter (``effpass.linear_like``: a LoRA head) ->
+    ``(base linear, u0, B, scale, nodes)``: the contract says which tensors are the base weight, A, B and the
+    scale; the graph check below proves ``n == linear(h, W, b) + (linear(u0, B) * scale).cast`` with
+    ``u0 = linear(dropout(h), A)`` on exactly those tensors."""
+    if model is None or not (_is_fn(n, _ADD_FNS) or _is_method(n, {"add", "__add__"})) or len(n.args) != 2 \
+            or n.kwargs:
+        return None
+    path = module_path_of_node(n)
+    try:
+        module = model.get_submodule(path) if path else None
+    except AttributeError:
+        return None
+    parts = linear_parts(module) if module is not None else None
+    if parts is None or not parts.adapters:
+        return None
+    if len(parts.adapters) != 1:
+        raise Skip(f"the head {path} has {len(parts.adapters)} adapters (one is supported)")
+    ad = parts.adapters[0]
+    for base, other in (n.args, n.args[::-1]):
+        if not _is_fn(base, _LINEAR_FNS) or not isinstance(other, fx.Node) \
+                or _tensor_of(_linear_parts(base)[1], model) is not parts.weight:
+            continue
+        nodes = [n]
+        x = other
+        while _is_method(x, {"type_as", "to"}) and x.args and isinstance(x.args[0], fx.Node):
+            nodes.append(x)
+            x = x.args[0]
+        scale = 1.0
+        sc = _scale_of(x) if isinstance(x, fx.Node) else None
+        if sc is not None:
+            nodes.append(x)
+            x, scale = sc
+        if not math.isclose(scale, ad.scale, rel_tol=1e-12):
+            raise Skip(f"the head {path}'s adapter is scaled by {scale} in the graph, {ad.scale} by its module")
+        if not _is_fn(x, _LINEAR_FNS):
+            continue
+        u0, b_w, b_bias = _linear_parts(x)
+        if b_bias is not None or _tensor_of(b_w, model) is not ad.b or not _is_fn(u0, _LINEAR_FNS) \
+                or _linear_parts(u0)[2] is not None or _tensor_of(_linear_parts(u0)[1], model) is not ad.a:
+            continue
+        nodes.append(x)
+        return base, u0, b_w, scale, nodes
+    raise Skip(f"the head {path} is linear-like with an adapter, but its graph is not "
+                "linear(h, W) + scale * linear(linear(h, A), B) on its tensors")
+
+
+def match(ce: fx.Node, model=None) -> Site:
+    a = _ce_args(ce)
+    if a["weight"] is not None:
+        raise Skip("class weights (weight=...) are not supported")
+    if a["size_average"] is not None or a["reduce"] is not None:
+        raise Skip("deprecated size_average/reduce arguments")
+    if a["reduction"] not in ("mean", "sum", "none"):
+        raise Skip(f"reduction {a['reduction']!r} is not a constant 'mean', 'sum' or 'none'")
+    if not _is_number(a["ignore_index"]) or not _is_number(a["label_smoothing"]):
+        raise Skip("ignore_index or label_smoothing is not a constant")
+    x, t = _val(a["input"]), _val(a["target"])
+    if not (isinstance(x, torch.Tensor) and x.dim() == 2 and isinstance(t, torch.Tensor) and t.dim() == 1
+            and not t.dtype.is_floating_point):
+        raise Skip("input is not (N, V) logits with (N,) class-index targets")
+    chain: list[fx.Node] = []
+    n = a["input"]
+    while True:
+        if not isinstance(n, fx.Node):
+            raise Skip("the logits do not come from a tensor in this graph")
+        if n.op == "placeholder":
+            raise Skip(f"the logits are a graph input ({n.name}): the projection is in another graph "
+                        "(a graph break between the head and the loss?; a Hugging Face model whose loss_type is "
+                        "None, such as GPT2LMHeadModel, breaks there; effpass.compile sets it, or call "
+                        "effpass.integrations.huggingface.set_hf_loss_type(model) or "
+                        "model.loss_type = 'ForCausalLM' before compiling)")
+        if _is_fn(n, _LINEAR_FNS):
+            h, w, b = _linear_parts(n)
+            site = Site(ce, n, h, w, b, None, [], [])
+            break
+        lora = _adapter_head(n, model)
+        if lora is not None:
+            base, u0, bw, s, nodes = lora
+            h, w, b = _linear_parts(base)
+            site = Site(ce, n, h, w, b, (u0, bw, s), [], [], lora_nodes=tuple(nodes) + (base,))
+            break
+        if _is_method(n, _NOOP_METHODS):
+            if n.target in ("to", "type") and not all(isinstance(v, (torch.dtype, torch.device, str)) or v is None
+                                                      for v in list(n.args[1:]) + list(n.kwargs.values())
+                                                      if not isinstance(v, fx.Node)):
+                raise Skip(f"cast {n.name} has unusual arguments")
+            out = _val(n)
+            if out is not None and not out.dtype.is_floating_point:
+                raise Skip(f"{n.name} casts the logits to a non-float dtype")
+            chain.append(n)
+            n = n.args[0]
+            continue
+        if (sc := _scale_of(n)) is not None or _is_fn(n, _TANH) or _is_method(n, {"tanh"}):
+            chain.append(n)
+            n = sc[0] if sc is not None else n.args[0]
+            continue
+        if (_is_method(n, _RESHAPE_METHODS | {"flatten"}) or _is_fn(n, {torch.reshape, torch.flatten})
+                or _is_fn(n, {operator.getitem})):
+            chain.append(n)
+            n = n.args[0]
+            continue
+        raise Skip(f"the logits pass through {n.op} {getattr(n.target, '__name__', n.target)!s} ({n.name}), "
+                    "which is not a cast, scale, soft-cap, reshape or slice")
+    chain.reverse()
+    site.chain = chain
+    vocab = _val(site.proj).shape[-1] if _val(site.proj) is not None else None
+    if not isinstance(vocab, int) or vocab != x.shape[-1]:
+        raise Skip("the vocabulary size is not static or the logits' last dim changes")
+    tanh_seen = False
+    for c in chain:
+        if (sc := _scale_of(c)) is not None:
+            if tanh_seen:
+                site.post *= sc[1]
+            else:
+                site.pre *= sc[1]
+        elif _is_fn(c, _TANH) or _is_method(c, {"tanh"}):
+            if tanh_seen:
+                raise Skip("two tanh soft-caps")
+            tanh_seen = True
+        elif not _is_method(c, _NOOP_METHODS):
+            site.shape_ops.append(c)
+    site.softcap = tanh_seen
+    if not tanh_seen:
+        site.pre, site.post = site.pre * site.post, 1.0
+    return site
+
+
+def replay_shape(graph: fx.Graph, op: fx.Node, src: fx.Node, vocab: int, width: int) -> fx.Node:
+    """The shape op ``op`` (on logits with last dim ``vocab``) applied to ``src`` (last dim ``width``)."""
+    in_val = _val(op.args[0])
+    ndim = in_val.dim() if isinstance(in_val, torch.Tensor) else None
+    if _is_fn(op, {operator.getitem}):
+        idx = op.args[1]
+        items = list(idx) if isinstance(idx, tuple) else [idx]
+        if ndim is None or any(isinstance(i, fx.Node) or i is None or isinstance(i, torch.Tensor) for i in items):
+            raise Skip(f"slice {op.name} uses tensors or new axes")
+        if Ellipsis in items:
+            after = items[items.index(Ellipsis) + 1:]
+            touches_last = bool(after) and after[-1] != slice(None)
+        else:
+            touches_last = len(items) >= ndim and items[ndim - 1] != slice(None)
+        if touches_last:
+            raise Skip(f"slice {op.name} selects along the vocabulary dim")
+        return graph.call_function(operator.getitem, (src, op.args[1]))
+    if _is_method(op, {"flatten"}) or _is_fn(op, {torch.flatten}):
+        start = op.args[1] if len(op.args) > 1 else op.kwargs.get("start_dim", 0)
+        end = op.args[2] if len(op.args) > 2 else op.kwargs.get("end_dim", -1)
+        if ndim is None or not (isinstance(start, int) and isinstance(end, int)) or end % ndim == ndim - 1:
+            raise Skip(f"flatten {op.name} merges the vocabulary dim")
+        return graph.call_function(torch.flatten, (src, start, end))
+    shape = list(op.args[1:]) if _is_method(op, _RESHAPE_METHODS) else [op.args[1]]
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+        shape = list(shape[0])
+    if any(not isinstance(s, int) for s in shape) or not shape or shape[-1] not in (vocab, -1):
+        raise Skip(f"reshape {op.name} has symbolic sizes or moves the vocabulary dim")
+    if shape[-1] == vocab:
+        shape[-1] = width
+    return graph.call_function(torch.reshape, (src, tuple(shape)))
+
+
+def autocast_dtype_at(graph: fx.Graph, node: fx.Node, device_type: str) -> torch.dtype | None:
+    """The autocast dtype in force at ``node`` (enter/exit nodes in the graph), or None."""
+    stack: list[tuple] = []
+    for n in graph.nodes:
+        if n is node:
+            break
+        if _is_fn(n, {_ENTER}):
+            dev, dtype, enabled = (list(n.args) + [None] * 3)[:3]
+            stack.append((dev, dtype, enabled))
+        elif _is_fn(n, {_EXIT}) and stack:
+            stack.pop()
+    for dev, dtype, enabled in reversed(stack):
+        if dev == device_type:
+            return dtype if enabled else None
+    return None
+
+
+def set_meta(nodes: list[fx.Node], like: fx.Node) -> None:
+    """Provenance from ``like`` and fake example values for the new nodes (checked by the caller)."""
+    from torch._guards import detect_fake_mode
+
+    for n in nodes:
+        for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+            if key in like.meta:
+                n.meta[key] = like.meta[key]
+    vals = [_val(a) for n in nodes for a in n.all_input_nodes]
+    # NOTE: the values' own mode, not detect_fake_mode(): inside the backend the tracing context holds
+    # another fake mode than the one Dynamo's example values were made in
+    fake_mode = next((v.fake_mode for v in vals if getattr(v, "fake_mode", None) is not None), None)
+    if fake_mode is None:
+        fake_mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    if fake_mode is None:
+        return
+    env: dict[fx.Node, Any] = {}
+    with fake_mode:
+        for n in nodes:
+            args = fx.node.map_arg(n.args, lambda a: env.get(a, _val(a)))
+            kwargs = fx.node.map_arg(n.kwargs, lambda a: env.get(a, _val(a)))
+            env[n] = n.target(*args, **kwargs)
+            n.meta["example_value"] = env[n]
+
+
+def erase_unused(graph: fx.Graph, nodes) -> None:
+    """Erase the matched nodes that nothing uses any more, consumers first."""
+    pending = [n for n in nodes]
+    progress = True
+    while progress:
+        progress = False
+        for n in list(pending):
+            if not n.users:
+                graph.erase_node(n)
+                pending.remove(n)
+                progress = True
+
+
