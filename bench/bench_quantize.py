@@ -51,7 +51,7 @@ def llama(hidden, inter, layers, heads, kv, vocab, dtype, device):
 def linear_bytes(model) -> tuple[int, int, int]:
     """(bytes of every linear weight, bytes of the quantized ones, parameters of the quantized ones)."""
     from _legacy_quant import QuantizedLinear
-    from effpass.passes.quantize_linear import is_quantized, weight_nbytes
+    from effpass.quantized import is_quantized, storage_bytes
 
     total = qbytes = qparams = 0
     seen: set = set()
@@ -61,7 +61,7 @@ def linear_bytes(model) -> tuple[int, int, int]:
             total, qbytes, qparams = total + b, qbytes + b, qparams + m.in_features * m.out_features
         elif isinstance(m, torch.nn.Linear):
             if is_quantized(m.weight):
-                b = weight_nbytes(m.weight, seen)
+                b = storage_bytes(m.weight, seen)
                 qbytes, qparams = qbytes + b, qparams + m.weight.numel()
             else:
                 b = m.weight.numel() * m.weight.element_size()

@@ -3,51 +3,58 @@
     import effpass
     compiled = torch.compile(model, backend="effpass")                  # the default pipeline
     model = effpass.compile(model, passes=[...], dump_dir="effpass-dump")  # Python API
+
+``import effpass`` is light: the public names below are loaded on first use (PEP 562), so importing the
+package costs little beyond ``import torch`` and writes nothing (the backend, which needs Dynamo and
+Inductor, loads when first named or when ``torch.compile(backend="effpass")`` finds it by entry point;
+torchao loads only when a pass that uses it runs).
 """
 from __future__ import annotations
 
 import functools
-import hashlib
+import importlib
+import importlib.util
 import os
+import sys
+import types
 
 __version__ = "0.1.0"
 
 
 @functools.lru_cache(maxsize=None)
 def _source_digest() -> str:
-    """A hash of effpass's own source (core and built-in passes): part of every cache key."""
+    """A hash of effpass's own source (core and built-in passes): part of every cache key. The files'
+    contents are hashed by torch's helper (``torch._inductor.custom_graph_pass.get_hash_for_files``, what
+    custom Inductor passes use for their ``uuid``)."""
+    from torch._inductor.custom_graph_pass import get_hash_for_files
+
     here = os.path.dirname(os.path.abspath(__file__))
     roots = [here]
-    try:
-        import importlib.util
-
-        spec = importlib.util.find_spec("effpass.passes")
-        if spec and spec.submodule_search_locations:
-            roots += list(spec.submodule_search_locations)
-    except Exception:  # pragma: no cover
-        pass
-    h = hashlib.sha256(__version__.encode())
-    for root in roots:
-        for name in sorted(os.listdir(root)):
-            if name.endswith(".py"):
-                with open(os.path.join(root, name), "rb") as f:
-                    h.update(name.encode() + f.read())
-    return h.hexdigest()
+    spec = importlib.util.find_spec("effpass.passes")
+    if spec and spec.submodule_search_locations:
+        roots += list(spec.submodule_search_locations)
+    files = tuple(sorted(os.path.join(root, name) for root in roots for name in os.listdir(root)
+                         if name.endswith(".py")))
+    # NOTE: the helper hashes contents only; the relative names go into `extra` so a rename changes the key
+    names = ",".join(os.path.relpath(f, os.path.dirname(here)) for f in files)
+    return get_hash_for_files(files, extra=f"{__version__}:{names}").hex()
 
 
-from .pass_api import (Pass, PassResult, Phase, register_pass, registered_passes, make_pass,  # noqa: E402
-                       get_pass_class, reserved_pass_names, PassOptionError, register_extension,
-                       register_command, register_cacheable_function)
-from .scope import skip, only, TargetMatchError  # noqa: E402
-from .manager import PassContext, PipelineError, EffpassPassError, WrongResultError, order_passes  # noqa: E402
-from .config import parse_options, default_pipeline  # noqa: E402
-from .report import CompileReport, GraphReport, PassRecord  # noqa: E402
-from .api import compile, prepare, report, backend_of  # noqa: E402
-from .backend import EffpassBackend  # noqa: E402
-from .inspect import html as _html_renderer  # noqa: E402,F401  (registers CompileReport.to_html)
-from .export import export_onnx  # noqa: E402
-from .planning import estimate_memory, plan_memory, MemoryBudgetError  # noqa: E402
-
+#: public name -> the submodule that defines it (loaded on first attribute access)
+_LAZY = {
+    **dict.fromkeys(["Pass", "PassResult", "Phase", "register_pass", "registered_passes", "make_pass",
+                     "get_pass_class", "reserved_pass_names", "PassOptionError", "register_extension",
+                     "register_command", "register_cacheable_function"], ".pass_api"),
+    **dict.fromkeys(["skip", "only", "TargetMatchError"], ".scope"),
+    **dict.fromkeys(["PassContext", "PipelineError", "EffpassPassError", "WrongResultError", "order_passes"],
+                    ".manager"),
+    **dict.fromkeys(["parse_options", "default_pipeline"], ".config"),
+    **dict.fromkeys(["CompileReport", "GraphReport", "PassRecord"], ".report"),
+    **dict.fromkeys(["compile", "prepare", "report", "backend_of"], ".api"),
+    "EffpassBackend": ".backend",
+    "export_onnx": ".export",
+    **dict.fromkeys(["estimate_memory", "plan_memory", "MemoryBudgetError"], ".planning"),
+}
 
 def verify(model, example_inputs, passes=None, **kwargs):
     """Check a pipeline against reference semantics on ``model`` (see :mod:`effpass.verification`)."""
@@ -58,12 +65,35 @@ def verify(model, example_inputs, passes=None, **kwargs):
 
 
 def __getattr__(name: str):
-    """Helpers that passes register (``effpass.loss_scaler``, ``effpass.lora``), loaded on first use."""
+    """Public names load their submodule on first use; other names are helpers that passes register
+    (``effpass.loss_scaler``, ``effpass.lora``), loaded on first use too."""
     if name.startswith("__"):
         raise AttributeError(name)
+    where = _LAZY.get(name)
+    if where is not None:
+        value = getattr(importlib.import_module(where, __name__), name)
+        globals()[name] = value
+        return value
     from .pass_api import get_extension
 
     return get_extension(name)
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
+
+class _Package(types.ModuleType):
+    """``effpass.report`` is the function ``effpass.report(model)``, as before lazy loading; importing the
+    submodule ``effpass/report.py`` (which sets the package attribute) must not replace it."""
+
+    def __setattr__(self, name, value):
+        if name in _LAZY and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 __all__ = [

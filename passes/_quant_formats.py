@@ -24,16 +24,51 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+import contextlib
+import logging
+
 import torch
 import torch.nn.functional as F
-from torchao.quantization.granularity import PerRow
-from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor
-from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, SubclassTensorArgs, to_nf4
-from torchao.utils import TorchAOBaseTensor
+
+
+class _KnownImportNoise(logging.Filter):
+    """Drops the two known messages torchao's import logs on a CPU build: its CUDA-only extension
+    libraries failing to load (``Failed to load .../_C_*.so``) and torch's deprecation of pytree
+    ``register_constant`` on Enum classes, which torchao calls. Everything else passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        if msg.startswith("Failed to load") and "_C" in msg and ".so" in msg:
+            return False
+        return "is an Enum subclass and is now natively supported" not in msg
+
+
+@contextlib.contextmanager
+def quiet_torchao_import():
+    """Import torchao inside this context to keep its known import-time noise off stderr."""
+    f = _KnownImportNoise()
+    loggers = [logging.getLogger("torchao"), logging.getLogger("torch.utils._pytree")]
+    for lg in loggers:
+        lg.addFilter(f)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(f)
+
+
+with quiet_torchao_import():
+    from torchao.quantization.granularity import PerRow
+    from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, SubclassTensorArgs, to_nf4
+    from torchao.utils import TorchAOBaseTensor
+
+from effpass.quantized import dequantize as _core_dequantize
+from effpass.quantized import register_quantized_format
 
 __all__ = ["NF4_CODE", "nf4_code_from_normal_quantiles", "sqnr", "Int8WeightTensor", "NF4WeightTensor",
            "Int4WeightTensor", "quantize_int4", "dequantize_int4", "to_nf4_weight", "dequantize_weight",
-           "weight_nbytes", "INT4_KERNELS"]
+           "INT4_KERNELS"]
 
 #: The 16 NF4 code values (QLoRA paper, appendix E; bitsandbytes ``create_normal_map``).
 NF4_CODE = (
@@ -224,11 +259,23 @@ class NF4WeightTensor(NF4Tensor):
     @classmethod
     def from_nf4(cls, t: NF4Tensor) -> "NF4WeightTensor":
         meta = SubclassTensorArgs(t.shape, t.stride(), t.storage_offset(), t.dtype, t.device, False)
-        return cls(meta, t.block_size, t.n_blocks, t.scaler_block_size, t.quantized_scalers, t.quantization_factor,
-                   t.scaler_mean, t.quantized_data, _shared_lut(t.device, t.dtype, like=t.quantized_data))
+        return cls(meta, t.block_size, t.n_blocks, t.scaler_block_size, _compact(t.quantized_scalers),
+                   _compact(t.quantization_factor), _compact(t.scaler_mean), _compact(t.quantized_data),
+                   _shared_lut(t.device, t.dtype, like=t.quantized_data))
 
 
 NF4WeightTensor.__module__ = "effpass.passes._quant_formats"
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it when it is a view that keeps a larger storage alive (torchao's NF4
+    ``quantization_factor`` of small layers is a slice: storage-true bytes count the whole storage)."""
+    try:
+        if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+            return t.clone()
+    except Exception:  # noqa: BLE001 - tensors without storage (rare): keep
+        pass
+    return t
 
 
 def _rewrap_nf4(out):
@@ -344,34 +391,33 @@ torch.serialization.add_safe_globals([Int8WeightTensor, NF4WeightTensor, NF4Tens
 
 
 # ------------------------------------------------------------------------------------------------------
-# helpers over every format
+# helpers over every format; registration with the core contract (effpass.quantized)
 # ------------------------------------------------------------------------------------------------------
 def dequantize_weight(w: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The high-precision weight a quantized (or plain) tensor stands for."""
-    if isinstance(w, NF4WeightTensor):
-        return w.dequantize_to(dtype)
-    if isinstance(w, NF4Tensor):
-        return w.get_original_weight().to(dtype or w.dtype)
-    if isinstance(w, (Int8Tensor, Int4WeightTensor)):
-        return w.dequantize(dtype or w.dtype)
-    return w.detach().to(dtype or w.dtype)
+    """The high-precision weight a quantized (or plain) tensor stands for (the core contract's dispatch)."""
+    return _core_dequantize(w, dtype)
 
 
-def inner_tensors(w: torch.Tensor) -> list[torch.Tensor]:
-    if isinstance(w, (NF4Tensor, TorchAOBaseTensor)):
-        names, _ = w.__tensor_flatten__()
-        return [getattr(w, n) for n in names if getattr(w, n) is not None]
-    return [w]
+def _deq_nf4_fast(t, dtype):
+    return nf4_dequantize(t, dtype or t.dtype)
 
 
-def weight_nbytes(w: torch.Tensor, seen: set | None = None) -> int:
-    """Bytes a (quantized) weight holds in memory; storages in ``seen`` (shared NF4 code tables) count once."""
-    total = 0
-    for t in inner_tensors(w):
-        key = t.untyped_storage()._cdata  # NOTE: not data_ptr(): fake tensors (planner replay) have none
-        if seen is not None and t.numel() and key in seen:
-            continue
-        if seen is not None:
-            seen.add(key)
-        total += t.numel() * t.element_size()
-    return total
+def _deq_nf4_torchao(t, dtype):
+    return t.get_original_weight().to(dtype or t.dtype)
+
+
+def _deq_int8(t, dtype):
+    return t.dequantize(dtype or t.dtype)
+
+
+def _deq_int4(t, dtype):
+    return t.dequantize(dtype or t.dtype)
+
+
+# NOTE(contract): every format this pass can put into a model is registered, torchao's plain classes
+# included (kernel="torchao" and 3-D expert weights make them); subclasses registered on their own win.
+register_quantized_format(Int8Tensor, dequantize=_deq_int8)
+register_quantized_format(Int8WeightTensor, dequantize=_deq_int8)
+register_quantized_format(NF4Tensor, dequantize=_deq_nf4_torchao)
+register_quantized_format(NF4WeightTensor, dequantize=_deq_nf4_fast)
+register_quantized_format(Int4WeightTensor, dequantize=_deq_int4)

@@ -51,105 +51,70 @@ import torch.nn.functional as F
 from torch import nn
 
 import effpass
-from ._quant_formats import (  # noqa: F401  (re-exported)
-    NF4_CODE, INT4_KERNELS, Int4WeightTensor, Int8WeightTensor, NF4WeightTensor, dequantize_weight,
-    int8pack_applies, nf4_code_from_normal_quantiles, nf4_scaler_block, sqnr, to_nf4_weight, weight_nbytes)
+from effpass.quantized import is_quantized, storage_bytes
 
 SCHEMES = ("int8", "int4", "nf4", "fp8")
 KERNELS = ("auto", "torchao", "triton")
 
-__all__ = ["QuantizeLinear", "Fp8Linear", "NF4_CODE", "nf4_code_from_normal_quantiles", "sqnr", "fp8_supported",
-           "dequantized_weight", "is_quantized", "Int8WeightTensor", "NF4WeightTensor", "Int4WeightTensor"]
+# also readable here, loaded on first use (module __getattr__): Fp8Linear (torchao's Float8Linear), NF4_CODE,
+# nf4_code_from_normal_quantiles, sqnr, Int8WeightTensor, NF4WeightTensor, Int4WeightTensor, ExpertsWeightTensor
+__all__ = ["QuantizeLinear", "fp8_supported", "dequantized_weight", "is_quantized"]
+
+# NOTE(import hygiene): torchao (and the formats built on it) load when the pass first runs, or when one of
+# these names is first read, never on ``import effpass.passes``.
+_FORMAT_NAMES = ("NF4_CODE", "INT4_KERNELS", "Int4WeightTensor", "Int8WeightTensor", "NF4WeightTensor",
+                 "dequantize_weight", "int8pack_applies", "nf4_code_from_normal_quantiles", "nf4_scaler_block",
+                 "sqnr", "to_nf4_weight")
+
+
+def _formats():
+    from . import _quant_formats
+
+    return _quant_formats
+
+
+def _experts_formats():
+    from . import _quant_experts
+
+    return _quant_experts
+
+
+def __getattr__(name: str):
+    if name in _FORMAT_NAMES:
+        return getattr(_formats(), name)
+    if name == "ExpertsWeightTensor":
+        return _experts_formats().ExpertsWeightTensor
+    if name == "Fp8Linear":
+        from torchao.float8.float8_linear import Float8Linear
+
+        return Float8Linear
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def fp8_supported(device: torch.device | str | None = None) -> bool:
-    """``torch._scaled_mm`` needs a CUDA GPU with compute capability >= 8.9 (Ada, Hopper and later)."""
+    """torchao's float8 training (``torch._scaled_mm``) needs a CUDA GPU with compute capability >= 8.9
+    (Ada, Hopper and later)."""
     device = torch.device(device) if device is not None else torch.device("cuda")
     if device.type != "cuda" or not torch.cuda.is_available() or not hasattr(torch, "_scaled_mm"):
         return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-# ------------------------------------------------------------------------------------------------------
-# fp8 (own: torchao's float8 training needs a GPU and is not tested here)
-# ------------------------------------------------------------------------------------------------------
-def _to_fp8(t: torch.Tensor, dtype: torch.dtype, rowwise: bool):
-    """(fp8 tensor, fp32 dequant scale) with dynamic scaling: per row of ``t`` or one per tensor."""
-    fmax = torch.finfo(dtype).max
-    amax = t.detach().abs().float()
-    amax = amax.amax(dim=-1, keepdim=True) if rowwise else amax.amax()
-    scale = (amax.clamp_min(1e-12) / fmax)
-    q = (t.float() / scale).clamp(-fmax, fmax).to(dtype)
-    return q, scale
+def _float8_linear(lin: nn.Linear, granularity: str, emulate: bool, fsdp_all_gather: bool) -> nn.Module:
+    """``lin`` as torchao's ``Float8Linear`` (float8 training: dynamic scales, fp8 matmuls forward and
+    backward; ``emulate`` runs the casts with ordinary matmuls, for tests)."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+
+    cfg = Float8LinearConfig.from_recipe_name(granularity)
+    cfg = dataclasses.replace(cfg, emulate=emulate, enable_fsdp_float8_all_gather=fsdp_all_gather)
+    return Float8Linear.from_float(lin, config=cfg)
 
 
-def _fp8_mm(a: torch.Tensor, b: torch.Tensor, a_dtype, b_dtype, rowwise: bool, emulate: bool, out_dtype):
-    """``a @ b.T`` (a [M, K], b [N, K]) with both operands cast to fp8, scaled along the contraction dim."""
-    aq, sa = _to_fp8(a, a_dtype, rowwise)
-    bq, sb = _to_fp8(b, b_dtype, rowwise)
-    if emulate:
-        return ((aq.float() * sa) @ (bq.float() * sb).t()).to(out_dtype)
-    m, k = aq.shape
-    n = bq.shape[0]
-    pm, pk, pn = (-m) % 16, (-k) % 16, (-n) % 16  # _scaled_mm wants every dimension divisible by 16
-    if pm or pk or pn:
-        aq = F.pad(aq.view(torch.uint8), (0, pk, 0, pm)).view(a_dtype)
-        bq = F.pad(bq.view(torch.uint8), (0, pk, 0, pn)).view(b_dtype)
-        if rowwise:
-            sa = F.pad(sa, (0, 0, 0, pm), value=1.0)
-            sb = F.pad(sb, (0, 0, 0, pn), value=1.0)
-    mm_dtype = torch.bfloat16 if rowwise else out_dtype  # row-wise scaling only writes bf16
-    out = torch._scaled_mm(aq, bq.t(), scale_a=sa, scale_b=sb.t() if rowwise else sb, out_dtype=mm_dtype)
-    return out[:m, :n].to(out_dtype)
-
-
-class _Fp8Linear(torch.autograd.Function):
-    """y = x W^T + b with fp8 matmuls in forward (e4m3) and backward (e5m2 per-tensor / e4m3 row-wise)."""
-
-    @staticmethod
-    def forward(ctx, x2d, weight, bias, rowwise: bool, emulate: bool):
-        ctx.save_for_backward(x2d, weight)
-        ctx.rowwise, ctx.emulate, ctx.has_bias = rowwise, emulate, bias is not None
-        e4 = torch.float8_e4m3fn
-        y = _fp8_mm(x2d, weight, e4, e4, rowwise, emulate, x2d.dtype)
-        return y + bias.to(y.dtype) if bias is not None else y
-
-    @staticmethod
-    def backward(ctx, g):
-        x2d, weight = ctx.saved_tensors
-        e4 = torch.float8_e4m3fn
-        gd = e4 if ctx.rowwise else torch.float8_e5m2
-        gx = gw = gb = None
-        if ctx.needs_input_grad[0]:
-            gx = _fp8_mm(g, weight.t().contiguous(), gd, e4, ctx.rowwise, ctx.emulate, x2d.dtype)
-        if ctx.needs_input_grad[1]:
-            gw = _fp8_mm(g.t().contiguous(), x2d.t().contiguous(), gd, e4, ctx.rowwise, ctx.emulate, weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            gb = g.sum(0)
-        return gx, gw, gb, None, None
-
-
-class Fp8Linear(nn.Linear):
-    """An ``nn.Linear`` whose matmuls run in fp8 (dynamic scales); the weight stays a trainable parameter."""
-
-    fp8_granularity: str = "rowwise"
-    fp8_emulate: bool = False
-
-    @classmethod
-    def from_linear(cls, lin: nn.Linear, granularity: str, emulate: bool) -> "Fp8Linear":
-        m = cls(lin.in_features, lin.out_features, bias=False, device="meta")
-        m.weight, m.bias = lin.weight, lin.bias
-        m.fp8_granularity, m.fp8_emulate = granularity, emulate
-        return m
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        y = _Fp8Linear.apply(x.reshape(-1, shape[-1]), self.weight, self.bias, self.fp8_granularity == "rowwise",
-                             self.fp8_emulate)
-        return y.reshape(*shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return super().extra_repr() + f", fp8={self.fp8_granularity}{' (emulated)' if self.fp8_emulate else ''}"
+def _is_float8_linear(m) -> bool:
+    return type(m).__name__ == "Float8Linear" and type(m).__module__.startswith("torchao.")
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -174,14 +139,11 @@ def _outlier_load_pre_hook(mod, state_dict, prefix, *args):
 # ------------------------------------------------------------------------------------------------------
 # helpers
 # ------------------------------------------------------------------------------------------------------
-def is_quantized(w) -> bool:
-    return isinstance(w, (Int8WeightTensor, NF4WeightTensor, Int4WeightTensor)) or \
-        type(w).__name__ in ("Int8Tensor", "NF4Tensor")
-
-
 def dequantized_weight(module: nn.Module, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The weight a (quantized) linear computes with, ``[out, in]``, outlier columns included."""
-    w = dequantize_weight(module.weight, dtype)
+    from effpass.quantized import dequantize
+
+    w = dequantize(module.weight, dtype)
     idx = getattr(module, "outlier_idx", None)
     if idx is not None and idx.numel():
         w = w.index_copy(1, idx, module.outlier_weight.to(w.dtype))
@@ -269,8 +231,11 @@ class QuantizeLinear(effpass.Pass):
         "doc": "fp8: one scale per tensor or per row (per token / per output channel)"})
     fp8_emulate: bool = field(default=False, metadata={
         "doc": "fp8: emulate the fp8 casts with plain matmuls on any device (for tests only)"})
+    fp8_fsdp_all_gather: bool = field(default=False, metadata={
+        "doc": "fp8 (tensorwise): FSDP2 all-gathers the weights in fp8 (torchao's enable_fsdp_float8_all_gather); "
+               "call torchao.float8.precompute_float8_dynamic_scale_for_fsdp(model) after each optimizer step"})
     experts: bool = field(default=True, metadata={
-        "doc": "MoE expert weights (3-D parameters): quantize them (int8) or list them as skipped"})
+        "doc": "MoE expert weights (3-D parameters): quantize them (int8, nf4) or list them as skipped"})
 
     @classmethod
     def default_note(cls) -> str:
@@ -296,6 +261,10 @@ class QuantizeLinear(effpass.Pass):
             raise ValueError("quantize_linear: outlier_threshold applies to int8/int4/nf4, not scheme='fp8'")
         if self.fp8_emulate and self.scheme != "fp8":
             raise ValueError(f"quantize_linear: fp8_emulate=True needs scheme='fp8', got {self.scheme!r}")
+        if self.fp8_fsdp_all_gather and (self.scheme != "fp8" or self.fp8_granularity != "tensorwise"):
+            raise ValueError("quantize_linear: fp8_fsdp_all_gather=True needs scheme='fp8' with "
+                             f"fp8_granularity='tensorwise' (torchao supports fp8 all-gather for tensorwise scales "
+                             f"only), got scheme={self.scheme!r}, fp8_granularity={self.fp8_granularity!r}")
 
     # -- what can be quantized -----------------------------------------------------------------------
     def _shape_problem(self, k: int, n: int, numel: int) -> str | None:
@@ -319,7 +288,7 @@ class QuantizeLinear(effpass.Pass):
         return None
 
     def _linear_problem(self, lin: nn.Linear, tied: set[int]) -> str | None:
-        if isinstance(lin, Fp8Linear) or getattr(lin, "__effpass_linear__", False):
+        if _is_float8_linear(lin) or getattr(lin, "__effpass_linear__", False):
             return "already quantized"
         problem = self._weight_problem(lin.weight, tied)
         if problem:
@@ -340,34 +309,43 @@ class QuantizeLinear(effpass.Pass):
 
     # -- quantizing ----------------------------------------------------------------------------------
     def _quantize_tensor(self, w: torch.Tensor) -> torch.Tensor:
+        fmt = _formats()
         if self.scheme == "int8":
             if self.kernel == "torchao":
                 from torchao.quantization.granularity import PerRow
                 from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor
 
                 return Int8Tensor.from_hp(w.detach(), PerRow())
-            return Int8WeightTensor.from_float(w)
+            return fmt.Int8WeightTensor.from_float(w)
         if self.scheme == "nf4":
-            return to_nf4_weight(w, self.block_size, fast=self.kernel != "torchao")
+            return fmt.to_nf4_weight(w, self.block_size, fast=self.kernel != "torchao")
         if self.scheme == "int4":
-            if self.kernel in ("triton", "auto") and w.device.type == "cuda" or self.kernel == "triton":
+            if self.kernel == "auto" and w.device.type == "cuda" and w.dtype == torch.bfloat16:
+                # torchao's int4 weight-only format with a kernel for CUDA (tinygemm, in torch itself):
+                # what Int4WeightOnlyConfig(int4_packing_format="tile_packed_to_4d") makes. Untested here.
+                from torchao.quantization.quantize_.workflows.int4.int4_tile_packed_to_4d_tensor import (
+                    Int4TilePackedTo4dTensor)
+
+                return Int4TilePackedTo4dTensor.from_hp(w.detach(), [1, self.group_size])
+            if self.kernel == "triton" or w.device.type == "cuda":
                 from . import _quant_kernels  # noqa: F401  (registers INT4_KERNELS["triton"])
-            return Int4WeightTensor.from_float(w, self.group_size, self.kernel)
+            return fmt.Int4WeightTensor.from_float(w, self.group_size, self.kernel)
         raise AssertionError(self.scheme)  # pragma: no cover
 
     def _kernel_names(self, lin: nn.Module, device: torch.device) -> tuple[str, str]:
         """(path for inference, path when the input needs a gradient) on ``device``."""
+        fmt = _formats()
         w = lin.weight
-        if isinstance(lin, Fp8Linear):
-            k = "fp8_emulated" if lin.fp8_emulate else f"torch._scaled_mm({lin.fp8_granularity})"
+        if _is_float8_linear(lin):
+            k = "torchao Float8Linear " + ("(emulated)" if lin.config.emulate else "(torch._scaled_mm)")
             return k, k
-        if isinstance(w, Int8WeightTensor):
+        if isinstance(w, fmt.Int8WeightTensor):
             fast = device.type == "cpu" and w.qdata.dim() == 2
             return ("aten._weight_int8pack_mm (bf16/fp16 activations), else torchao Int8Tensor" if fast
                     else "torchao Int8Tensor"), "torchao Int8Tensor"
-        if isinstance(w, NF4WeightTensor):
+        if isinstance(w, fmt.NF4WeightTensor):
             return "nf4 pair-table dequantize+linear", "nf4 pair-table dequantize+linear"
-        if isinstance(w, Int4WeightTensor):
+        if isinstance(w, fmt.Int4WeightTensor):
             k = w.kernel_for(device)
             return k, k
         return f"torchao {type(w).__name__}", f"torchao {type(w).__name__}"
@@ -472,14 +450,14 @@ class QuantizeLinear(effpass.Pass):
             b0 = orig_weight.numel() * orig_weight.element_size()
             dev = orig_weight.device
             if self.scheme == "fp8":
-                mod = Fp8Linear.from_linear(mod, self.fp8_granularity, self.fp8_emulate)
+                mod = _float8_linear(mod, self.fp8_granularity, self.fp8_emulate, self.fp8_fsdp_all_gather)
                 _set_submodule(model, name, mod)
                 b1 = b0
             else:
                 w = self._add_outliers(mod)
                 mod.weight = nn.Parameter(self._quantize_tensor(w), requires_grad=False)
                 mod.__effpass_linear__ = True  # NOTE(lora): a quantized base; lora.merge refuses it
-                b1 = weight_nbytes(mod.weight, storages) + sum(
+                b1 = storage_bytes(mod.weight, storages) + sum(
                     b.numel() * b.element_size() for n_, b in mod.named_buffers(recurse=False) if n_.startswith("outlier_"))
             inference, grad = self._kernel_names(mod, dev)
             report[name] = {"status": "quantized", "kind": kind, "scheme": self.scheme,
@@ -511,8 +489,8 @@ class QuantizeLinear(effpass.Pass):
 
     # -- MoE experts ----------------------------------------------------------------------------------
     def _quantize_experts(self, model, experts, ctx, tied, report, skipped, storages) -> str | None:
-        """Quantize 3-D expert weights per expert (int8); list the others as skipped. Returns the experts
-        implementation switch made (``"grouped_mm -> eager"``) or None."""
+        """Quantize 3-D expert weights per expert (int8, nf4: :class:`ExpertsWeightTensor`); list the others
+        as skipped. Returns the experts implementation switch made (``"grouped_mm -> eager"``) or None."""
         switched = None
         by_module: dict[int, list] = {}
         for full, mod, attr in experts:
@@ -527,15 +505,15 @@ class QuantizeLinear(effpass.Pass):
                     report[full] = {"status": "skipped", "kind": "experts", "reason": reason}
                     skipped.append({"site": full, "reason": reason})
 
-            if self.scheme != "int8":
-                skip_all(f"scheme {self.scheme!r} has no 3-D (per-expert) format: torchao's NF4Tensor and "
-                         "effpass's int4 are 2-D, fp8 wraps nn.Linear; use scheme='int8' to quantize experts")
+            if self.scheme not in ("int8", "nf4"):
+                skip_all(f"scheme {self.scheme!r} has no 3-D (per-expert) format: int4 is 2-D, fp8 wraps "
+                         "nn.Linear; use scheme='int8' or 'nf4' to quantize experts")
                 continue
-            if getattr(mod, "is_transposed", False):
-                skip_all("expert weights are stored transposed ([experts, in, out]) and multiplied with matmul, "
-                         "which the int8 weight tensor does not implement")
-                continue
+            transposed = _experts_transposed(mod)
             problems = [(full, self._weight_problem(getattr(mod, attr), tied)) for full, _, attr in group]
+            if self.scheme == "nf4":
+                problems = [(f, p or _nf4_expert_problem(getattr(mod, a), self.block_size))
+                            for (f, p), (_, _, a) in zip(problems, group)]
             todo = [(f, m, a) for (f, m, a), (_, p) in zip(group, problems) if not p]
             for full, p in problems:
                 if p:
@@ -543,57 +521,56 @@ class QuantizeLinear(effpass.Pass):
                     skipped.append({"site": full, "reason": p})
             if not todo:
                 continue
-            # Probe: the experts module under transformers' "eager" implementation, every expert hit once.
+            # Probe: the experts module (transformers' "eager" experts loop where it has one) on inputs that
+            # reach every expert, before and after quantizing.
             config = getattr(mod, "config", None)
             impl = getattr(config, "_experts_implementation", None)
-            ref_w = getattr(mod, todo[0][2])
-            n_exp = int(getattr(mod, "num_experts", ref_w.shape[0]))
-            first = getattr(mod, "gate_up_proj", ref_w)
-            hidden = int(getattr(mod, "hidden_dim", 0) or first.shape[-1])
-            g = torch.Generator(device="cpu").manual_seed(0)
-            x = torch.randn(n_exp, hidden, generator=g).to(ref_w)
-            idx = torch.arange(n_exp, device=ref_w.device)[:, None]
-            wts = torch.ones(n_exp, 1, device=ref_w.device, dtype=ref_w.dtype)
-            if config is not None and impl not in (None, "eager"):
+            switch = config is not None and impl not in (None, "eager") and hasattr(mod, "is_transposed")
+            probe = _experts_probe(mod, transposed)
+            if switch:
                 self._set_experts_impl(model, config, "eager")
             try:
                 with torch.no_grad():
-                    ref = mod(x, idx, wts)
+                    ref = probe()
             except Exception as e:
-                if config is not None and impl not in (None, "eager"):
+                if switch:
                     self._set_experts_impl(model, config, impl)
-                skip_all(f"experts module {type(mod).__name__} does not take (hidden, top_k_index, top_k_weights) "
-                         f"under the 'eager' experts implementation: {type(e).__name__}: {str(e)[:150]}")
+                skip_all(f"experts module {type(mod).__name__} does not run on a probe (hidden, top_k_index, "
+                         f"top_k_weights) or (hidden): {type(e).__name__}: {str(e)[:150]}")
                 continue
             originals = {a: getattr(mod, a) for _, _, a in todo}
+            ewt = _experts_formats().ExpertsWeightTensor
             for full, _, attr in todo:
-                setattr(mod, attr, nn.Parameter(Int8WeightTensor.from_float(originals[attr]), requires_grad=False))
-            q_out = None
+                q = ewt.from_float(originals[attr], self.scheme, transposed, self.block_size)
+                setattr(mod, attr, nn.Parameter(q, requires_grad=False))
             try:
                 with torch.no_grad():
-                    q_out = mod(x, idx, wts)
+                    q_out = probe()
             except Exception as e:
                 bad = f"{type(e).__name__}: {str(e)[:150]}"
             else:
-                s = sqnr(ref, q_out)
-                bad = None if s > 25 else f"probe output SQNR {s:.1f} dB after quantizing"
+                s = _formats().sqnr(ref, q_out)
+                floor = 25 if self.scheme == "int8" else 10
+                bad = None if s > floor else f"probe output SQNR {s:.1f} dB after quantizing (floor {floor} dB)"
             if bad:
                 for a, p in originals.items():
                     setattr(mod, a, p)
-                if config is not None and impl not in (None, "eager"):
+                if switch:
                     self._set_experts_impl(model, config, impl)
-                skip_all(f"the experts' forward fails on int8 weights: {bad}")
+                skip_all(f"the experts' forward fails on {self.scheme} weights: {bad}")
                 continue
-            if config is not None and impl not in (None, "eager"):
+            if switch:
                 switched = f"{impl} -> eager"
             for full, _, attr in todo:
                 p0 = originals[attr]
-                b0, b1 = p0.numel() * p0.element_size(), weight_nbytes(getattr(mod, attr), storages)
-                report[full] = {"status": "quantized", "kind": "experts", "scheme": "int8",
-                                "weight_type": type(getattr(mod, attr)).__name__, "shape": list(p0.shape),
-                                "experts": int(p0.shape[0]), "bytes_before": b0, "bytes_after": b1,
-                                "numel": p0.numel(), "kernel": "torchao Int8Tensor per expert (eager experts loop)",
-                                "kernel_grad": "torchao Int8Tensor per expert (eager experts loop)"}
+                b0, b1 = storage_bytes(p0), storage_bytes(getattr(mod, attr), storages)
+                how = ("per expert: F.linear / matmul / bmm dequantize one expert at a time in forward and "
+                       "backward (autograd function saving the quantized tensor)")
+                report[full] = {"status": "quantized", "kind": "experts", "scheme": self.scheme,
+                                "weight_type": "ExpertsWeightTensor", "shape": list(p0.shape),
+                                "experts": int(p0.shape[0]), "layout": "transposed [experts, in, out]" if transposed
+                                else "[experts, out, in]", "bytes_before": b0, "bytes_after": b1,
+                                "numel": p0.numel(), "kernel": how, "kernel_grad": how}
         return switched
 
     @staticmethod
@@ -605,6 +582,49 @@ class QuantizeLinear(effpass.Pass):
             except Exception:  # noqa: BLE001 - fall back to the config attribute
                 pass
         config._experts_implementation = impl
+
+
+def _experts_transposed(mod: nn.Module) -> bool:
+    """Whether the module stores its experts ``[experts, in, out]`` (GPT-OSS, Llama 4): transformers'
+    ``is_transposed`` flag, else a forward that multiplies with ``bmm`` / ``@`` rather than ``F.linear``."""
+    flag = getattr(mod, "is_transposed", None)
+    if flag is not None:
+        return bool(flag)
+    import inspect
+
+    try:
+        src = inspect.getsource(type(mod).forward)
+    except (OSError, TypeError):
+        return False
+    return ("bmm(" in src or " @ self." in src) and "linear(" not in src
+
+
+def _nf4_expert_problem(w: torch.Tensor, block_size: int) -> str | None:
+    per_expert = w[0].numel() if w.dim() == 3 else w.numel()
+    if per_expert % block_size:
+        return f"{per_expert} weights per expert are not divisible by block_size={block_size}"
+    return None
+
+
+def _experts_probe(mod: nn.Module, transposed: bool):
+    """A call of the experts module on fixed inputs that route tokens to every expert."""
+    import inspect
+
+    params = [p for p in inspect.signature(mod.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    w = next(p for p in mod.parameters(recurse=False) if p.dim() == 3)
+    n_exp = int(getattr(mod, "num_experts", w.shape[0]))
+    first = getattr(mod, "gate_up_proj", w)
+    hidden = int(getattr(mod, "hidden_dim", 0) or getattr(mod, "hidden_size", 0)
+                 or (first.shape[1] if transposed else first.shape[-1]))
+    g = torch.Generator(device="cpu").manual_seed(0)
+    if len(params) == 1:  # Llama 4: every expert sees its slice of the tokens (tokens ordered by expert)
+        x = torch.randn(n_exp * 2, hidden, generator=g).to(w.device, w.dtype)
+        return lambda: mod(x)
+    x = torch.randn(n_exp, hidden, generator=g).to(w.device, w.dtype)
+    idx = torch.arange(n_exp, device=w.device)[:, None]
+    wts = torch.ones(n_exp, 1, device=w.device, dtype=w.dtype)
+    return lambda: mod(x, idx, wts)
 
 
 def _prefixes(path: str) -> list[str]:

@@ -28,9 +28,36 @@ def test_nf4_weight_counts_inner_tensors_not_logical_dtype():
     # 4 bits per value + double-quantized scales: about 0.52 bytes per parameter
     assert 0.5 <= real / q.numel() <= 0.55, real
     assert len(inner_tensors(q)) > 1
-    assert not is_quantized(q)  # nobody registered torchao's class here: not claimed
+
+
+def test_unregistered_wrapper_subclass_is_not_claimed():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    t = TwoTensor(torch.zeros(4, 4), torch.ones(4, 4))
+    assert storage_bytes(t) == 2 * 64
+    assert not is_quantized(t)  # nobody registered TwoTensor: not claimed
     with pytest.raises(TypeError, match="no pass registered"):
-        dequantize(q)
+        dequantize(t)
+
+
+def test_quantize_linear_registers_every_format_it_makes():
+    """Importing the pass's formats registers them (effpass's own and torchao's plain classes, which
+    kernel="torchao" and 3-D expert weights make) with the core contract."""
+    fmt = importlib.import_module("effpass.passes._quant_formats")
+    nf4 = importlib.import_module("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+    i8 = importlib.import_module("torchao.quantization.quantize_.workflows.int8.int8_tensor")
+    from effpass.quantized import quantized_formats
+
+    for cls in (fmt.Int8WeightTensor, fmt.NF4WeightTensor, fmt.Int4WeightTensor, nf4.NF4Tensor, i8.Int8Tensor):
+        assert cls in quantized_formats(), cls
+    w = torch.randn(64, 128)
+    for q in (fmt.Int8WeightTensor.from_float(w), fmt.to_nf4_weight(w), fmt.to_nf4_weight(w, fast=False),
+              fmt.Int4WeightTensor.from_float(w, 32)):
+        assert is_quantized(q)
+        d = dequantize(q)
+        assert type(d) is torch.Tensor and d.shape == w.shape and (d - w).norm() / w.norm() < 0.15, type(q)
+        assert dequantize(q, torch.bfloat16).dtype == torch.bfloat16
+        assert storage_bytes(q) <= 1.1 * w.numel()  # about one byte per parameter or less (scales included)
 
 
 def test_registered_format_dispatches_and_rejects_bad_input():
