@@ -162,7 +162,7 @@ def _adapter_head(n: fx.Node, model):
 
 
 def match(ce: fx.Node, model=None) -> Site:
-    a = _ce_args(ce)
+    a = ce_args(ce)
     if a["weight"] is not None:
         raise Skip("class weights (weight=...) are not supported")
     if a["size_average"] is not None or a["reduce"] is not None:
