@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["MIN_FULL_ROWS", "MIN_CHUNK_ROWS", "plan_chunks", "default_chunk_bytes", "num_chunks",
-           "linear_cross_entropy", "OPS"]
+           "linear_cross_entropy", "OPS", "NO_IGNORE"]
 
 #: a full row block of logits is used when the budget holds at least this many rows (else 2-D tiles)
 MIN_FULL_ROWS = 128
@@ -382,6 +382,9 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Tensor
                         reduction == "mean", int(chunk_bytes), compute, mask)[0]
 
 
+
+#: the ``ignore_index`` of log-probability sites: no row is ignored (a negative index raises, as gather)
+NO_IGNORE = -(2 ** 63)
 
 #: the ops the graph pass inserts (the joint hook marks them never-recompute)
 OPS = (torch.ops.effpass.linear_cross_entropy.default, torch.ops.effpass.linear_cross_entropy_rows.default)

@@ -175,8 +175,14 @@ def match(ce: fx.Node, model=None) -> Site:
     if not (isinstance(x, torch.Tensor) and x.dim() == 2 and isinstance(t, torch.Tensor) and t.dim() == 1
             and not t.dtype.is_floating_point):
         raise Skip("input is not (N, V) logits with (N,) class-index targets")
+    return walk(a["input"], ce, model)
+
+
+def walk(logits: fx.Node, anchor: fx.Node, model=None) -> Site:
+    """The projection behind ``logits`` (read by ``anchor``: the loss) and the chain between them."""
+    x = _val(logits)
     chain: list[fx.Node] = []
-    n = a["input"]
+    n = logits
     while True:
         if not isinstance(n, fx.Node):
             raise Skip("the logits do not come from a tensor in this graph")
@@ -188,13 +194,13 @@ def match(ce: fx.Node, model=None) -> Site:
                         "model.loss_type = 'ForCausalLM' before compiling)")
         if _is_fn(n, _LINEAR_FNS):
             h, w, b = _linear_parts(n)
-            site = Site(ce, n, h, w, b, None, [], [])
+            site = Site(anchor, n, h, w, b, None, [], [])
             break
         lora = _adapter_head(n, model)
         if lora is not None:
             base, u0, bw, s, nodes = lora
             h, w, b = _linear_parts(base)
-            site = Site(ce, n, h, w, b, (u0, bw, s), [], [], lora_nodes=tuple(nodes) + (base,))
+            site = Site(anchor, n, h, w, b, (u0, bw, s), [], [], lora_nodes=tuple(nodes) + (base,))
             break
         if _is_method(n, _NOOP_METHODS):
             if n.target in ("to", "type") and not all(isinstance(v, (torch.dtype, torch.device, str)) or v is None
@@ -330,3 +336,110 @@ def erase_unused(graph: fx.Graph, nodes) -> None:
                 progress = True
 
 
+
+
+# ------------------------------------------------------------------------------------------------------
+# chosen-token log-probabilities: log_softmax(z).gather(-1, t), gather(z, -1, t) - logsumexp(z, -1)
+# ------------------------------------------------------------------------------------------------------
+_LOG_SOFTMAX_FNS = {F.log_softmax, torch.log_softmax, torch.nn.functional.log_softmax}
+_GATHER_FNS = {torch.gather}
+_LSE_FNS = {torch.logsumexp}
+_SUB_FNS = {operator.sub, torch.sub, torch.subtract}
+
+
+@dataclass
+class LogProbSite:
+    """``out = log_softmax(logits)[..., index]`` (``index``: the gather's ``(..., 1)`` index); ``nodes`` are
+    the nodes the fused op replaces (besides the logits chain), ``out`` the node whose uses it takes."""
+
+    site: Site
+    out: fx.Node
+    index: fx.Node
+    nodes: tuple
+    squeezed: bool = False              # the output drops the index's last (size 1) dim
+
+
+def _last_dim(dim: Any, ndim: int) -> bool:
+    return isinstance(dim, int) and dim % ndim == ndim - 1
+
+
+def _arg(n: fx.Node, i: int, name: str, default=None):
+    if len(n.args) > i:
+        return n.args[i]
+    return n.kwargs.get(name, default)
+
+
+def _gather_parts(n: Any):
+    """``(source, index)`` of ``gather(source, -1, index)`` (function or method), else None."""
+    if not (_is_fn(n, _GATHER_FNS) or _is_method(n, {"gather"})):
+        return None
+    src, dim, idx = _arg(n, 0, "input"), _arg(n, 1, "dim"), _arg(n, 2, "index")
+    v = _val(src)
+    if not (isinstance(src, fx.Node) and isinstance(idx, fx.Node) and isinstance(v, torch.Tensor)
+            and _last_dim(dim, v.dim()) and not n.kwargs.get("sparse_grad", False)):
+        return None
+    iv = _val(idx)
+    if not (isinstance(iv, torch.Tensor) and iv.dim() == v.dim() and iv.shape[-1] == 1
+            and tuple(iv.shape[:-1]) == tuple(v.shape[:-1])):
+        return None
+    return src, idx
+
+
+def _lse_of(n: Any, keep: bool):
+    """The logits of ``logsumexp(z, -1)`` (``keep``: with ``keepdim=True`` or followed by ``unsqueeze(-1)``),
+    and the nodes of the form, else None."""
+    nodes = [n]
+    if keep and (_is_method(n, {"unsqueeze"}) or _is_fn(n, {torch.unsqueeze})):
+        v = _val(n)
+        if not (isinstance(v, torch.Tensor) and _last_dim(_arg(n, 1, "dim"), v.dim())):
+            return None
+        n = n.args[0]
+        nodes.append(n)
+        keep = False
+    if not (_is_fn(n, _LSE_FNS) or _is_method(n, {"logsumexp"})) or bool(_arg(n, 2, "keepdim", False)) != keep:
+        return None
+    z, dim = n.args[0], _arg(n, 1, "dim")
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    zv = _val(z)
+    if not (isinstance(zv, torch.Tensor) and _last_dim(dim, zv.dim())):
+        return None
+    return z, nodes
+
+
+def _squeezed_last(n: Any):
+    """``x`` of ``x.squeeze(-1)`` (method or function), else None."""
+    if not (_is_method(n, {"squeeze"}) or _is_fn(n, {torch.squeeze})) or len(n.args) != 2:
+        return None
+    v = _val(n.args[0])
+    return n.args[0] if isinstance(v, torch.Tensor) and _last_dim(n.args[1], v.dim()) else None
+
+
+def match_logprob(n: fx.Node, model=None) -> Optional[LogProbSite]:
+    """A chosen-token log-probability site ending at ``n``, or None when ``n`` is not one (``Skip`` when it
+    is one the pass cannot fuse)."""
+    g = _gather_parts(n)
+    if g is not None:  # log_softmax(z, -1).gather(-1, t)
+        ls, idx = g
+        if not (_is_fn(ls, _LOG_SOFTMAX_FNS) or _is_method(ls, {"log_softmax"})):
+            return None
+        zv = _val(ls.args[0])
+        if not isinstance(zv, torch.Tensor) or not _last_dim(_arg(ls, 1, "dim"), zv.dim()) \
+                or _arg(ls, 2, "dtype", None) is not None or (len(ls.args) > 3) or "_stacklevel" in ls.kwargs:
+            raise Skip(f"log_softmax {ls.name} is not over the last dim (or has a dtype)")
+        if len(ls.users) != 1:
+            raise Skip(f"the full log-probabilities {ls.name} are used elsewhere")
+        return LogProbSite(walk(ls.args[0], n, model), n, idx, (n, ls))
+    if (_is_fn(n, _SUB_FNS) or _is_method(n, {"sub", "__sub__"})) and len(n.args) == 2 and not n.kwargs:
+        a = n.args[0]
+        inner = _squeezed_last(a)
+        gnodes = [a] if inner is None else [a, inner]
+        g = _gather_parts(gnodes[-1])
+        lse = _lse_of(n.args[1], keep=inner is None) if isinstance(n.args[1], fx.Node) else None
+        if g is None or lse is None or g[0] is not lse[0]:
+            return None
+        for m in [*gnodes, *lse[1]]:
+            if len(m.users) != 1:
+                raise Skip(f"{m.name} (part of a log-probability) is used elsewhere")
+        return LogProbSite(walk(g[0], n, model), n, g[1], (n, *gnodes, *lse[1]), squeezed=inner is not None)
+    return None

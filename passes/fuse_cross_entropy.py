@@ -74,10 +74,10 @@ from effpass.integrations.huggingface import set_hf_loss_type  # noqa: F401  (re
 from effpass.quantized import dequantize, is_quantized
 from effpass.scope import module_path_of_node
 
-from ._fuse_ce_kernels import (MIN_CHUNK_ROWS, MIN_FULL_ROWS, OPS, default_chunk_bytes,  # noqa: F401 (re-exported)
+from ._fuse_ce_kernels import (MIN_CHUNK_ROWS, MIN_FULL_ROWS, NO_IGNORE, OPS, default_chunk_bytes,  # noqa: F401 (re-exported)
                                linear_cross_entropy, num_chunks, plan_chunks)
-from ._fuse_ce_match import (Site, Skip, _CE_FNS, _is_fn, _val, autocast_dtype_at, ce_args, erase_unused, match,
-                             replay_shape, set_meta)
+from ._fuse_ce_match import (LogProbSite, Site, Skip, _CE_FNS, _is_fn, _val, autocast_dtype_at, ce_args, erase_unused,
+                             match, match_logprob, replay_shape, set_meta)
 
 __all__ = ["FuseCrossEntropy", "default_chunk_bytes", "linear_cross_entropy", "plan_chunks",
            "set_hf_loss_type"]
@@ -136,7 +136,7 @@ class FuseCrossEntropy(effpass.Pass):
         graph = gm.graph
         stats = {"fused": 0, "logits_bytes_avoided": 0, "chunks": 0, "chunk_bytes": 0, "logits_returned": 0,
                  "logits_dropped": 0, "lora_heads": 0, "low_precision_matmuls": 0, "torch_kernel": 0,
-                 "dequantized_heads": 0, "skipped": 0, "left_alone_no_grad": 0}
+                 "dequantized_heads": 0, "skipped": 0, "left_alone_no_grad": 0, "logprob_sites": 0}
         skipped: list[dict] = []
         for ce in [n for n in graph.nodes if _is_fn(n, _CE_FNS)]:
             where = f"{module_path_of_node(ce) or '<root>'}:{ce.name}"
@@ -158,7 +158,18 @@ class FuseCrossEntropy(effpass.Pass):
             except Skip as e:
                 stats["skipped"] += 1
                 skipped.append({"site": where, "reason": str(e)})
-        changed = stats["fused"] > 0
+        for n in list(graph.nodes):
+            if n.graph is not graph or n.op not in ("call_function", "call_method"):
+                continue
+            try:
+                lp = match_logprob(n, ctx.model)
+                if lp is None or not ctx.allows(lp.site.proj):
+                    continue
+                self._rewrite_logprob(graph, lp, ctx, stats)
+            except Skip as e:
+                stats["skipped"] += 1
+                skipped.append({"site": f"{module_path_of_node(n) or '<root>'}:{n.name}", "reason": str(e)})
+        changed = stats["fused"] > 0 or stats["logprob_sites"] > 0
         if changed:
             graph.lint()
         return effpass.PassResult(changed=changed, stats=stats, skipped=skipped)
@@ -269,6 +280,85 @@ class FuseCrossEntropy(effpass.Pass):
         stats["lora_heads"] += int(site.lora is not None)
         stats["low_precision_matmuls"] += int(bool(compute))
         stats["torch_kernel"] += int(use_torch)
+        stats["dequantized_heads"] += int(weight is not site.weight)
+
+    def _rewrite_logprob(self, graph: fx.Graph, lp: LogProbSite, ctx, stats: dict) -> None:
+        """``log_softmax(proj(h))[..., t]`` -> ``-linear_cross_entropy_rows(h, W, ..., t)`` (no ignored rows:
+        a negative or too large index raises, as gather does), reshaped to the gather's shape."""
+        site, anchor = lp.site, lp.out
+        hv, wv, iv = _val(site.h), _val(site.weight), _val(lp.index)
+        if not (isinstance(hv, torch.Tensor) and isinstance(wv, torch.Tensor) and wv.dim() == 2
+                and isinstance(iv, torch.Tensor)):
+            raise Skip("the projection's input, weight or the index has no static example value")
+        if is_traceable_wrapper_subclass(wv) and (wv.requires_grad or not is_quantized(wv)):
+            raise Skip(f"the head's weight is a {type(wv).__name__} (not a frozen registered quantized weight)")
+        vocab, width = int(wv.shape[0]), int(wv.shape[1])
+        n_rows = int(iv.numel())
+        chain_set = set(site.chain) | {site.proj} | set(site.lora_nodes)
+        returned, used_elsewhere = [], []
+        for n in chain_set:
+            for u in n.users:
+                if u in chain_set or u in lp.nodes:
+                    continue
+                (returned if u.op == "output" else used_elsewhere).append(n)
+        keep = bool(used_elsewhere) or self.keep_logits
+        dtype = autocast_dtype_at(graph, site.proj, hv.device.type)
+        compute = "" if dtype is None or hv.dtype != torch.float32 else str(dtype).removeprefix("torch.")
+        budget = self.chunk_bytes or default_chunk_bytes(n_rows, vocab, hv.numel() * hv.element_size())
+        new: list[fx.Node] = []
+        with graph.inserting_before(anchor):
+            def call(fn, *args, **kwargs):
+                n = graph.call_function(fn, args, kwargs)
+                new.append(n)
+                return n
+
+            def rows_of(src: fx.Node, w: int) -> fx.Node:
+                for op in site.shape_ops:
+                    src = replay_shape(graph, op, src, vocab, w)
+                    new.append(src)
+                return call(torch.reshape, src, (-1, w))
+
+            x = rows_of(site.h, width)
+            weight = call(dequantize, site.weight) if is_traceable_wrapper_subclass(wv) else site.weight
+            x2 = w2 = None
+            if site.lora is not None:
+                u0, w2, s = site.lora
+                x2 = rows_of(call(torch.mul, u0, s) if s != 1.0 else u0, int(_val(w2).shape[1]))
+            target = call(torch.reshape, lp.index, (-1,))
+            res = call(torch.ops.effpass.linear_cross_entropy_rows.default, x, weight, x2, w2, site.bias, target,
+                       NO_IGNORE, 0.0, site.pre, site.softcap, site.post, budget, compute)
+            out = call(torch.neg, call(operator.getitem, res, 0))
+            shape = tuple(int(d) for d in iv.shape)
+            out = call(torch.reshape, out, shape[:-1] if lp.squeezed else shape)
+            if _val(anchor).dtype != torch.float32:
+                out = call(torch.Tensor.to, out, _val(anchor).dtype)
+        try:
+            set_meta(new, anchor)
+            got = _val(x)
+            if got is None or tuple(got.shape) != (n_rows, width):
+                raise Skip(f"the projection's rows do not line up with the index's rows "
+                           f"({None if got is None else tuple(got.shape)} vs {(n_rows, width)})")
+        except Skip:
+            erase_unused(graph, list(reversed(new)))
+            raise
+        except Exception as e:  # noqa: BLE001 - a shape op that does not replay on h: leave the site alone
+            erase_unused(graph, list(reversed(new)))
+            raise Skip(f"could not rebuild the projection's rows: {type(e).__name__}: {e}") from None
+        anchor.replace_all_uses_with(out)
+        erase_unused(graph, list(lp.nodes))
+        dropped = bool(returned) and not keep
+        if dropped:
+            outn = next(n for n in graph.nodes if n.op == "output")
+            outn.args = fx.node.map_arg(outn.args, lambda n: None if n in chain_set else n)
+        erase_unused(graph, list(reversed(site.chain)) + [site.proj] + list(site.lora_nodes))
+        stats["logprob_sites"] += 1
+        stats["logits_bytes_avoided"] += 0 if keep else n_rows * vocab * 4
+        stats["chunks"] += num_chunks(n_rows, vocab, budget)
+        stats["chunk_bytes"] = budget
+        stats["logits_returned"] += int(bool(returned) and keep)
+        stats["logits_dropped"] += int(dropped)
+        stats["lora_heads"] += int(site.lora is not None)
+        stats["low_precision_matmuls"] += int(bool(compute))
         stats["dequantized_heads"] += int(weight is not site.weight)
 
     @staticmethod
