@@ -44,7 +44,8 @@ def _source_digest() -> str:
 _LAZY = {
     **dict.fromkeys(["Pass", "PassResult", "Phase", "register_pass", "registered_passes", "make_pass",
                      "get_pass_class", "reserved_pass_names", "PassOptionError", "register_extension",
-                     "register_command", "register_cacheable_function"], ".pass_api"),
+                     "register_command", "register_cacheable_function", "Note"], ".pass_api"),
+    "register_attention_op": ".attention",
     **dict.fromkeys(["skip", "only", "TargetMatchError"], ".scope"),
     **dict.fromkeys(["PassContext", "PipelineError", "EffpassPassError", "WrongResultError", "order_passes"],
                     ".manager"),
@@ -103,5 +104,5 @@ __all__ = [
     "PipelineError", "EffpassPassError", "WrongResultError", "TargetMatchError", "PassOptionError", "reserved_pass_names",
     "register_extension", "register_command", "register_cacheable_function", "export_onnx",
     "estimate_memory", "plan_memory",
-    "MemoryBudgetError", "verify",
+    "MemoryBudgetError", "verify", "Note", "register_attention_op",
 ]

@@ -11,19 +11,22 @@ import time
 import traceback
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence, TypeVar
 
 import networkx as nx
 import torch
 import torch.fx as fx
 
 from .graph import op_histogram, restore_graph, snapshot_graph
-from .pass_api import Pass, PassResult, Phase, PHASE_HOOKS
+from .pass_api import Note, Pass, PassResult, Phase, PHASE_HOOKS
 from .report import GraphReport, PassRecord
 from .scope import Scope
 
 __all__ = ["PassManager", "PassContext", "order_passes", "PipelineError", "EffpassPassError",
            "WrongResultError"]
+
+
+N = TypeVar("N", bound=Note)
 
 
 class PipelineError(ValueError):
@@ -79,8 +82,9 @@ class PassContext:
     model: torch.nn.Module | None = None
     example_inputs: Sequence[Any] | None = None
     device: torch.device | None = None
-    #: per Dynamo graph, shared by all phases and passes (notes a torch-IR pass leaves for a joint one)
-    notes: dict[str, Any] = field(default_factory=dict)
+    #: per Dynamo graph, shared by all phases and passes. Passes leave typed notes (:class:`Note`) with
+    #: :meth:`leave` / :meth:`read`; string keys belong to the backend and the dumps
+    notes: dict[Any, Any] = field(default_factory=dict)
     #: module phase only: set False by a pass that compiled submodules itself (FSDP units)
     compile_root: bool = True
     #: module phase only: ``backend_factory()`` returns an effpass backend for this pipeline
@@ -96,6 +100,18 @@ class PassContext:
     def allows(self, node: fx.Node) -> bool:
         """Whether this pass may act on ``node`` (targets/exclude globs and skip/only decorators)."""
         return self.scope.allows(node)
+
+    def leave(self, note: Note) -> None:
+        """Leave a typed note for a later phase on this graph (replaces an earlier note of its class)."""
+        if not isinstance(note, Note):
+            raise TypeError(f"ctx.leave takes an effpass.Note, got {type(note).__name__}")
+        self.notes[type(note)] = note
+
+    def read(self, kind: type[N]) -> N | None:
+        """The note of class ``kind`` an earlier phase left on this graph, or None."""
+        if not (isinstance(kind, type) and issubclass(kind, Note)):
+            raise TypeError(f"ctx.read takes a subclass of effpass.Note, got {kind!r}")
+        return self.notes.get(kind)
 
     def find_pass(self, name: str) -> Pass | None:
         """The pipeline's pass called ``name`` (to read another pass's options), or None."""

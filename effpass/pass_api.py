@@ -38,7 +38,7 @@ __all__ = [
     "Phase", "PassResult", "Pass", "FunctionPass", "register_pass", "get_pass_class", "registered_passes",
     "reserved_pass_names", "make_pass", "PassOptionError", "register_extension", "register_command",
     "registered_commands", "Command", "register_cacheable_function", "cacheable_functions",
-    "UnknownPassOptionError", "check_option_names",
+    "UnknownPassOptionError", "check_option_names", "Note",
 ]
 
 #: The package whose modules hold the built-in passes (their names are reserved).
@@ -60,6 +60,13 @@ PHASE_HOOKS: dict[Phase, str] = {
 }
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9]*(_[a-z0-9]+)*$")
+
+
+class Note:
+    """Base class of the typed facts one phase leaves for a later phase of the same Dynamo graph (a torch-IR
+    pass for its joint or backward hook, say). Subclass it as a frozen dataclass; write with
+    ``ctx.leave(note)`` and read with ``ctx.read(NoteClass)`` (None when no phase left one). The class is the
+    key, so two passes never collide on a string and a reader names what it expects."""
 
 
 class PassOptionError(ValueError):

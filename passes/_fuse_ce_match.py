@@ -15,7 +15,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor
 
-from effpass.graph import source_path, tensor_meta
+from effpass.graph import Skip, autocast_dtype_at, copy_provenance, erase_dead, infer_fake_values, source_path  # noqa: F401
+from effpass.graph import is_fn as _is_fn, is_method as _is_method, is_number as _is_number, val as _val  # noqa: F401
 from effpass.linear_like import linear_parts
 from effpass.scope import module_path_of_node
 
@@ -28,31 +29,9 @@ _ADD_FNS = {operator.add, torch.add}
 _TANH = {torch.tanh, torch.nn.functional.tanh}
 _NOOP_METHODS = {"float", "to", "type_as", "contiguous", "type"}
 _RESHAPE_METHODS = {"view", "reshape"}
-_ENTER = torch.amp.autocast_mode._enter_autocast
-_EXIT = torch.amp.autocast_mode._exit_autocast
 _CE_PARAMS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
 _CE_DEFAULTS = {"weight": None, "size_average": None, "ignore_index": -100, "reduce": None, "reduction": "mean",
                 "label_smoothing": 0.0}
-
-
-class Skip(Exception):
-    """A site the pass looked at and left alone; the message is the reason."""
-
-
-def _val(n: Any):
-    return tensor_meta(n) if isinstance(n, fx.Node) else None
-
-
-def _is_fn(n: Any, fns) -> bool:
-    return isinstance(n, fx.Node) and n.op == "call_function" and n.target in fns
-
-
-def _is_method(n: Any, names) -> bool:
-    return isinstance(n, fx.Node) and n.op == "call_method" and n.target in names
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _linear_parts(n: fx.Node):
@@ -281,59 +260,17 @@ def replay_shape(graph: fx.Graph, op: fx.Node, src: fx.Node, vocab: int, width: 
     return graph.call_function(torch.reshape, (src, tuple(shape)))
 
 
-def autocast_dtype_at(graph: fx.Graph, node: fx.Node, device_type: str) -> torch.dtype | None:
-    """The autocast dtype in force at ``node`` (enter/exit nodes in the graph), or None."""
-    stack: list[tuple] = []
-    for n in graph.nodes:
-        if n is node:
-            break
-        if _is_fn(n, {_ENTER}):
-            dev, dtype, enabled = (list(n.args) + [None] * 3)[:3]
-            stack.append((dev, dtype, enabled))
-        elif _is_fn(n, {_EXIT}) and stack:
-            stack.pop()
-    for dev, dtype, enabled in reversed(stack):
-        if dev == device_type:
-            return dtype if enabled else None
-    return None
-
-
 def set_meta(nodes: list[fx.Node], like: fx.Node) -> None:
-    """Provenance from ``like`` and fake example values for the new nodes (checked by the caller)."""
-    from torch._guards import detect_fake_mode
-
+    """Provenance from ``like`` and fake example values for the new nodes (an op that fails on fake tensors
+    raises: the caller leaves the site alone)."""
     for n in nodes:
-        for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
-            if key in like.meta:
-                n.meta[key] = like.meta[key]
-    vals = [_val(a) for n in nodes for a in n.all_input_nodes]
-    # NOTE: the values' own mode, not detect_fake_mode(): inside the backend the tracing context holds
-    # another fake mode than the one Dynamo's example values were made in
-    fake_mode = next((v.fake_mode for v in vals if getattr(v, "fake_mode", None) is not None), None)
-    if fake_mode is None:
-        fake_mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
-    if fake_mode is None:
-        return
-    env: dict[fx.Node, Any] = {}
-    with fake_mode:
-        for n in nodes:
-            args = fx.node.map_arg(n.args, lambda a: env.get(a, _val(a)))
-            kwargs = fx.node.map_arg(n.kwargs, lambda a: env.get(a, _val(a)))
-            env[n] = n.target(*args, **kwargs)
-            n.meta["example_value"] = env[n]
+        copy_provenance(n, like)
+    infer_fake_values(nodes, strict=True)
 
 
 def erase_unused(graph: fx.Graph, nodes) -> None:
     """Erase the matched nodes that nothing uses any more, consumers first."""
-    pending = [n for n in nodes]
-    progress = True
-    while progress:
-        progress = False
-        for n in list(pending):
-            if not n.users:
-                graph.erase_node(n)
-                pending.remove(n)
-                progress = True
+    erase_dead(graph, nodes)
 
 
 

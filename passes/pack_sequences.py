@@ -67,10 +67,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import effpass
-from effpass.graph import tensor_meta
+from effpass.attention import attention_op, masked_sdpa
+from effpass.graph import Skip, copy_provenance, infer_fake_values, is_softmax as _is_softmax, shape_of, tensor_meta
 from effpass.scope import module_path_of_node
 
-from ._sdpa_safe import masked_sdpa
 
 __all__ = ["PackSequences", "packing_stats", "document_ids", "position_ids_from"]
 
@@ -78,8 +78,6 @@ __all__ = ["PackSequences", "packing_stats", "document_ids", "position_ids_from"
 BOUNDARY_KWARGS = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "position_ids")
 _PLACEHOLDER_RE = re.compile(r"^L_(?:kwargs_)?(seq_idx|cu_seq_lens_q|cu_seq_lens_k|position_ids)_$")
 _TOKENS_RE = re.compile(r"^L_(?:kwargs_)?(input_ids|inputs_embeds|tokens)_$")
-_SDPA_FNS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
-_SOFTMAX_FNS = {torch.softmax, F.softmax, torch.special.softmax}
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -457,11 +455,11 @@ class PackSequences(effpass.Pass):
             try:
                 if _is_sdpa(site):
                     q, k, v, mask, dropout_p, is_causal, scale, gqa = _sdpa_args(site)
-                    sq, sk = _shape(q)[-2], _shape(k)[-2]
+                    sq, sk = shape_of(q)[-2], shape_of(k)[-2]
                     if doc is None:
                         doc, masks, n_len = self._prologue(graph, placeholders, kind, bnode, call)
                     if not (_same(sq, n_len) and _same(sk, n_len)):
-                        raise _Skip(f"query/key lengths ({sq}, {sk}) are not the packed length {n_len} "
+                        raise Skip(f"query/key lengths ({sq}, {sk}) are not the packed length {n_len} "
                                     "(decoding with a cache or cross-attention)")
                     flash = (self.kernel != "sdpa" and _flash_varlen_usable(q, mask, dropout_p))
                     with graph.inserting_before(site):
@@ -483,7 +481,7 @@ class PackSequences(effpass.Pass):
                         continue  # not attention: a softmax over something else (e.g. MoE routing)
                     if doc is None:
                         doc, masks, n_len = self._prologue(graph, placeholders, kind, bnode, call)
-                    sh = _shape(scores)
+                    sh = shape_of(scores)
                     if not (_same(sh[-1], n_len) and _same(sh[-2], n_len)):
                         continue
                     with graph.inserting_before(site):
@@ -492,7 +490,7 @@ class PackSequences(effpass.Pass):
                     site.replace_input_with(scores, masked)
                     stats["softmax_masked"] += 1
                     costs[where.rsplit(":", 1)[0] + f"#{len(costs)}"] = (_scores_pair_cost(scores), False)
-            except _Skip as e:
+            except Skip as e:
                 stats["skipped"] += 1
                 skipped.append({"site": where, "reason": str(e)})
         changed = stats["sdpa_rewritten"] + stats["softmax_masked"] > 0
@@ -517,13 +515,13 @@ class PackSequences(effpass.Pass):
         src = bnode
         if kind in ("cu_seq_lens_q", "cu_seq_lens_k"):
             # NOTE: the packed length N is the tokens' length (cu_seq_lens has one entry per example)
-            src = next((n for n in placeholders if _TOKENS_RE.match(str(n.target)) and _shape(n)), None)
+            src = next((n for n in placeholders if _TOKENS_RE.match(str(n.target)) and shape_of(n)), None)
             if src is None:
-                raise _Skip("cu_seq_lens boundaries without input_ids / inputs_embeds in the graph")
+                raise Skip("cu_seq_lens boundaries without input_ids / inputs_embeds in the graph")
         dim = 1 if src is not bnode else -1
         with graph.inserting_after(placeholders[-1]):
             n_len_node = call(torch.Tensor.size, src, dim)
-        n_len = _shape(src)[dim]
+        n_len = shape_of(src)[dim]
         with graph.inserting_after(n_len_node):
             doc = call(document_ids, kind, bnode, n_len_node)
         _set_meta([n_len_node, doc], None)
@@ -538,17 +536,8 @@ class PackSequences(effpass.Pass):
         return doc, masks, n_len
 
 
-class _Skip(Exception):
-    pass
-
-
 def _where(n: fx.Node) -> str:
     return f"{module_path_of_node(n) or '<root>'}:{n.name}"
-
-
-def _shape(n: Any):
-    v = tensor_meta(n) if isinstance(n, fx.Node) else None
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
 def _same(a, b) -> bool:
@@ -568,22 +557,16 @@ def _same(a, b) -> bool:
 
 
 def _is_sdpa(n: fx.Node) -> bool:
-    if n.op != "call_function":
-        return False
-    if n.target in _SDPA_FNS or n.target is masked_sdpa:
-        return True
-    return getattr(n.target, "__name__", "") == "attention" and getattr(n.target, "__module__", "").endswith(
-        "_flash_attn_op")
-
-
-def _is_softmax(n: fx.Node) -> bool:
-    return (n.op == "call_function" and n.target in _SOFTMAX_FNS) or (n.op == "call_method" and n.target == "softmax")
+    """A call of a fused attention op with SDPA's signature (the core's registry: SDPA, masked_sdpa, and
+    what other passes register)."""
+    op = attention_op(n)
+    return op is not None and op.maskable
 
 
 def _attention_softmax(sm: fx.Node) -> fx.Node | None:
     """The score input of a softmax over the last dim of a ``(..., S, S)`` tensor (>= 3 dims), else None."""
     x = sm.args[0] if sm.args else sm.kwargs.get("input")
-    sh = _shape(x)
+    sh = shape_of(x)
     if sh is None or len(sh) < 3:
         return None
     dim = sm.args[1] if len(sm.args) > 1 else sm.kwargs.get("dim")
@@ -601,16 +584,16 @@ def _sdpa_args(n: fx.Node):
         vals["scale"] = n.args[6]
     q, k, v = vals.get("query"), vals.get("key"), vals.get("value")
     if not all(isinstance(t, fx.Node) for t in (q, k, v)):
-        raise _Skip("q, k or v is not a tensor")
-    if _shape(q) is None or len(_shape(q)) != 4:
-        raise _Skip("q is not (batch, heads, length, head_dim)")
+        raise Skip("q, k or v is not a tensor")
+    if shape_of(q) is None or len(shape_of(q)) != 4:
+        raise Skip("q is not (batch, heads, length, head_dim)")
     is_causal = vals.get("is_causal", False)
     dropout = vals.get("dropout_p", 0.0)
     if not isinstance(is_causal, bool):
-        raise _Skip("is_causal is not a constant")
+        raise Skip("is_causal is not a constant")
     mask = vals.get("attn_mask")
     if mask is not None and not isinstance(mask, fx.Node):
-        raise _Skip("attn_mask is not a tensor")
+        raise Skip("attn_mask is not a tensor")
     return q, k, v, mask, dropout, is_causal, vals.get("scale"), bool(vals.get("enable_gqa", False))
 
 
@@ -624,14 +607,14 @@ def _static(x) -> int:
 def _pair_cost(q: fx.Node, v: fx.Node) -> int:
     """FLOPs per attended (query, key) pair and row of an SDPA call: ``2*H*D`` for ``q @ k^T`` plus
     ``2*H*Dv`` for ``p @ v``."""
-    qs, vs = _shape(q), _shape(v)
+    qs, vs = shape_of(q), shape_of(v)
     return 2 * _static(qs[-3]) * (_static(qs[-1]) + _static(vs[-1] if vs else qs[-1]))
 
 
 def _scores_pair_cost(scores: fx.Node) -> int:
     """FLOPs per pair and row of hand-written attention: heads from the scores' shape, the head dim from the
     ``q @ k^T`` matmul found by walking back through elementwise ops (scaling, soft-capping)."""
-    sh = _shape(scores)
+    sh = shape_of(scores)
     heads = _static(sh[-3]) if len(sh) >= 3 else 1
     n, d = scores, 0
     for _ in range(8):
@@ -639,10 +622,10 @@ def _scores_pair_cost(scores: fx.Node) -> int:
             break
         if n.target in (torch.matmul, torch.bmm, "matmul", "__matmul__") or getattr(n.target, "__name__", "") in (
                 "matmul", "bmm", "matmul_"):
-            qs = _shape(n.args[0]) if n.args else None
+            qs = shape_of(n.args[0]) if n.args else None
             d = _static(qs[-1]) if qs else 0
             break
-        n = next((a for a in n.args if isinstance(a, fx.Node) and _shape(a) is not None), None)
+        n = next((a for a in n.args if isinstance(a, fx.Node) and shape_of(a) is not None), None)
     return 4 * heads * d
 
 
@@ -675,22 +658,7 @@ def _flash_varlen_usable(q: fx.Node, mask, dropout_p) -> bool:
 
 def _set_meta(nodes: list[fx.Node], like: fx.Node | None) -> None:
     """Provenance from ``like`` and fake example values for new nodes (best effort: AOT re-traces)."""
-    from torch._guards import detect_fake_mode
-
     for n in nodes:
         if like is not None:
-            for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr"):
-                if key in like.meta:
-                    n.meta[key] = like.meta[key]
-    for n in nodes:
-        vals = [tensor_meta(a) for a in n.all_input_nodes]
-        fake = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
-        if fake is None:
-            continue
-        args = fx.node.map_arg(n.args, lambda a: tensor_meta(a))
-        kwargs = fx.node.map_arg(n.kwargs, lambda a: tensor_meta(a))
-        try:
-            with fake:
-                n.meta["example_value"] = n.target(*args, **kwargs)
-        except Exception:
-            pass
+            copy_provenance(n, like)
+        infer_fake_values([n])

@@ -19,7 +19,7 @@ from effpass.passes import FuseAttention
 from effpass.testing import compile_and_compare, model_case
 
 SDPA = "F.scaled_dot_product_attention"
-MASKED_SDPA = "_sdpa_safe.masked_sdpa"  # SDPA with the empty-row guard (masks from the inputs)
+MASKED_SDPA = "attention.masked_sdpa"  # SDPA with the empty-row guard (masks from the inputs)
 
 
 def _records(compiled):
@@ -622,8 +622,8 @@ def test_saved_for_backward_bytes_grow_linearly_once_fused():
 # options, defaults, Inductor
 # ------------------------------------------------------------------------------------------------------
 def test_bad_options_name_the_value_and_the_valid_ones():
-    with pytest.raises(ValueError, match="'bogus'.*sdpa"):
-        FuseAttention(kernel="bogus")
+    with pytest.raises(ValueError, match="'kernel'"):  # the flash-attn choice is gone: SDPA dispatches to flash
+        FuseAttention(kernel="sdpa")
     with pytest.raises(ValueError, match="-1"):
         FuseAttention(max_mask_eval_elements=-1)
     with pytest.raises(TypeError):
