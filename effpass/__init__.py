@@ -46,6 +46,8 @@ _LAZY = {
                      "get_pass_class", "reserved_pass_names", "PassOptionError", "register_extension",
                      "register_command", "register_cacheable_function", "Note"], ".pass_api"),
     "register_attention_op": ".attention",
+    **dict.fromkeys(["MemoryOption", "register_memory_option", "register_optimizer", "register_flop_formula"],
+                    ".memory_options"),
     **dict.fromkeys(["skip", "only", "TargetMatchError"], ".scope"),
     **dict.fromkeys(["PassContext", "PipelineError", "EffpassPassError", "WrongResultError", "order_passes"],
                     ".manager"),
@@ -104,5 +106,6 @@ __all__ = [
     "PipelineError", "EffpassPassError", "WrongResultError", "TargetMatchError", "PassOptionError", "reserved_pass_names",
     "register_extension", "register_command", "register_cacheable_function", "export_onnx",
     "estimate_memory", "plan_memory",
-    "MemoryBudgetError", "verify", "Note", "register_attention_op",
+    "MemoryBudgetError", "verify", "Note", "register_attention_op", "MemoryOption", "register_memory_option",
+    "register_optimizer", "register_flop_formula",
 ]

@@ -172,6 +172,13 @@ class Pass:
         """One line for ``effpass passes`` saying when the pass is on by default."""
         return "off"
 
+    @classmethod
+    def memory_options(cls, model: torch.nn.Module | None = None, *, world_size: int = 1) -> tuple:
+        """The memory options this pass offers the planner (``effpass.memory_options.MemoryOption``: its
+        options, lossless or lossy, what they change, which phase needs them); ``model=None``: every option
+        that could apply (for validating ``allow``). Default: none. See docs/memory_planner.md."""
+        return ()
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)

@@ -27,3 +27,4 @@ for _mod, _names in _BUILTINS.items():
     for _n in _names:
         globals()[_n] = getattr(_m, _n)
         __all__.append(_n)
+importlib.import_module(f"{__name__}._optimizers")  # optimizers the memory planner may choose

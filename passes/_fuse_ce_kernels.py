@@ -19,6 +19,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+import effpass
+
 __all__ = ["MIN_FULL_ROWS", "MIN_CHUNK_ROWS", "plan_chunks", "default_chunk_bytes", "num_chunks",
            "linear_cross_entropy", "OPS", "NO_IGNORE"]
 
@@ -334,6 +336,25 @@ def _(grad, lse, x, w, x2, w2, bias, target, ignore_index, smoothing, pre, softc
         return torch.empty_like(t) if (t is not None and on) else x.new_empty(0)
 
     return like(x, grad_mask[0]), like(w, grad_mask[2]), like(x2, grad_mask[1]), like(w2, grad_mask[3]), like(bias, grad_mask[4])
+
+
+def _head_flops(x, w, x2, w2, grad_mask=None) -> int:
+    """Matmul FLOPs of the chunked head: the logits (2*N*H*V, plus the adapter's 2*N*r*V; computed again
+    by the per-row form's backward) and one matmul per gradient computed (dx, dw; dx2, dw2)."""
+    n, v = x.shape[0], w.shape[0]
+    main, side = 2 * n * x.shape[-1] * v, (2 * n * x2.shape[-1] * v if x2 is not None and x2.numel() else 0)
+    m = grad_mask or [False] * 5
+    return main * (1 + m[0] + m[2]) + side * (1 + m[1] + m[3])
+
+
+# for the memory planner (effpass.memory_options): the per-row op also serves the log-probability sites
+effpass.register_flop_formula(torch.ops.effpass.linear_cross_entropy, lambda x, w, x2, w2, bias, target, *a, out_val=None, **k:
+                              _head_flops(x, w, x2, w2, list(a[8]) if len(a) > 8 else k.get("grad_mask")))
+effpass.register_flop_formula(torch.ops.effpass.linear_cross_entropy_rows,
+                              lambda x, w, x2, w2, *a, out_val=None, **k: _head_flops(x, w, x2, w2))
+effpass.register_flop_formula(torch.ops.effpass.linear_cross_entropy_rows_backward,
+                              lambda grad, lse, x, w, x2, w2, bias, target, *a, out_val=None, **k: _head_flops(
+                                  x, w, x2, w2, list(a[7]) if len(a) > 7 else k.get("grad_mask")))
 
 
 def _rows_setup(ctx, inputs, output):

@@ -139,6 +139,14 @@ class CheckpointActivations(effpass.Pass):
         "doc": "module-name globs whose matmul outputs policy 'ops' recomputes instead of saving, e.g. "
                "['*.q_proj', '*.k_proj', '*.v_proj']: a deeper cut for a few % more FLOPs"})
 
+    @classmethod
+    def memory_options(cls, model=None, *, world_size=1):
+        """For the memory planner: per-op then per-block recomputation (lossless)."""
+        return [effpass.MemoryOption(technique="checkpoint", options={"policy": p}, lossless=True, group="checkpoint",
+                                     changes="activations", label=f"checkpoint({p})", order=i, cost=cost)
+                for i, (p, cost) in enumerate((("ops", "recomputes elementwise ops in backward"),
+                                               ("full", "recomputes each block's forward in backward")))]
+
     def validate(self) -> None:
         if self.budget is not None:
             if self.policy != "ops":

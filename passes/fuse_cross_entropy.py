@@ -109,6 +109,13 @@ class FuseCrossEntropy(effpass.Pass):
 
     summary = "output projection + cross-entropy computed in chunks; logits never materialised"
 
+    @classmethod
+    def memory_options(cls, model=None, *, world_size=1):
+        """For the memory planner: the loss head without full logits (lossless)."""
+        return [effpass.MemoryOption(technique="fuse_cross_entropy", lossless=True, group="loss_head",
+                                     changes="logits", cost="the head's matmuls in chunks; logits recomputed "
+                                                             "in backward")]
+
     keep_logits: bool = field(default=False, metadata={
         "doc": "also compute and return the logits in training (default: the output's logits is None)"})
     chunk_bytes: int = field(default=0, metadata={

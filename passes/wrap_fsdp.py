@@ -149,6 +149,16 @@ class WrapFSDP(effpass.Pass):
         model.forward = torch._dynamo.disable(...)              the boundary (run eagerly, units inside)
     """
 
+    @classmethod
+    def memory_options(cls, model=None, *, world_size=1):
+        """For the memory planner: ZeRO-3 sharding over ``world_size`` ranks (lossless; per-rank accounting
+        folded onto the one-rank replay)."""
+        if model is not None and world_size <= 1:
+            return []
+        return [effpass.MemoryOption(technique="fsdp", lossless=True, group="sharding", changes="sharding",
+                                     phase="module", sharding="zero3", label="fsdp",
+                                     cost="all-gathers each block's parameters in forward and backward")]
+
     reshard_after_forward: bool = field(default=True, metadata={
         "doc": "free each unit's gathered parameters after forward (ZeRO-3-like); False keeps them to backward (ZeRO-2-like)"})
     replicate: int = field(default=1, metadata={
