@@ -11,6 +11,11 @@ Arms (each in a fresh subprocess, same seed and batch, all in one run):
 * ``effpass_64m``: as ``effpass`` with ``chunk_bytes=64 MiB``
 * ``effpass_2m``: as ``effpass`` with the budget of the first version's default (the hidden states: 2 MiB
   here, 2-D tiles and two passes over the vocabulary)
+* peers, installed from the package index as a user installs them (``pip install -e ".[bench]"``), each wired
+  by hand as its README shows, eager: ``cce`` (Apple's Cut Cross-Entropy, ``impl="torch_compile"`` on CPU,
+  its Triton ``"cce"`` kernel on CUDA), ``liger`` (Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss``:
+  Triton kernels, CUDA only; on CPU the arm records the error it raises), ``trl_chunked`` (TRL's
+  ``ChunkedLogProbFunction``, the op behind its chunked losses, torch tiles on CPU)
 
 Default arms: eager, compile, effpass, torch_lce (``--arms`` picks others).
 
@@ -43,8 +48,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import timed  # noqa: E402
 
-ARMS = ("eager", "effpass", "compile", "effpass_off", "effpass_64m", "effpass_2m", "torch_lce")
-DEFAULT_ARMS = ("eager", "compile", "effpass", "torch_lce")
+ARMS = ("eager", "effpass", "compile", "effpass_off", "effpass_64m", "effpass_2m", "torch_lce", "cce", "liger",
+        "trl_chunked")
+DEFAULT_ARMS = ("eager", "compile", "effpass", "torch_lce", "cce", "liger", "trl_chunked")
+#: peers and the package each needs (the ``bench`` extra)
+PEER_PACKAGES = {"cce": "cut-cross-entropy", "liger": "liger-kernel", "trl_chunked": "trl"}
 
 
 def shape(device: str, vocab: int) -> dict:
@@ -97,6 +105,12 @@ def run_arm(arm: str, vocab: int, device: str, steps: int | None = None) -> dict
             h = model.model(input_ids=ids).last_hidden_state
             return F.linear_cross_entropy(h.reshape(-1, h.shape[-1]), model.lm_head.weight, labels,
                                           ignore_index=-100, options=torch.nn.LinearCrossEntropyOptions())
+    elif arm in PEER_PACKAGES:
+        labels = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:].reshape(-1)
+        try:
+            fwd = _peer_loss(arm, model, ids, labels, device)
+        except ImportError as e:
+            return {"arm": arm, "vocab": vocab, "error": f"not installed ({PEER_PACKAGES[arm]}): {e}"}
     else:
         passes = None
         opts = {}
@@ -141,6 +155,38 @@ def run_arm(arm: str, vocab: int, device: str, steps: int | None = None) -> dict
             "steps_s": times, "cpu_s": statistics.median(cpu), "steps_cpu_s": cpu,
             "load": os.getloadavg()[0] if hasattr(os, "getloadavg") else None, "first_call_s": first, "loss": losses[0], "logits_bytes": cfg["seq"] * vocab * 4,
             "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))}, "shape": cfg}
+
+
+def _peer_loss(arm: str, model, ids, labels, device: str):
+    """The peer's fused loss over the model's hidden states, wired as its documentation shows."""
+    import torch
+
+    W = model.lm_head.weight
+
+    def hidden():
+        h = model.model(input_ids=ids).last_hidden_state
+        return h.reshape(-1, h.shape[-1])
+
+    if arm == "cce":
+        from cut_cross_entropy import linear_cross_entropy
+
+        impl = "cce" if device == "cuda" else "torch_compile"
+        return lambda: linear_cross_entropy(hidden(), W, labels, impl=impl)
+    if arm == "liger":
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        loss = LigerFusedLinearCrossEntropyLoss()
+        return lambda: loss(W, hidden(), labels)
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    valid = labels != -100
+    targets = labels.clamp(min=0)
+
+    def trl_loss():
+        logp = ChunkedLogProbFunction.apply(hidden(), W, None, targets, 1.0, 4096, None, 1.0, ())[0]
+        return -(logp * valid).sum() / valid.sum()
+
+    return trl_loss
 
 
 def check_method(device: str) -> int:

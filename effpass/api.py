@@ -140,7 +140,8 @@ def compile(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None =
         _verify_on_first_call(model, backend, original, passes, lowering, strict)
     if deferred:  # after verification's hook: the plan is made first on the first call, then verification
         planner.plan_on_first_call(model, passes, memory_budget, allow, optimizer, world_size, lowering=lowering,
-                                   strict=strict, disable=disable)
+                                   strict=strict, disable=disable,
+                                   on_backend=lambda b: _BACKENDS.__setitem__(model, b))
     import sys
 
     if "transformers" in sys.modules:  # a Hugging Face model implies transformers is imported

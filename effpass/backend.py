@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
 import weakref
 from typing import Any, Sequence
@@ -565,11 +566,33 @@ class _CompiledCall:
             self._compiled_again()
         if self.first_call_checks:
             self._run_checks()
+        if "torch.distributed.fsdp" in sys.modules and self._sharded_since_compile():
+            model = self.backend.model
+            return model._call_impl(*args, **kwargs)  # FSDP2's hooks, then the forwards compiled per unit
         if self.first_input_checks:
             replacement = self._run_input_checks(args, kwargs)
             if replacement is not None:
                 return replacement(*args, **kwargs)
         return self.fn(*args, **kwargs)
+
+    @torch._dynamo.disable
+    def _sharded_since_compile(self) -> bool:
+        """NOTE(FSDP2 after compile): accelerate's FSDP2 plugin shards a model that effpass.compile already
+        compiled in place. Compiled as a whole, FSDP2's hooks (which Dynamo skips) would split the graph at
+        every unit and no pass would see an attention or the head. The first call that finds the model
+        sharded recompiles it the way wrap_fsdp does (inside each unit, the root around them: the
+        ``adopt_fsdp`` extension wrap_fsdp registers) and hands the model back its hooked ``_call_impl``."""
+        from torch.distributed.fsdp import FSDPModule
+
+        model = self.backend.model
+        if model is None or not isinstance(model, FSDPModule):
+            return False
+        from .pass_api import get_extension
+
+        stats = get_extension("adopt_fsdp")(model, self.backend, getattr(model, "_effpass_compile_kwargs", {}))
+        self.backend.report.module.notes["adopted_fsdp"] = stats
+        model._compiled_call_impl = None
+        return True
 
     @torch._dynamo.disable
     def _run_input_checks(self, args, kwargs):

@@ -17,6 +17,7 @@ _BUILTINS = {
     "pack_sequences": ("PackSequences",),
     "wrap_fsdp": ("WrapFSDP",),
     "fuse_cross_entropy": ("FuseCrossEntropy",),
+    "tile_sequence": ("TileSequence",),
 }
 
 __all__ = []

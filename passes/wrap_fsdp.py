@@ -218,32 +218,19 @@ class WrapFSDP(effpass.Pass):
         mesh = build_mesh(self.replicate)
         mp = self.mixed_precision(ctx)
         backend = ctx.backend_factory() if (self.compile_units and ctx.backend_factory is not None) else None
-        compiled = 0
         for name, unit in units:
             fully_shard(unit, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=mp)
-            if backend is not None:
-                unit._orig_forward = unit.forward
-                caller = _fresh_caller(unit.forward.__func__, f"effpass_fsdp_unit_{compiled}")
-                compiled_fn = torch.compile(caller, backend=_UnitBackend(backend, name, type(unit)),
-                                            **ctx.compile_kwargs)
-                unit.forward = types.MethodType(compiled_fn, unit)
-                compiled += 1
         # NOTE(ordering): the root last, so it owns only the parameters outside the units; its
         # reshard_after_forward=False avoids re-gathering them at the start of backward.
         fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
         ctx.compile_root = False
-        boundary, why_not = _root_boundary(model, units)
-        if backend is not None and self.compile_root and boundary is not None:
-            _compile_root(model, boundary, backend, ctx.compile_kwargs)
-        else:
-            why_not = (why_not if backend is not None and self.compile_root else
-                       "compile_root=False" if backend is not None else "compile_units=False")
-            boundary = None
-            if ctx.find_pass("fuse_cross_entropy") is not None:
-                warnings.warn(
-                    f"effpass: wrap_fsdp does not compile the root module ({why_not}): its code outside the "
-                    "blocks runs eagerly, so fuse_cross_entropy never sees the head and the loss; the head "
-                    "runs unfused and the logits are materialised", UserWarning, stacklevel=2)
+        compiled, boundary = 0, None
+        if backend is not None:
+            compiled, boundary = compile_sharded(model, units, backend, ctx.compile_kwargs,
+                                                 compile_root=self.compile_root,
+                                                 fused_head=ctx.find_pass("fuse_cross_entropy") is not None)
+        elif ctx.find_pass("fuse_cross_entropy") is not None:
+            _warn_unfused_head("compile_units=False")
         n_params = sum(p.numel() for p in model.parameters())
         local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
         return effpass.PassResult(changed=True, stats={
@@ -252,6 +239,58 @@ class WrapFSDP(effpass.Pass):
             "replicate": self.replicate, "reshard_after_forward": self.reshard_after_forward,
             "param_dtype": str(mp.param_dtype).removeprefix("torch.") if mp.param_dtype else "unchanged",
             "params": n_params, "local_params": local})
+
+
+def _warn_unfused_head(why_not: str) -> None:
+    warnings.warn(
+        f"effpass: wrap_fsdp does not compile the root module ({why_not}): its code outside the "
+        "blocks runs eagerly, so fuse_cross_entropy never sees the head and the loss; the head "
+        "runs unfused and the logits are materialised", UserWarning, stacklevel=3)
+
+
+def compile_sharded(model: nn.Module, units: list[tuple[str, nn.Module]], backend, compile_kwargs: dict, *,
+                    compile_root: bool = True, fused_head: bool = False) -> tuple[int, str | None]:
+    """Compile an FSDP2-sharded model the way its hooks allow: inside each unit (the unit's ``forward``,
+    which Dynamo traces with gathered parameters and no collectives) and the root's ``forward`` around the
+    container of the units (head and loss in one graph). Returns (units compiled, root boundary or None)."""
+    compiled = 0
+    for name, unit in units:
+        unit._orig_forward = unit.forward
+        caller = _fresh_caller(unit.forward.__func__, f"effpass_fsdp_unit_{compiled}")
+        compiled_fn = torch.compile(caller, backend=_UnitBackend(backend, name, type(unit)), **compile_kwargs)
+        unit.forward = types.MethodType(compiled_fn, unit)
+        compiled += 1
+    boundary, why_not = _root_boundary(model, units)
+    if compile_root and boundary is not None:
+        _compile_root(model, boundary, backend, compile_kwargs)
+        return compiled, boundary
+    if fused_head:
+        _warn_unfused_head(why_not if compile_root else "compile_root=False")
+    return compiled, None
+
+
+@effpass.register_extension("adopt_fsdp")
+def adopt_fsdp(model: nn.Module, backend, compile_kwargs: dict) -> dict:
+    """An effpass-compiled model that someone else sharded with FSDP2 afterwards (accelerate's FSDP2
+    plugin, under ``Trainer``): compiled as a whole, FSDP2's hooks (excluded from Dynamo) would break its
+    graph at every unit and no pass would see an attention or the head. Called by effpass's compiled call
+    the first time it finds the model sharded: recompiles it as ``wrap_fsdp`` does, inside each FSDP unit
+    and the root around them, with the same backend (pipeline, report). Returns statistics."""
+    from torch.distributed.fsdp import FSDPModule
+
+    names = [n for n, m in model.named_modules() if n and isinstance(m, FSDPModule)]
+    # the outermost sharded submodules are the units (accelerate wraps the transformer blocks)
+    units = [(n, model.get_submodule(n)) for n in names if not any(n.startswith(o + ".") for o in names if o != n)]
+    if not units:
+        raise ValueError("effpass: the model was sharded with FSDP2 as one unit (no sharded submodules); "
+                         "shard the transformer blocks (accelerate: fsdp_auto_wrap_policy "
+                         "TRANSFORMER_BASED_WRAP) or use effpass's wrap_fsdp pass")
+    mgr = backend.manager_for([p for p in model.parameters()][:1]) if hasattr(backend, "manager_for") else None
+    fused = mgr is not None and any(p.name == "fuse_cross_entropy" for p in mgr.active)
+    compiled, boundary = compile_sharded(model, units, backend, {k: v for k, v in compile_kwargs.items() if v is not None},
+                                         fused_head=fused)
+    return {"units": len(units), "compiled_units": compiled, "compiled_root": int(boundary is not None),
+            "root_boundary": boundary or ""}
 
 
 def _root_boundary(model: nn.Module, units: list[tuple[str, nn.Module]]) -> tuple[str | None, str]:

@@ -512,8 +512,9 @@ def _target_device(model: torch.nn.Module, device) -> torch.device:
 
 def _check_optimizer(optimizer):
     from effpass.memory_options import registered_optimizers
+    from effpass.pass_api import registered_passes
 
-    import effpass.passes  # noqa: F401  (registers the built-in passes' optimizers)
+    registered_passes()  # loads the built-in passes and plugins (some register optimizers)
 
     valid = list(registered_optimizers())
     if optimizer is not None and optimizer not in valid:
@@ -523,18 +524,27 @@ def _check_optimizer(optimizer):
 def _build_replay_backend(work, pass_list, lowering, opts, dev):
     """An effpass backend for the fake copy, built directly (its module phase run on the copy): the replay
     never goes back through ``effpass.compile`` (whose ``memory_budget`` would plan again)."""
-    from effpass.api import _options, _run_module_phase
     from effpass.backend import EffpassBackend
+    from effpass.config import parse_options
 
-    options = _options(pass_list, None, lowering, opts.pop("strict", False), None, opts.pop("disable", ()),
-                       opts.pop("inductor_config", None), opts.pop("mode", None), dev,
-                       opts.pop("detailed_stats", False))
+    raw = {"lowering": lowering, "strict": opts.pop("strict", False),
+           "detailed_stats": opts.pop("detailed_stats", False)}
+    if pass_list is not None:
+        raw["passes"] = pass_list
+    if opts.get("disable"):
+        raw["disable"] = list(opts["disable"])
+    opts.pop("disable", None)
+    if opts.get("inductor_config"):
+        raw["inductor_config"] = opts["inductor_config"]
+    opts.pop("inductor_config", None)
+    options = parse_options(raw, mode=opts.pop("mode", None), device=dev)
     backend = EffpassBackend(options, model=work)
     kwargs = {"fullgraph": opts.pop("fullgraph", False), "dynamic": opts.pop("dynamic", None)}
     opts.pop("bisect", None)
     if opts:
         raise TypeError(f"estimate_memory: unknown compile option(s) {sorted(opts)}")
-    _run_module_phase(work, backend, kwargs)
+    backend.manager.run_module_phase(work, backend.report.module, device=dev, lowering=options.lowering,
+                                     backend_factory=lambda: backend, compile_kwargs=kwargs)
     if "transformers" in sys.modules:  # as effpass.compile does for a Hugging Face model: the same graphs
         from effpass.integrations.huggingface import set_hf_loss_type
 

@@ -429,8 +429,9 @@ class _PlanOnFirstCall:
     """``model._compiled_call_impl`` until the first call: plans with that call's inputs (graph options
     only), compiles the model again in place with the plan's passes, then runs the call."""
 
-    def __init__(self, model, inner, base_passes, memory_budget, allow, optimizer, world_size, compile_options):
-        self.model, self.inner = model, inner
+    def __init__(self, model, inner, base_passes, memory_budget, allow, optimizer, world_size, compile_options,
+                 on_backend):
+        self.model, self.inner, self.on_backend = model, inner, on_backend
         self.args = (base_passes, memory_budget, allow, optimizer, world_size, compile_options)
         self.backend = inner.backend
         self.first_call_checks = inner.first_call_checks
@@ -467,9 +468,7 @@ class _PlanOnFirstCall:
         new.manager = new._make_manager(old.options.passes)
         new.report.memory_plan = plan
         compile_in_place(self.model, new, **getattr(self.model, "_effpass_compile_kwargs", {}))
-        from effpass import api
-
-        api._BACKENDS[self.model] = new
+        self.on_backend(new)
         call = self.model._compiled_call_impl
         call.first_call_checks = list(self.first_call_checks)
         if hasattr(call, "first_input_checks"):
@@ -483,7 +482,9 @@ class _PlanOnFirstCall:
         return (type(None), ())
 
 
-def plan_on_first_call(model, base_passes, memory_budget, allow, optimizer, world_size, **compile_options) -> None:
-    """Install :class:`_PlanOnFirstCall` on a model ``effpass.compile`` compiled in place."""
+def plan_on_first_call(model, base_passes, memory_budget, allow, optimizer, world_size, *, on_backend,
+                       **compile_options) -> None:
+    """Install :class:`_PlanOnFirstCall` on a model ``effpass.compile`` compiled in place; ``on_backend(b)``
+    is told the backend compiled with the plan."""
     model._compiled_call_impl = _PlanOnFirstCall(model, model._compiled_call_impl, base_passes, memory_budget, allow,
-                                                 optimizer, world_size, compile_options)
+                                                 optimizer, world_size, compile_options, on_backend)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import math
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -290,24 +289,6 @@ def _packed_check(model, inputs, passes, *, lowering, seed, lengths=None) -> Che
     return check
 
 
-def _progress(total: int, desc: str, enabled: bool | None):
-    """A tqdm bar on a terminal, silent elsewhere (logs, CI)."""
-    if enabled is None:
-        enabled = sys.stderr.isatty()
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover - tqdm is a dependency
-        enabled = False
-        tqdm = None
-    if not enabled:
-        class _Quiet:
-            def update(self, n=1): ...
-            def set_postfix_str(self, s): ...
-            def close(self): ...
-        return _Quiet()
-    return tqdm(total=total, desc=desc, leave=False, file=sys.stderr)
-
-
 def resolve_pipeline(model: torch.nn.Module, passes) -> list:
     """The ordered pass objects ``effpass.compile(model, passes=passes)`` would run (the default pipeline for
     the model's device and dtype when ``passes`` is None)."""
@@ -345,6 +326,8 @@ def verify(model: torch.nn.Module, example_inputs: Any, passes=None, *, lowering
     was_training = model.training
     model = copy.deepcopy(model).train()
     total = (len(pipeline) if alone and len(pipeline) > 1 else 0) + 1 + (1 if packed else 0)
+    from ..progress import progress as _progress
+
     bar = _progress(total, "effpass verify", progress)
     report = VerifyReport()
     try:

@@ -1,0 +1,168 @@
+"""Regenerate README's "effpass vs peers" table from the results under bench/results/.
+
+Every row comes from one result file written by one bench script in one run (all arms of a workload in the
+same run, each in a fresh process where the script does so): the peer arm and the effpass arm, the ratio
+effpass / peer of memory and of time, the device, the date and the load where the script recorded them.
+Workloads whose result file is absent are listed as "not measured yet" rather than left out.
+
+    python bench/peer_table.py            # rewrites the table between the markers in README.md
+    python bench/peer_table.py --print    # prints it only
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+README = os.path.join(os.path.dirname(HERE), "README.md")
+BEGIN, END = "<!-- peers:begin (bench/peer_table.py) -->", "<!-- peers:end -->"
+
+
+def _load(name):
+    path = os.path.join(RESULTS, name)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _r(x, y):
+    return f"{x / y:.2f}x" if x and y else "-"
+
+
+def fused_loss(rows):
+    d = _load("cross_entropy_peers_cpu.json")
+    if d is None:
+        return rows.append(("fused linear + cross-entropy", "Liger, Cut Cross-Entropy, TRL chunked, torch chunked",
+                            "not measured yet", "", "", "bench/bench_cross_entropy.py"))
+    meta = d["meta"]
+    for vocab in sorted({r["vocab"] for r in d["results"]}):
+        arms = {r["arm"]: r for r in d["results"] if r["vocab"] == vocab}
+        ours = arms.get("effpass")
+        eager = arms.get("eager")
+        for peer, label in (("eager", "HF eager"), ("compile", "torch.compile"), ("torch_lce", "torch F.linear_cross_entropy (chunked)"),
+                            ("cce", "Cut Cross-Entropy"), ("trl_chunked", "TRL ChunkedLogProbFunction"),
+                            ("liger", "Liger-Kernel fused linear CE")):
+            p = arms.get(peer)
+            if p is None:
+                continue
+            where = f"{meta['device']}, {meta['date'][:10]}, V={vocab:,}" + (f", load {p['load']:.0f}" if p.get('load') else "")
+            if "error" in p:
+                why = p["error"].strip().splitlines()[-1][:90]
+                if "active drivers" in why:
+                    why = "Triton kernels, no GPU here (triton: 0 active drivers)"
+                rows.append(("fused linear + cross-entropy", label, "did not run: " + why,
+                             "", where, "bench/bench_cross_entropy.py"))
+                continue
+            mem = f"{_r(ours['peak_bytes'], p['peak_bytes'])} ({ours['peak_bytes'] / 2**20:,.0f} vs {p['peak_bytes'] / 2**20:,.0f} MiB; peer {_r(p['peak_bytes'], eager['peak_bytes'])} of eager)"
+            rows.append(("fused linear + cross-entropy", label, mem, _r(ours["cpu_s"], p["cpu_s"]) + " CPU time", where,
+                         "bench/bench_cross_entropy.py"))
+
+
+def lora(rows):
+    d = _load("lora_cpu.json")
+    if d is None:
+        return
+    a, v = d["arms"], d["versions"]
+    for peer, label in (("peft_eager", "PEFT (eager)"), ("peft_compile", "PEFT + torch.compile")):
+        rows.append(("LoRA", label, _r(a["effpass"]["peak_rss_gib"], a[peer]["peak_rss_gib"]) + " peak RSS",
+                     _r(a["effpass"]["median_step_s"], a[peer]["median_step_s"]) + " step",
+                     f"{v['device']}, {v['date'][:10]}", "bench/bench_lora.py"))
+
+
+def checkpointing(rows):
+    d = _load("checkpoint_cpu.json")
+    if d is None:
+        return
+    a, v = d["arms"], d["versions"]
+    for peer, ours, label in (("torch_budget", "effpass_budget", "torch activation_memory_budget"),
+                              ("torch_block_ckpt", "effpass_full", "torch.utils.checkpoint per block")):
+        p, o = a.get(peer), a.get(ours)
+        if not p or not o:
+            continue
+        mem = _r(o.get("saved_bytes_after"), p.get("saved_bytes_after")) + " saved bytes" if p.get("saved_bytes_after") else \
+            f"{o.get('saved_bytes_after', 0) / 2**20:,.1f} MiB saved (peer: not measured by a hook)"
+        rows.append(("activation checkpointing", label, mem, _r(o["step_s_median"], p["step_s_median"]) + " step",
+                     f"{v['device']}, {v['date'][:10]}", "bench/bench_checkpoint.py"))
+
+
+def packing(rows):
+    d = _load("packing_cpu_idle.json") or _load("packing_cpu.json")
+    if d is None:
+        return
+    a = {r["arm"]: r for r in d["results"]}
+    p, o = a.get("packed_plain_hf"), a.get("packed_effpass")
+    if p and o:
+        rows.append(("padding-free packing", "HF DataCollatorWithFlattening (plain HF)",
+                     _r(o["peak_bytes"], p["peak_bytes"]) + " peak",
+                     f"{o['useful_tokens_per_s'] / p['useful_tokens_per_s']:.2f}x useful tokens/s (higher is better)",
+                     f"{d['meta']['device']}, {d['meta']['date'][:10]}", "bench/bench_packing.py"))
+
+
+def moe(rows):
+    for name in ("moe_cpu.json", "bench_moe_cpu.json"):
+        d = _load(name)
+        if d is not None:
+            break
+    else:
+        return rows.append(("MoE LoRA (experts)", "PEFT target_parameters", "not measured yet", "", "", "bench/bench_moe.py"))
+    arms = d.get("arms") or {r["arm"]: r for r in d.get("results", [])}
+    ours = arms.get("effpass")
+    meta = d.get("meta") or d.get("versions") or {}
+    for peer, label in (("peft_eager", "PEFT target_parameters (eager)"), ("peft_compile", "PEFT target_parameters + torch.compile")):
+        p = arms.get(peer)
+        if not p or not ours:
+            continue
+        pk = next((k for k in ("peak_bytes", "peak") if k in p), None)
+        tk = next((k for k in ("median_step_s", "step_s", "cpu_s") if k in p), None)
+        rows.append(("MoE LoRA (experts)", label, _r(ours.get(pk), p.get(pk)) + " peak" if pk else "-",
+                     _r(ours.get(tk), p.get(tk)) + " step" if tk else "-",
+                     f"{meta.get('device', '?')}, {str(meta.get('date', '?'))[:10]}", "bench/bench_moe.py"))
+
+
+def not_yet(rows):
+    """Peers named by the issue with no arm measured yet, said rather than left out."""
+    rows.append(("QLoRA", "PEFT + bitsandbytes 4-bit / torchao NF4", "not measured yet (bitsandbytes 4-bit needs a GPU; "
+                 "bench/bench_quantize.py measures effpass's NF4 against torchao's own)", "", "", "bench/bench_quantize.py"))
+    rows.append(("8-bit optimizer states", "torchao AdamW8bit, bitsandbytes AdamW8bit", "effpass uses torchao's "
+                 "AdamW8bit itself (the planner sizes it): no separate implementation to compare", "", "", "-"))
+    rows.append(("tiled layers", "ALST TiledMLP (arctic-training)", "not measured yet (arctic-training needs DeepSpeed "
+                 "and a GPU)", "", "", "bench/bench_long_sequence.py"))
+
+
+def table() -> str:
+    rows: list[tuple] = []
+    for fn in (fused_loss, lora, checkpointing, packing, moe, not_yet):
+        fn(rows)
+    out = ["| workload | peer (as its users install it) | effpass memory vs peer | effpass time vs peer | measured on | script |",
+           "|---|---|---|---|---|---|"]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    out += ["", "Ratios below 1 favour effpass (except tokens/s). CPU figures come from the shared 2-core machine; "
+            "compare within a row only. GPU arms (Liger's kernels, Cut Cross-Entropy's Triton kernel, bitsandbytes) "
+            "are written and have not run: no GPU was available."]
+    return "\n".join(out)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--print", action="store_true")
+    args = ap.parse_args()
+    text = table()
+    if args.print:
+        print(text)
+        return
+    with open(README) as f:
+        readme = f.read()
+    if BEGIN not in readme:
+        raise SystemExit(f"README.md has no {BEGIN!r} marker")
+    head, rest = readme.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    with open(README, "w") as f:
+        f.write(head + BEGIN + "\n" + text + "\n" + END + tail)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""effpass in Axolotl: turn it on from the YAML config (Axolotl users never hold the model object).
+
+    # axolotl config.yml
+    plugins:
+      - effpass.integrations.axolotl.EffpassPlugin
+    effpass:
+      passes: {fuse_attention: {}, fuse_cross_entropy: {}, checkpoint_activations: {policy: full}}
+      lowering: inductor          # or eager
+      memory_budget: 24GiB        # optional: the planner adds passes to fit (planned on the first step)
+      allow: [nf4]                # lossy techniques the planner may use
+      verify: false               # check the pipeline against eager on the first step
+      dump_dir: effpass-dump      # optional: dumps and an HTML report (report.html) after training
+
+Axolotl builds the model (and its PEFT adapters), then asks each plugin for Trainer callbacks before
+creating the Trainer: :class:`EffpassPlugin` returns an
+:class:`~effpass.integrations.huggingface.EffpassCallback`, which compiles the model with
+``effpass.compile`` when the Trainer is built (before its optimizer exists) and checks the training
+arguments (Axolotl's own ``torch_compile: true`` would compile the model a second time, bypassing effpass:
+that is an error naming the option). ``effpass:`` absent or ``enabled: false``: the plugin does nothing.
+
+The plugin follows Axolotl's ``BasePlugin`` interface (``axolotl.integrations.base``); it subclasses it when
+Axolotl is importable. Tested here without Axolotl itself (its current releases need Python >= 3.12):
+tests/test_axolotl_plugin.py drives the hooks in the order Axolotl's ``PluginManager`` calls them.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["EffpassPlugin", "EffpassArgs", "parse_effpass_config", "OPTIONS"]
+
+#: the keys of the ``effpass:`` section, with what each means
+OPTIONS = {
+    "enabled": "false turns the plugin off (default: true when the section exists)",
+    "passes": "the pipeline: a list of pass names or {name: {option: value}} (default: the default pipeline)",
+    "lowering": "'inductor' (default) or 'eager'",
+    "memory_budget": "bytes or a string such as '24GiB': the planner adds passes to fit the step",
+    "allow": "lossy techniques the planner may use (e.g. ['nf4'])",
+    "verify": "check the pipeline against the eager model on the first step (effpass verify)",
+    "strict": "raise when a pass fails instead of skipping it",
+    "dump_dir": "write dumps there, and report.html after training",
+}
+
+
+def _base():
+    try:
+        from axolotl.integrations.base import BasePlugin
+
+        return BasePlugin
+    except Exception:  # Axolotl absent (or unimportable here): the interface is duck-typed
+        return object
+
+
+def _get(cfg, key, default=None):
+    if cfg is None:
+        return default
+    if isinstance(cfg, dict):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
+def parse_effpass_config(cfg) -> dict[str, Any] | None:
+    """The validated ``effpass:`` section of an Axolotl config (a dict or Axolotl's ``DictDefault``), or None
+    when effpass is off. Unknown keys and wrong types raise ``ValueError`` naming them and the valid ones."""
+    section = _get(cfg, "effpass")
+    if section is None:
+        return None
+    if not isinstance(section, dict):
+        raise ValueError(f"effpass: the 'effpass' section must be a mapping, got {type(section).__name__} {section!r}; "
+                         f"valid keys: {sorted(OPTIONS)}")
+    section = dict(section)
+    unknown = sorted(set(section) - set(OPTIONS))
+    if unknown:
+        raise ValueError(f"effpass: unknown key(s) {unknown} in the 'effpass' section; valid keys: {sorted(OPTIONS)}")
+    if section.pop("enabled", True) is False:
+        return None
+    for key in ("verify", "strict"):
+        if key in section and not isinstance(section[key], bool):
+            raise ValueError(f"effpass: '{key}' must be true or false, got {section[key]!r}")
+    if "lowering" in section and section["lowering"] not in ("inductor", "eager"):
+        raise ValueError(f"effpass: lowering {section['lowering']!r} is not one of ['eager', 'inductor']")
+    if "allow" in section and not (isinstance(section["allow"], list) and all(isinstance(a, str) for a in section["allow"])):
+        raise ValueError(f"effpass: 'allow' must be a list of technique names, got {section['allow']!r}")
+    passes = section.get("passes")
+    if passes is not None and not isinstance(passes, (list, dict)):
+        raise ValueError(f"effpass: 'passes' must be a list of names or a mapping name -> options, got {passes!r}")
+    if passes is not None:  # validated now, with the registry's error naming the bad pass or option
+        from ..config import parse_options
+
+        parse_options({"passes": passes})
+    if _get(cfg, "torch_compile") is True:
+        raise ValueError("effpass: the Axolotl option torch_compile: true would compile the model a second time "
+                         "with Inductor and bypass effpass; set torch_compile: false (effpass compiles the model)")
+    return section
+
+
+class EffpassPlugin(_base()):
+    """Axolotl plugin: ``plugins: [effpass.integrations.axolotl.EffpassPlugin]`` plus an ``effpass:`` section."""
+
+    def __init__(self):
+        super().__init__()
+        self.options: dict[str, Any] | None = None
+        self.callback = None
+
+    def get_input_args(self) -> str:
+        return "effpass.integrations.axolotl.EffpassArgs"
+
+    def register(self, cfg) -> None:
+        self.options = parse_effpass_config(cfg)
+
+    def pre_model_load(self, cfg) -> None:
+        if self.options is None:
+            self.options = parse_effpass_config(cfg)
+
+    def add_callbacks_pre_trainer(self, cfg, model) -> list:
+        self.options = parse_effpass_config(cfg)
+        if self.options is None:
+            return []
+        from .huggingface import EffpassCallback
+
+        opts = dict(self.options)
+        passes = opts.pop("passes", None)
+        if "allow" in opts:
+            opts["allow"] = tuple(opts["allow"])
+        self.callback = EffpassCallback(passes=passes, **opts)
+        return [self.callback]
+
+    def post_train(self, cfg, model) -> None:
+        if self.options is None or not self.options.get("dump_dir"):
+            return
+        import os
+
+        import effpass
+
+        effpass.report(model).to_html(os.path.join(self.options["dump_dir"], "report.html"))
+
+
+try:  # Axolotl merges each plugin's pydantic model into its config schema
+    from pydantic import BaseModel
+
+    class EffpassArgs(BaseModel):
+        """The ``effpass:`` section of an Axolotl config (validated again by :func:`parse_effpass_config`)."""
+
+        effpass: dict[str, Any] | None = None
+except ImportError:  # pragma: no cover - pydantic comes with Axolotl
+    EffpassArgs = None
