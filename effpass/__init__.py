@@ -76,6 +76,8 @@ def __getattr__(name: str):
     if where is not None:
         value = getattr(importlib.import_module(where, __name__), name)
         globals()[name] = value
+        # NOTE: registers CompileReport.to_html (the tool package; the core must not import it itself)
+        importlib.import_module(".inspect.html", __name__)
         return value
     from .pass_api import get_extension
 

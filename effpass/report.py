@@ -145,8 +145,6 @@ def register_renderer(fmt: str, fn) -> None:
 
 
 def _renderer(fmt: str):
-    if fmt == "html" and fmt not in _RENDERERS:
-        from .inspect import html  # noqa: F401  (registers the built-in renderer on first use)
     if fmt not in _RENDERERS:
         raise RuntimeError(f"no {fmt!r} renderer is registered (registered: {sorted(_RENDERERS)}); "
                            f"`import effpass` registers the built-in ones (effpass.inspect.html)")

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from effpass.quantized import register_quantized_format
 
-from ._quant_formats import _compact, _shared_lut, nf4_scaler_block  # first: imports torchao quietly
+from ._quant_formats import _compact, _shared_lut, nf4_scaler_block, stable_hash_for_caching  # first: imports torchao quietly
 from torchao.quantization.granularity import PerRow  # noqa: E402
 from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor  # noqa: E402
 from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4  # noqa: E402
@@ -81,8 +81,7 @@ class ExpertsWeightTensor(TorchAOBaseTensor):
         if scheme == "int8":
             t = Int8Tensor.from_hp(lin, PerRow())  # per expert and output row, torchao's arithmetic
             scale = t.scale.reshape(e, o, 1)
-            if t.zero_point is not None and bool(t.zero_point.any()):  # pragma: no cover - symmetric
-                raise AssertionError("torchao's int8 weight-only quantization returned a non-zero zero point")
+            # NOTE: symmetric (torchao's zero point is all zeros; dropped). Not checked on fake tensors.
             one = torch.zeros(0, device=w.device)
             return cls(t.qdata, scale, one, one, one, "int8", (e, o, i), transposed, 0, 0, w.dtype)
         if (o * i) % block_size:
@@ -178,6 +177,9 @@ def _plain(args, kwargs):
     return torch.utils._pytree.tree_map(one, (args, kwargs or {}))
 
 
+# NOTE(compile): the experts loop is data-dependent (which experts are hit) and Dynamo breaks the graph there
+# anyway; these overrides run eagerly (a graph break per call under torch.compile), not traced.
+@torch._dynamo.disable
 def _experts_torch_function(cls, func, types, args=(), kwargs=None):
     kwargs = kwargs or {}
     if func is torch.Tensor.__getitem__ and isinstance(args[0], ExpertsWeightTensor):
@@ -195,6 +197,7 @@ def _experts_torch_function(cls, func, types, args=(), kwargs=None):
 
 
 ExpertsWeightTensor.__torch_function__ = classmethod(_experts_torch_function)
+ExpertsWeightTensor._stable_hash_for_caching = stable_hash_for_caching
 
 
 class ExpertWeight(torch.Tensor):
@@ -218,6 +221,7 @@ class ExpertWeight(torch.Tensor):
         return f"ExpertWeight(expert={int(self.e)}, shape={tuple(self.shape)}, scheme={self.experts.scheme})"
 
     @classmethod
+    @torch._dynamo.disable
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear and len(args) >= 2 and isinstance(args[1], ExpertWeight) \

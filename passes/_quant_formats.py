@@ -25,6 +25,7 @@ import math
 from typing import Callable
 
 import contextlib
+import hashlib
 import logging
 
 import torch
@@ -92,6 +93,21 @@ def sqnr(ref: torch.Tensor, approx: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB: 20 log10(|ref| / |ref - approx|)."""
     ref, approx = ref.detach().double(), approx.detach().double()
     return float(20 * torch.log10(ref.norm() / (ref - approx).norm().clamp_min(1e-30)))
+
+
+def stable_hash_for_caching(t: torch.Tensor) -> str:
+    """AOTAutograd's cache key of a quantized weight (``_stable_hash_for_caching``): its class, logical
+    shape, dtype and flatten metadata, and each inner tensor's metadata (shape, stride, dtype, device),
+    not the values (weights are graph inputs, as for plain parameters)."""
+    names, meta = t.__tensor_flatten__()
+    parts = [type(t).__module__, type(t).__qualname__, tuple(t.shape), str(t.dtype), t.requires_grad, repr(meta)]
+    for n in names:
+        inner = getattr(t, n)
+        if hasattr(inner, "_stable_hash_for_caching"):
+            parts.append((n, inner._stable_hash_for_caching()))
+        else:
+            parts.append((n, tuple(inner.shape), tuple(inner.stride()), str(inner.dtype), inner.device.type))
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -163,6 +179,7 @@ def _int8_torch_function(cls, func, types, args=(), kwargs=None):
 
 
 Int8WeightTensor.__torch_function__ = classmethod(_int8_torch_function)
+Int8WeightTensor._stable_hash_for_caching = stable_hash_for_caching
 
 
 Int8WeightTensor.__module__ = "effpass.passes._quant_formats"
@@ -255,6 +272,9 @@ class NF4WeightTensor(NF4Tensor):
 
     def dequantize_to(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return nf4_dequantize(self, dtype)
+
+    def _stable_hash_for_caching(self) -> str:
+        return stable_hash_for_caching(self)
 
     @classmethod
     def from_nf4(cls, t: NF4Tensor) -> "NF4WeightTensor":
@@ -385,6 +405,7 @@ def _int4_linear(x, w, bias):
 
 
 Int4WeightTensor.__torch_function__ = classmethod(_int4_torch_function)
+Int4WeightTensor._stable_hash_for_caching = stable_hash_for_caching
 Int4WeightTensor.__module__ = "effpass.passes._quant_formats"
 torch.serialization.add_safe_globals([Int8WeightTensor, NF4WeightTensor, NF4Tensor, SubclassTensorArgs,
                                       Int4WeightTensor])

@@ -11,10 +11,10 @@ reading ``module.weight.dtype`` (T5) keeps working:
 
 * int8: torchao's ``Int8Tensor`` (``Int8WeightOnlyConfig``'s format) as :class:`Int8WeightTensor`;
 * nf4: torchao's ``NF4Tensor`` (``to_nf4``: QLoRA NF4, double quantization) as :class:`NF4WeightTensor`;
-* int4: effpass's own group-wise format (torchao's int4 weight-only needs a GPU library) with a Triton
-  kernel on CUDA;
-* fp8: the module becomes :class:`Fp8Linear` (an ``nn.Linear`` subclass, weight unchanged and trainable)
-  whose matmuls run in fp8 through ``torch._scaled_mm`` (or an emulation for tests).
+* int4: torchao's ``Int4TilePackedTo4dTensor`` (tinygemm) on CUDA for bf16 weights; elsewhere effpass's own
+  group-wise format (torchao 0.18 has no CPU int4 kernel), with a Triton kernel on CUDA;
+* fp8: the module becomes torchao's ``Float8Linear`` (float8 training, ``torchao.float8``; weight unchanged
+  and trainable), optionally with FSDP2 fp8 all-gather.
 
 ``F.linear`` on a quantized weight is differentiable with respect to the input (the weight is frozen), so
 the prepared eager model and the compiled one compute the same function and LoRA adapters on top train
@@ -25,11 +25,11 @@ the prepared eager model and the compiled one compute the same function and LoRA
   with ``nn.Linear.forward`` (``isinstance`` still holds) and the weight is quantized. Otherwise skipped.
 * GPT-2's ``Conv1D`` (weight ``[in, out]``, ``addmm``): replaced by an ``nn.Linear`` holding the
   transposed weight (as bitsandbytes' integration does), then quantized.
-* MoE experts kept as 3-D parameters (transformers 5: Mixtral, Qwen3-MoE ``*.experts.gate_up_proj`` /
-  ``down_proj``): int8 quantizes them per expert and per row (a 3-D ``Int8Tensor``) and switches the model
-  to transformers' ``"eager"`` experts implementation (the per-expert loop that indexes the weight and
-  calls ``F.linear``; the routing is unchanged, checked by a probe). NF4 and int4 formats are 2-D only and
-  fp8 wraps linears: those tensors are listed as skipped with the reason.
+* MoE experts kept as 3-D parameters (transformers 5, every layout: ``[experts, out, in]`` read with
+  ``F.linear(x, w[e])``, GPT-OSS's transposed ``x @ w[e] + b[e]``, Llama 4's ``bmm``): int8 and NF4 quantize
+  them per expert (``_quant_experts.ExpertsWeightTensor``) and switch transformers' experts implementation
+  to the ``"eager"`` loop where it has one; a probe checks the experts' output. int4 and fp8 list them as
+  skipped with the reason.
 
 Ordering: no ``run_after``. ``inject_lora`` runs after this pass (QLoRA): the quantized ``nn.Linear`` is a
 plain linear base for it, marked ``__effpass_linear__ = True`` so that merging an adapter into it is

@@ -23,7 +23,8 @@ from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
 
 import effpass
 from effpass.testing import compile_and_compare, model_case, train_steps
-from effpass.passes.quantize_linear import (NF4_CODE, Fp8Linear, Int4WeightTensor, Int8WeightTensor, NF4WeightTensor,
+from effpass.passes.quantize_linear import (NF4_CODE, ExpertsWeightTensor, Fp8Linear, Int4WeightTensor,
+                                            Int8WeightTensor, NF4WeightTensor,
                                             QuantizeLinear, dequantized_weight, fp8_supported,
                                             nf4_code_from_normal_quantiles, sqnr)
 
@@ -290,10 +291,11 @@ def test_moe_expert_weights_quantized_per_expert_int8(name):
     assert stats["quantized_expert_tensors"] == 2 and stats["experts_implementation"] == "grouped_mm -> eager"
     for a in ("gate_up_proj", "down_proj"):
         w = getattr(experts, a)
-        assert type(w) is Int8Tensor and w.shape == fp[a].shape and w.scale.shape == (*fp[a].shape[:2], 1)
+        assert type(w) is ExpertsWeightTensor and w.shape == fp[a].shape and w.scheme == "int8"
+        assert w.qdata.dtype == torch.int8 and w.scale.shape == (*fp[a].shape[:2], 1)  # per expert and row
         entry = stats["modules"][f"model.layers.0.mlp.experts.{a}"]
         assert entry["status"] == "quantized" and entry["experts"] == 4
-        for e in range(4):  # per expert and per row
+        for e in range(4):
             assert sqnr(fp[a][e], w.dequantize()[e]) > SQNR_FLOOR["int8"]
     # Same routing (the same top-k indices and weights in): the experts' output moves by int8 noise only.
     with torch.no_grad():
@@ -301,9 +303,10 @@ def test_moe_expert_weights_quantized_per_expert_int8(name):
         assert sqnr(ref, model(**inputs).logits) > LOGIT_FLOOR["int8"]
 
 
-def test_moe_expert_weights_listed_as_skipped_for_nf4(tmp_path):
+def test_moe_expert_weights_listed_as_skipped_for_int4(tmp_path):
     model, inputs = family("mixtral")
-    effpass.compile(model, passes=[QuantizeLinear(scheme="nf4")], lowering="eager", dump_dir=str(tmp_path))
+    effpass.compile(model, passes=[QuantizeLinear(scheme="int4", group_size=32)], lowering="eager",
+                    dump_dir=str(tmp_path))
     rec = effpass.report(model).records("quantize_linear")[0]
     experts = {s["site"]: s["reason"] for s in rec.skipped if ".experts." in s["site"]}
     assert sorted(experts) == ["model.layers.0.mlp.experts.down_proj", "model.layers.0.mlp.experts.gate_up_proj"]
@@ -408,12 +411,29 @@ def test_fp8_emulated_trains_and_matches_eager(granularity):
     res = compile_and_compare(case, [QuantizeLinear(scheme="fp8", fp8_emulate=True, fp8_granularity=granularity)],
                               atol=1e-5, rtol=1e-4)
     assert res.report.stats("quantize_linear")["quantized"] == 8
+    q = res.report.stats("quantize_linear")["modules"]["model.layers.0.self_attn.q_proj"]
+    assert q["weight_type"] == "Parameter" and q["kernel"] == "torchao Float8Linear (emulated)"
     # The weight stays a trainable parameter and gets a gradient through the fp8 backward.
     assert "model.layers.0.self_attn.q_proj.weight" in res.compiled_grads
     fresh = effpass.prepare(copy.deepcopy(ref), passes=[QuantizeLinear(scheme="fp8", fp8_emulate=True,
                                                                        fp8_granularity=granularity)])
     with torch.no_grad():
         assert sqnr(ref(**case.inputs).logits, fresh(**case.inputs).logits) > 20
+
+
+def test_fp8_fsdp_all_gather_wraps_weights_for_torchao_fp8_all_gather():
+    """fp8_fsdp_all_gather: torchao's enable_fsdp_float8_all_gather (the weight becomes the subclass that
+    FSDP2 all-gathers in fp8); without FSDP the linear computes as before (emulated here)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32)
+    ref = copy.deepcopy(lin)
+    m = _prepare(nn.Sequential(lin), scheme="fp8", fp8_granularity="tensorwise", fp8_emulate=True,
+                 fp8_fsdp_all_gather=True)
+    assert type(m[0].weight).__name__ == "WeightWithDynamicFloat8CastTensor" and m[0].config.enable_fsdp_float8_all_gather
+    x = torch.randn(8, 64)
+    y = m(x)
+    y.sum().backward()
+    assert m[0].weight.grad is not None and sqnr(ref(x), y) > 20
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -428,6 +448,7 @@ def test_fp8_emulated_trains_and_matches_eager(granularity):
     ({"scheme": "int4", "kernel": "torchao"}, r"kernel='torchao'.*\['auto', 'triton'\]"),
     ({"scheme": "nf4", "double_quant": False}, "double_quant=False"),
     ({"scheme": "int8", "fp8_emulate": True}, "fp8_emulate"),
+    ({"scheme": "fp8", "fp8_fsdp_all_gather": True}, r"fp8_fsdp_all_gather=True needs .*tensorwise"),
 ])
 def test_bad_options_are_rejected(opts, match):
     with pytest.raises(ValueError, match=match):
@@ -566,8 +587,9 @@ def test_quantized_linears_on_gpu_bf16(scheme):
 def test_fp8_scaled_mm_matches_emulation_on_gpu(granularity):
     torch.manual_seed(0)
     lin = nn.Linear(256, 384).cuda().bfloat16()
-    real = Fp8Linear.from_linear(copy.deepcopy(lin), granularity, False)
-    emu = Fp8Linear.from_linear(copy.deepcopy(lin), granularity, True)
+    real = _prepare(nn.Sequential(copy.deepcopy(lin)), scheme="fp8", fp8_granularity=granularity)[0]
+    emu = _prepare(nn.Sequential(copy.deepcopy(lin)), scheme="fp8", fp8_granularity=granularity, fp8_emulate=True)[0]
+    assert type(real) is Fp8Linear and not real.config.emulate and emu.config.emulate  # torchao's Float8Linear
     x = torch.randn(40, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     y, ye = real(x), emu(x)
     assert sqnr(ye, y) > 35 and sqnr(lin(x), y) > 20
@@ -607,3 +629,39 @@ def test_qlora_tracks_full_precision_lora():
     assert ref[-1] < ref[0] - 0.2 and q[-1] < q[0] - 0.2  # both learn
     # Tolerance: NF4's ~20 dB weight noise shifts the loss by much less than 2% over 20 steps here.
     assert ((q - ref).abs() / ref).max() < 0.02, (ref.tolist(), q.tolist())
+
+
+# ------------------------------------------------------------------------------------------------------
+# AOTAutograd's cache keys quantized weights (_stable_hash_for_caching)
+# ------------------------------------------------------------------------------------------------------
+@pytest.mark.inductor
+@pytest.mark.parametrize("scheme", ["int8", "nf4", "int4"])
+def test_warm_aot_autograd_cache_hit_with_quantized_weights(scheme, tmp_path, monkeypatch):
+    """A second compile of the same model (after torch._dynamo.reset) hits AOTAutograd's cache, and no
+    'does not implement _stable_hash_for_caching' warning is raised for effpass's formats."""
+    import warnings
+
+    import torch._functorch.config as fc
+    import torch._inductor.config as ic
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    x = torch.randn(4, 64, requires_grad=True)
+    hits = []
+    with warnings.catch_warnings(record=True) as caught, fc.patch(enable_autograd_cache=True), \
+            ic.patch(fx_graph_cache=True):
+        warnings.simplefilter("always")
+        counters.clear()
+        for _ in range(2):
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            m = _prepare(nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64)), scheme=scheme,
+                         **SCHEMES[scheme])
+            assert type(m[0].weight) is WEIGHT_TYPE[scheme]
+            torch.compile(m, backend="inductor")(x).sum().backward()
+            hits.append(counters["aot_autograd"]["autograd_cache_hit"])
+    torch._dynamo.reset()
+    assert hits == [0, 1], dict(counters["aot_autograd"])
+    assert not [w for w in caught if "_stable_hash_for_caching" in str(w.message)]
+    w = m[0].weight
+    assert w._stable_hash_for_caching() == copy.deepcopy(w)._stable_hash_for_caching()

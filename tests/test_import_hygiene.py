@@ -1,0 +1,42 @@
+"""Import and install hygiene (issue 22.6): ``import effpass`` writes nothing, loads neither torchao nor
+Dynamo/Inductor, and its public names still resolve (lazily); the project metadata is SPDX."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONWARNINGS="default")  # deprecation warnings would be shown, not hidden
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_import_effpass_is_silent_and_loads_no_torchao():
+    r = _run("import sys, effpass\n"
+             "heavy = [m for m in ('torchao', 'torch._dynamo', 'torch._inductor', 'transformers') if m in sys.modules]\n"
+             "sys.exit(f'loaded at import: {heavy}' if heavy else 0)")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "" and r.stderr == ""
+
+
+def test_public_names_resolve_lazily_and_report_stays_the_function():
+    r = _run("import effpass, effpass.report\n"
+             "import effpass.passes  # noqa\n"
+             "assert callable(effpass.report) and effpass.report.__module__ == 'effpass.api', effpass.report\n"
+             "for n in effpass.__all__: getattr(effpass, n)\n"
+             "assert effpass.CompileReport.__module__ == 'effpass.report'\n"
+             "assert len(effpass._source_digest()) == 64\n")
+    assert r.returncode == 0, r.stderr
+
+
+def test_pyproject_license_is_an_spdx_string():
+    tomllib = pytest.importorskip("tomllib")
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        meta = tomllib.load(f)["project"]
+    assert meta["license"] == "Apache-2.0"  # PEP 639: a string, not the deprecated {text = ...} table
+    assert not any(c.startswith("License ::") for c in meta.get("classifiers", []))
