@@ -27,6 +27,7 @@ from typing import Any, Iterable
 import torch
 import torch.nn as nn
 
+from effpass.linear_like import Adapter, LinearParts, register_linear_like
 from effpass.scope import skip
 
 __all__ = ["LoRALinear", "ExpertLoRA", "is_linear_like", "linear_shape", "lora_modules", "expert_lora_modules",
@@ -199,6 +200,18 @@ class LoRALinear(nn.Module):
 # ------------------------------------------------------------------------------------------------------
 # injection and freezing
 # ------------------------------------------------------------------------------------------------------
+def _describe(m: "LoRALinear"):
+    """effpass.linear_like: ``base(x) + scaling * B(A(dropout(x)))`` (None for a Conv1D base: not F.linear)."""
+    if m.fan_in_fan_out or not isinstance(getattr(m.base_layer, "weight", None), torch.Tensor):
+        return None
+    adapters = () if m.merged else (Adapter(a=m.lora_A.weight, b=m.lora_B.weight, scale=float(m.scaling),
+                                            dropout=m.lora_dropout),)
+    return LinearParts(weight=m.base_layer.weight, bias=m.bias, adapters=adapters)
+
+
+register_linear_like(LoRALinear, _describe)
+
+
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
     """Every :class:`LoRALinear` in ``model`` by its fully qualified name."""
     return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}

@@ -107,11 +107,7 @@ def pass_layout_violations(g: nx.DiGraph, passes: set[str], helpers: set[str]) -
 
 #: violations that other helpers' work removes (issue 22.3), each named: the test below fails when one
 #: is gone, so the entry is deleted with the fix
-KNOWN_PASS_LAYOUT_VIOLATIONS = {
-    "pass effpass.passes.fuse_cross_entropy imports pass effpass.passes.quantize_linear",
-    "helper effpass.passes._quant_formats is shared by passes ['effpass.passes.fuse_cross_entropy', "
-    "'effpass.passes.quantize_linear']: put the contract in the core",
-}
+KNOWN_PASS_LAYOUT_VIOLATIONS: set[str] = set()  # fuse_cross_entropy's two: fixed (effpass.quantized)
 
 
 def test_passes_never_import_each_other():

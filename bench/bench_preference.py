@@ -1,0 +1,196 @@
+"""Benchmark of fused log-probabilities (issue 27): peak memory and time of one DPO, GRPO and distillation step
+of a Llama-shaped policy with a frozen reference (teacher), written in plain PyTorch the way TRL < 1.16 and
+most training loops write them (``log_softmax(logits).gather(-1, labels)``, sums per sequence).
+
+Arms (each in a fresh subprocess, same seed and batch, all in one run):
+
+* ``eager``: the step as written; ``compile``: ``torch.compile`` of the loss module (Inductor), unfused;
+* ``effpass``: ``effpass.compile(loss module)`` with the default pipeline (``fuse_cross_entropy`` rewrites the
+  policy's and the reference's chosen-token log-probs into the chunked op);
+* Liger-Kernel's fused losses: not run: Liger's kernels are Triton (GPU only) and it is not installed here.
+* TRL's trainers: TRL 1.16's DPO/KTO/GRPO trainers compute log-probs with their own chunked op
+  (``add_fused_lm_head``); effpass routes it as a custom op (``effpass/integrations/_trl_kernels.py``); not
+  benchmarked here.
+
+Losses: ``dpo`` (sigmoid DPO over one chosen/rejected pair), ``grpo`` (per-token ratio x advantage minus
+beta x k3-KL to the reference, masked mean), ``distill`` (forward KL between the teacher's and the student's full
+distributions: not fused by effpass yet, measured to say so).
+
+CPU shape (shared 2-core machine with 23 GB; the issue's 2 x 2,048 tokens at vocabulary 128,256 hold over
+8 GB eager, more than this machine can spare): fp32, hidden 64, 1 layer, vocabulary 128,256, 2 x 512 tokens.
+
+    python bench/bench_preference.py                 # all losses and arms -> bench/results/preference_cpu.{json,md}
+    python bench/bench_preference.py --arm effpass --loss dpo --json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import timed  # noqa: E402
+
+ARMS = ("eager", "compile", "effpass")
+LOSSES = ("dpo", "grpo", "distill")
+SHAPE = dict(hidden=64, layers=1, heads=4, kv_heads=2, ffn=128, vocab=128256, seq=512, rows=2, dtype="float32",
+             steps=1)
+
+
+def build():
+    import torch
+    import torch.nn.functional as F
+    import transformers as tf
+
+    cfg = SHAPE
+    torch.manual_seed(0)
+    conf = tf.LlamaConfig(vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["ffn"],
+                          num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
+                          num_key_value_heads=cfg["kv_heads"], max_position_embeddings=cfg["seq"],
+                          bos_token_id=0, eos_token_id=0)
+    policy = tf.LlamaForCausalLM(conf).train()
+    ref = tf.LlamaForCausalLM(conf).eval().requires_grad_(False)
+
+    def logps(model, ids, labels):
+        logits = model(input_ids=ids).logits[:, :-1]
+        t = labels[:, 1:]
+        lp = logits.float().log_softmax(-1).gather(-1, t.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        return lp, (t != -100)
+
+    class DPO(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.policy, self.ref = policy, ref
+
+        def forward(self, ids, labels):
+            lp, m = logps(self.policy, ids, labels)
+            with torch.no_grad():
+                rp, _ = logps(self.ref, ids, labels)
+            pol, rf = (lp * m).sum(-1), (rp * m).sum(-1)
+            return -F.logsigmoid(0.1 * ((pol[0] - rf[0]) - (pol[1] - rf[1])))
+
+    class GRPO(DPO):
+        def forward(self, ids, labels, adv):
+            lp, m = logps(self.policy, ids, labels)
+            with torch.no_grad():
+                rp, _ = logps(self.ref, ids, labels)
+            kl = torch.exp(rp - lp) - (rp - lp) - 1
+            per_tok = -(torch.exp(lp - lp.detach()) * adv[:, None] - 0.04 * kl)
+            return ((per_tok * m).sum(-1) / m.sum(-1)).mean()
+
+    class Distill(DPO):
+        def forward(self, ids, labels):
+            s = self.policy(input_ids=ids).logits.float().log_softmax(-1)
+            with torch.no_grad():
+                t = self.ref(input_ids=ids).logits.float().log_softmax(-1)
+            m = (labels != -100).float()
+            return ((t.exp() * (t - s)).sum(-1) * m).sum() / m.sum()
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg["vocab"], (cfg["rows"], cfg["seq"]), generator=g)
+    labels = ids.clone()
+    labels[:, :64] = -100  # prompt
+    return policy, {"dpo": DPO, "grpo": GRPO, "distill": Distill}, ids, labels
+
+
+def run_arm(arm: str, loss: str) -> dict:
+    import torch
+
+    import effpass
+    from effpass.testing.memory import live_tensor_bytes, peak_memory
+
+    policy, kinds, ids, labels = build()
+    mod = kinds[loss]()
+    args = (ids, labels) + ((torch.tensor([1.0, -1.0]),) if loss == "grpo" else ())
+    if arm == "eager":
+        f = mod
+    elif arm == "compile":
+        f = torch.compile(mod)
+    else:
+        f = effpass.compile(mod)
+    losses = []
+
+    def step():
+        out = f(*args)
+        out.backward()
+        policy.zero_grad(set_to_none=True)
+        losses.append(float(out.detach()))
+
+    t0 = time.perf_counter()
+    step()
+    first = time.perf_counter() - t0
+    times = [timed(step, False) for _ in range(SHAPE["steps"])]
+    live = live_tensor_bytes(mod.parameters())
+    _, peak = peak_memory(step, "cpu")
+    stats = {}
+    if arm == "effpass":
+        st = effpass.report(f).stats("fuse_cross_entropy")
+        stats = {k: v for k, v in st.items() if isinstance(v, (int, float))}
+    return {"arm": arm, "loss_kind": loss, "peak_bytes": peak, "live_bytes": live, "step_s": statistics.median(times),
+            "first_call_s": first, "loss": losses[0], "load": os.getloadavg()[0], "stats": stats}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arm", choices=ARMS)
+    ap.add_argument("--loss", choices=LOSSES, default="dpo")
+    ap.add_argument("--losses", nargs="*", default=list(LOSSES), choices=LOSSES)
+    ap.add_argument("--arms", nargs="*", default=list(ARMS), choices=ARMS)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.arm:
+        print(json.dumps(run_arm(args.arm, args.loss)))
+        return
+    results = []
+    for loss in args.losses:
+        for arm in args.arms:
+            cmd = [sys.executable, os.path.abspath(__file__), "--arm", arm, "--loss", loss, "--json"]
+            p = subprocess.run(cmd, capture_output=True, text=True)
+            line = next((l for l in reversed(p.stdout.splitlines()) if l.startswith("{")), None)
+            err = "\n".join(l for l in p.stderr.splitlines() if "torchao" not in l and "_pytree" not in l)
+            res = json.loads(line) if line else {"arm": arm, "loss_kind": loss, "error": err[-1500:]}
+            print(json.dumps(res), flush=True)
+            results.append(res)
+            write(args.out, results)
+    print(write(args.out, results))
+
+
+def write(out, results) -> str:
+    import torch
+    import transformers
+
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    out = out or os.path.join(root, "preference_cpu")
+    meta = {"device": "cpu", "cpus": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "shape": SHAPE, "load_at_write": os.getloadavg()[0]}
+    with open(out + ".json", "w") as fh:
+        json.dump({"meta": meta, "results": results}, fh, indent=1)
+    lines = [f"# fused log-probs (issue 27), CPU, {meta['date'][:16]}", "",
+             f"torch {meta['torch']}, transformers {meta['transformers']}, shape {SHAPE}", "",
+             "| loss | arm | peak MiB | x eager | step s | x compile | first call s | load | loss value | log-prob sites |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['loss_kind']} | {r['arm']} | error: {r['error'].splitlines()[-1][:120] if r['error'] else '?'} |")
+            continue
+        e = next((x for x in results if x.get("loss_kind") == r["loss_kind"] and x["arm"] == "eager" and "peak_bytes" in x), None)
+        c = next((x for x in results if x.get("loss_kind") == r["loss_kind"] and x["arm"] == "compile" and "step_s" in x), None)
+        lines.append(f"| {r['loss_kind']} | {r['arm']} | {r['peak_bytes'] / 2**20:.0f} | "
+                     f"{r['peak_bytes'] / e['peak_bytes'] if e else float('nan'):.2f} | {r['step_s']:.2f} | "
+                     f"{r['step_s'] / c['step_s'] if c else float('nan'):.2f} | {r['first_call_s']:.1f} | {r['load']:.1f} | "
+                     f"{r['loss']:.6f} | {r['stats'].get('logprob_sites', '')} |")
+    with open(out + ".md", "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,412 @@
+"""The chunked linear + cross-entropy kernel of ``fuse_cross_entropy`` and its custom ops.
+
+Plain torch run eagerly inside ``torch.library.custom_op``s (opaque to Inductor, which can then neither fuse,
+reorder nor keep extra chunks alive):
+
+* ``effpass::linear_cross_entropy``: ``sum``/``mean`` loss; the gradients of the inputs are computed in the
+  forward, chunk by chunk (as Liger does); the registered backward only scales them by the incoming gradient;
+* ``effpass::linear_cross_entropy_rows`` (+ ``_backward``): per-row losses and log-sum-exp; the backward
+  recomputes each chunk.
+
+:func:`linear_cross_entropy` is the eager entry point. The graph pass that inserts the ops is
+``passes/fuse_cross_entropy.py``; the matcher that finds the sites is ``passes/_fuse_ce_match.py``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+import effpass
+
+__all__ = ["MIN_FULL_ROWS", "MIN_CHUNK_ROWS", "plan_chunks", "default_chunk_bytes", "num_chunks",
+           "linear_cross_entropy", "OPS", "NO_IGNORE"]
+
+#: a full row block of logits is used when the budget holds at least this many rows (else 2-D tiles)
+MIN_FULL_ROWS = 128
+#: the default budget never holds fewer rows than this (or a quarter of the rows, so that a small batch is
+#: still cut in four): every chunk re-reads the head's weight
+#: and reads and writes its gradient, so the op's arithmetic intensity is about ``3 * rows / 8`` flops per
+#: byte (fp32) whatever the hidden size and vocabulary; below ~256 rows the step is bound by that traffic and
+#: by per-chunk overhead (docs/fuse_cross_entropy.md, "Choosing the chunk")
+MIN_CHUNK_ROWS = 256
+_COMPUTE = {"": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+# ------------------------------------------------------------------------------------------------------
+# the chunked kernel (plain torch, run eagerly inside the custom ops)
+# ------------------------------------------------------------------------------------------------------
+def plan_chunks(rows: int, vocab: int, chunk_bytes: int) -> tuple[int, int]:
+    """``(rows per chunk, vocabulary entries per chunk)`` for a fp32 logits tile of at most
+    ``chunk_bytes``: full rows when at least ``MIN_FULL_ROWS`` (or a quarter of the rows) fit, else a
+    near-square tile."""
+    elems = max(1, chunk_bytes // 4)
+    rows = max(1, rows)
+    full = elems // vocab
+    if full >= min(-(-rows // 4), MIN_FULL_ROWS):
+        return max(1, min(rows, full)), vocab
+    r = max(1, min(rows, math.isqrt(elems)))
+    return r, max(1, min(vocab, elems // r))
+
+
+def default_chunk_bytes(rows: int, vocab: int, hidden_bytes: int) -> int:
+    """The default budget: a chunk of fp32 logits no larger than the larger of the batch's hidden states
+    (``hidden_bytes``) and ``min(MIN_CHUNK_ROWS, rows / 4)`` full rows of logits."""
+    return max(int(hidden_bytes), min(-(-max(rows, 1) // 4), MIN_CHUNK_ROWS) * vocab * 4)
+
+
+def num_chunks(rows: int, vocab: int, chunk_bytes: int) -> int:
+    r, v = plan_chunks(rows, vocab, chunk_bytes)
+    return math.ceil(max(rows, 0) / r) * math.ceil(vocab / v) if rows > 0 else 0
+
+
+class _Spec:
+    """The per-call constants of the kernel."""
+
+    def __init__(self, vocab, ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute):
+        self.vocab, self.ignore_index, self.smoothing = vocab, ignore_index, smoothing
+        self.pre, self.softcap, self.post = pre, softcap, post
+        self.chunk_bytes, self.compute = chunk_bytes, _COMPUTE[compute]
+
+    def logits(self, xs, ws, bias, r0, r1, v0, v1):
+        """The transformed fp32 logits of rows ``r0:r1`` and vocabulary ``v0:v1`` (and tanh's output)."""
+        z = None
+        for x, w in zip(xs, ws):
+            part = x[r0:r1] @ w[v0:v1].t()
+            z = part if z is None else z.add_(part)
+        if bias is not None:
+            z = z.add_(bias[v0:v1])
+        z = z.float()
+        if self.softcap:
+            t = z.mul_(self.pre).tanh_()
+            return t * self.post, t
+        if self.pre != 1.0:
+            z = z.mul_(self.pre)
+        return z, None
+
+
+def _prepare(x, w, x2, w2, bias, target, spec: _Spec):
+    """Valid rows (label != ignore_index), their inputs in the compute dtype, and checks."""
+    valid = (target != spec.ignore_index).nonzero().squeeze(1)
+    tgt = target.index_select(0, valid)
+    if tgt.numel() and (int(tgt.min()) < 0 or int(tgt.max()) >= spec.vocab):
+        bad = int(tgt.min()) if int(tgt.min()) < 0 else int(tgt.max())
+        raise IndexError(f"cross_entropy: target {bad} is out of bounds for {spec.vocab} classes")
+    cd = spec.compute
+    xs = [x.index_select(0, valid)]
+    ws = [w]
+    if x2 is not None:
+        xs.append(x2.index_select(0, valid))
+        ws.append(w2)
+    if cd is None:
+        cd = torch.promote_types(x.dtype, w.dtype)
+    xs = [t.to(cd) for t in xs]
+    ws = [t.to(cd) for t in ws]
+    b = bias.to(cd) if bias is not None else None
+    return valid, tgt, xs, ws, b
+
+
+def _forward_pass(xs, ws, b, tgt, spec: _Spec, grads: Optional[dict], gscale: Optional[Tensor]):
+    """Per-row loss and log-sum-exp of the valid rows; with ``grads`` also accumulates the gradients
+    (``gscale``: per-row gradient of the loss, None for 1)."""
+    n, vocab, eps = tgt.shape[0], spec.vocab, spec.smoothing
+    loss = torch.empty(n, dtype=torch.float32, device=tgt.device)
+    lse_all = torch.empty(n, dtype=torch.float32, device=tgt.device)
+    if n == 0:
+        return loss, lse_all
+    rows, vt = plan_chunks(n, vocab, spec.chunk_bytes)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        t = tgt[r0:r1]
+        if vt == vocab:  # one pass: the full rows fit in a chunk
+            # NOTE(speed): log_softmax is one vectorised kernel (max, sum of exp, write); logsumexp then
+            # z - lse then exp took three more passes over the chunk and a temporary of its size
+            z, th = spec.logits(xs, ws, b, r0, r1, 0, vocab)
+            zt = z.gather(1, t[:, None]).squeeze(1)
+            ls = torch.log_softmax(z, 1)
+            del z
+            lst = ls.gather(1, t[:, None]).squeeze(1)
+            lse = zt - lst
+            if eps:  # the smoothing term: lse - mean_v z_v = -mean_v log_softmax_v
+                smooth = ls.sum(1).div_(-vocab)
+        else:  # log-sum-exp over vocabulary tiles, combined with logaddexp (online softmax)
+            lse = torch.full((r1 - r0,), -math.inf, device=t.device)
+            zt = torch.zeros(r1 - r0, device=t.device)
+            zsum = torch.zeros(r1 - r0, device=t.device) if eps else None
+            for v0 in range(0, vocab, vt):
+                v1 = min(vocab, v0 + vt)
+                z, _ = spec.logits(xs, ws, b, r0, r1, v0, v1)
+                inside = (t >= v0) & (t < v1)
+                zt = torch.where(inside, z.gather(1, (t - v0).clamp(0, v1 - v0 - 1)[:, None]).squeeze(1), zt)
+                if eps:
+                    zsum += z.sum(1)
+                lse = torch.logaddexp(lse, torch.logsumexp(z, 1))
+            smooth = lse - zsum / vocab if eps else None
+        lse_all[r0:r1] = lse
+        l = lse - zt
+        if eps:
+            l = (1.0 - eps) * l + eps * smooth
+        loss[r0:r1] = l
+        if grads is not None:
+            g = gscale[r0:r1] if gscale is not None else None
+            if vt == vocab:
+                _grad_tile(ls.exp_(), th, t, g, xs, ws, r0, r1, 0, vocab, spec, grads)
+            else:
+                for v0 in range(0, vocab, vt):
+                    v1 = min(vocab, v0 + vt)
+                    z, th = spec.logits(xs, ws, b, r0, r1, v0, v1)
+                    _grad_tile(_softmax_(z, lse), th, t, g, xs, ws, r0, r1, v0, v1, spec, grads)
+        ls = None
+    return loss, lse_all
+
+
+def _backward_pass(xs, ws, b, tgt, lse_all, gscale, spec: _Spec, grads: dict):
+    n, vocab = tgt.shape[0], spec.vocab
+    if n == 0:
+        return
+    rows, vt = plan_chunks(n, vocab, spec.chunk_bytes)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        for v0 in range(0, vocab, vt):
+            v1 = min(vocab, v0 + vt)
+            z, th = spec.logits(xs, ws, b, r0, r1, v0, v1)
+            _grad_tile(_softmax_(z, lse_all[r0:r1]), th, tgt[r0:r1], gscale[r0:r1], xs, ws, r0, r1, v0, v1, spec,
+                       grads)
+
+
+def _softmax_(z: Tensor, lse: Tensor) -> Tensor:
+    """``exp(z - lse)`` in ``z``'s buffer: the softmax of a tile given its rows' log-sum-exp."""
+    return z.sub_(lse[:, None]).exp_()
+
+
+def _grad_tile(d, th, t, g, xs, ws, r0, r1, v0, v1, spec: _Spec, grads: dict):
+    """d loss / d logits for one tile (``d``: its softmax, overwritten: minus the smoothed one-hot, times
+    the row's gradient), pushed through the transform and the projection(s) into the accumulators."""
+    eps = spec.smoothing
+    if th is not None:  # d softcap(z)/dz = pre * post * (1 - tanh^2), computed in tanh's buffer
+        deriv = th.mul_(th).neg_().add_(1.0).mul_(spec.pre * spec.post)
+    inside = (t >= v0) & (t < v1)
+    rows = inside.nonzero().squeeze(1)
+    if rows.numel():
+        d.index_put_((rows, t[rows] - v0), torch.full((rows.numel(),), -(1.0 - eps), device=d.device),
+                     accumulate=True)
+    if eps:
+        d.sub_(eps / spec.vocab)
+    if g is not None:
+        d.mul_(g[:, None])
+    if th is not None:
+        d.mul_(deriv)
+    elif spec.pre != 1.0:
+        d.mul_(spec.pre)
+    dc = d.to(xs[0].dtype)
+    for i, (x, w) in enumerate(zip(xs, ws)):
+        if grads["x"][i] is not None:
+            _acc_mm(grads["x"][i][r0:r1], dc, w[v0:v1])
+        if grads["w"][i] is not None:
+            _acc_mm(grads["w"][i][v0:v1], dc.t(), x[r0:r1])
+    if grads["b"] is not None:
+        grads["b"][v0:v1] += d.sum(0)
+
+
+def _acc_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b`` (fp32 accumulator; low-precision operands multiply in their dtype)."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    else:
+        acc.add_(a @ b)
+
+
+def _accumulators(xs, ws, has_bias, mask, vocab, device):
+    f32 = torch.float32
+    return {"x": [torch.zeros(x.shape, dtype=f32, device=device) if mask[i] else None for i, x in enumerate(xs)],
+            "w": [torch.zeros(w.shape, dtype=f32, device=device) if mask[2 + i] else None for i, w in enumerate(ws)],
+            "b": torch.zeros(vocab, dtype=f32, device=device) if has_bias and mask[4] else None}
+
+
+def _scatter_grads(acc, valid, x, w, x2, w2, bias, scale):
+    """Full-size gradients in the inputs' dtypes (empty tensors for those not asked for)."""
+    def rows(a, like):
+        if a is None:
+            return like.new_empty(0)
+        out = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
+        out.index_copy_(0, valid, a)
+        if scale is not None:
+            out.mul_(scale)
+        return out.to(like.dtype)
+
+    def whole(a, like):
+        if a is None or like is None:
+            return (like if like is not None else x).new_empty(0)
+        if scale is not None:
+            a.mul_(scale)
+        return a.to(like.dtype)
+
+    dx2 = rows(acc["x"][1], x2) if x2 is not None else x.new_empty(0)
+    dw2 = whole(acc["w"][1], w2) if w2 is not None else x.new_empty(0)
+    return rows(acc["x"][0], x), whole(acc["w"][0], w), dx2, dw2, whole(acc["b"], bias)
+
+
+# ------------------------------------------------------------------------------------------------------
+# the custom ops
+# ------------------------------------------------------------------------------------------------------
+@torch.library.custom_op("effpass::linear_cross_entropy", mutates_args=())
+def _lce_reduced(x: Tensor, w: Tensor, x2: Optional[Tensor], w2: Optional[Tensor], bias: Optional[Tensor],
+                 target: Tensor, ignore_index: int, smoothing: float, pre: float, softcap: bool, post: float,
+                 mean: bool, chunk_bytes: int, compute: str, grad_mask: list[bool]
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Summed (``mean``: averaged over valid rows) loss and the gradients of x, w, x2, w2, bias."""
+    spec = _Spec(w.shape[0], ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute)
+    valid, tgt, xs, ws, b = _prepare(x, w, x2, w2, bias, target, spec)
+    acc = _accumulators(xs, ws, bias is not None, grad_mask, spec.vocab, x.device)
+    loss, _ = _forward_pass(xs, ws, b, tgt, spec, acc, None)
+    total = loss.sum()
+    count = tgt.shape[0]
+    scale = None
+    if mean:
+        total = total / count if count else total * float("nan")  # 0/0, as torch's mean
+        scale = 1.0 / count if count else None
+    return (total,) + _scatter_grads(acc, valid, x, w, x2, w2, bias, scale)
+
+
+@_lce_reduced.register_fake
+def _(x, w, x2, w2, bias, target, ignore_index, smoothing, pre, softcap, post, mean, chunk_bytes, compute,
+      grad_mask):
+    def like(t, on):
+        return torch.empty_like(t) if (t is not None and on) else x.new_empty(0)
+
+    loss = x.new_empty((), dtype=torch.float32)
+    return (loss, like(x, grad_mask[0]), like(w, grad_mask[2]), like(x2, grad_mask[1]), like(w2, grad_mask[3]),
+            like(bias, grad_mask[4]))
+
+
+def _reduced_setup(ctx, inputs, output):
+    ctx.save_for_backward(*output[1:])
+    ctx.present = [inputs[i] is not None for i in range(5)]
+
+
+def _reduced_backward(ctx, g, *_):
+    dx, dw, dx2, dw2, db = ctx.saved_tensors
+    out = []
+    for present, d in zip(ctx.present, (dx, dw, dx2, dw2, db)):
+        out.append(d * g.to(d.dtype) if present and d.numel() else None)
+    return (*out, None, None, None, None, None, None, None, None, None, None)
+
+
+_lce_reduced.register_autograd(_reduced_backward, setup_context=_reduced_setup)
+
+
+@torch.library.custom_op("effpass::linear_cross_entropy_rows", mutates_args=())
+def _lce_rows(x: Tensor, w: Tensor, x2: Optional[Tensor], w2: Optional[Tensor], bias: Optional[Tensor],
+              target: Tensor, ignore_index: int, smoothing: float, pre: float, softcap: bool, post: float,
+              chunk_bytes: int, compute: str) -> tuple[Tensor, Tensor]:
+    """Per-row losses (0 on ignored rows, as ``reduction="none"``) and per-row log-sum-exp."""
+    spec = _Spec(w.shape[0], ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute)
+    valid, tgt, xs, ws, b = _prepare(x, w, x2, w2, bias, target, spec)
+    loss_v, lse_v = _forward_pass(xs, ws, b, tgt, spec, None, None)
+    n = target.shape[0]
+    loss = torch.zeros(n, dtype=torch.float32, device=x.device).index_copy_(0, valid, loss_v)
+    lse = torch.zeros(n, dtype=torch.float32, device=x.device).index_copy_(0, valid, lse_v)
+    return loss, lse
+
+
+@_lce_rows.register_fake
+def _(x, w, x2, w2, bias, target, ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute):
+    n = target.shape[0]
+    return x.new_empty((n,), dtype=torch.float32), x.new_empty((n,), dtype=torch.float32)
+
+
+@torch.library.custom_op("effpass::linear_cross_entropy_rows_backward", mutates_args=())
+def _lce_rows_bwd(grad: Tensor, lse: Tensor, x: Tensor, w: Tensor, x2: Optional[Tensor], w2: Optional[Tensor],
+                  bias: Optional[Tensor], target: Tensor, ignore_index: int, smoothing: float, pre: float,
+                  softcap: bool, post: float, chunk_bytes: int, compute: str, grad_mask: list[bool]
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    spec = _Spec(w.shape[0], ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute)
+    valid, tgt, xs, ws, b = _prepare(x, w, x2, w2, bias, target, spec)
+    acc = _accumulators(xs, ws, bias is not None, grad_mask, spec.vocab, x.device)
+    _backward_pass(xs, ws, b, tgt, lse.index_select(0, valid), grad.float().index_select(0, valid), spec, acc)
+    return _scatter_grads(acc, valid, x, w, x2, w2, bias, None)
+
+
+@_lce_rows_bwd.register_fake
+def _(grad, lse, x, w, x2, w2, bias, target, ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute,
+      grad_mask):
+    def like(t, on):
+        return torch.empty_like(t) if (t is not None and on) else x.new_empty(0)
+
+    return like(x, grad_mask[0]), like(w, grad_mask[2]), like(x2, grad_mask[1]), like(w2, grad_mask[3]), like(bias, grad_mask[4])
+
+
+def _head_flops(x, w, x2, w2, grad_mask=None) -> int:
+    """Matmul FLOPs of the chunked head: the logits (2*N*H*V, plus the adapter's 2*N*r*V; computed again
+    by the per-row form's backward) and one matmul per gradient computed (dx, dw; dx2, dw2)."""
+    n, v = x.shape[0], w.shape[0]
+    main, side = 2 * n * x.shape[-1] * v, (2 * n * x2.shape[-1] * v if x2 is not None and x2.numel() else 0)
+    m = grad_mask or [False] * 5
+    return main * (1 + m[0] + m[2]) + side * (1 + m[1] + m[3])
+
+
+# for the memory planner (effpass.memory_options): the per-row op also serves the log-probability sites
+effpass.register_flop_formula(torch.ops.effpass.linear_cross_entropy, lambda x, w, x2, w2, bias, target, *a, out_val=None, **k:
+                              _head_flops(x, w, x2, w2, list(a[8]) if len(a) > 8 else k.get("grad_mask")))
+effpass.register_flop_formula(torch.ops.effpass.linear_cross_entropy_rows,
+                              lambda x, w, x2, w2, *a, out_val=None, **k: _head_flops(x, w, x2, w2))
+effpass.register_flop_formula(torch.ops.effpass.linear_cross_entropy_rows_backward,
+                              lambda grad, lse, x, w, x2, w2, bias, target, *a, out_val=None, **k: _head_flops(
+                                  x, w, x2, w2, list(a[7]) if len(a) > 7 else k.get("grad_mask")))
+
+
+def _rows_setup(ctx, inputs, output):
+    x, w, x2, w2, bias, target = inputs[:6]
+    ctx.consts = inputs[6:]
+    ctx.present = [t is not None for t in (x, w, x2, w2, bias)]
+    ctx.mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[1],
+                ctx.needs_input_grad[3], ctx.needs_input_grad[4]]
+    ctx.save_for_backward(x, w, x2, w2, bias, target, output[1])
+
+
+def _rows_backward(ctx, g, _glse):
+    x, w, x2, w2, bias, target, lse = ctx.saved_tensors
+    grads = _lce_rows_bwd(g, lse, x, w, x2, w2, bias, target, *ctx.consts, ctx.mask)
+    dx, dw, dx2, dw2, db = grads
+    out = [d if (p and d.numel()) else None for p, d in zip(ctx.present, (dx, dw, dx2, dw2, db))]
+    return (*out, None, None, None, None, None, None, None, None)
+
+
+_lce_rows.register_autograd(_rows_backward, setup_context=_rows_setup)
+
+
+def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None, *,
+                         ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                         scale: float = 1.0, softcap: float | None = None, chunk_bytes: int | None = None,
+                         compute_dtype: torch.dtype | None = None, x2: Tensor | None = None,
+                         weight2: Tensor | None = None) -> Tensor:
+    """``F.cross_entropy(transform(x @ weight.T + bias [+ x2 @ weight2.T]), target)`` in chunks.
+
+    ``transform`` is ``z * scale``, or ``softcap * tanh(z * scale / softcap)`` with ``softcap``.
+    ``x`` is ``(N, H)``, ``target`` ``(N,)``. The chunk budget defaults to ``default_chunk_bytes``: the
+    larger of the bytes of ``x`` and ``MIN_CHUNK_ROWS`` rows of logits.
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction {reduction!r} is not valid; choose one of ['mean', 'sum', 'none']")
+    if chunk_bytes is None:
+        chunk_bytes = default_chunk_bytes(x.shape[0], weight.shape[0], x.numel() * x.element_size())
+    pre, post, cap = (scale / softcap, softcap, True) if softcap else (scale, 1.0, False)
+    compute = "" if compute_dtype is None else str(compute_dtype).removeprefix("torch.")
+    if reduction == "none":
+        return _lce_rows(x, weight, x2, weight2, bias, target, ignore_index, float(label_smoothing), pre, cap,
+                         post, int(chunk_bytes), compute)[0]
+    mask = [x.requires_grad, x2 is not None and x2.requires_grad, weight.requires_grad,
+            weight2 is not None and weight2.requires_grad, bias is not None and bias.requires_grad]
+    return _lce_reduced(x, weight, x2, weight2, bias, target, ignore_index, float(label_smoothing), pre, cap, post,
+                        reduction == "mean", int(chunk_bytes), compute, mask)[0]
+
+
+
+#: the ``ignore_index`` of log-probability sites: no row is ignored (a negative index raises, as gather)
+NO_IGNORE = -(2 ** 63)
+
+#: the ops the graph pass inserts (the joint hook marks them never-recompute)
+OPS = (torch.ops.effpass.linear_cross_entropy.default, torch.ops.effpass.linear_cross_entropy_rows.default)
+

@@ -1,0 +1,149 @@
+"""fuse_cross_entropy on chosen-token log-probabilities (issue 27): ``log_softmax(z).gather(-1, t)`` and
+``gather(z, -1, t) - logsumexp(z, -1)`` after the output projection become the chunked rows op, for the
+policy (with gradient) and a frozen reference under ``torch.no_grad`` in the same graph (a DPO step written
+in plain PyTorch), on a plain, a tied soft-capped (Gemma 2), a LoRA and an int8-quantized head.
+
+Oracles: numerical (loss and every gradient equal eager within 1e-5 relative, fp32) and structural (stats:
+log-prob sites, dropped logits; no log_softmax/logsumexp left in the graph).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import effpass
+from effpass.passes import FuseCrossEntropy
+
+V = 256
+
+
+def _hf(name):
+    import transformers as tf
+
+    common = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    if name == "llama":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**common))
+    if name == "gemma2":  # tied head, final-logit soft-capping 30.0
+        return tf.Gemma2ForCausalLM(tf.Gemma2Config(head_dim=16, pad_token_id=0, **common))
+    if name == "qwen3":
+        return tf.Qwen3ForCausalLM(tf.Qwen3Config(head_dim=16, **common))
+    raise ValueError(name)
+
+
+class DPO(torch.nn.Module):
+    """A DPO loss over (chosen, rejected) rows: sums of chosen-token log-probs of the policy and of a frozen
+    reference (no gradient), in plain PyTorch."""
+
+    def __init__(self, policy, ref, form="log_softmax", beta=0.1):
+        super().__init__()
+        self.policy, self.ref, self.form, self.beta = policy, ref, form, beta
+
+    def logps(self, model, ids, labels):
+        logits = model(input_ids=ids).logits[:, :-1]
+        t = labels[:, 1:]
+        mask = t != -100
+        idx = t.clamp(min=0).unsqueeze(-1)
+        if self.form == "log_softmax":
+            lp = logits.float().log_softmax(-1).gather(-1, idx).squeeze(-1)
+        else:
+            lp = torch.gather(logits, -1, idx).squeeze(-1) - torch.logsumexp(logits, -1)
+        return (lp * mask).sum(-1), lp
+
+    def forward(self, ids, labels):
+        pol, _ = self.logps(self.policy, ids, labels)
+        with torch.no_grad():
+            ref, _ = self.logps(self.ref, ids, labels)
+        pc, pr = pol.chunk(2)
+        rc, rr = ref.chunk(2)
+        return -F.logsigmoid(self.beta * ((pc - rc) - (pr - rr))).mean()
+
+
+def _batch(seed=1, pairs=2, seq=12):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, V, (2 * pairs, seq), generator=g)
+    labels = ids.clone()
+    labels[:, :4] = -100  # prompt tokens
+    return ids, labels
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def _run(arm, family="llama", form="log_softmax"):
+    policy = _hf(family).train()
+    extra = []
+    if arm == "lora":
+        from effpass.passes import InjectLoRA
+        extra = [InjectLoRA(rank=4, init="gaussian", targets=["policy.lm_head", "policy.*.q_proj"])]
+    if arm == "int8":
+        from effpass.passes import QuantizeLinear
+        extra = [QuantizeLinear(scheme="int8", targets=["*.lm_head"])]
+    ref = copy.deepcopy(policy).eval().requires_grad_(False)
+    model = DPO(policy, ref, form)
+    ids, labels = _batch()
+    compiled_model = copy.deepcopy(model)
+    compiled = effpass.compile(compiled_model, passes=extra + [FuseCrossEntropy()], lowering="eager")
+    # the eager reference: the same prepared model (LoRA injected / weights quantized), unfused
+    eager = copy.deepcopy(compiled_model)
+    loss = compiled(ids, labels)
+    loss.backward()
+    want = eager(ids, labels)
+    want.backward()
+    assert _rel(loss.detach(), want.detach()) <= 1e-5, (float(loss), float(want))
+    n = 0
+    ref_grads = dict(eager.named_parameters())
+    for name, p in compiled_model.named_parameters():
+        q = ref_grads[name]
+        if q.grad is None:
+            assert p.grad is None, name
+            continue
+        assert _rel(p.grad, q.grad) <= 1e-5, name
+        n += 1
+    assert n > 0
+    recs = [r for r in effpass.report(compiled).records("fuse_cross_entropy") if r.phase == "torch_ir"]
+    stats = recs[-1].stats
+    ops = recs[-1].ops_after
+    return stats, ops, recs
+
+
+@pytest.mark.parametrize("family,arm,form", [("llama", "plain", "log_softmax"), ("gemma2", "plain", "log_softmax"),
+                                             ("qwen3", "plain", "logsumexp"), ("llama", "lora", "log_softmax"),
+                                             ("llama", "int8", "logsumexp")])
+def test_dpo_logprobs_fused_policy_and_reference(family, arm, form):
+    stats, ops, recs = _run(arm, family, form)
+    # two sites: the policy's (with gradient) and the frozen reference's (no_grad), both fused
+    assert stats["logprob_sites"] == 2, (stats, [s for r in recs for s in r.skipped])
+    assert not any(k.endswith("log_softmax") or k.endswith("logsumexp") for k in ops), ops
+    assert ops.get("effpass.linear_cross_entropy_rows", 0) == 2, ops
+    assert stats["lora_heads"] == (1 if arm == "lora" else 0)
+    assert stats["dequantized_heads"] == (2 if arm == "int8" else 0)
+    assert stats["logits_bytes_avoided"] == 2 * 4 * 11 * V * 4
+
+
+def test_full_log_probs_used_elsewhere_are_left_alone():
+    """An entropy next to the chosen-token log-prob reads the whole log_softmax: the site is skipped with its
+    reason (the loss stays the unfused one)."""
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = _hf("llama").train()
+
+        def forward(self, ids):
+            ls = self.m(input_ids=ids).logits.log_softmax(-1)
+            lp = ls.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+            return lp.mean() + (ls.exp() * ls).sum(-1).mean()
+
+    m = M()
+    ids, _ = _batch()
+    compiled = effpass.compile(m, passes=[FuseCrossEntropy()], lowering="eager")
+    compiled(ids).backward()
+    recs = [r for r in effpass.report(compiled).records("fuse_cross_entropy") if r.phase == "torch_ir"]
+    assert recs[-1].stats["logprob_sites"] == 0
+    assert any("used elsewhere" in s["reason"] for r in recs for s in r.skipped)
