@@ -18,6 +18,7 @@ _BUILTINS = {
     "wrap_fsdp": ("WrapFSDP",),
     "fuse_cross_entropy": ("FuseCrossEntropy",),
     "tile_sequence": ("TileSequence",),
+    "step_in_backward": ("StepInBackward",),
 }
 
 __all__ = []
