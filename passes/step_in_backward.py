@@ -21,7 +21,8 @@ micro-batch's update has already been applied), a closure passed to ``step``, an
 :data:`SUPPORTED` (its step may couple parameters, e.g. LBFGS or a global-norm clipping optimizer).
 Clipping by the global norm cannot be exact (it needs every gradient at once): with this pass the
 gradients are gone when ``clip_grad_norm_`` runs; the Hugging Face integration raises when
-``max_grad_norm > 0``.
+``max_grad_norm > 0`` or ``gradient_accumulation_steps > 1``
+(``effpass.integrations.huggingface.check_training_args``).
 """
 from __future__ import annotations
 
@@ -182,18 +183,6 @@ def hooked_parameters(model: torch.nn.Module) -> int:
     return sum(1 for p in model.parameters() if p in _HOOKED)
 
 
-def check_trainer_args(args) -> None:
-    """Raise where Hugging Face ``TrainingArguments`` ask for what step_in_backward cannot do exactly."""
-    bad = []
-    if float(getattr(args, "max_grad_norm", 0.0) or 0.0) > 0:
-        bad.append(f"max_grad_norm={args.max_grad_norm} (clipping by the global norm needs every gradient at "
-                   "once; set max_grad_norm=0.0)")
-    if int(getattr(args, "gradient_accumulation_steps", 1) or 1) != 1:
-        bad.append(f"gradient_accumulation_steps={args.gradient_accumulation_steps} (set it to 1)")
-    if bad:
-        raise StepInBackwardError("step_in_backward cannot be exact with " + "; ".join(bad))
-
-
 @effpass.register_pass("step_in_backward",
                        run_after=("inject_lora", "quantize_linear"), conflicts_with=("wrap_fsdp",),
                        summary="optimizer step per parameter inside backward; gradients freed at once (lossless)")
@@ -215,8 +204,9 @@ class StepInBackward(effpass.Pass):
             for name, p in model.named_parameters():
                 if not p.requires_grad:
                     continue
-                if (self.targets and not any(fnmatch(name, t) for t in self.targets)) or any(
-                        fnmatch(name, t) for t in self.exclude):
+                mod = name.rpartition(".")[0]  # targets/exclude are module-name globs
+                if (self.targets and not any(fnmatch(mod, t) or fnmatch(mod, t + ".*") for t in self.targets)) or any(
+                        fnmatch(mod, t) or fnmatch(mod, t + ".*") for t in self.exclude):
                     skipped.append({"site": name, "reason": "outside targets"})
                     continue
                 if p not in _HOOKED:
