@@ -128,7 +128,8 @@ def _on_user_step(opt, args, kwargs):
     """The user's ``opt.step()``: a new cycle; refuse what cannot be exact."""
     if getattr(_INSIDE, "on", False):
         return None
-    if args[1:] or kwargs.get("closure") is not None:
+    closure = args[1] if len(args) > 1 else kwargs.get("closure")
+    if closure is not None:
         raise StepInBackwardError("step_in_backward: opt.step(closure) is not supported (the closure would "
                                   "run backward, which already stepped the parameters)")
     for e in _HOOKED.values():
