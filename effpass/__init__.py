@@ -37,8 +37,9 @@ def _source_digest() -> str:
 
 from .pass_api import (Pass, PassResult, Phase, register_pass, registered_passes, make_pass,  # noqa: E402
                        get_pass_class, reserved_pass_names, PassOptionError, register_extension,
-                       register_command, register_cacheable_function)
+                       register_command, register_cacheable_function, Note)
 from .scope import skip, only, TargetMatchError  # noqa: E402
+from .attention import register_attention_op  # noqa: E402
 from .manager import PassContext, PipelineError, EffpassPassError, WrongResultError, order_passes  # noqa: E402
 from .config import parse_options, default_pipeline  # noqa: E402
 from .report import CompileReport, GraphReport, PassRecord  # noqa: E402
@@ -47,6 +48,7 @@ from .backend import EffpassBackend  # noqa: E402
 from .inspect import html as _html_renderer  # noqa: E402,F401  (registers CompileReport.to_html)
 from .export import export_onnx  # noqa: E402
 from .planning import estimate_memory, plan_memory, MemoryBudgetError  # noqa: E402
+from .memory_options import MemoryOption, register_memory_option, register_optimizer, register_flop_formula  # noqa: E402,E501
 
 
 def verify(model, example_inputs, passes=None, **kwargs):
@@ -73,5 +75,6 @@ __all__ = [
     "PipelineError", "EffpassPassError", "WrongResultError", "TargetMatchError", "PassOptionError", "reserved_pass_names",
     "register_extension", "register_command", "register_cacheable_function", "export_onnx",
     "estimate_memory", "plan_memory",
-    "MemoryBudgetError", "verify",
+    "MemoryBudgetError", "verify", "MemoryOption", "register_memory_option", "register_optimizer",
+    "register_flop_formula", "Note", "register_attention_op",
 ]

@@ -87,9 +87,11 @@ def compile(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None =
     dtype), ``passes=[]`` none. A Hugging Face model also gets effpass's take on gradient checkpointing
     and adapter saving (:mod:`effpass.integrations.huggingface`).
 
-    ``memory_budget="24GiB"`` (with ``example_inputs=`` of one training step): the memory planner adds the
-    passes that fit the step into the budget with the least extra compute, lossy ones only if named in
-    ``allow`` (``effpass.report(model).memory_plan`` says what and why; docs/memory_planner.md).
+    ``memory_budget="24GiB"``: the memory planner adds the passes that fit the step into the budget with the
+    least extra compute, lossy ones only if named in ``allow``; with ``example_inputs=`` of one training step
+    it plans before compiling, without them on the first call (options that act on graphs only: one that
+    must change the eager model first, a quantized base or sharding, raises asking for ``example_inputs``);
+    ``effpass.report(model).memory_plan`` says what and why (docs/memory_planner.md).
 
     ``verify=True``: on the first call, check the pipeline against the eager model on that call's inputs
     (:func:`effpass.verify`; each pass alone and all together, forward, loss and gradients) and turn a failing
@@ -111,11 +113,20 @@ def compile(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None =
 
         original = copy.deepcopy(model)  # before any pass changes it: verification's reference
     plan = None
+    deferred = False
     if memory_budget is not None:  # the memory planner chooses the pipeline (effpass/planning)
-        from .planning.planner import plan_for_compile
+        from .planning import planner
 
-        passes, plan = plan_for_compile(model, passes, memory_budget, allow, example_inputs, optimizer=optimizer,
-                                        world_size=world_size, lowering=lowering, strict=strict, disable=disable)
+        if example_inputs is None:  # planned on the first call (graph options only); raises if not enough
+            planner.check_plan_without_inputs(model, passes, allow, optimizer, world_size)
+            from .config import parse_size
+
+            parse_size(memory_budget, "memory_budget")
+            deferred = True
+        else:
+            passes, plan = planner.plan_for_compile(model, passes, memory_budget, allow, example_inputs,
+                                                    optimizer=optimizer, world_size=world_size, lowering=lowering,
+                                                    strict=strict, disable=disable)
     opts = _options(passes, dump_dir, lowering, strict, bisect, disable, inductor_config, mode,
                     _device_of_model(model), detailed_stats)
     backend = EffpassBackend(opts, model=model)
@@ -127,6 +138,10 @@ def compile(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None =
     compile_in_place(model, backend, fullgraph=fullgraph, dynamic=dynamic)
     if original is not None:
         _verify_on_first_call(model, backend, original, passes, lowering, strict)
+    if deferred:  # after verification's hook: the plan is made first on the first call, then verification
+        planner.plan_on_first_call(model, passes, memory_budget, allow, optimizer, world_size, lowering=lowering,
+                                   strict=strict, disable=disable,
+                                   on_backend=lambda b: _BACKENDS.__setitem__(model, b))
     import sys
 
     if "transformers" in sys.modules:  # a Hugging Face model implies transformers is imported

@@ -29,9 +29,11 @@ OPTION_DOCS = {
     "inductor_config": "extra torch._inductor.config patches applied around lowering",
     "detailed_stats": "also compute statistics that cost extra compile work (e.g. checkpoint_activations' "
                       "saved bytes before/after from two extra partitions); on whenever dump_dir is set",
-    "memory_budget": "fit the training step into this many bytes ('24GiB'): effpass.compile(model, memory_budget=..., "
-                     "example_inputs=...) chooses passes (effpass.planning; docs/memory_planner.md)",
-    "allow": "lossy techniques the memory planner may use: 'nf4', 'int8' (LoRA base), 'adamw8bit'",
+    "memory_budget": "fit the training step into this many bytes ('24GiB'): effpass.compile(model, memory_budget=...) "
+                     "chooses passes, with example_inputs= before compiling, else on the first call "
+                     "(effpass.planning; docs/memory_planner.md)",
+    "allow": "lossy techniques the memory planner may use: the memory options registered passes declare "
+             "(effpass.config.allow_techniques())",
 }
 
 #: Environment variables effpass reads (all of them, here and nowhere else).
@@ -250,9 +252,10 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
         allow = [allow]
     if not isinstance(allow, (list, tuple)):
         raise TypeError(f"allow must be a list of technique names, got {type(allow).__name__} {allow!r}")
-    bad = [a for a in allow if a not in ALLOW_TECHNIQUES]
+    valid = allow_techniques()
+    bad = [a for a in allow if a not in valid]
     if bad:
-        raise ValueError(f"allow: {bad[0]!r} names no technique; valid: {list(ALLOW_TECHNIQUES)}")
+        raise ValueError(f"allow: {bad[0]!r} names no technique; valid: {valid}")
     out.allow = tuple(allow)
     if mode is not None:
         valid_modes = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
@@ -261,8 +264,12 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
     return out
 
 
-#: what ``allow`` may name: lossy techniques, and lossless ones (always tried, accepted and ignored)
-ALLOW_TECHNIQUES = ("nf4", "int8", "adamw8bit", "checkpoint", "fuse_cross_entropy", "fsdp")
+def allow_techniques() -> list[str]:
+    """What ``allow`` may name: every technique the registered passes declare as a memory option
+    (``Pass.memory_options``, ``effpass.register_memory_option``); lossless ones are accepted and ignored."""
+    from .memory_options import declared_memory_options
+
+    return sorted({o.technique for o in declared_memory_options(None, world_size=2)})
 
 _SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

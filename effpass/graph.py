@@ -5,7 +5,12 @@
 * rollback and dumps: :func:`snapshot_graph`, :func:`restore_graph`, :func:`runnable_source`
 * module paths: :func:`normalize_module_path`, :func:`module_stack_of_node`, :func:`module_path_of_node`,
   :func:`source_path` (the parameter or buffer a torch-IR placeholder stands for), :func:`is_buffer_source`
-* nodes a pass creates: :func:`copy_provenance`, :func:`infer_fake_values`
+* nodes a pass creates: :func:`copy_provenance`, :func:`infer_fake_values` (the one fake-value updater),
+  :func:`erase_dead` (the one dead-node eraser)
+* matching torch-IR nodes: :func:`is_fn`, :func:`is_method`, :func:`val`, :func:`shape_of`, :func:`is_number`,
+  :class:`Skip` (a site left alone, with its reason), :data:`MASK_FILL_THRESHOLD`
+* autocast: :class:`AutocastRegions` / :func:`autocast_dtype_at` (the one reader of autocast regions, including
+  autocast entered around the compiled call), :func:`is_autocast_enter`, :func:`is_autocast_exit`
 * models: :func:`transformer_blocks` (the repeated layers of a model)
 """
 from __future__ import annotations
@@ -21,7 +26,10 @@ import torch.fx as fx
 __all__ = ["op_name", "op_histogram", "snapshot_graph", "restore_graph", "runnable_source", "tensor_meta",
            "placeholder_values", "is_tangent", "is_primal", "has_tangents", "transformer_blocks",
            "normalize_module_path", "module_stack_of_node", "module_path_of_node", "source_path", "is_buffer_source",
-           "PROVENANCE_KEYS", "copy_provenance", "infer_fake_values"]
+           "PROVENANCE_KEYS", "copy_provenance", "infer_fake_values", "erase_dead",
+           "is_fn", "is_method", "is_random_op", "is_softmax", "val", "shape_of", "is_number", "Skip", "MASK_FILL_THRESHOLD",
+           "AutocastRegions", "autocast_dtype_at", "is_autocast_enter", "is_autocast_exit",
+           "ENTER_AUTOCAST", "EXIT_AUTOCAST"]
 
 
 def op_name(node: fx.Node) -> str:
@@ -212,11 +220,16 @@ def copy_provenance(dst: torch.fx.Node, src: torch.fx.Node, *, values: bool = Fa
             dst.meta[key] = src.meta[key]
 
 
-def infer_fake_values(nodes: Iterable[torch.fx.Node]) -> bool:
+def infer_fake_values(nodes: Iterable[torch.fx.Node], *, strict: bool = False) -> bool:
     """Compute ``meta["example_value"]`` for new ``call_function`` nodes (in graph order) by running them
     under the fake mode of their inputs' example values, as Dynamo records them for its own nodes. Best
     effort: returns False (leaving the rest unset) when there is no fake mode or an op fails on fake
-    tensors; AOTAutograd re-traces the graph anyway, so only passes that read values later care."""
+    tensors; AOTAutograd re-traces the graph anyway, so only passes that read values later care.
+    ``strict=True``: an op that fails on fake tensors raises (for passes that check the new values).
+
+    NOTE: torch's ``FakeTensorUpdater`` (torch._inductor.fx_utils) updates ``meta["val"]`` of a whole
+    aten-level graph; torch-IR graphs keep ``example_value`` and their targets are torch functions and
+    methods, so the new nodes are run here directly."""
     from torch._guards import detect_fake_mode
 
     from torch._subclasses.fake_tensor import FakeTensor
@@ -240,11 +253,171 @@ def infer_fake_values(nodes: Iterable[torch.fx.Node]) -> bool:
             args = torch.fx.node.map_arg(n.args, value)
             kwargs = torch.fx.node.map_arg(n.kwargs, value)
             try:
-                env[n] = n.target(*args, **kwargs)
+                target = getattr(torch.Tensor, n.target) if n.op == "call_method" else n.target
+                env[n] = target(*args, **kwargs)
             except Exception:  # noqa: BLE001 - metadata is best effort
+                if strict:
+                    raise
                 return False
             n.meta["example_value"] = env[n]
     return True
+
+
+
+def erase_dead(graph: fx.Graph, nodes: Iterable[fx.Node], *, producers: bool = False) -> None:
+    """Erase ``nodes`` once nothing uses them, consumers first (the matched nodes a rewrite replaced).
+
+    ``producers=True`` also erases every pure producer that became unused through them (a repeated K/V,
+    a causal mask's construction); in-place, random and impure ops are kept unless listed in ``nodes``.
+    """
+    nodes = list(nodes)
+    must = set(nodes)
+    erased: set[fx.Node] = set()
+    progress = True
+    while progress:  # a chain: erase from its consumer end until nothing more goes
+        progress = False
+        for n in nodes:
+            if n in erased or n.users:
+                continue
+            stack = [n]
+            while stack:
+                x = stack.pop()
+                if x in erased or x.users or (x not in must and (
+                        x.op not in ("call_function", "call_method") or not _pure(x))):
+                    continue
+                inputs = x.all_input_nodes
+                graph.erase_node(x)
+                erased.add(x)
+                if producers:
+                    stack.extend(i for i in inputs if i not in must)
+            progress = True
+
+
+_RANDOM_WORDS = ("rand", "bernoulli", "dropout", "normal", "multinomial", "uniform", "poisson")
+
+
+def is_random_op(x: fx.Node) -> bool:
+    """Whether a node draws random numbers (by its op's name: rand*, dropout, bernoulli, ...)."""
+    return any(w in op_name(x).lower() for w in _RANDOM_WORDS)
+
+
+def _pure(x: fx.Node) -> bool:
+    return not (x.is_impure() or op_name(x).endswith("_") or is_random_op(x))
+
+
+# ------------------------------------------------------------------------------------------------------
+# matching torch-IR nodes (after effpass.canonicalize: one spelling per function, method and operator)
+# ------------------------------------------------------------------------------------------------------
+#: an additive mask value at or below this counts as "masked out" (HF uses finfo(dtype).min; fp16's is -65504)
+MASK_FILL_THRESHOLD = -1e4
+
+
+class Skip(Exception):
+    """A site a pass looked at and left alone; the message is the reason (it goes to the report)."""
+
+
+def is_fn(n: Any, fns) -> bool:
+    """``n`` is a ``call_function`` node whose target is in ``fns``."""
+    return isinstance(n, fx.Node) and n.op == "call_function" and n.target in fns
+
+
+def is_method(n: Any, names) -> bool:
+    """``n`` is a ``call_method`` node whose method name is in ``names``."""
+    return isinstance(n, fx.Node) and n.op == "call_method" and n.target in names
+
+
+_SOFTMAX_FNS = frozenset({torch.softmax, torch.nn.functional.softmax, torch.special.softmax})
+
+
+def is_softmax(n: Any) -> bool:
+    """A softmax in any of its torch-IR spellings (``torch.softmax``, ``F.softmax``, ``.softmax``)."""
+    return is_fn(n, _SOFTMAX_FNS) or is_method(n, {"softmax"})
+
+
+def val(n: Any) -> Any:
+    """The example value of a node (None for a non-node argument)."""
+    return tensor_meta(n) if isinstance(n, fx.Node) else None
+
+
+def shape_of(n: Any) -> tuple | None:
+    """The shape of a node's tensor value, or None."""
+    v = val(n)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def is_number(x: Any) -> bool:
+    """A Python int or float constant (not a bool)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+# ------------------------------------------------------------------------------------------------------
+# autocast: the one reader of autocast regions
+# ------------------------------------------------------------------------------------------------------
+ENTER_AUTOCAST = torch.amp.autocast_mode._enter_autocast
+EXIT_AUTOCAST = torch.amp.autocast_mode._exit_autocast
+
+
+def is_autocast_enter(node: Any) -> bool:
+    return is_fn(node, {ENTER_AUTOCAST})
+
+
+def is_autocast_exit(node: Any) -> bool:
+    return is_fn(node, {EXIT_AUTOCAST})
+
+
+class AutocastRegions:
+    """Which autocast state each node of a torch-IR graph runs under: the regions Dynamo recorded
+    (``_enter_autocast``/``_exit_autocast`` nodes: a model's own ``with torch.autocast``, apply_autocast's
+    module wrappers) on top of the state around the compiled call (accelerate/TRL/Trainer enter autocast
+    around the model call; passes run while the call is traced, so that state is the ambient one).
+
+    Build once per graph and pass (the nodes are indexed once); rebuild after inserting autocast nodes."""
+
+    def __init__(self, graph: fx.Graph):
+        self.stack_at: dict[fx.Node, tuple] = {}
+        stack: list[fx.Node] = []
+        #: every exit closes an open region and every region is closed by the end of the graph
+        self.balanced = True
+        for n in graph.nodes:
+            self.stack_at[n] = tuple(stack)
+            if is_autocast_enter(n):
+                stack.append(n)
+            elif is_autocast_exit(n):
+                if stack:
+                    stack.pop()
+                else:
+                    self.balanced = False
+        self.balanced = self.balanced and not stack
+
+    def inside(self, node: fx.Node) -> bool:
+        """Whether ``node`` runs inside a region recorded in the graph (not counting the outer autocast)."""
+        return bool(self.stack_at.get(node))
+
+    def dtype_at(self, node: fx.Node, device_type: str) -> torch.dtype | None:
+        """The autocast dtype ``node`` runs under on ``device_type``, or None when autocast is off there."""
+        for enter in reversed(self.stack_at.get(node, ())):
+            args = list(enter.args)
+            dev = args[0] if args else enter.kwargs.get("device_type")
+            if dev != device_type:
+                continue
+            dtype = args[1] if len(args) > 1 else enter.kwargs.get("dtype")
+            enabled = args[2] if len(args) > 2 else enter.kwargs.get("enabled", True)
+            if not enabled:
+                return None
+            return dtype if isinstance(dtype, torch.dtype) else torch.get_autocast_dtype(device_type)
+        return self.outer_dtype(device_type)
+
+    @staticmethod
+    def outer_dtype(device_type: str) -> torch.dtype | None:
+        """The autocast dtype entered around the compiled call (accelerate, TRL), or None."""
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+        return None
+
+
+def autocast_dtype_at(graph: fx.Graph, node: fx.Node, device_type: str) -> torch.dtype | None:
+    """:meth:`AutocastRegions.dtype_at` for one node (build :class:`AutocastRegions` for many)."""
+    return AutocastRegions(graph).dtype_at(node, device_type)
 
 
 def _import_line(name: str, obj: Any) -> str | None:

@@ -11,19 +11,22 @@ import time
 import traceback
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence, TypeVar
 
 import networkx as nx
 import torch
 import torch.fx as fx
 
 from .graph import op_histogram, restore_graph, snapshot_graph
-from .pass_api import Pass, PassResult, Phase, PHASE_HOOKS
+from .pass_api import Note, Pass, PassResult, Phase, PHASE_HOOKS
 from .report import GraphReport, PassRecord
 from .scope import Scope
 
 __all__ = ["PassManager", "PassContext", "order_passes", "PipelineError", "EffpassPassError",
            "WrongResultError"]
+
+
+N = TypeVar("N", bound=Note)
 
 
 class PipelineError(ValueError):
@@ -79,8 +82,9 @@ class PassContext:
     model: torch.nn.Module | None = None
     example_inputs: Sequence[Any] | None = None
     device: torch.device | None = None
-    #: per Dynamo graph, shared by all phases and passes (notes a torch-IR pass leaves for a joint one)
-    notes: dict[str, Any] = field(default_factory=dict)
+    #: per Dynamo graph, shared by all phases and passes. Passes leave typed notes (:class:`Note`) with
+    #: :meth:`leave` / :meth:`read`; string keys belong to the backend and the dumps
+    notes: dict[Any, Any] = field(default_factory=dict)
     #: module phase only: set False by a pass that compiled submodules itself (FSDP units)
     compile_root: bool = True
     #: module phase only: ``backend_factory()`` returns an effpass backend for this pipeline
@@ -96,6 +100,18 @@ class PassContext:
     def allows(self, node: fx.Node) -> bool:
         """Whether this pass may act on ``node`` (targets/exclude globs and skip/only decorators)."""
         return self.scope.allows(node)
+
+    def leave(self, note: Note) -> None:
+        """Leave a typed note for a later phase on this graph (replaces an earlier note of its class)."""
+        if not isinstance(note, Note):
+            raise TypeError(f"ctx.leave takes an effpass.Note, got {type(note).__name__}")
+        self.notes[type(note)] = note
+
+    def read(self, kind: type[N]) -> N | None:
+        """The note of class ``kind`` an earlier phase left on this graph, or None."""
+        if not (isinstance(kind, type) and issubclass(kind, Note)):
+            raise TypeError(f"ctx.read takes a subclass of effpass.Note, got {kind!r}")
+        return self.notes.get(kind)
 
     def find_pass(self, name: str) -> Pass | None:
         """The pipeline's pass called ``name`` (to read another pass's options), or None."""
@@ -184,6 +200,8 @@ class PassManager:
         for inst in self.instruments:
             inst.graph_input(report, graph_kind, gm)
         changed_any = False
+        if phase is Phase.TORCH_IR:
+            changed_any = self._canonicalize(gm, report)
         done: list[str] = []
         for p in passes:
             model = ctx_kwargs.get("model")
@@ -193,6 +211,25 @@ class PassManager:
             changed_any |= self._run_hook(p, phase, gm, ctx, report, done)
             done.append(p.name)
         return changed_any
+
+    def _canonicalize(self, gm: fx.GraphModule, report: GraphReport) -> bool:
+        """One spelling per op before the torch-IR passes match (:mod:`effpass.canonicalize`); on any error the
+        graph is restored and the passes see it as Dynamo made it (strict: raise)."""
+        from .canonicalize import canonicalize
+
+        snapshot = snapshot_graph(gm.graph)
+        try:
+            stats = canonicalize(gm)
+        except Exception as e:
+            if self.strict:
+                raise EffpassPassError(f"canonicalizing {report.graph_id} failed: {type(e).__name__}: {e}") from e
+            restore_graph(gm.graph, snapshot)
+            gm.recompile()
+            warnings.warn(f"effpass: canonicalizing {report.graph_id} failed, the torch-IR passes see the graph as "
+                          f"Dynamo made it. Reason: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
+            return False
+        report.notes["canonicalized"] = stats
+        return any(v for k, v in stats.items() if k != "inplace_kept")
 
     def _run_hook(self, p: Pass, phase: Phase, gm: fx.GraphModule, ctx: PassContext, report: GraphReport,
                   done: list[str]) -> bool:

@@ -38,7 +38,7 @@ __all__ = [
     "Phase", "PassResult", "Pass", "FunctionPass", "register_pass", "get_pass_class", "registered_passes",
     "reserved_pass_names", "make_pass", "PassOptionError", "register_extension", "register_command",
     "registered_commands", "Command", "register_cacheable_function", "cacheable_functions",
-    "UnknownPassOptionError", "check_option_names",
+    "UnknownPassOptionError", "check_option_names", "Note",
 ]
 
 #: The package whose modules hold the built-in passes (their names are reserved).
@@ -60,6 +60,13 @@ PHASE_HOOKS: dict[Phase, str] = {
 }
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9]*(_[a-z0-9]+)*$")
+
+
+class Note:
+    """Base class of the typed facts one phase leaves for a later phase of the same Dynamo graph (a torch-IR
+    pass for its joint or backward hook, say). Subclass it as a frozen dataclass; write with
+    ``ctx.leave(note)`` and read with ``ctx.read(NoteClass)`` (None when no phase left one). The class is the
+    key, so two passes never collide on a string and a reader names what it expects."""
 
 
 class PassOptionError(ValueError):
@@ -164,6 +171,13 @@ class Pass:
     def default_note(cls) -> str:
         """One line for ``effpass passes`` saying when the pass is on by default."""
         return "off"
+
+    @classmethod
+    def memory_options(cls, model: torch.nn.Module | None = None, *, world_size: int = 1) -> tuple:
+        """The memory options this pass offers the planner (``effpass.memory_options.MemoryOption``: its
+        options, lossless or lossy, what they change, which phase needs them); ``model=None``: every option
+        that could apply (for validating ``allow``). Default: none. See docs/memory_planner.md."""
+        return ()
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

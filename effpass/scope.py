@@ -177,6 +177,10 @@ class Scope:
     def __post_init__(self):
         self._cache: dict[tuple, bool] = {}
         self._modules = dict(self.root.named_modules()) if self.root is not None else {}
+        # NOTE(experts): globs may name MoE expert tensors (3-D parameters, ``*.experts.gate_up_proj``), which
+        # inject_lora and quantize_linear act on; they count as names for the unmatched-glob check.
+        self._tensor_names = [n for n, p in self.root.named_parameters() if p.dim() == 3] \
+            if self.root is not None else []
         self._checked = False
         if self.root is not None and (self.targets or self.exclude) and self.pass_name:
             # NOTE(one place): with the eager model known (effpass.compile / prepare), every pass's globs
@@ -184,7 +188,8 @@ class Scope:
             key = (self.pass_name, tuple(self.targets), tuple(self.exclude))
             done = _CHECKED_ROOTS.setdefault(self.root, set())
             if key not in done:
-                check_patterns(self.pass_name, self.targets, self.exclude, [n for n in self._modules if n])
+                check_patterns(self.pass_name, self.targets, self.exclude,
+                               [n for n in self._modules if n] + self._tensor_names)
                 done.add(key)
             self._checked = True
 
@@ -277,7 +282,8 @@ class Scope:
             return
         self._checked = True
         if self.root is not None:
-            check_patterns(self.pass_name, self.targets, self.exclude, [n for n in self._modules if n], what=what)
+            check_patterns(self.pass_name, self.targets, self.exclude,
+                           [n for n in self._modules if n] + self._tensor_names, what=what)
         elif gm is not None:
             check_patterns(self.pass_name, self.targets, self.exclude, graph_module_paths(gm.graph), what=what,
                            error=False, where=" in this graph")

@@ -17,6 +17,7 @@ _BUILTINS = {
     "pack_sequences": ("PackSequences",),
     "wrap_fsdp": ("WrapFSDP",),
     "fuse_cross_entropy": ("FuseCrossEntropy",),
+    "shard_sequence": ("ShardSequence",),
     "tile_sequence": ("TileSequence",),
     "step_in_backward": ("StepInBackward",),
 }
@@ -29,3 +30,4 @@ for _mod, _names in _BUILTINS.items():
     for _n in _names:
         globals()[_n] = getattr(_m, _n)
         __all__.append(_n)
+importlib.import_module(f"{__name__}._optimizers")  # optimizers the memory planner may choose

@@ -43,24 +43,15 @@ import torch
 import torch.fx as fx
 
 import effpass
-from effpass.graph import copy_provenance, module_path_of_node, op_name, tensor_meta
+from effpass.graph import (ENTER_AUTOCAST as _ENTER, EXIT_AUTOCAST as _EXIT, AutocastRegions, copy_provenance,
+                           is_autocast_enter, is_autocast_exit, module_path_of_node, op_name, tensor_meta)
 from torch.utils._pytree import tree_map
 
-__all__ = ["ApplyAutocast", "node_dtypes", "dtype_counts", "is_autocast_enter", "is_autocast_exit"]
+__all__ = ["ApplyAutocast", "node_dtypes", "dtype_counts"]
 
-_ENTER = torch.amp.autocast_mode._enter_autocast
-_EXIT = torch.amp.autocast_mode._exit_autocast
 _LOW_DTYPES = (torch.bfloat16, torch.float16)
 #: ops counted as matmuls in the statistics (the ones whose dtype decides the speed)
 _MATMUL_WORDS = ("linear", "matmul", "mm", "conv", "einsum", "scaled_dot_product", "bmm", "addmm")
-
-
-def is_autocast_enter(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is _ENTER
-
-
-def is_autocast_exit(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is _EXIT
 
 
 def _is_compute(node: fx.Node) -> bool:
@@ -80,7 +71,7 @@ def _bf16_supported_gpu() -> bool:
 
 # NOTE(caching): the enter/exit calls are fixed by their arguments, so graphs holding them are safe to cache;
 # without this the AOTAutograd cache bypasses every mixed-precision graph (user-written regions included).
-for _fn in (torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast):
+for _fn in (_ENTER, _EXIT):
     effpass.register_cacheable_function(f"{_fn.__module__}.{_fn.__qualname__}")
 
 
@@ -126,6 +117,16 @@ def _wrap_module(mod: torch.nn.Module, device: str, dtype: torch.dtype, enabled:
     site.update(device=device, dtype=dtype, enabled=enabled, cache=cache)
 
 
+def _routers(model: torch.nn.Module) -> list[str]:
+    """MoE routers: a ``gate`` / ``router`` child beside an ``experts`` child (transformers' MoE blocks)."""
+    out = []
+    for name, mod in model.named_modules():
+        children = dict(mod.named_children())
+        if "experts" in children:
+            out += [f"{name}.{c}" if name else c for c in ("gate", "router") if c in children]
+    return out
+
+
 def _parent(name: str) -> str:
     return name.rpartition(".")[0]
 
@@ -157,6 +158,8 @@ class ApplyAutocast(effpass.Pass):
         "doc": "low-precision dtype of the autocast region: bfloat16 or float16 (float16 wants scale_loss)"})
     cache_enabled: bool | None = field(default=None, metadata={
         "doc": "autocast's weight-cast cache (None: torch's default)"})
+    fp32_routers: bool = field(default=True, metadata={
+        "doc": "MoE routers (the gate/router beside an experts module) run as fp32 islands"})
 
     def validate(self) -> None:
         if self.dtype not in _LOW_DTYPES:
@@ -185,6 +188,8 @@ class ApplyAutocast(effpass.Pass):
         scope = ctx.scope
         names = [n for n, _ in model.named_modules() if n]
         allowed = {n for n, _ in scope.select_modules(model, what="module")}  # raises on unmatched globs
+        if self.fp32_routers:  # NOTE(moe): routing decisions in bf16 flip experts; keep the router in fp32
+            allowed -= {n for r in _routers(model) for n in allowed if n == r or n.startswith(r + ".")}
         allowed_root = not self.targets and scope.allows_root(model)
         if allowed_root:
             allowed.add("")
@@ -232,7 +237,7 @@ class ApplyAutocast(effpass.Pass):
         ours = [n for n in graph.nodes if is_autocast_enter(n) and _is_ours(n)]
         if ours or prepared is not None:
             return self._report_module_capture(gm, ctx, ours)
-        if torch.is_autocast_enabled(device_type):
+        if AutocastRegions.outer_dtype(device_type) is not None:
             return effpass.PassResult(skipped=[{
                 "site": "graph", "reason": f"autocast is already enabled for {device_type!r} around the compiled "
                                            "call; the caller chose the precision"}])
@@ -241,7 +246,7 @@ class ApplyAutocast(effpass.Pass):
     def _report_module_capture(self, gm, ctx, ours) -> effpass.PassResult:
         device_type = (ctx.device or torch.device("cpu")).type
         enters = [n for n in gm.graph.nodes if is_autocast_enter(n)]
-        inherited = torch.is_autocast_enabled(device_type)
+        inherited = AutocastRegions.outer_dtype(device_type) is not None
         skipped = []
         if inherited and not ours:
             skipped.append({"site": "graph", "reason": (
@@ -279,20 +284,19 @@ class ApplyAutocast(effpass.Pass):
         before = _safe_dtype_stats(gm, ctx.example_inputs)
 
         # Split the graph into segments outside the user's own autocast regions.
+        regions_in_graph = AutocastRegions(graph)
         segments: list[list[fx.Node]] = [[]]
-        user_regions = depth = 0
+        user_regions = 0
         for n in nodes:
+            if regions_in_graph.inside(n):
+                continue
             if is_autocast_enter(n):
-                if depth == 0:
-                    user_regions += 1
-                    segments.append([])
-                depth += 1
-            elif is_autocast_exit(n):
-                depth -= 1
-            elif depth == 0:
+                user_regions += 1
+                segments.append([])
+            elif not is_autocast_exit(n):
                 segments[-1].append(n)
         segments = [s for s in segments if s]
-        if depth != 0:
+        if not regions_in_graph.balanced:
             return effpass.PassResult(skipped=[{"site": "graph", "reason": "unbalanced autocast regions in the graph"}])
 
         regions = islands = 0

@@ -97,6 +97,15 @@ def parse_bytes(text: str) -> int:
 # ------------------------------------------------------------------------------------------------------
 # the pass
 # ------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CheckpointMarked(effpass.Note):
+    """Left by the joint hook for the post-grad hook of the same graph: the marking's statistics and the
+    storages of the joint graph's inputs (not activations: alive anyway)."""
+
+    stats: dict
+    input_storages: frozenset
+
+
 @effpass.register_pass("checkpoint_activations", run_after=("fuse_attention", "apply_autocast"))
 @dataclass(frozen=True, kw_only=True)
 class CheckpointActivations(effpass.Pass):
@@ -129,6 +138,14 @@ class CheckpointActivations(effpass.Pass):
     recompute_modules: tuple[str, ...] = field(default=(), metadata={
         "doc": "module-name globs whose matmul outputs policy 'ops' recomputes instead of saving, e.g. "
                "['*.q_proj', '*.k_proj', '*.v_proj']: a deeper cut for a few % more FLOPs"})
+
+    @classmethod
+    def memory_options(cls, model=None, *, world_size=1):
+        """For the memory planner: per-op then per-block recomputation (lossless)."""
+        return [effpass.MemoryOption(technique="checkpoint", options={"policy": p}, lossless=True, group="checkpoint",
+                                     changes="activations", label=f"checkpoint({p})", order=i, cost=cost)
+                for i, (p, cost) in enumerate((("ops", "recomputes elementwise ops in backward"),
+                                               ("full", "recomputes each block's forward in backward")))]
 
     def validate(self) -> None:
         if self.budget is not None:
@@ -198,20 +215,20 @@ class CheckpointActivations(effpass.Pass):
                 recompute_flops_added=after["recompute_flops"] - before["recompute_flops"],
                 recomputed_rng_ops=after["recomputed_rng_ops"],
             )
-        ctx.notes["checkpoint_activations"] = dict(stats)
         # the backward graph sees only the inputs it keeps; views of other inputs are not activations either
-        ctx.notes["_checkpoint_input_storages"] = {_storage_key(tensor_meta(n)) for n in graph.find_nodes(op="placeholder")
-                                                   if isinstance(tensor_meta(n), torch.Tensor)}
+        ctx.leave(CheckpointMarked(stats=dict(stats), input_storages=frozenset(
+            _storage_key(tensor_meta(n)) for n in graph.find_nodes(op="placeholder")
+            if isinstance(tensor_meta(n), torch.Tensor))))
         return effpass.PassResult(changed=True, stats=stats)
 
     # -- post-grad phase: measure ------------------------------------------------------------------------
     def transform_post_grad(self, gm: fx.GraphModule, ctx) -> effpass.PassResult | None:
-        if ctx.graph_kind != "backward" or "checkpoint_activations" not in ctx.notes:
+        marked = ctx.read(CheckpointMarked)
+        if ctx.graph_kind != "backward" or marked is None:
             return None
         saved = [n for n in gm.graph.find_nodes(op="placeholder") if not is_tangent(n)]
         inputs = [n for n in saved if is_primal(n)]
-        exclude = ctx.notes.get("_checkpoint_input_storages", set())
-        return effpass.PassResult(stats={"saved_bytes_measured": activation_bytes(saved, inputs, exclude)})
+        return effpass.PassResult(stats={"saved_bytes_measured": activation_bytes(saved, inputs, marked.input_storages)})
 
 
 # ------------------------------------------------------------------------------------------------------

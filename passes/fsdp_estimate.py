@@ -2,7 +2,7 @@
 
 For a prediction of the whole step from the model's own graphs (activations, transients, where the peak
 is), use ``effpass.estimate_memory(model, inputs, world_size=N)``: it replays the step on fake tensors and
-applies this module's ``zero3`` accounting to the replayed terms (``effpass.planning.fold_fsdp``). This
+applies the same ``zero3`` accounting to the replayed terms (both use ``effpass.planning.sharding``). This
 module stays the quick paper estimate for every sharding mode from a module, a preset or a bare count
 (``effpass estimate``).
 
@@ -45,10 +45,10 @@ import torch.nn as nn
 
 import effpass
 from effpass.graph import transformer_blocks
+from effpass.planning.sharding import MODES, shard_model_states
 
 __all__ = ["estimate", "estimate_table", "max_model_params", "MODES", "PRESETS", "model_shape"]
 
-MODES = ("none", "zero1", "zero2", "zero3", "hsdp")
 _GIB = 1024 ** 3
 
 
@@ -157,21 +157,9 @@ def estimate(model: nn.Module | str | None = None, batch: int = 1, seq: int = 40
     O = n_train * ((4 if mixed_precision else 0) + 4 * optimizer_states)
     A = _activation_bytes(shape, batch, seq, pb, fused_attention, checkpointing)
     gathered = 2 * shape["unit_params"] * pb
-    N, S = world_size, world_size // replicate
     out: dict[str, dict[str, int]] = {}
-    for mode in modes:
-        if mode == "none":
-            row = dict(params=P, grads=G, optimizer=O, gathered=0)
-        elif mode == "zero1":
-            row = dict(params=P, grads=G, optimizer=math.ceil(O / N), gathered=0)
-        elif mode == "zero2":
-            row = dict(params=P, grads=math.ceil(G / N), optimizer=math.ceil(O / N), gathered=0)
-        elif mode == "zero3":
-            row = dict(params=math.ceil(P / N), grads=math.ceil(G / N), optimizer=math.ceil(O / N),
-                       gathered=gathered if N > 1 else 0)
-        else:  # hsdp
-            row = dict(params=math.ceil(P / S), grads=math.ceil(G / S), optimizer=math.ceil(O / S),
-                       gathered=gathered if S > 1 else 0)
+    for mode in modes:  # the one sharding arithmetic (core), also folded onto replays by the planner
+        row = shard_model_states(P, G, O, world_size, mode, gathered // 2, replicate)
         row["activations"] = A
         row["total"] = sum(row.values())
         out[mode] = row

@@ -5,11 +5,8 @@ What it does
     listed below) in the graph Dynamo hands over and replaces each site with
     ``torch.nn.functional.scaled_dot_product_attention`` (SDPA): ``is_causal=True`` where the mask is
     provably causal, ``attn_mask`` otherwise, ``enable_gqa=True`` with the un-repeated K/V for
-    grouped-query and multi-query attention, and the dropout probability in training. On a CUDA
-    device with the ``flash-attn`` package installed (``kernel="auto"`` or ``"flash_attn"``), sites
-    that flash-attn supports (fp16/bf16, no mask or causal, no dropout, head dim <= 256 and a multiple
-    of 8) call its kernel through a ``torch.library`` custom op with a backward
-    (:mod:`effpass.passes._flash_attn_op`); other sites use SDPA.
+    grouped-query and multi-query attention, and the dropout probability in training. SDPA picks its
+    kernel itself: FlashAttention on CUDA for fp16/bf16 (GQA included), the fused flash kernel on CPU.
 
 Phase: torch IR (``transform_torch_ir``), and why
     At this level the graph is small and its ops are torch functions, so one structural matcher
@@ -69,7 +66,7 @@ Invariants: only nodes of matched sites are replaced; every new node carries the
 Fully masked rows (a query that may attend to no key: left padding). torch's fused CPU kernel computes
 wrong gradients there with a finite fill (HF's ``finfo.min``), and ``-inf`` gives NaN. A site whose mask
 may hold such rows (any mask from the inputs; stat ``empty_row_guard``) calls
-:func:`effpass.passes._sdpa_safe.masked_sdpa`: such rows get every key and a zero query, so the fused
+:func:`effpass.attention.masked_sdpa`: such rows get every key and a zero query, so the fused
 kernel runs and their output is eager's (uniform weights: the mean of v). Their gradient into q and k
 is 0 (the true derivative) where eager autograd returns a value that depends on how the fill rounded;
 no loss that ignores padded positions sees a difference.
@@ -84,29 +81,30 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-import effpass
-from effpass.graph import (copy_provenance, infer_fake_values, is_buffer_source, module_path_of_node, op_name,
-                           tensor_meta)
+from torch._inductor import pattern_matcher as pm
 
-from ._sdpa_safe import masked_sdpa
+import effpass
+from effpass.attention import masked_sdpa
+from effpass.graph import (MASK_FILL_THRESHOLD, AutocastRegions, Skip, copy_provenance, erase_dead,
+                           infer_fake_values, is_buffer_source, is_fn, is_softmax, is_method, is_number, module_path_of_node,
+                           is_random_op, op_name, shape_of, val)
+
 
 __all__ = ["FuseAttention"]
 
-#: a fill value at or below this counts as "masked out" (HF uses finfo(dtype).min; fp16's is -65504)
-MASK_FILL_THRESHOLD = -1e4
-
-_SOFTMAX_FNS = {torch.softmax, F.softmax, torch.special.softmax}
-_MATMUL_FNS = {torch.matmul, operator.matmul, torch.bmm}
-_MATMUL_METHODS = {"matmul", "bmm", "__matmul__"}
-_MUL_FNS = {torch.mul, operator.mul, torch.multiply, operator.imul}
-_DIV_FNS = {torch.div, operator.truediv, torch.true_divide, torch.divide, operator.itruediv}
-_ADD_FNS = {torch.add, operator.add, operator.iadd}
+# NOTE(canonical): the manager canonicalizes torch-IR graphs first (effpass.canonicalize): one function per op
+# (torch.matmul, torch.mul, torch.div, torch.add, torch.masked_fill, torch.transpose, torch.softmax) and in-place
+# forms out of place where no alias sees the difference. In-place forms below are the ones it had to keep.
+_MATMUL_FNS = {torch.matmul, torch.bmm}
+_MUL_FNS = {torch.mul, operator.imul}
+_DIV_FNS = {torch.div, operator.itruediv}
+_ADD_FNS = {torch.add, operator.iadd}
 #: in-place spellings (Falcon scales its scores with ``/=`` and ``*=``): same value, the input is updated
 _INPLACE = {operator.imul, operator.itruediv, operator.iadd, "mul_", "div_", "add_", "masked_fill_", "__imul__",
             "__itruediv__", "__iadd__"}
@@ -114,58 +112,28 @@ _INPLACE = {operator.imul, operator.itruediv, operator.iadd, "mul_", "div_", "ad
 _SAME_SHAPE_VIEWS = {"view", "reshape", "contiguous", "flatten", "unflatten"}
 _CAST_METHODS = {"to", "type", "float", "half", "bfloat16", "double", "type_as"}
 _DROPOUT_FNS = {F.dropout, torch.dropout}
-_RANDOM_WORDS = ("rand", "bernoulli", "dropout", "normal", "multinomial", "uniform", "poisson")
-
-
-class _Skip(Exception):
-    """A site the pass looked at and left alone; the message is the reason."""
 
 
 # ------------------------------------------------------------------------------------------------------
 # small predicates on torch-IR nodes
 # ------------------------------------------------------------------------------------------------------
-def _is_fn(n: Any, fns) -> bool:
-    return isinstance(n, fx.Node) and n.op == "call_function" and n.target in fns
-
-
-def _is_method(n: Any, names) -> bool:
-    return isinstance(n, fx.Node) and n.op == "call_method" and n.target in names
-
-
 def _arg(n: fx.Node, i: int, name: str, default=None):
     if len(n.args) > i:
         return n.args[i]
     return n.kwargs.get(name, default)
 
 
-def _val(n: Any):
-    return tensor_meta(n) if isinstance(n, fx.Node) else None
-
-
-def _shape(n: Any) -> tuple | None:
-    v = _val(n)
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
-
-
 def _static(shape) -> bool:
     return shape is not None and all(isinstance(s, int) for s in shape)
 
 
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _is_softmax(n: fx.Node) -> bool:
-    return _is_fn(n, _SOFTMAX_FNS) or _is_method(n, {"softmax"})
-
-
 def _is_matmul(n: Any) -> bool:
-    return _is_fn(n, _MATMUL_FNS) or _is_method(n, _MATMUL_METHODS)
+    return is_fn(n, _MATMUL_FNS)
 
 
 def _is_baddbmm(n: Any) -> bool:
     """``bias.baddbmm(q, k^T, beta=, alpha=)`` / ``torch.baddbmm``: ``beta * bias + alpha * (q @ k^T)`` (BLOOM)."""
-    return _is_fn(n, {torch.baddbmm}) or _is_method(n, {"baddbmm"})
+    return is_fn(n, {torch.baddbmm}) or is_method(n, {"baddbmm"})
 
 
 def _baddbmm_parts(n: fx.Node):
@@ -176,10 +144,10 @@ def _baddbmm_parts(n: fx.Node):
 
 def _merge_view_heads(n: Any) -> tuple | None:
     """(B, H) when ``n`` views a (B, H, S, T) tensor as (B*H, S, T) (BLOOM's weights before ``bmm`` with v)."""
-    if not (_is_method(n, {"view", "reshape"}) or _is_fn(n, {torch.reshape})):
+    if not (is_method(n, {"view", "reshape"}) or is_fn(n, {torch.reshape})):
         return None
     src = n.args[0] if n.args else None
-    a, b = _shape(src), _shape(n)
+    a, b = shape_of(src), shape_of(n)
     if _static(a) and _static(b) and len(a) == 4 and len(b) == 3 and a[0] * a[1] == b[0] and a[2:] == b[1:]:
         return a[0], a[1]
     return None
@@ -187,31 +155,31 @@ def _merge_view_heads(n: Any) -> tuple | None:
 
 def _is_cast(n: Any) -> bool:
     """A dtype-only cast: same shape and device, floating in and out."""
-    if not (_is_method(n, _CAST_METHODS) or (_is_fn(n, {torch.Tensor.to}))):
+    if not (is_method(n, _CAST_METHODS) or (is_fn(n, {torch.Tensor.to}))):
         return False
-    src, out = _val(n.args[0]), _val(n)
+    src, out = val(n.args[0]), val(n)
     return (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.shape == out.shape
             and src.device == out.device and src.dtype.is_floating_point and out.dtype.is_floating_point)
 
 
 def _dropout_of(n: Any) -> float | None:
     """The dropout probability of a dropout node (0.0 when inactive), or None if ``n`` is not one."""
-    if _is_fn(n, {F.dropout}):
+    if is_fn(n, {F.dropout}):
         p, training = _arg(n, 1, "p", 0.5), _arg(n, 2, "training", True)
         inplace = _arg(n, 3, "inplace", False)
-    elif _is_fn(n, {torch.dropout}):
+    elif is_fn(n, {torch.dropout}):
         p, training, inplace = _arg(n, 1, "p", 0.5), _arg(n, 2, "train", True), False
     else:
         return None
-    if not _is_number(p) or not isinstance(training, bool) or inplace:
-        raise _Skip("dropout probability or training flag is not a constant")
+    if not is_number(p) or not isinstance(training, bool) or inplace:
+        raise Skip("dropout probability or training flag is not a constant")
     return float(p) if training else 0.0
 
 
 def _single_user(n: fx.Node, what: str) -> fx.Node:
     users = list(n.users)
     if len(users) != 1:
-        raise _Skip(f"{what} ({n.name}) is used elsewhere (e.g. attention weights returned to the caller)")
+        raise Skip(f"{what} ({n.name}) is used elsewhere (e.g. attention weights returned to the caller)")
     return users[0]
 
 
@@ -252,15 +220,14 @@ class _ConstEval:
         for n in order:
             if n.op != "call_function" and n.op != "call_method":
                 return None
-            name = op_name(n).lower()
-            if any(w in name for w in _RANDOM_WORDS) or n.target is torch._C._set_grad_enabled:
+            if is_random_op(n) or n.target is torch._C._set_grad_enabled:
                 return None
-            shape = _shape(n)
+            shape = shape_of(n)
             if shape is not None:
                 if not _static(shape):
                     return None
                 total += math.prod(shape)
-            elif not isinstance(_val(n), (int, float, bool, type(None), torch.Size, tuple, list)):
+            elif not isinstance(val(n), (int, float, bool, type(None), torch.Size, tuple, list)):
                 return None
         if total > self.max_elements:
             return None
@@ -306,7 +273,7 @@ class _Site:
 
 
 def _fill_value_ok(value: Any, const: _ConstEval) -> bool:
-    if _is_number(value):
+    if is_number(value):
         return value <= MASK_FILL_THRESHOLD
     t = const(value)
     return isinstance(t, torch.Tensor) and t.numel() > 0 and bool((t <= MASK_FILL_THRESHOLD).all())
@@ -315,14 +282,14 @@ def _fill_value_ok(value: Any, const: _ConstEval) -> bool:
 def _match(sm: fx.Node, const: _ConstEval) -> _Site:
     site = _Site(softmax=sm)
     x = sm.args[0] if sm.args else sm.kwargs.get("input")
-    if not isinstance(x, fx.Node) or _shape(x) is None:
-        raise _Skip("softmax input is not a tensor")
-    ndim = len(_shape(x))
+    if not isinstance(x, fx.Node) or shape_of(x) is None:
+        raise Skip("softmax input is not a tensor")
+    ndim = len(shape_of(x))
     dim = _arg(sm, 1, "dim", None)
     if not isinstance(dim, int) or dim % ndim != ndim - 1:
-        raise _Skip(f"softmax over a different dim ({dim}), not the last one")
+        raise Skip(f"softmax over a different dim ({dim}), not the last one")
     if ndim < 3:
-        raise _Skip("scores are not batched (fewer than 3 dims)")
+        raise Skip("scores are not batched (fewer than 3 dims)")
 
     # -- forward from softmax: casts, dropout, then probs @ v ------------------------------------------
     site.chain.append(sm)
@@ -345,18 +312,18 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
         p = _dropout_of(y)
         if p is not None:
             if site.dropout_p:
-                raise _Skip("two dropouts on the attention weights")
+                raise Skip("two dropouts on the attention weights")
             site.dropout_p = p
             site.chain.append(y)
             y = _single_user(y, "the attention weights")
             continue
         break
     if not _is_matmul(y) or y.args[0] is not site.chain[-1] or len(y.args) < 2:
-        raise _Skip(f"the attention weights feed {op_name(y)}, not weights @ v")
+        raise Skip(f"the attention weights feed {op_name(y)}, not weights @ v")
     site.pv, site.v = y, y.args[1]
 
     # -- backward from softmax: scale, masks, casts, down to q @ k^T -----------------------------------
-    x_shape = _shape(x)
+    x_shape = shape_of(x)
     chain_back = []
     split_seen = False
     order = {n: i for i, n in enumerate(sm.graph.nodes)}
@@ -368,7 +335,7 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
                    and u.args and u.args[0] is x and order[u] < order[consumer]]
         if inplace:
             if len(inplace) > 1:
-                raise _Skip("the scores are mutated in place by several ops between the matmul and the softmax")
+                raise Skip("the scores are mutated in place by several ops between the matmul and the softmax")
             cur = inplace[0]
             done_inplace.add(cur)
         elif _is_matmul(x) or _is_baddbmm(x):
@@ -381,44 +348,44 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
             split_seen, nxt = True, cur.args[0]
             others = [u for u in nxt.users if u is not cur]
             if others:
-                raise _Skip(f"the attention scores ({nxt.name}) are used elsewhere")
-            consumer, x, x_shape = x, nxt, _shape(nxt)
+                raise Skip(f"the attention scores ({nxt.name}) are used elsewhere")
+            consumer, x, x_shape = x, nxt, shape_of(nxt)
             continue
         if any(_is_inplace(u) and u.args and u.args[0] is x and order[u] > order[consumer] for u in x.users):
-            raise _Skip("the scores are mutated in place after the softmax reads them")
-        if _shape(cur) != x_shape:
-            raise _Skip(f"{op_name(cur)} broadcasts the scores to another shape")
+            raise Skip("the scores are mutated in place after the softmax reads them")
+        if shape_of(cur) != x_shape:
+            raise Skip(f"{op_name(cur)} broadcasts the scores to another shape")
         chain_back.append(cur)
         args = cur.args
         if _is_cast(cur):
             nxt = args[0]
         elif _is_same_shape_view(cur):
             nxt = args[0]
-        elif _is_fn(cur, _MUL_FNS) or _is_method(cur, {"mul", "__mul__", "mul_", "__imul__"}):
+        elif is_fn(cur, _MUL_FNS) or is_method(cur, {"mul_", "__imul__"}):
             a, b = args[0], args[1]
             nxt, c = (a, b) if isinstance(a, fx.Node) and not isinstance(b, fx.Node) else (b, a)
-            if not _is_number(c):
-                raise _Skip("scale not constant (multiplied by a tensor)")
+            if not is_number(c):
+                raise Skip("scale not constant (multiplied by a tensor)")
             if c <= 0:
-                raise _Skip(f"scale not constant positive ({c})")
+                raise Skip(f"scale not constant positive ({c})")
             site.scale *= c
-        elif _is_fn(cur, _DIV_FNS) or _is_method(cur, {"div", "__truediv__", "div_", "__itruediv__"}):
+        elif is_fn(cur, _DIV_FNS) or is_method(cur, {"div_", "__itruediv__"}):
             nxt, c = args[0], args[1]
             if cur.kwargs.get("rounding_mode") is not None:
-                raise _Skip("scores divided with a rounding mode")
-            if not _is_number(c):
-                raise _Skip("scale not constant (divided by a tensor)")
+                raise Skip("scores divided with a rounding mode")
+            if not is_number(c):
+                raise Skip("scale not constant (divided by a tensor)")
             if c <= 0:
-                raise _Skip(f"scale not constant positive (1/{c})")
+                raise Skip(f"scale not constant positive (1/{c})")
             site.scale /= c
-        elif _is_fn(cur, _ADD_FNS) or _is_method(cur, {"add", "__add__", "add_", "__iadd__"}):
+        elif is_fn(cur, _ADD_FNS) or is_method(cur, {"add_", "__iadd__"}):
             if cur.kwargs.get("alpha", 1) != 1:
-                raise _Skip("scores added with alpha")
+                raise Skip("scores added with alpha")
             a, b = args[0], args[1]
-            a_chain = isinstance(a, fx.Node) and _shape(a) == x_shape
-            nxt, m = (a, b) if a_chain and (not isinstance(b, fx.Node) or _shape(b) != x_shape
+            a_chain = isinstance(a, fx.Node) and shape_of(a) == x_shape
+            nxt, m = (a, b) if a_chain and (not isinstance(b, fx.Node) or shape_of(b) != x_shape
                                             or not _depends_on_matmul(b)) else (b, a)
-            if _is_number(m):
+            if is_number(m):
                 pass  # a constant shift: softmax is invariant to it
             elif isinstance(m, fx.Node):
                 # walking back: softmax input = scale * node + terms, so a term added here is scaled by
@@ -427,77 +394,77 @@ def _match(sm: fx.Node, const: _ConstEval) -> _Site:
                 if split_seen:
                     site.split_terms.add(m)
             else:
-                raise _Skip(f"scores added to {type(m).__name__}")
-        elif _is_method(cur, {"masked_fill", "masked_fill_"}) or _is_fn(cur, {torch.masked_fill}):
+                raise Skip(f"scores added to {type(m).__name__}")
+        elif is_method(cur, {"masked_fill_"}) or is_fn(cur, {torch.masked_fill}):
             nxt, mask, value = args[0], _arg(cur, 1, "mask"), _arg(cur, 2, "value")
             if not _fill_value_ok(value, const):
-                raise _Skip(f"masked_fill with {value!r} is not a mask (needs -inf or <= {MASK_FILL_THRESHOLD:g})")
+                raise Skip(f"masked_fill with {value!r} is not a mask (needs -inf or <= {MASK_FILL_THRESHOLD:g})")
             site.allowed.append((mask, True))
             if split_seen:
                 site.split_terms.add(mask)
-        elif _is_fn(cur, {torch.where}) and len(args) == 3:
+        elif is_fn(cur, {torch.where}) and len(args) == 3:
             cond, a, b = args
-            if a is not None and isinstance(a, fx.Node) and _shape(a) == x_shape and _fill_value_ok(b, const):
+            if a is not None and isinstance(a, fx.Node) and shape_of(a) == x_shape and _fill_value_ok(b, const):
                 nxt, negate = a, False
-            elif isinstance(b, fx.Node) and _shape(b) == x_shape and _fill_value_ok(a, const):
+            elif isinstance(b, fx.Node) and shape_of(b) == x_shape and _fill_value_ok(a, const):
                 nxt, negate = b, True
             else:
-                raise _Skip("where() on the scores does not fill with -inf or a large negative value")
+                raise Skip("where() on the scores does not fill with -inf or a large negative value")
             site.allowed.append((cond, negate))
             if split_seen:
                 site.split_terms.add(cond)
         else:
-            raise _Skip(f"unrecognised op {op_name(cur)} between q @ k^T and softmax")
+            raise Skip(f"unrecognised op {op_name(cur)} between q @ k^T and softmax")
         if not isinstance(nxt, fx.Node):
-            raise _Skip("scores chain is broken")
+            raise Skip("scores chain is broken")
         if cur is not x:
             continue  # the in-place op was applied to x itself: x is processed next, for the same consumer
         others = [u for u in nxt.users if u is not cur and not (_is_inplace(u) and u.args and u.args[0] is nxt)]
         if others:
             if any(nxt in _ancestors(m) for m, _ in site.additive + site.allowed if isinstance(m, fx.Node)):
-                raise _Skip("mask depends on data (it is computed from the attention scores)")
-            raise _Skip(f"the attention scores ({nxt.name}) are used elsewhere")
+                raise Skip("mask depends on data (it is computed from the attention scores)")
+            raise Skip(f"the attention scores ({nxt.name}) are used elsewhere")
         consumer, x = x, nxt
     if site.heads is not None and not split_seen:
-        raise _Skip("the attention weights are viewed as (batch*heads, q, k) but the scores were not split the same way")
+        raise Skip("the attention weights are viewed as (batch*heads, q, k) but the scores were not split the same way")
     site.qk = x
     site.chain.extend(chain_back)
     site.chain.append(x)
     if _is_baddbmm(x):
         # beta * bias + alpha * (q @ k^T): the bias is one more additive term (scaled like the scores after it)
         bias, b1, b2, beta, alpha = _baddbmm_parts(x)
-        if not (_is_number(beta) and _is_number(alpha)) or alpha <= 0:
-            raise _Skip(f"baddbmm with beta={beta!r}, alpha={alpha!r} (needs constant numbers, alpha > 0)")
+        if not (is_number(beta) and is_number(alpha)) or alpha <= 0:
+            raise Skip(f"baddbmm with beta={beta!r}, alpha={alpha!r} (needs constant numbers, alpha > 0)")
         if isinstance(bias, fx.Node) and beta != 0:
             site.additive.append((bias, site.scale * beta))
             if split_seen:
                 site.split_terms.add(bias)
-        elif not (_is_number(bias) or beta == 0):
-            raise _Skip("baddbmm bias is not a tensor")
+        elif not (is_number(bias) or beta == 0):
+            raise Skip("baddbmm bias is not a tensor")
         site.scale *= alpha
         site.q, site.k_t = b1, b2
     else:
         site.q, site.k_t = x.args[0], x.args[1]
     if not all(isinstance(n, fx.Node) for n in (site.q, site.k_t, site.v)):
-        raise _Skip("q, k or v is not a tensor")
+        raise Skip("q, k or v is not a tensor")
 
     # masks must not be computed from the scores themselves
     for m, _ in site.additive + site.allowed:
         if not isinstance(m, fx.Node):
-            raise _Skip("mask is not a tensor")
+            raise Skip("mask is not a tensor")
         anc = _ancestors(m)
         if any(n in anc for n in site.chain) or site.pv in anc:
-            raise _Skip("mask depends on data (it is computed from the attention scores)")
+            raise Skip("mask depends on data (it is computed from the attention scores)")
     for m, _ in site.additive:
-        mv = _val(m)
+        mv = val(m)
         if not isinstance(mv, torch.Tensor) or not mv.dtype.is_floating_point:
-            raise _Skip("additive term is not a float tensor")
+            raise Skip("additive term is not a float tensor")
         if mv.requires_grad:
-            raise _Skip("bias is not a mask: it requires grad (a learned bias such as T5's relative bias)")
+            raise Skip("bias is not a mask: it requires grad (a learned bias such as T5's relative bias)")
     for m, _ in site.allowed:
-        mv = _val(m)
+        mv = val(m)
         if not isinstance(mv, torch.Tensor) or mv.dtype != torch.bool:
-            raise _Skip("mask is not a boolean tensor")
+            raise Skip("mask is not a boolean tensor")
     return site
 
 
@@ -509,10 +476,10 @@ def _is_inplace(n: Any) -> bool:
 
 def _is_same_shape_view(n: Any) -> bool:
     """A view/reshape/contiguous that keeps the shape (Falcon's ``scores.view(b, h, q, kv)``)."""
-    if not (_is_method(n, _SAME_SHAPE_VIEWS) or _is_fn(n, {torch.reshape, torch.flatten})):
+    if not (is_method(n, _SAME_SHAPE_VIEWS) or is_fn(n, {torch.reshape, torch.flatten})):
         return False
     src = n.args[0] if n.args else None
-    return isinstance(src, fx.Node) and _shape(src) is not None and _shape(src) == _shape(n)
+    return isinstance(src, fx.Node) and shape_of(src) is not None and shape_of(src) == shape_of(n)
 
 
 def _depends_on_matmul(n: fx.Node) -> bool:
@@ -521,10 +488,10 @@ def _depends_on_matmul(n: fx.Node) -> bool:
 
 def _split_view_of(n: Any, heads: tuple) -> bool:
     """``n`` views a (B*H, S, T) tensor as (B, H, S, T) with ``heads == (B, H)`` (BLOOM's scores)."""
-    if not (_is_method(n, {"view", "reshape"}) or _is_fn(n, {torch.reshape})):
+    if not (is_method(n, {"view", "reshape"}) or is_fn(n, {torch.reshape})):
         return False
     src = n.args[0] if n.args else None
-    a, b = _shape(src), _shape(n)
+    a, b = shape_of(src), shape_of(n)
     return (_static(a) and _static(b) and len(a) == 3 and len(b) == 4 and tuple(b[:2]) == tuple(heads)
             and a[0] == b[0] * b[1] and a[1:] == b[2:])
 
@@ -544,16 +511,16 @@ def _term_4d(t: torch.Tensor, site: _Site, node: fx.Node) -> torch.Tensor | None
 
 def _strip_transpose(kt: fx.Node) -> fx.Node | None:
     """k when ``kt`` is ``k.transpose(-2, -1)`` (any spelling), else None."""
-    shape = _shape(kt)
+    shape = shape_of(kt)
     if shape is None:
         return None
     nd = len(shape)
-    if _is_method(kt, {"transpose"}) or _is_fn(kt, {torch.transpose}):
+    if is_fn(kt, {torch.transpose}):
         d0, d1 = kt.args[1], kt.args[2]
         if isinstance(d0, int) and isinstance(d1, int) and {d0 % nd, d1 % nd} == {nd - 2, nd - 1}:
             return kt.args[0]
-    if _is_method(kt, {"permute"}) or _is_fn(kt, {torch.permute}):
-        dims = kt.args[1:] if _is_method(kt, {"permute"}) else kt.args[1]
+    if is_method(kt, {"permute"}) or is_fn(kt, {torch.permute}):
+        dims = kt.args[1:] if is_method(kt, {"permute"}) else kt.args[1]
         if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
             dims = dims[0]
         dims = [d % nd for d in dims] if all(isinstance(d, int) for d in dims) else None
@@ -562,55 +529,85 @@ def _strip_transpose(kt: fx.Node) -> fx.Node | None:
     return None
 
 
+def _repeat_kv_patterns() -> list:
+    """HF ``repeat_kv``: ``kv[:, :, None].expand(B, Hkv, r, S, D).reshape(B, H, S, D)`` and its spellings
+    (``unsqueeze(kv, 2)``; ``expand`` with a size tuple; ``view``/``torch.reshape``; sizes as a tuple)."""
+    def sizes(n):  # NOTE: one Ignored per position: a pattern object met twice must match one node
+        return [pm.Ignored() for _ in range(n)]
+
+    kv = pm.KeywordArg("kv")
+    inserts = [pm.CallMethod("unsqueeze", kv, pm.KeywordArg("dim"), _users=pm.MULTIPLE),
+               pm.CallFunction(torch.unsqueeze, kv, pm.KeywordArg("dim"), _users=pm.MULTIPLE),
+               pm.CallFunction(operator.getitem, kv, pm.KeywordArg("index"), _users=pm.MULTIPLE)]
+    expands = [pm.CallMethod("expand", ins, *sizes(k), _users=pm.MULTIPLE) for ins in inserts for k in (5, 1)]
+    return [p for e in expands for p in (
+        pm.CallMethod(["reshape", "view"], e, *sizes(4), _users=pm.MULTIPLE),
+        pm.CallMethod(["reshape", "view"], e, *sizes(1), _users=pm.MULTIPLE),
+        pm.CallFunction(torch.reshape, e, *sizes(1), _users=pm.MULTIPLE))]
+
+
+_REPEAT_KV = _repeat_kv_patterns()
+
+
+def _match_repeat_kv(n: fx.Node) -> "pm.Match | None":
+    for pattern in _REPEAT_KV:
+        m = pattern.match(n)
+        if m:
+            return m
+    return None
+
+
 def _unrepeat(n: fx.Node, const: _ConstEval) -> tuple[fx.Node, int] | None:
     """(un-repeated K or V, repeat factor) when ``n`` repeats KV heads as ``repeat_interleave`` does."""
-    shape = _shape(n)
+    shape = shape_of(n)
     if shape is None or len(shape) != 4:
         return None
     B, H, S, D = shape
-    # expand + reshape (HF repeat_kv), with the new axis right after the heads
-    if (_is_method(n, {"reshape", "view"}) or _is_fn(n, {torch.reshape})) and isinstance(n.args[0], fx.Node):
-        x = n.args[0]
-        xs = _shape(x)
-        if _is_method(x, {"expand"}) and xs is not None and len(xs) == 5:
-            y = x.args[0]
-            ys = _shape(y)
-            if ys is None or len(ys) != 5 or ys[2] != 1 or ys[:2] + ys[3:] != xs[:2] + xs[3:]:
+    # expand + reshape (HF repeat_kv), with the new axis right after the heads: the fixed shape of the
+    # pattern by torch's pattern matcher, the axis and shapes as its extra check
+    m = _match_repeat_kv(n)
+    if m is not None:
+        z, x, y = m.kwargs["kv"], n.args[0], n.args[0].args[0]
+        xs, ys = shape_of(x), shape_of(y)
+        if xs is None or ys is None or len(xs) != 5 or len(ys) != 5:
+            return None
+        if ys[2] != 1 or ys[:2] + ys[3:] != xs[:2] + xs[3:]:
+            return None
+        if xs[0] != B or xs[1] * xs[2] != H or xs[3:] != (S, D):
+            return None
+        if "dim" in m.kwargs:
+            if not (isinstance(m.kwargs["dim"], int) and m.kwargs["dim"] % 5 == 2):
                 return None
-            if xs[0] != B or xs[1] * xs[2] != H or xs[3:] != (S, D):
+        else:
+            idx = m.kwargs["index"]
+            idx = idx if isinstance(idx, tuple) else (idx,)
+            full = all(i is None or i is Ellipsis or i == slice(None) for i in idx)
+            if not (full and sum(i is None for i in idx) == 1 and Ellipsis not in idx and idx.index(None) == 2):
                 return None
-            z = None
-            if _is_method(y, {"unsqueeze"}) or _is_fn(y, {torch.unsqueeze}):
-                d = y.args[1] if len(y.args) > 1 else y.kwargs.get("dim")
-                if isinstance(d, int) and d % 5 == 2:
-                    z = y.args[0]
-            elif _is_fn(y, {operator.getitem}):
-                idx = y.args[1] if isinstance(y.args[1], tuple) else (y.args[1],)
-                full = all(i is None or i is Ellipsis or i == slice(None) for i in idx)
-                if full and sum(i is None for i in idx) == 1 and Ellipsis not in idx and idx.index(None) == 2:
-                    z = y.args[0]
-            if z is not None and _shape(z) == (B, xs[1], S, D):
-                return z, xs[2]
+        if shape_of(z) == (B, xs[1], S, D):
+            return z, xs[2]
+        return None
+    if is_method(n, {"reshape", "view"}) or is_fn(n, {torch.reshape}):
         return None
     # repeat_interleave(r, dim=1)
-    if _is_method(n, {"repeat_interleave"}) or _is_fn(n, {torch.repeat_interleave}):
+    if is_method(n, {"repeat_interleave"}) or is_fn(n, {torch.repeat_interleave}):
         r = _arg(n, 1, "repeats")
         d = _arg(n, 2, "dim")
         z = n.args[0]
-        if _is_number(r) and isinstance(d, int) and d % 4 == 1 and _shape(z) == (B, H // int(r), S, D):
+        if is_number(r) and isinstance(d, int) and d % 4 == 1 and shape_of(z) == (B, H // int(r), S, D):
             return z, int(r)
         return None
     # indexing with arange(H) // r along the head dim
     idx, z = None, None
-    if _is_fn(n, {operator.getitem}) and isinstance(n.args[1], tuple) and len(n.args[1]) >= 2:
+    if is_fn(n, {operator.getitem}) and isinstance(n.args[1], tuple) and len(n.args[1]) >= 2:
         sel = n.args[1]
         if sel[0] == slice(None) and isinstance(sel[1], fx.Node) and all(s == slice(None) for s in sel[2:]):
             idx, z = sel[1], n.args[0]
-    elif _is_fn(n, {torch.index_select}) or _is_method(n, {"index_select"}):
+    elif is_fn(n, {torch.index_select}) or is_method(n, {"index_select"}):
         if _arg(n, 1, "dim") in (1, -3):
             idx, z = _arg(n, 2, "index"), n.args[0]
-    if idx is not None and _shape(z) is not None and len(_shape(z)) == 4:
-        hkv = _shape(z)[1]
+    if idx is not None and shape_of(z) is not None and len(shape_of(z)) == 4:
+        hkv = shape_of(z)[1]
         t = const(idx)
         if isinstance(t, torch.Tensor) and hkv and H % hkv == 0 and t.shape == (H,):
             r = H // hkv
@@ -619,24 +616,29 @@ def _unrepeat(n: fx.Node, const: _ConstEval) -> tuple[fx.Node, int] | None:
     return None
 
 
-def _causal_allowed(site: _Site, const: _ConstEval) -> torch.Tensor | None:
-    """The combined "attend" mask when every mask term is a known constant, else None."""
+def _allowed(site: _Site, const: _ConstEval, keep_of) -> torch.Tensor | None:
+    """The combined "attend" mask when every mask term is a known constant, else None; ``keep_of(t)`` reads
+    an additive term as "attend" (None: the term is not a mask)."""
     allowed = None
-    for m, negate in site.allowed:
+    terms = [(m, negate, False) for m, negate in site.allowed] + [(m, False, True) for m, _ in site.additive]
+    for m, negate, additive in terms:
         t = _const_term(m, site, const)
         if not isinstance(t, torch.Tensor):
             return None
-        t = ~t if negate else t
+        t = keep_of(t) if additive else (~t if negate else t)
+        if t is None:
+            return None
         allowed = t if allowed is None else allowed & t
-    for m, _ in site.additive:
-        t = _const_term(m, site, const)
-        if not isinstance(t, torch.Tensor):
-            return None
-        keep, drop = t == 0, t <= MASK_FILL_THRESHOLD
-        if not bool((keep | drop).all()):
-            return None  # a real bias, not a 0 / -inf mask
-        allowed = keep if allowed is None else allowed & keep
     return allowed
+
+
+def _causal_allowed(site: _Site, const: _ConstEval) -> torch.Tensor | None:
+    """The "attend" mask when the terms are constant 0 / -inf masks (a real bias is not), else None."""
+    def keep_of(t):
+        keep, drop = t == 0, t <= MASK_FILL_THRESHOLD
+        return keep if bool((keep | drop).all()) else None
+
+    return _allowed(site, const, keep_of)
 
 
 def _const_term(m: fx.Node, site: _Site, const: _ConstEval) -> torch.Tensor | None:
@@ -647,7 +649,7 @@ def _const_term(m: fx.Node, site: _Site, const: _ConstEval) -> torch.Tensor | No
 def _is_causal(site: _Site, const: _ConstEval) -> bool:
     if not site.additive and not site.allowed:
         return False
-    shape = _shape(site.qk)
+    shape = shape_of(site.qk)
     sq, sk = shape[-2], shape[-1]
     if sq != sk:
         return False
@@ -661,59 +663,8 @@ def _is_causal(site: _Site, const: _ConstEval) -> bool:
 def _rows_nonempty(site: _Site, const: _ConstEval) -> bool:
     """True when the mask is a known constant in which every query row attends to at least one key
     (additive terms: a value above the mask threshold, e.g. an ALiBi bias, counts as attending)."""
-    allowed = None
-    for m, negate in site.allowed:
-        t = _const_term(m, site, const)
-        if not isinstance(t, torch.Tensor):
-            return False
-        t = ~t if negate else t
-        allowed = t if allowed is None else allowed & t
-    for m, _ in site.additive:
-        t = _const_term(m, site, const)
-        if not isinstance(t, torch.Tensor):
-            return False
-        keep = t > MASK_FILL_THRESHOLD
-        allowed = keep if allowed is None else allowed & keep
+    allowed = _allowed(site, const, lambda t: t > MASK_FILL_THRESHOLD)
     return isinstance(allowed, torch.Tensor) and allowed.dim() >= 1 and bool(allowed.any(-1).all())
-
-
-# ------------------------------------------------------------------------------------------------------
-# autocast: the region each node runs in
-# ------------------------------------------------------------------------------------------------------
-_ENTER_AUTOCAST = torch.amp.autocast_mode._enter_autocast
-_EXIT_AUTOCAST = torch.amp.autocast_mode._exit_autocast
-
-
-class _AutocastRegions:
-    """Which autocast state each node of a torch-IR graph runs under: the regions Dynamo recorded
-    (``_enter_autocast``/``_exit_autocast`` nodes: a model's own ``with torch.autocast``, apply_autocast's
-    module wrappers) on top of the state around the compiled call (accelerate/Trainer's autocast)."""
-
-    def __init__(self, graph: fx.Graph):
-        self.stack_at: dict[fx.Node, tuple] = {}
-        stack: list[fx.Node] = []
-        for n in graph.nodes:
-            self.stack_at[n] = tuple(stack)
-            if _is_fn(n, {_ENTER_AUTOCAST}):
-                stack.append(n)
-            elif _is_fn(n, {_EXIT_AUTOCAST}) and stack:
-                stack.pop()
-
-    def dtype_at(self, node: fx.Node, device_type: str) -> torch.dtype | None:
-        """The autocast dtype the node runs under on ``device_type``, or None when autocast is off there."""
-        for enter in reversed(self.stack_at.get(node, ())):
-            args = list(enter.args)
-            dev = args[0] if args else enter.kwargs.get("device_type")
-            if dev != device_type:
-                continue
-            dtype = args[1] if len(args) > 1 else enter.kwargs.get("dtype")
-            enabled = args[2] if len(args) > 2 else enter.kwargs.get("enabled", True)
-            if not enabled:
-                return None
-            return dtype if isinstance(dtype, torch.dtype) else torch.get_autocast_dtype(device_type)
-        if torch.is_autocast_enabled(device_type):
-            return torch.get_autocast_dtype(device_type)
-        return None
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -738,9 +689,6 @@ class FuseAttention(effpass.Pass):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.125, enable_gqa=True)
     """
 
-    kernel: Literal["auto", "sdpa", "flash_attn"] = field(default="auto", metadata={
-        "doc": "'sdpa': always SDPA; 'flash_attn': the flash-attn package where it applies (CUDA, fp16/bf16, "
-               "no mask or causal), SDPA elsewhere; 'auto': flash_attn when installed, else SDPA"})
     gqa: bool = field(default=True, metadata={"doc": "feed SDPA the un-repeated K/V (enable_gqa=True) for GQA/MQA"})
     prove_causal: bool = field(default=True, metadata={
         "doc": "use is_causal=True where the mask is provably causal (else always pass attn_mask)"})
@@ -765,18 +713,18 @@ class FuseAttention(effpass.Pass):
     def transform_torch_ir(self, gm: fx.GraphModule, ctx) -> effpass.PassResult:
         graph = gm.graph
         const = _ConstEval(gm, ctx, self.assume_constant_buffers, self.max_mask_eval_elements)
-        regions = _AutocastRegions(graph)
+        regions = AutocastRegions(graph)
         stats = {"rewritten": 0, "fused": 0, "unfused": 0, "causal": 0, "attn_mask": 0, "gqa": 0, "dropout": 0,
-                 "flash_attn": 0, "empty_row_guard": 0, "skipped": 0}
+                 "empty_row_guard": 0, "skipped": 0}
         unfused: list[dict] = []
         skipped = []
         # the scope keeps the softmaxes in targets/exclude (and warns, naming the pass, when it keeps none)
-        for sm in ctx.scope.select_nodes(gm, [n for n in graph.nodes if _is_softmax(n)], what="attention softmax"):
+        for sm in ctx.scope.select_nodes(gm, [n for n in graph.nodes if is_softmax(n)], what="attention softmax"):
             where = f"{module_path_of_node(sm) or '<root>'}:{sm.name}"
             try:
                 site = _match(sm, const)
                 self._rewrite(graph, site, const, stats, unfused, where, regions)
-            except _Skip as e:
+            except Skip as e:
                 stats["skipped"] += 1
                 skipped.append({"site": where, "reason": str(e)})
         changed = stats["rewritten"] > 0
@@ -787,29 +735,29 @@ class FuseAttention(effpass.Pass):
         return effpass.PassResult(changed=changed, stats=stats, skipped=skipped + unfused)
 
     def _rewrite(self, graph: fx.Graph, site: _Site, const: _ConstEval, stats: dict, unfused: list,
-                 where: str, autocast: _AutocastRegions) -> None:
-        qv, vv = _val(site.q), _val(site.v)
+                 where: str, autocast: AutocastRegions) -> None:
+        qv, vv = val(site.q), val(site.v)
         k = _strip_transpose(site.k_t)
-        kv_ = _val(k) if k is not None else None
+        kv_ = val(k) if k is not None else None
         if k is not None and (kv_ is None or kv_.dim() != qv.dim()):
             k = None
         if qv is None or vv is None or qv.dim() != vv.dim():
-            raise _Skip("q and v have different ranks")
-        dtypes = (qv.dtype, _val(site.k_t).dtype, vv.dtype)
+            raise Skip("q and v have different ranks")
+        dtypes = (qv.dtype, val(site.k_t).dtype, vv.dtype)
         # NOTE(autocast): under autocast both matmuls run in the autocast dtype whatever q, k, v are (Llama's
         # rotary output is fp32 while v is bf16); SDPA then gets q, k, v (and a float mask) cast to it
         ac = autocast.dtype_at(site.qk, qv.device.type)
         if ac != autocast.dtype_at(site.pv, qv.device.type):
-            raise _Skip("q @ k^T and weights @ v run under different autocast states")
+            raise Skip("q @ k^T and weights @ v run under different autocast states")
         if ac is not None and all(d in (torch.float32, torch.float16, torch.bfloat16) for d in dtypes):
             compute = ac
         elif len(set(dtypes)) == 1:
             compute = qv.dtype
         else:
-            raise _Skip(f"q, k, v dtypes differ ({qv.dtype}, {_val(site.k_t).dtype}, {vv.dtype}) outside autocast")
-        if _val(site.pv).dtype != compute:
-            raise _Skip(f"attention output dtype ({_val(site.pv).dtype}) differs from the matmuls' ({compute})")
-        kt_shape = _shape(site.k_t)
+            raise Skip(f"q, k, v dtypes differ ({qv.dtype}, {val(site.k_t).dtype}, {vv.dtype}) outside autocast")
+        if val(site.pv).dtype != compute:
+            raise Skip(f"attention output dtype ({val(site.pv).dtype}) differs from the matmuls' ({compute})")
+        kt_shape = shape_of(site.k_t)
         k_base, v_base, rep = k, site.v, 1
         mqa = (qv.dim() == 4 and k is not None and len(kt_shape) == 4 and kt_shape[1] == 1 and vv.shape[1] == 1
                and qv.shape[1] > 1 and kt_shape[0] == qv.shape[0] == vv.shape[0])
@@ -817,12 +765,12 @@ class FuseAttention(effpass.Pass):
             # multi-query attention by broadcasting (Falcon): one K/V head matmul'ed against every query head
             rep = int(qv.shape[1])
             if not self.gqa:
-                raise _Skip("multi-query attention by broadcasting needs gqa=True")
+                raise Skip("multi-query attention by broadcasting needs gqa=True")
         elif tuple(qv.shape[:-2]) != tuple(kt_shape[:-2]) or tuple(qv.shape[:-2]) != tuple(vv.shape[:-2]):
-            raise _Skip("q, k, v batch dims differ (broadcast matmul)")
+            raise Skip("q, k, v batch dims differ (broadcast matmul)")
         if self.gqa and k is not None and not mqa:
             ku, vu = _unrepeat(k, const), _unrepeat(site.v, const)
-            if ku and vu and ku[1] == vu[1] and _shape(ku[0])[1] == _shape(vu[0])[1] and ku[1] > 1:
+            if ku and vu and ku[1] == vu[1] and shape_of(ku[0])[1] == shape_of(vu[0])[1] and ku[1] > 1:
                 k_base, v_base, rep = ku[0], vu[0], ku[1]
         causal = self.prove_causal and _is_causal(site, const)
 
@@ -851,11 +799,11 @@ class FuseAttention(effpass.Pass):
                 v_base = call(torch.reshape, v_base, (B, H, *vv.shape[1:]))
 
             def term(m):
-                if site.heads is None or m not in site.split_terms or _val(m).dim() < 3:
+                if site.heads is None or m not in site.split_terms or val(m).dim() < 3:
                     return m
                 B, H = site.heads
-                return call(torch.reshape, m, (B, H, *_val(m).shape[1:]) if _val(m).shape[0] == B * H
-                            else (1, *_val(m).shape))
+                return call(torch.reshape, m, (B, H, *val(m).shape[1:]) if val(m).shape[0] == B * H
+                            else (1, *val(m).shape))
 
             attn_mask = None
             if not causal:
@@ -870,17 +818,17 @@ class FuseAttention(effpass.Pass):
                     t = m if f == 1.0 else call(torch.mul, m, f)
                     additive = t if additive is None else call(torch.add, additive, t)
                 if additive is not None:
-                    if _val(site.additive[0][0]).dtype != compute or len(site.additive) > 1:
+                    if val(site.additive[0][0]).dtype != compute or len(site.additive) > 1:
                         # NOTE: SDPA wants a float mask in the query dtype
                         additive = call(torch.Tensor.to, additive, compute)
                     attn_mask = additive if allowed is None else call(
                         torch.masked_fill, additive, call(torch.logical_not, allowed), float("-inf"))
                 else:
                     attn_mask = allowed
-            mask_dim = max((_val(m).dim() for m, _ in site.additive + site.allowed), default=2)
+            mask_dim = max((val(m).dim() for m, _ in site.additive + site.allowed), default=2)
             if attn_mask is not None and mask_dim < 2:
                 # NOTE: SDPA needs at least a (q_len, kv_len) mask; a broadcast view costs nothing
-                attn_mask = call(torch.broadcast_to, attn_mask, tuple(_shape(site.qk)[-2:]))
+                attn_mask = call(torch.broadcast_to, attn_mask, tuple(shape_of(site.qk)[-2:]))
             # NOTE(audit): torch's fused CPU SDPA kernel computes WRONG GRADIENTS for a query row whose keys are
             # all masked with a finite fill (HF's finfo.min; left-padded batches), and -inf fills give NaN. Where
             # such rows cannot be ruled out at compile time (a mask from the inputs), masked_sdpa gives them every
@@ -889,28 +837,24 @@ class FuseAttention(effpass.Pass):
             kwargs = dict(attn_mask=attn_mask, dropout_p=site.dropout_p, is_causal=causal, scale=site.scale)
             if rep > 1:
                 kwargs["enable_gqa"] = True
-            fn = _attention_fn(self.kernel) if rows_safe else masked_sdpa
+            fn = F.scaled_dot_product_attention if rows_safe else masked_sdpa
             fused = call(fn, q_in, k_base, v_base, **kwargs)
             if site.heads is not None:
-                fused = call(torch.reshape, fused, _shape(site.pv))
+                fused = call(torch.reshape, fused, shape_of(site.pv))
         _set_meta(new_nodes, site.pv)
         site.pv.replace_all_uses_with(fused)
         dead = [site.pv, *site.chain]
         if k is not None:
             dead.append(site.k_t)
-        _erase_dead(graph, dead)
+        erase_dead(graph, dead, producers=True)
         stats["rewritten"] += 1
         stats["causal"] += int(causal)
         stats["attn_mask"] += int(attn_mask is not None)
         stats["gqa"] += int(rep > 1)
         stats["dropout"] += int(site.dropout_p > 0)
-        flash = (self.kernel != "sdpa" and rows_safe and _flash_available()
-                 and _flash_applies(site, _val(q_in), attn_mask))
-        stats["flash_attn"] += int(flash)
         stats["empty_row_guard"] += int(not rows_safe)
-        q4, v4 = _val(q_in), _val(v_base)
-        why = None if flash else _why_unfused(q4, _val(k_base) if isinstance(k_base, fx.Node) else None, v4,
-                                              attn_mask, site, rep > 1)
+        q4, v4 = val(q_in), val(v_base)
+        why = _why_unfused(q4, val(k_base) if isinstance(k_base, fx.Node) else None, v4, attn_mask, site, rep > 1)
         if why is None:
             stats["fused"] += 1
         else:
@@ -919,18 +863,12 @@ class FuseAttention(effpass.Pass):
                             "reason": f"rewritten to SDPA, but SDPA runs its unfused math op: {why}"})
 
 
-def _flash_applies(site: _Site, qv: torch.Tensor, attn_mask) -> bool:
-    """Whether the flash-attn custom op (not SDPA) takes this site (see ``_flash_attn_op.supported``)."""
-    return (attn_mask is None and site.dropout_p == 0.0 and qv.is_cuda and qv.dim() == 4
-            and qv.dtype in (torch.float16, torch.bfloat16) and qv.shape[-1] % 8 == 0 and qv.shape[-1] <= 256)
-
-
 def _why_unfused(qv, kv, vv, attn_mask, site: _Site, gqa: bool) -> str | None:
     """None when SDPA will pick a fused kernel for this call, else the reason it runs its math op.
 
     Asks SDPA's own dispatcher (``torch._fused_sdp_choice``) on tiny real tensors with the site's dtype,
     device, head dims, mask dtype, dropout and GQA (the choice does not depend on the lengths)."""
-    mv = _val(attn_mask) if isinstance(attn_mask, fx.Node) else None
+    mv = val(attn_mask) if isinstance(attn_mask, fx.Node) else None
     if site.dropout_p > 0 and qv.device.type == "cpu":
         return "dropout on CPU (torch's fused CPU kernel has no dropout)"
     try:
@@ -953,51 +891,6 @@ def _why_unfused(qv, kv, vv, attn_mask, site: _Site, gqa: bool) -> str | None:
                 f"{'a ' + str(mv.dtype if isinstance(mv, torch.Tensor) else 'mask') + ' mask' if attn_mask is not None else 'no mask'}"
                 f"{', GQA' if gqa else ''}{f', dropout {site.dropout_p}' if site.dropout_p else ''} on {qv.device.type}")
     return None
-
-
-def _erase_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:
-    """Erase ``nodes`` once unused, then every pure producer that became unused through them (the
-    repeated K/V, the causal mask construction)."""
-    erased: set[fx.Node] = set()
-    must = set(nodes)
-    progress = True
-    while progress:  # the matched nodes form a chain: erase from its consumer end until nothing is left
-        progress = False
-        for n in nodes:
-            if n not in erased and not n.users:
-                _erase_with_producers(graph, n, must, erased)
-                progress = True
-
-
-def _erase_with_producers(graph: fx.Graph, n: fx.Node, must: set, erased: set) -> None:
-    stack = [n]
-    while stack:
-        x = stack.pop()
-        if x in erased or x.users or x.op not in ("call_function", "call_method"):
-            continue
-        name = op_name(x)
-        if x not in must and (x.is_impure() or name.endswith("_") or any(w in name.lower() for w in _RANDOM_WORDS)):
-            continue
-        inputs = x.all_input_nodes
-        graph.erase_node(x)
-        erased.add(x)
-        stack.extend(i for i in inputs if i not in must)
-
-
-def _flash_available() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    from . import _flash_attn_op
-
-    return _flash_attn_op.available()
-
-
-def _attention_fn(kernel: str):
-    if kernel == "sdpa" or not _flash_available():
-        return F.scaled_dot_product_attention
-    from . import _flash_attn_op
-
-    return _flash_attn_op.attention
 
 
 def _set_meta(nodes: list[fx.Node], like: fx.Node) -> None:

@@ -71,7 +71,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import effpass
-from effpass.graph import tensor_meta
+from effpass.graph import autocast_dtype_at, tensor_meta
 from effpass.integrations.huggingface import set_hf_loss_type  # noqa: F401  (re-exported)
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from effpass.scope import module_path_of_node
@@ -393,6 +393,24 @@ def _(grad, lse, x, w, x2, w2, bias, target, ignore_index, smoothing, pre, softc
     return like(x, grad_mask[0]), like(w, grad_mask[2]), like(x2, grad_mask[1]), like(w2, grad_mask[3]), like(bias, grad_mask[4])
 
 
+def _head_flops(x, w, x2, w2, grad_mask=None) -> int:
+    """Matmul FLOPs of the chunked head: the logits (2*N*H*V, plus the adapter's 2*N*r*V; computed again
+    by the per-row form's backward) and one matmul per gradient computed (dx, dw; dx2, dw2)."""
+    n, v = x.shape[0], w.shape[0]
+    main, side = 2 * n * x.shape[-1] * v, (2 * n * x2.shape[-1] * v if x2 is not None and x2.numel() else 0)
+    m = grad_mask or [False] * 5
+    return main * (1 + m[0] + m[2]) + side * (1 + m[1] + m[3])
+
+
+effpass.register_flop_formula(torch.ops.effpass.linear_cross_entropy, lambda x, w, x2, w2, bias, target, *a, out_val=None, **k:
+                              _head_flops(x, w, x2, w2, list(a[8]) if len(a) > 8 else k.get("grad_mask")))
+effpass.register_flop_formula(torch.ops.effpass.linear_cross_entropy_rows,
+                              lambda x, w, x2, w2, *a, out_val=None, **k: _head_flops(x, w, x2, w2))
+effpass.register_flop_formula(torch.ops.effpass.linear_cross_entropy_rows_backward,
+                              lambda grad, lse, x, w, x2, w2, bias, target, *a, out_val=None, **k: _head_flops(
+                                  x, w, x2, w2, list(a[7]) if len(a) > 7 else k.get("grad_mask")))
+
+
 def _rows_setup(ctx, inputs, output):
     x, w, x2, w2, bias, target = inputs[:6]
     ctx.consts = inputs[6:]
@@ -450,8 +468,6 @@ _ADD_FNS = {operator.add, torch.add}
 _TANH = {torch.tanh, torch.nn.functional.tanh}
 _NOOP_METHODS = {"float", "to", "type_as", "contiguous", "type"}
 _RESHAPE_METHODS = {"view", "reshape"}
-_ENTER = torch.amp.autocast_mode._enter_autocast
-_EXIT = torch.amp.autocast_mode._exit_autocast
 _CE_PARAMS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
 _CE_DEFAULTS = {"weight": None, "size_average": None, "ignore_index": -100, "reduce": None, "reduction": "mean",
                 "label_smoothing": 0.0}
@@ -662,23 +678,6 @@ def _replay_shape(graph: fx.Graph, op: fx.Node, src: fx.Node, vocab: int, width:
     return graph.call_function(torch.reshape, (src, tuple(shape)))
 
 
-def _autocast_dtype_at(graph: fx.Graph, node: fx.Node, device_type: str) -> torch.dtype | None:
-    """The autocast dtype in force at ``node`` (enter/exit nodes in the graph), or None."""
-    stack: list[tuple] = []
-    for n in graph.nodes:
-        if n is node:
-            break
-        if _is_fn(n, {_ENTER}):
-            dev, dtype, enabled = (list(n.args) + [None] * 3)[:3]
-            stack.append((dev, dtype, enabled))
-        elif _is_fn(n, {_EXIT}) and stack:
-            stack.pop()
-    for dev, dtype, enabled in reversed(stack):
-        if dev == device_type:
-            return dtype if enabled else None
-    return None
-
-
 def _is_quantized(w: Tensor) -> bool:
     from .quantize_linear import is_quantized
 
@@ -753,6 +752,13 @@ class FuseCrossEntropy(effpass.Pass):
     """
 
     summary = "output projection + cross-entropy computed in chunks; logits never materialised"
+
+    @classmethod
+    def memory_options(cls, model=None, *, world_size=1):
+        """For the memory planner: the loss head without full logits (lossless)."""
+        return [effpass.MemoryOption(technique="fuse_cross_entropy", lossless=True, group="loss_head",
+                                     changes="logits", cost="the head's matmuls in chunks; logits recomputed "
+                                                             "in backward")]
 
     keep_logits: bool = field(default=False, metadata={
         "doc": "also compute and return the logits in training (default: the output's logits is None)"})
@@ -831,7 +837,7 @@ class FuseCrossEntropy(effpass.Pass):
             keep = True
         else:
             keep = self.keep_logits
-        dtype = _autocast_dtype_at(graph, site.proj, hv.device.type)
+        dtype = autocast_dtype_at(graph, site.proj, hv.device.type)
         compute = "" if dtype is None or hv.dtype != torch.float32 else str(dtype).removeprefix("torch.")
         budget = self.chunk_bytes or default_chunk_bytes(n_rows, vocab, hv.numel() * hv.element_size())
         new: list[fx.Node] = []

@@ -23,6 +23,7 @@ Save, load, merge and unmerge live in :mod:`effpass.passes.lora` and are re-expo
 """
 from __future__ import annotations
 
+import fnmatch
 import operator
 from dataclasses import dataclass, field
 from typing import Literal
@@ -32,6 +33,7 @@ import torch.fx as fx
 
 import effpass
 from effpass.graph import copy_provenance, infer_fake_values, source_path
+from effpass.scope import Scope, check_patterns
 
 from . import lora
 from .lora import LoRALinear, load, merge, save, unmerge  # noqa: F401  (the public helpers)
@@ -86,27 +88,58 @@ class InjectLoRA(effpass.Pass):
             return (isinstance(mod, LoRALinear) or lora.is_linear_like(mod)) and ".lora_" not in name \
                 and not name.endswith(".base_layer")
 
-        lora.check_no_expert_targets(model, self.targets)  # MoE expert weights are 3-D, not linears
+        # MoE expert tensors (3-D parameters) are adapted when a targets glob names the tensor itself
+        # (``*.experts.gate_up_proj``); the other globs select linear modules as before.
+        expert_params = lora.expert_parameters(model)
+        expert_globs = [g for g in self.targets if any(fnmatch.fnmatchcase(n, g) for n in expert_params)]
+        module_globs = [g for g in self.targets if g not in expert_globs]
+        experts = [n for n in expert_params if any(fnmatch.fnmatchcase(n, g) for g in expert_globs)
+                   and ctx.scope.matches_globs(n) is not False and not _excluded(n, self.exclude)]
         linear_names = [n for n, m in model.named_modules() if n and candidate(n, m)]
         already = lora.lora_modules(model)
-        if not linear_names and not already:
+        if not linear_names and not already and not experts:
             raise ValueError(f"inject_lora: the model ({type(model).__name__}) has no linear-like module "
                              "(nn.Linear, Conv1D, or a module with __effpass_linear__) to put adapters on")
-        selected = ctx.scope.select_modules(model, candidate, what="linear")
-        if not selected:
-            raise effpass.TargetMatchError(
-                f"inject_lora: targets {list(self.targets)} / exclude {list(self.exclude)} leave no linear module; "
-                f"linear names here include: {', '.join(repr(n) for n in linear_names[:8])}"
-                f"{' ...' if len(linear_names) > 8 else ''}")
+        if expert_globs and not module_globs:
+            selected = []
+            for g in self.exclude:  # the exclude globs are still checked against the names that exist
+                check_patterns("inject_lora", (), (g,), [n for n, _ in model.named_modules() if n]
+                                             + list(expert_params))
+        else:
+            scope = ctx.scope if not expert_globs else Scope(
+                "inject_lora", tuple(module_globs), self.exclude, root=model)
+            selected = scope.select_modules(model, candidate, what="linear")
+            if not selected:
+                raise effpass.TargetMatchError(
+                    f"inject_lora: targets {list(self.targets)} / exclude {list(self.exclude)} leave no linear module; "
+                    f"linear names here include: {', '.join(repr(n) for n in linear_names[:8])}"
+                    f"{' ...' if len(linear_names) > 8 else ''}")
         names = lora.inject(model, [n for n, m in selected if not isinstance(m, LoRALinear)], rank=self.rank, alpha=self.alpha, dropout=self.dropout,
                             use_rslora=self.use_rslora, init=self.init, dtype=self.adapter_dtype)
+        had = lora.expert_lora_modules(model)
+        expert_names = lora.inject_experts(model, [n for n in experts if n not in had], rank=self.rank,
+                                           alpha=self.alpha, dropout=self.dropout, use_rslora=self.use_rslora,
+                                           init=self.init, dtype=self.adapter_dtype)
         lora.freeze_base(model)
+        ex = lora.expert_lora_modules(model)
         stats = {"adapters": len(names), "adapter_params": sum(
             m.lora_A.weight.numel() + m.lora_B.weight.numel() for n, m in lora.lora_modules(model).items() if n in names)}
+        if experts:
+            stats["expert_adapters"] = len(expert_names)
+            stats["expert_adapter_params"] = sum(ex[n].lora_A.numel() + ex[n].lora_B.numel() for n in expert_names)
+            # what PEFT's ParamWrapper allocates per forward and effpass never does: the delta of every adapted
+            # expert tensor (E x d1 x d2 in the weight's dtype)
+            stats["delta_weight_bytes_avoided"] = sum(
+                getattr(expert_params[n][0], expert_params[n][1]).numel() * ex[n].lora_A.element_size()
+                for n in expert_names)
+            stats["adapter_params"] += stats["expert_adapter_params"]
         stats.update(lora.parameter_stats(model))
         stats["modules"] = names
+        if experts:
+            stats["expert_parameters"] = expert_names
         skipped = [{"site": n, "reason": "already has a LoRA adapter"} for n, m in selected if isinstance(m, LoRALinear)]
-        return effpass.PassResult(changed=bool(names), stats=stats, skipped=skipped)
+        skipped += [{"site": n, "reason": "already has a LoRA adapter"} for n in experts if n in had]
+        return effpass.PassResult(changed=bool(names or expert_names), stats=stats, skipped=skipped)
 
     # ---- torch-IR phase --------------------------------------------------------------------------
     def transform_torch_ir(self, gm: fx.GraphModule, ctx) -> effpass.PassResult:
@@ -143,6 +176,11 @@ class InjectLoRA(effpass.Pass):
             stats["merged_adapters"] += len(nodes)
             changed = True
         return effpass.PassResult(changed=changed, stats=stats, skipped=skipped)
+
+
+def _excluded(name: str, exclude) -> bool:
+    parts = name.split(".")
+    return any(fnmatch.fnmatchcase(".".join(parts[: i + 1]), g) for g in exclude for i in range(len(parts)))
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -18,22 +18,30 @@ What it does
       and turns ``use_cache`` off for packed calls (with a cache Hugging Face ignores the boundaries).
       Because the hook is on the eager model, Hugging Face models whose own masking honours the
       boundaries without a cache compute the same function eagerly (reference semantics).
-    * torch-IR phase: computes per-token document ids once from the boundary input
-      (``cumsum(position_ids == 0)``, ``searchsorted(cu_seq_lens)`` or ``seq_idx``), then
+    * torch-IR phase, in every graph Dynamo makes of the model: per-token document ids and per-example
+      positions once per graph, from the boundary input (``cumsum(position_ids == 0)``,
+      ``searchsorted(cu_seq_lens)`` or ``seq_idx``), or, in a graph without it (after a graph break such as
+      OPT's layer-drop check), from the per-call context the hook set (``effpass::pack_context_get``); then
 
-      - replaces every ``scaled_dot_product_attention`` call (the model's own, or the one
-        ``fuse_attention`` made from hand-written attention) with one whose mask is the original mask
-        (``is_causal`` -> lower triangle) AND "same example";
-      - puts the same mask into every remaining hand-written attention (a ``softmax`` over a
-        ``(..., N, N)`` score matrix of the packed length ``N``): ``masked_fill(~same, finfo.min)``.
+      - every fused attention call (the core's attention-op registry: SDPA, ``masked_sdpa``, what other
+        passes register) becomes one whose mask is the original mask AND "same example";
+      - every hand-written attention (a ``softmax`` over a ``(..., N, N)`` score matrix) gets
+        ``masked_fill(~same, finfo.min)``; a softmax over ``cat([scores, sinks], -1)`` (learned attention
+        sinks, N x (N+k)) gets the mask on the score columns only, so every row keeps its sink columns;
+      - masks and scalings computed from absolute row positions (``arange(N)``: HF's ``cache_position``,
+        chunked local attention, a position-dependent attention temperature) read per-example positions.
+
+    Fail closed: a site that cannot be isolated (lengths other than the packed length, a registered op that
+    takes no mask, a position-derived mask with several packed rows that differs per example, an excluded
+    site) raises :class:`effpass.WrongResultError` naming the site, the graph and why, in the packed call that
+    compiles the graph and in every later packed call (the hook checks); never a warning.
 
 Kernels (``kernel``)
-    ``"auto"``: on CUDA with the ``flash-attn`` package, fp16/bf16, no dropout and no other mask than
-    causal, flash-attn's varlen kernel (:mod:`effpass.passes._flash_attn_op`, boundaries as ``cu_seqlens``
-    of fixed length ``B*N+1`` so no host sync; untested: no GPU here). Everywhere else SDPA with the
-    block-diagonal boolean mask, which on CPU runs the fused flash kernel. Measured on CPU
-    (``docs/pack_sequences.md``): ``flex_attention`` and a per-example loop were not faster and the loop
-    needs the boundaries on the host.
+    ``"auto"``/``"varlen"``: on CUDA, fp16/bf16, no dropout and no other mask than causal, torch's varlen
+    kernel (``torch.nn.attention.varlen.varlen_attn``, feature-tested; boundaries as ``cu_seqlens`` of fixed
+    length ``B*N+1`` so no host sync; untested: no GPU here). Everywhere else SDPA with the block-diagonal
+    boolean mask, which on CPU runs the fused flash kernel. Measured on CPU (``docs/pack_sequences.md``):
+    ``flex_attention`` and a per-example loop were not faster and the loop needs the boundaries on the host.
 
 Phase ordering: runs after ``fuse_attention`` (so hand-written attention is already an SDPA call) and
 before ``apply_autocast`` / ``checkpoint_activations`` (which see the rewritten call).
@@ -49,9 +57,8 @@ Statistics: the hook also counts, on the inputs' device (no host sync), examples
 and the attended pairs per step (:class:`PackingCounters`); the torch-IR phase records each rewritten
 site's FLOPs per pair. The module record's ``live_stats`` reads them when a report or dump is asked for.
 
-Invariants: placeholders are never added or removed; a site whose query and key lengths differ from the
-packed length (decoding with a cache, cross-attention) is left alone and reported; a graph with
-attention but no boundary input is reported (nothing is rewritten there).
+Invariants: placeholders are never added or removed; every attention site of a graph is rewritten or listed
+as unisolated (and a packed call then raises).
 """
 from __future__ import annotations
 
@@ -67,10 +74,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import effpass
-from effpass.graph import tensor_meta
+from effpass.attention import attention_op, masked_sdpa
+from effpass.graph import Skip, copy_provenance, infer_fake_values, is_softmax as _is_softmax, shape_of, tensor_meta
 from effpass.scope import module_path_of_node
-
-from ._sdpa_safe import masked_sdpa
 
 __all__ = ["PackSequences", "packing_stats", "document_ids", "position_ids_from"]
 
@@ -78,8 +84,7 @@ __all__ = ["PackSequences", "packing_stats", "document_ids", "position_ids_from"
 BOUNDARY_KWARGS = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "position_ids")
 _PLACEHOLDER_RE = re.compile(r"^L_(?:kwargs_)?(seq_idx|cu_seq_lens_q|cu_seq_lens_k|position_ids)_$")
 _TOKENS_RE = re.compile(r"^L_(?:kwargs_)?(input_ids|inputs_embeds|tokens)_$")
-_SDPA_FNS = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
-_SOFTMAX_FNS = {torch.softmax, F.softmax, torch.special.softmax}
+_CONTEXT_SET_OPS: set = set()  # filled below, once the custom op exists
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -137,10 +142,90 @@ def mask_scores(scores: torch.Tensor, same: torch.Tensor) -> torch.Tensor:
     return scores.masked_fill(~same, torch.finfo(scores.dtype).min)
 
 
-def _flash_varlen(q, k, v, doc, is_causal, scale):
-    from . import _flash_attn_op
+def packed_varlen(q, k, v, doc, is_causal, scale=None, enable_gqa=False):
+    """Packed attention with torch's variable-length kernel (``torch.nn.attention.varlen.varlen_attn``, CUDA
+    FlashAttention): ``(B, H, N, D)`` rows whose ``doc`` ``(1 or B, N)`` ids never decrease along a row. The
+    boundaries become ``cu_seqlens`` of fixed length ``B*N + 1`` (empty examples repeat an offset) and
+    ``max_seqlen = N``, so nothing is read back to the host. NOTE: written for CUDA, untested on a GPU (none
+    was available); :func:`_varlen_usable` chooses it only where the kernel exists."""
+    from torch.nn.attention.varlen import varlen_attn
 
-    return _flash_attn_op.varlen_attention(q, k, v, doc, bool(is_causal), scale)
+    b, h, n, d = q.shape
+    doc = doc.expand(b, n).long()
+    doc = doc - doc[:, :1] + (torch.arange(b, device=q.device) * n)[:, None]  # ids unique across rows
+    cu = torch.searchsorted(doc.reshape(-1).contiguous(), torch.arange(b * n + 1, device=q.device)).to(torch.int32)
+    qf, kf, vf = (t.transpose(1, 2).reshape(b * n, t.shape[1], t.shape[-1]) for t in (q, k, v))
+    out = varlen_attn(qf, kf, vf, cu, cu, n, n, scale=scale, window_size=(-1, 0) if is_causal else (-1, -1),
+                      enable_gqa=bool(enable_gqa))
+    return out.reshape(b, n, h, v.shape[-1]).transpose(1, 2)
+
+
+# ------------------------------------------------------------------------------------------------------
+# the per-call packing context: the boundary hook sets it once per call; graphs without a boundary input
+# (after a graph break) read it through a custom op, so every graph Dynamo makes of the model is packed
+# ------------------------------------------------------------------------------------------------------
+class _PackContext:
+    """Per-example document ids and positions ``(1 or B, N)`` of the packed call in progress (None: the call
+    in progress is not a packed row). Set by the boundary hook (eagerly, or by :func:`pack_context_set` in a
+    graph when the hook is traced inline), read by :func:`pack_context_get` in graphs that lack the boundary
+    input. NOTE: one call at a time per process; a backward that recomputes (activation checkpointing) reads
+    the context of the last forward, so run each forward's backward before the next packed forward."""
+
+    doc: torch.Tensor | None = None
+    pos: torch.Tensor | None = None
+
+
+_CONTEXT = _PackContext()
+
+
+def _set_context(pos: torch.Tensor | None) -> None:
+    if pos is None:
+        _CONTEXT.doc = _CONTEXT.pos = None
+        return
+    pos = pos.long()
+    _CONTEXT.pos = pos
+    _CONTEXT.doc = torch.cumsum((pos == 0).long(), dim=-1)
+
+
+@torch.library.custom_op("effpass::pack_context_set", mutates_args=())
+def pack_context_set(pos: torch.Tensor) -> torch.Tensor:
+    """Records ``pos`` (per-example positions) as the packed call in progress; returns a copy of it (used as
+    the call's ``position_ids``, so the op stays in a graph that traces the hook)."""
+    _set_context(pos)
+    return pos.clone()
+
+
+@pack_context_set.register_fake
+def _(pos):
+    return torch.empty_like(pos)
+
+
+_CONTEXT_SET_OPS.update({torch.ops.effpass.pack_context_set.default, torch.ops.effpass.pack_context_set,
+                         pack_context_set})
+
+
+@torch.library.custom_op("effpass::pack_context_get", mutates_args=())
+def pack_context_get(like: torch.Tensor, batch_dim: int, length_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Document ids and per-example positions ``(B, N)`` of the packed call in progress, with ``B`` and ``N``
+    read from ``like``'s dims. Outside a packed call: one document and positions ``0..N-1`` (the graph then
+    computes what it did before the pass)."""
+    b, n = like.shape[batch_dim], like.shape[length_dim]
+    doc, pos = _CONTEXT.doc, _CONTEXT.pos
+    if doc is None:
+        pos = torch.arange(n, device=like.device).expand(b, n)
+        return torch.zeros(b, n, dtype=torch.long, device=like.device), pos.contiguous()
+    if doc.shape[-1] != n or doc.shape[0] not in (1, b):
+        raise effpass.WrongResultError(
+            f"pack_sequences: a graph without the boundary input expected a packed call of {b} row(s) of {n} "
+            f"tokens, but the packed call in progress has {tuple(doc.shape)} (a forward of another packed batch "
+            "ran between this forward and its backward?). Run each packed forward's backward before the next")
+    return doc.to(like.device).expand(b, n).contiguous(), pos.to(like.device).expand(b, n).contiguous()
+
+
+@pack_context_get.register_fake
+def _(like, batch_dim, length_dim):
+    b, n = like.shape[batch_dim], like.shape[length_dim]
+    return like.new_empty((b, n), dtype=torch.long), like.new_empty((b, n), dtype=torch.long)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -301,12 +386,23 @@ class _BoundaryHook:
         self.max_positions, self.require, self.check = max_positions, require, check
         self.model_name = model_name
         self.stats = PackingCounters()
+        #: attention sites that compiled graphs could not isolate: (graph, site, why); a packed call raises
+        self.unisolated: list[tuple[str, str, str]] = []
+        self.graphs = 0  #: graphs compiled (names graphs in errors)
+        self.pending: torch.Tensor | None = None  #: positions of the call in progress, counted once it returns
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
+        eager = not torch.compiler.is_compiling()
+        if eager:
+            self.pending = None
         if kwargs.get("past_key_values") is not None or kwargs.get("use_cache") is True:
+            if eager:
+                _set_context(None)
             return None  # generation with a cache (decode steps count positions on): not a packed row
         present = [k for k in BOUNDARY_KWARGS if kwargs.get(k) is not None]
         if not present:
+            if eager:
+                _set_context(None)
             if self.require and module.training:
                 raise ValueError(
                     f"pack_sequences: {self.model_name} was called in training without example boundaries: "
@@ -337,6 +433,13 @@ class _BoundaryHook:
                 torch._assert_async((pos < self.max_positions).all(),
                                     f"pack_sequences: an example is longer than the model's maximum of "
                                     f"{self.max_positions} positions")
+        if self.unisolated:
+            # NOTE(fail closed): a graph compiled earlier has an attention site this pass could not isolate
+            raise effpass.WrongResultError(_unisolated_message(self.model_name, self.unisolated))
+        if eager:
+            _set_context(pos)
+        else:  # traced inline into an outer graph: the op sets the context when that graph runs
+            pos = kwargs["position_ids"] = pack_context_set(pos)
         for k in ("max_length_q", "max_length_k"):
             # NOTE(recompiles): Python ints that change every step; effpass's kernels do not need them
             kwargs.pop(k, None)
@@ -344,14 +447,21 @@ class _BoundaryHook:
             kwargs["use_cache"] = False  # with a cache, HF's masks ignore the boundaries
         if not self.accepts_kwargs:
             kwargs = {k: v for k, v in kwargs.items() if k in self.params}
-        if not torch.compiler.is_compiling():
+        if eager:
             # NOTE(recompiles): run eagerly (its frame is skipped, see _run_top_level_frame_eagerly), so the
             # model's frame is compiled with a symbolic packed length from the first call: no recompile
             # when the length changes. Inlined into an outer trace, Dynamo's automatic dynamic shapes apply.
             _mark_packed_length_dynamic(args, kwargs, pos.shape[-1])
             if torch.is_grad_enabled():  # training steps only: evaluation / generation forwards are not counted
-                self.stats.add(pos)
+                # NOTE: counted when the forward returned (after_forward): a call that raised (a site the pass
+                # could not isolate) is never reported as a packed row
+                self.pending = pos
         return args, kwargs
+
+    def after_forward(self, module: nn.Module, args: tuple, kwargs: dict, output):
+        if self.pending is not None and not torch.compiler.is_compiling():
+            self.stats.add(self.pending)
+        self.pending = None
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -373,10 +483,10 @@ class PackSequences(effpass.Pass):
         out  = packed_sdpa(q, k, v, same, attn_mask=None, scale=0.125)
     """
 
-    kernel: Literal["auto", "sdpa", "flash_attn"] = field(default="auto", metadata={
-        "doc": "'sdpa': SDPA with the block-diagonal mask (CPU: fused flash kernel); 'flash_attn': flash-attn's "
-               "varlen kernel where it applies (CUDA, fp16/bf16, causal or no mask, no dropout), SDPA elsewhere; "
-               "'auto': flash_attn when installed on CUDA, else SDPA"})
+    kernel: Literal["auto", "sdpa", "varlen"] = field(default="auto", metadata={
+        "doc": "'sdpa': SDPA with the block-diagonal mask (CPU: fused flash kernel); 'varlen': torch's varlen "
+               "kernel (torch.nn.attention.varlen, CUDA FlashAttention; untested on GPU) where it applies (CUDA, "
+               "fp16/bf16, causal or no mask, no dropout), SDPA elsewhere; 'auto': the same as 'varlen'"})
     require_boundaries: bool = field(default=True, metadata={
         "doc": "a training call without position_ids / cu_seq_lens_* / seq_idx is an error (packed rows "
                "without boundaries would mix examples)"})
@@ -414,11 +524,14 @@ class PackSequences(effpass.Pass):
         hook = _BoundaryHook(params, accepts_kwargs, max_pos, self.require_boundaries, self.check_inputs,
                              type(model).__name__)
         handle = model.register_forward_pre_hook(hook, with_kwargs=True)
-        model._effpass_pack_hooks = [handle]
+        after = model.register_forward_hook(hook.after_forward, with_kwargs=True)
+        model._effpass_pack_hooks = [handle, after]
         model._effpass_pack_counters = hook.stats
+        model._effpass_pack_hook = hook
         can_generate = getattr(model, "can_generate", None)
         hook.stats.causal_model = bool(can_generate()) if callable(can_generate) else False
         eager_hook = _run_top_level_frame_eagerly(_BoundaryHook.__call__)
+        _run_top_level_frame_eagerly(_BoundaryHook.after_forward)
         return effpass.PassResult(True, {"boundary_hook": 1, "max_positions": max_pos or 0,
                                          "position_ids_accepted": int("position_ids" in params),
                                          "length_marked_dynamic": int(eager_hook)},
@@ -427,21 +540,17 @@ class PackSequences(effpass.Pass):
     # -- torch-IR phase -------------------------------------------------------------------------------
     def transform_torch_ir(self, gm: fx.GraphModule, ctx) -> effpass.PassResult:
         graph = gm.graph
-        stats = {"sdpa_rewritten": 0, "softmax_masked": 0, "flash_varlen": 0, "skipped": 0}
+        stats = {"sdpa_rewritten": 0, "softmax_masked": 0, "sink_columns_kept": 0, "positions_per_example": 0,
+                 "varlen": 0, "boundary_from_context": 0, "skipped": 0}
         skipped: list[dict] = []
-        sites = [n for n in graph.nodes if (_is_sdpa(n) or _is_softmax(n)) and ctx.allows(n)]
+        hook = getattr(ctx.model, "_effpass_pack_hook", None)
+        if hook is not None:
+            hook.graphs += 1
+        gname = _graph_name(graph, hook)
+        sites = [n for n in graph.nodes if _is_sdpa(n) or _is_softmax(n)]
         if not sites:
             return effpass.PassResult(False, stats)
         boundary = _find_boundary(graph)
-        if boundary is None:
-            for n in sites:
-                if _is_sdpa(n) or _attention_softmax(n):
-                    stats["skipped"] += 1
-                    skipped.append({"site": _where(n), "reason": "no boundary input (position_ids, cu_seq_lens_q/k, "
-                                                                 "seq_idx) in this graph"})
-            return effpass.PassResult(False, stats, skipped=skipped)
-        kind, bnode = boundary
-        stats[f"boundary_{kind}"] = 1
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         new_nodes: list[fx.Node] = []
 
@@ -450,51 +559,83 @@ class PackSequences(effpass.Pass):
             new_nodes.append(n)
             return n
 
-        doc = masks = n_len = None
+        prologue: _Prologue | None = None
+
+        def get_prologue(site: fx.Node, like: fx.Node, batch_dim: int, length_dim: int) -> _Prologue:
+            nonlocal prologue
+            if prologue is None:
+                if boundary is not None:
+                    kind, bnode = boundary
+                    stats[f"boundary_{kind}"] = 1
+                    prologue = _Prologue.from_boundary(graph, placeholders, kind, bnode, call)
+                else:  # after a graph break: the per-call context the boundary hook set
+                    stats["boundary_from_context"] = 1
+                    prologue = _Prologue.from_context(graph, site, like, batch_dim, length_dim, call)
+            return prologue
+
         costs: dict[str, tuple[int, bool]] = {}  # attention site -> (FLOPs per attended pair and row, causal)
+        unisolated: list[tuple[str, str, str]] = []
         for site in sites:
             where = _where(site)
             try:
+                if not ctx.allows(site):
+                    if _is_sdpa(site) or _attention_scores(site) is not None:
+                        raise Skip("excluded by targets/exclude, but an attention site left alone mixes the "
+                                    "packed examples")
+                    continue
                 if _is_sdpa(site):
+                    op = attention_op(site)
+                    if not op.maskable:
+                        raise Skip(f"{op.owner}'s attention op {getattr(op.target, '__name__', op.target)} takes "
+                                   "no other mask (pack_sequences cannot make it block-diagonal); run that pass "
+                                   "after packing is off, or use SDPA")
                     q, k, v, mask, dropout_p, is_causal, scale, gqa = _sdpa_args(site)
-                    sq, sk = _shape(q)[-2], _shape(k)[-2]
-                    if doc is None:
-                        doc, masks, n_len = self._prologue(graph, placeholders, kind, bnode, call)
-                    if not (_same(sq, n_len) and _same(sk, n_len)):
-                        raise _Skip(f"query/key lengths ({sq}, {sk}) are not the packed length {n_len} "
+                    sq, sk = shape_of(q)[-2], shape_of(k)[-2]
+                    pro = get_prologue(site, q, 0, -2)
+                    if not (_same(sq, pro.n_len) and _same(sk, pro.n_len)):
+                        raise Skip(f"query/key lengths ({sq}, {sk}) are not the packed length {pro.n_len} "
                                     "(decoding with a cache or cross-attention)")
-                    flash = (self.kernel != "sdpa" and _flash_varlen_usable(q, mask, dropout_p))
+                    stats["positions_per_example"] += _per_example_positions(graph, site, pro, call)
+                    q, k, v, mask, dropout_p, is_causal, scale, gqa = _sdpa_args(site)
+                    varlen = self.kernel != "sdpa" and _varlen_usable(q, mask, dropout_p)
                     with graph.inserting_before(site):
-                        if flash:
-                            new = call(_flash_varlen, q, k, v, doc, is_causal, scale)
-                            stats["flash_varlen"] += 1
+                        if varlen:
+                            new = call(packed_varlen, q, k, v, pro.doc, is_causal, scale, gqa)
+                            stats["varlen"] += 1
                         else:
-                            same = masks(bool(is_causal))
-                            new = call(packed_sdpa, q, k, v, same, attn_mask=mask, dropout_p=dropout_p,
-                                       scale=scale, enable_gqa=gqa)
+                            new = call(packed_sdpa, q, k, v, pro.mask(bool(is_causal)), attn_mask=mask,
+                                       dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
                     _set_meta([new], site)
                     site.replace_all_uses_with(new)
                     graph.erase_node(site)
                     stats["sdpa_rewritten"] += 1
                     costs[where.rsplit(":", 1)[0] + f"#{len(costs)}"] = (_pair_cost(q, v), bool(is_causal))
                 else:
-                    scores = _attention_softmax(site)
-                    if scores is None:
+                    found = _attention_scores(site)
+                    if found is None:
                         continue  # not attention: a softmax over something else (e.g. MoE routing)
-                    if doc is None:
-                        doc, masks, n_len = self._prologue(graph, placeholders, kind, bnode, call)
-                    sh = _shape(scores)
-                    if not (_same(sh[-1], n_len) and _same(sh[-2], n_len)):
-                        continue
-                    with graph.inserting_before(site):
-                        masked = call(mask_scores, scores, masks(False))
+                    scores, extra = found
+                    sh = shape_of(scores)
+                    pro = get_prologue(site, scores, 0, -2)
+                    if not (_same(sh[-1], pro.n_len) and _same(sh[-2], pro.n_len)):
+                        raise Skip(f"scores {sh} are not (packed length {pro.n_len})^2 (cross-attention?)")
+                    stats["positions_per_example"] += _per_example_positions(graph, site, pro, call)
+                    found = _attention_scores(site)
+                    scores, extra = found
+                    # NOTE(sinks): extra columns concatenated after the N key columns (learned attention
+                    # sinks) are not tokens: every row keeps them; only the token columns are masked
+                    user = extra if extra is not None else site
+                    with graph.inserting_before(user):
+                        masked = call(mask_scores, scores, pro.mask(False))
                     _set_meta([masked], site)
-                    site.replace_input_with(scores, masked)
+                    user.replace_input_with(scores, masked)
                     stats["softmax_masked"] += 1
+                    stats["sink_columns_kept"] += int(extra is not None)
                     costs[where.rsplit(":", 1)[0] + f"#{len(costs)}"] = (_scores_pair_cost(scores), False)
-            except _Skip as e:
+            except Skip as e:
                 stats["skipped"] += 1
                 skipped.append({"site": where, "reason": str(e)})
+                unisolated.append((gname, where, str(e)))
         changed = stats["sdpa_rewritten"] + stats["softmax_masked"] > 0
         # FLOPs per attended (query, key) pair and row, summed over this graph's attention sites (static)
         stats["attention_flops_per_pair"] = sum(c for c, _ in costs.values())
@@ -502,53 +643,115 @@ class PackSequences(effpass.Pass):
         if counters is not None and costs:
             # NOTE: keyed by module path, so a recompiled graph replaces its sites and graph pieces add up
             counters.sites.update(costs)
+        if unisolated:
+            # NOTE(fail closed): never a warning. A packed call in progress raises now; the graph may also
+            # serve calls that are not packed (generation), so it is kept, and the boundary hook raises at
+            # the next packed call.
+            if hook is not None:
+                hook.unisolated.extend(unisolated)
+            if _CONTEXT.doc is not None or hook is None:
+                raise effpass.WrongResultError(_unisolated_message(
+                    type(ctx.model).__name__ if ctx.model is not None else "the model", unisolated))
         if changed:
             _set_meta([n for n in new_nodes if "example_value" not in n.meta], None)
             graph.lint()
-        if stats["skipped"] and not changed:
-            warnings.warn(f"effpass: pack_sequences rewrote no attention in this graph: {skipped[:2]}", RuntimeWarning,
-                          stacklevel=2)
         return effpass.PassResult(changed, stats, skipped=skipped)
 
-    @staticmethod
-    def _prologue(graph, placeholders, kind, bnode, call):
-        """Insert (once per graph) the document ids and a lazily made mask per causality."""
-        cache: dict[bool, fx.Node] = {}
+
+class _Prologue:
+    """The per-graph nodes every site shares: document ids, per-example positions, one mask per causality."""
+
+    def __init__(self, graph, call, doc: fx.Node, pos: fx.Node, n_len, anchor: fx.Node):
+        self.graph, self.call, self.doc, self.pos, self.n_len = graph, call, doc, pos, n_len
+        self._anchor = anchor
+        self._masks: dict[bool, fx.Node] = {}
+        self._pos_row: fx.Node | None = None
+        self.batch = None  #: packed rows per call (static int, or a symbol)
+
+    def mask(self, causal: bool) -> fx.Node:
+        if causal not in self._masks:
+            with self.graph.inserting_after(self._anchor):
+                self._masks[causal] = self.call(same_document_mask, self.doc, causal)
+            _set_meta([self._masks[causal]], None)
+        return self._masks[causal]
+
+    def pos_row(self) -> fx.Node:
+        """Per-example positions of the (single) packed row, shape ``(N,)``."""
+        if self._pos_row is None:
+            with self.graph.inserting_after(self._anchor):
+                self._pos_row = self.call(_first_row, self.pos)
+            _set_meta([self._pos_row], None)
+        return self._pos_row
+
+    @classmethod
+    def from_boundary(cls, graph, placeholders, kind, bnode, call) -> "_Prologue":
         src = bnode
         if kind in ("cu_seq_lens_q", "cu_seq_lens_k"):
             # NOTE: the packed length N is the tokens' length (cu_seq_lens has one entry per example)
-            src = next((n for n in placeholders if _TOKENS_RE.match(str(n.target)) and _shape(n)), None)
+            src = next((n for n in placeholders if _TOKENS_RE.match(str(n.target)) and shape_of(n)), None)
             if src is None:
-                raise _Skip("cu_seq_lens boundaries without input_ids / inputs_embeds in the graph")
+                raise Skip("cu_seq_lens boundaries without input_ids / inputs_embeds in the graph")
         dim = 1 if src is not bnode else -1
-        with graph.inserting_after(placeholders[-1]):
+        after = bnode if bnode.op != "placeholder" else placeholders[-1]
+        with graph.inserting_after(after):
             n_len_node = call(torch.Tensor.size, src, dim)
-        n_len = _shape(src)[dim]
         with graph.inserting_after(n_len_node):
             doc = call(document_ids, kind, bnode, n_len_node)
-        _set_meta([n_len_node, doc], None)
+        with graph.inserting_after(doc):
+            pos = call(positions_of, kind, bnode, n_len_node)
+        _set_meta([n_len_node, doc, pos], None)
+        pro = cls(graph, call, doc, pos, shape_of(src)[dim], pos)
+        pro.batch = shape_of(bnode)[0] if kind in ("position_ids", "seq_idx") and shape_of(bnode) else 1
+        return pro
 
-        def masks(causal: bool) -> fx.Node:
-            if causal not in cache:
-                with graph.inserting_after(doc):
-                    cache[causal] = call(same_document_mask, doc, causal)
-                _set_meta([cache[causal]], None)
-            return cache[causal]
+    @classmethod
+    def from_context(cls, graph, site, like, batch_dim, length_dim, call) -> "_Prologue":
+        import operator
 
-        return doc, masks, n_len
+        with graph.inserting_before(site):
+            both = call(torch.ops.effpass.pack_context_get.default, like, batch_dim, length_dim)
+            doc = call(operator.getitem, both, 0)
+            pos = call(operator.getitem, both, 1)
+        _set_meta([both], None)
+        vals = both.meta.get("example_value")
+        if isinstance(vals, (tuple, list)) and len(vals) == 2:
+            doc.meta["example_value"], pos.meta["example_value"] = vals
+        else:
+            _set_meta([doc, pos], None)
+        pro = cls(graph, call, doc, pos, shape_of(like)[length_dim], pos)
+        pro.batch = shape_of(like)[batch_dim]
+        return pro
 
 
-class _Skip(Exception):
-    pass
+def _first_row(pos: torch.Tensor) -> torch.Tensor:
+    return pos[0]
+
+
+def positions_of(kind: str, boundary: torch.Tensor, n: int) -> torch.Tensor:
+    """Per-example positions ``(1 or B, N)`` from a boundary tensor of kind ``kind``."""
+    if kind == "position_ids":
+        return boundary.long()
+    return position_ids_from(kind, boundary, n).reshape(-1, n)
+
+
+def _graph_name(graph: fx.Graph, hook) -> str:
+    ins = [str(n.target) for n in graph.nodes if n.op == "placeholder"]
+    listed = ", ".join(ins[:4]) + (", ..." if len(ins) > 4 else "")
+    k = f" #{hook.graphs}" if hook is not None else ""
+    return f"graph{k} (inputs {listed})"
+
+
+def _unisolated_message(model_name: str, sites: list[tuple[str, str, str]]) -> str:
+    listed = "; ".join(f"{site} in {g}: {why}" for g, site, why in sites[:4])
+    more = f" (and {len(sites) - 4} more)" if len(sites) > 4 else ""
+    return (f"pack_sequences: {model_name} has attention that could not be made block-diagonal per example, so "
+            f"packed examples would attend to each other: {listed}{more}. Avoid it by training this model with "
+            "padded batches (no packing), by removing what the reason names, or by leaving these modules out of "
+            "the model's attention path; the pass never runs a packed row it did not isolate")
 
 
 def _where(n: fx.Node) -> str:
     return f"{module_path_of_node(n) or '<root>'}:{n.name}"
-
-
-def _shape(n: Any):
-    v = tensor_meta(n) if isinstance(n, fx.Node) else None
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
 def _same(a, b) -> bool:
@@ -568,28 +771,61 @@ def _same(a, b) -> bool:
 
 
 def _is_sdpa(n: fx.Node) -> bool:
-    if n.op != "call_function":
-        return False
-    if n.target in _SDPA_FNS or n.target is masked_sdpa:
-        return True
-    return getattr(n.target, "__name__", "") == "attention" and getattr(n.target, "__module__", "").endswith(
-        "_flash_attn_op")
+    """A call of a fused attention op with SDPA's signature (the core's registry, :mod:`effpass.attention`:
+    SDPA, masked_sdpa and what other passes register). A registered op that takes no extra mask is a site
+    too: :meth:`PackSequences.transform_torch_ir` refuses it (it cannot be isolated)."""
+    return attention_op(n) is not None
 
 
-def _is_softmax(n: fx.Node) -> bool:
-    return (n.op == "call_function" and n.target in _SOFTMAX_FNS) or (n.op == "call_method" and n.target == "softmax")
-
-
-def _attention_softmax(sm: fx.Node) -> fx.Node | None:
-    """The score input of a softmax over the last dim of a ``(..., S, S)`` tensor (>= 3 dims), else None."""
+def _softmax_input(sm: fx.Node) -> fx.Node | None:
+    """The input of a softmax over the last dim of a tensor of >= 3 dims, else None."""
     x = sm.args[0] if sm.args else sm.kwargs.get("input")
-    sh = _shape(x)
+    sh = shape_of(x)
     if sh is None or len(sh) < 3:
         return None
     dim = sm.args[1] if len(sm.args) > 1 else sm.kwargs.get("dim")
     if not isinstance(dim, int) or dim % len(sh) != len(sh) - 1:
         return None
     return x
+
+
+def _attention_scores(sm: fx.Node) -> tuple[fx.Node, fx.Node | None] | None:
+    """``(scores, None)`` for a softmax over a square ``(..., S, S)`` score matrix; ``(scores, cat)`` for a
+    softmax over ``cat([scores, extra], -1)`` where ``scores`` is square (learned attention sinks: N x (N+k));
+    None for any other softmax (not attention: MoE routing, ...)."""
+    x = _softmax_input(sm)
+    if x is None:
+        return None
+    sh = shape_of(x)
+    if _static_same(sh[-1], sh[-2]):
+        return x, None
+    src = x
+    for _ in range(6):  # back through elementwise steps between the cat and the softmax (casts, x - x.max())
+        if src.op == "call_function" and src.target in (torch.cat, torch.concat, torch.concatenate):
+            break
+        nxt = src.args[0] if src.args and isinstance(src.args[0], fx.Node) else None
+        if nxt is None or src.op not in ("call_function", "call_method") or shape_of(nxt) != sh:
+            return None
+        src = nxt
+    if src.op == "call_function" and src.target in (torch.cat, torch.concat, torch.concatenate):
+        parts = src.args[0] if src.args else src.kwargs.get("tensors")
+        dim = src.args[1] if len(src.args) > 1 else src.kwargs.get("dim", 0)
+        if isinstance(parts, (list, tuple)) and parts and isinstance(parts[0], fx.Node):
+            ps = shape_of(parts[0])
+            if ps is not None and isinstance(dim, int) and dim % len(ps) == len(ps) - 1 and _static_same(ps[-1], ps[-2]):
+                return parts[0], src
+    return None
+
+
+def _static_same(a, b) -> bool:
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    try:
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        return bool(statically_known_true(a == b))
+    except Exception:
+        return False
 
 
 def _sdpa_args(n: fx.Node):
@@ -601,16 +837,16 @@ def _sdpa_args(n: fx.Node):
         vals["scale"] = n.args[6]
     q, k, v = vals.get("query"), vals.get("key"), vals.get("value")
     if not all(isinstance(t, fx.Node) for t in (q, k, v)):
-        raise _Skip("q, k or v is not a tensor")
-    if _shape(q) is None or len(_shape(q)) != 4:
-        raise _Skip("q is not (batch, heads, length, head_dim)")
+        raise Skip("q, k or v is not a tensor")
+    if shape_of(q) is None or len(shape_of(q)) != 4:
+        raise Skip("q is not (batch, heads, length, head_dim)")
     is_causal = vals.get("is_causal", False)
     dropout = vals.get("dropout_p", 0.0)
     if not isinstance(is_causal, bool):
-        raise _Skip("is_causal is not a constant")
+        raise Skip("is_causal is not a constant")
     mask = vals.get("attn_mask")
     if mask is not None and not isinstance(mask, fx.Node):
-        raise _Skip("attn_mask is not a tensor")
+        raise Skip("attn_mask is not a tensor")
     return q, k, v, mask, dropout, is_causal, vals.get("scale"), bool(vals.get("enable_gqa", False))
 
 
@@ -624,14 +860,14 @@ def _static(x) -> int:
 def _pair_cost(q: fx.Node, v: fx.Node) -> int:
     """FLOPs per attended (query, key) pair and row of an SDPA call: ``2*H*D`` for ``q @ k^T`` plus
     ``2*H*Dv`` for ``p @ v``."""
-    qs, vs = _shape(q), _shape(v)
+    qs, vs = shape_of(q), shape_of(v)
     return 2 * _static(qs[-3]) * (_static(qs[-1]) + _static(vs[-1] if vs else qs[-1]))
 
 
 def _scores_pair_cost(scores: fx.Node) -> int:
     """FLOPs per pair and row of hand-written attention: heads from the scores' shape, the head dim from the
     ``q @ k^T`` matmul found by walking back through elementwise ops (scaling, soft-capping)."""
-    sh = _shape(scores)
+    sh = shape_of(scores)
     heads = _static(sh[-3]) if len(sh) >= 3 else 1
     n, d = scores, 0
     for _ in range(8):
@@ -639,16 +875,18 @@ def _scores_pair_cost(scores: fx.Node) -> int:
             break
         if n.target in (torch.matmul, torch.bmm, "matmul", "__matmul__") or getattr(n.target, "__name__", "") in (
                 "matmul", "bmm", "matmul_"):
-            qs = _shape(n.args[0]) if n.args else None
+            qs = shape_of(n.args[0]) if n.args else None
             d = _static(qs[-1]) if qs else 0
             break
-        n = next((a for a in n.args if isinstance(a, fx.Node) and _shape(a) is not None), None)
+        n = next((a for a in n.args if isinstance(a, fx.Node) and shape_of(a) is not None), None)
     return 4 * heads * d
 
 
 def _find_boundary(graph: fx.Graph) -> tuple[str, fx.Node] | None:
     found = {}
     for n in graph.nodes:
+        if n.op == "call_function" and n.target in _CONTEXT_SET_OPS:  # the hook, traced inline
+            return "position_ids", n
         if n.op != "placeholder":
             continue
         m = _PLACEHOLDER_RE.match(str(n.target))
@@ -662,35 +900,180 @@ def _find_boundary(graph: fx.Graph) -> tuple[str, fx.Node] | None:
     return None
 
 
-def _flash_varlen_usable(q: fx.Node, mask, dropout_p) -> bool:
+def _varlen_usable(q: fx.Node, mask, dropout_p) -> bool:
+    """torch's varlen kernel takes this site: CUDA, fp16/bf16, no mask but causal, no dropout, and this torch
+    has ``torch.nn.attention.varlen`` (feature-tested)."""
     if mask is not None or (not isinstance(dropout_p, (int, float))) or dropout_p != 0.0:
         return False
     v = tensor_meta(q)
     if not (isinstance(v, torch.Tensor) and v.is_cuda and v.dtype in (torch.float16, torch.bfloat16)):
         return False
-    from . import _flash_attn_op
-
-    return _flash_attn_op.available()
+    if v.shape[-1] % 8 or v.shape[-1] > 256:
+        return False
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _set_meta(nodes: list[fx.Node], like: fx.Node | None) -> None:
     """Provenance from ``like`` and fake example values for new nodes (best effort: AOT re-traces)."""
-    from torch._guards import detect_fake_mode
-
     for n in nodes:
         if like is not None:
-            for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr"):
-                if key in like.meta:
-                    n.meta[key] = like.meta[key]
-    for n in nodes:
-        vals = [tensor_meta(a) for a in n.all_input_nodes]
-        fake = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
-        if fake is None:
+            copy_provenance(n, like)
+        infer_fake_values([n])
+
+
+# ------------------------------------------------------------------------------------------------------
+# per-example positions for masks and scalings computed from absolute row positions (``arange(N)``)
+# ------------------------------------------------------------------------------------------------------
+_INPLACE_FN = {"iadd": "add", "isub": "sub", "imul": "mul", "itruediv": "truediv", "ifloordiv": "floordiv",
+               "iand": "and_", "ior": "or_", "ixor": "xor", "imod": "mod"}
+_VIEWS = {"view", "reshape", "unsqueeze", "expand", "expand_as", "to", "contiguous", "clone", "float", "long", "int",
+          "type_as", "flatten", "squeeze", "transpose", "permute", "repeat", "__getitem__", "getitem", "detach"}
+_CMP = {"lt", "le", "gt", "ge", "eq", "ne", "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__"}
+_LOGIC = {"and_", "or_", "xor", "__and__", "__or__", "__xor__", "invert", "__invert__", "logical_and", "logical_or",
+          "logical_not", "bitwise_and", "bitwise_or", "bitwise_not", "where", "masked_fill", "abs"}
+
+
+def _op_of(n: fx.Node) -> str:
+    t = n.target
+    name = t if isinstance(t, str) else getattr(t, "__name__", str(t))
+    return _INPLACE_FN.get(name, name[:-1] if name.endswith("_") and not name.endswith("__") else name)
+
+
+def _is_row_arange(n: fx.Node, n_len) -> bool:
+    """``torch.arange(N)`` / ``arange(0, N)`` / ``arange(0, N, 1)`` of the packed length: absolute row positions."""
+    if n.op != "call_function" or n.target is not torch.arange:
+        return False
+    sh = shape_of(n)
+    if sh is None or len(sh) != 1 or not _same(sh[0], n_len):
+        return False
+    args = list(n.args)
+    start = n.kwargs.get("start", args[0] if len(args) >= 2 else 0)
+    step = n.kwargs.get("step", args[2] if len(args) >= 3 else 1)
+    return isinstance(start, int) and start == 0 and isinstance(step, int) and step == 1
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen, stack = set(), list(node.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _absolute_index(n: fx.Node, dep: set[fx.Node], n_len) -> bool:
+    """``n`` indexes a per-token tensor (a dim of the packed length) with a position-derived index: the index
+    names a token of the row, so it must stay absolute (a padding mask read at ``kv_idx``)."""
+    op = _op_of(n)
+    if op in ("getitem", "__getitem__") and len(n.args) >= 2:
+        base, idx = n.args[0], n.args[1]
+        idx_nodes = [a for a in (idx if isinstance(idx, (tuple, list)) else (idx,)) if isinstance(a, fx.Node)]
+        if not any(a in dep for a in idx_nodes) or not isinstance(base, fx.Node):
+            return False
+    elif op in ("index_select", "gather", "take_along_dim", "index"):
+        base = n.args[0] if n.args else None
+    else:
+        return False
+    sh = shape_of(base) if isinstance(base, fx.Node) else None
+    return sh is not None and any(_static_same(d, n_len) for d in sh)
+
+
+def _shift_class(order: list[fx.Node], aranges: set[fx.Node], dep: set[fx.Node], n_len) -> dict[fx.Node, str]:
+    """Abstract interpretation: how each position-derived value changes when every absolute position shifts by
+    one example's offset: "P" shifts with it, "I" is unchanged (differences, comparisons of two positions, a
+    per-token value read at a position), "X" changes otherwise (``pos // chunk``, ``log(pos)``)."""
+    cls: dict[fx.Node, str] = {a: "P" for a in aranges}
+    for n in order:
+        if n in cls or n not in dep:
             continue
-        args = fx.node.map_arg(n.args, lambda a: tensor_meta(a))
-        kwargs = fx.node.map_arg(n.kwargs, lambda a: tensor_meta(a))
-        try:
-            with fake:
-                n.meta["example_value"] = n.target(*args, **kwargs)
-        except Exception:
-            pass
+        ins = [cls.get(a, "C") for a in n.all_input_nodes]  # "C": does not depend on positions
+        op = _op_of(n)
+        if _absolute_index(n, dep, n_len):
+            c = "I"
+        elif "X" in ins:
+            c = "X"
+        elif op in _VIEWS:
+            c = cls.get(n.args[0], "I") if isinstance(n.args[0], fx.Node) else "I"
+        elif op in ("add", "__add__", "__radd__"):
+            c = "X" if ins.count("P") > 1 else ("P" if "P" in ins else "I")
+        elif op in ("sub", "__sub__", "__rsub__"):
+            c = "I" if ins.count("P") == 2 else ("P" if "P" in ins else "I")
+        elif op in _CMP:
+            c = "I" if ins.count("P") in (0, 2) else "X"
+        elif op in _LOGIC:
+            c = "I" if "P" not in ins else "X"
+        else:
+            c = "I" if "P" not in ins else "X"
+        cls[n] = c
+    return cls
+
+
+def _per_example_positions(graph: fx.Graph, site: fx.Node, pro: "_Prologue", call) -> int:
+    """Give the masks and scalings that reach ``site`` from absolute row positions (``arange(N)``, e.g. HF's
+    ``cache_position``: a chunked local-attention mask, a position-dependent attention temperature) the
+    per-example positions instead: the position-derived nodes between the ``arange`` and the site are copied
+    with the positions substituted (indexing a per-token tensor keeps the absolute index), and the site reads
+    the copies. Returns the number of ``arange`` nodes substituted. With several packed rows in a call
+    (``B > 1``), where one vector cannot stand for every row's positions, only what does not change under a
+    shift of positions (differences, comparisons of two positions: causal and sliding-window masks) is left
+    as is; anything else raises :class:`Skip`."""
+    anc = _ancestors(site)
+    aranges = {n for n in anc if _is_row_arange(n, pro.n_len)}
+    if not aranges:
+        return 0
+    dep = set(aranges)
+    order = [n for n in graph.nodes if n in anc]
+    for n in order:
+        if n not in dep and any(a in dep for a in n.all_input_nodes):
+            dep.add(n)
+    site_ins = [a for a in site.all_input_nodes if a in dep]
+    if not site_ins:
+        return 0
+    batch = pro.batch
+    if not (isinstance(batch, int) and batch == 1):
+        cls = _shift_class(order, aranges, dep, pro.n_len)
+        bad = [a.name for a in site_ins if cls.get(a) in ("P", "X")]
+        if bad:
+            raise Skip(f"its mask or scaling ({', '.join(bad)}) is computed from absolute row positions "
+                        "(arange over the packed row) in a way that differs per example (e.g. chunked local "
+                        f"attention, a position-dependent temperature), and the call packs {batch} rows: per-example "
+                        "positions can stand in only with one packed row per call (DataCollatorWithFlattening and "
+                        "TRL padding_free make one row)")
+        return 0
+    subst: dict[fx.Node, fx.Node] = {}
+    row = pro.pos_row()
+    for a in aranges:
+        dtype = getattr(tensor_meta(a), "dtype", torch.long)
+        if dtype == torch.long:
+            subst[a] = row
+        else:
+            with graph.inserting_before(site):
+                subst[a] = call(torch.Tensor.to, row, dtype)
+            _set_meta([subst[a]], a)
+    for n in order:
+        if n in aranges or n not in dep or not any(i in subst for i in n.all_input_nodes):
+            continue
+        if _absolute_index(n, dep, pro.n_len):
+            continue  # reads a per-token tensor at a token of the row: stays absolute
+        # NOTE: copies go right before the site: after their inputs (ancestors of the site) and after the
+        # positions (which, read from the per-call context, may come after the original arange)
+        with graph.inserting_before(site):
+            copy = graph.node_copy(n, lambda x: subst.get(x, x))
+        name = copy.target if isinstance(copy.target, str) else getattr(copy.target, "__name__", "")
+        if name in _INPLACE_FN:  # NOTE: never mutate the per-example positions in place
+            import operator
+
+            copy.target = getattr(operator, _INPLACE_FN[name])
+        elif copy.op == "call_method" and name.endswith("_") and not name.endswith("__"):
+            copy.target = name[:-1]
+        elif copy.op == "call_function" and name.endswith("_") and not name.endswith("__") and hasattr(torch, name[:-1]):
+            copy.target = getattr(torch, name[:-1])
+        subst[n] = copy
+    site.args = fx.node.map_arg(site.args, lambda x: subst.get(x, x))
+    site.kwargs = fx.node.map_arg(site.kwargs, lambda x: subst.get(x, x))
+    return len(aranges)

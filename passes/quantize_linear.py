@@ -276,6 +276,19 @@ class QuantizeLinear(effpass.Pass):
     def default_note(cls) -> str:
         return "off (lossy: opt in with QuantizeLinear(scheme=...))"
 
+    @classmethod
+    def memory_options(cls, model=None, *, world_size=1):
+        """For the memory planner: an NF4 or int8 frozen base under LoRA adapters (lossy; the output head
+        stays in full precision, as QLoRA keeps it)."""
+        get_head = getattr(model, "get_output_embeddings", None)
+        head = get_head() if callable(get_head) else None
+        exclude = [n for n, m in model.named_modules() if head is not None and m is head and n] if model else []
+        return [effpass.MemoryOption(technique=s, options={"scheme": s, "exclude": exclude}, lossless=False,
+                                     group="base_weights", changes="parameters", phase="module",
+                                     requires=("inject_lora",), label=f"{s} base", order=i,
+                                     cost=f"dequantizes the {s} base weights in every matmul")
+                for i, s in enumerate(("int8", "nf4"))]
+
     def validate(self) -> None:
         for name in ("group_size", "block_size"):
             v = getattr(self, name)

@@ -129,7 +129,8 @@ class _UnitBackend:
         return self.backend(gm, example_inputs, **kwargs)
 
 
-@effpass.register_pass("wrap_fsdp", run_after=("inject_lora", "quantize_linear", "apply_autocast", "scale_loss"))
+@effpass.register_pass("wrap_fsdp", run_after=("inject_lora", "quantize_linear", "apply_autocast", "scale_loss",
+                                               "shard_sequence"))
 @dataclass(frozen=True, kw_only=True)
 class WrapFSDP(effpass.Pass):
     """Shard the model with FSDP2 per repeated block (root last) and compile inside each unit.
@@ -148,6 +149,16 @@ class WrapFSDP(effpass.Pass):
         .forward = torch.compile(..., backend=effpass)         root: head + loss in one graph, after
         model.forward = torch._dynamo.disable(...)              the boundary (run eagerly, units inside)
     """
+
+    @classmethod
+    def memory_options(cls, model=None, *, world_size=1):
+        """For the memory planner: ZeRO-3 sharding over ``world_size`` ranks (lossless; per-rank accounting
+        folded onto the one-rank replay)."""
+        if model is not None and world_size <= 1:
+            return []
+        return [effpass.MemoryOption(technique="fsdp", lossless=True, group="sharding", changes="sharding",
+                                     phase="module", sharding="zero3", label="fsdp",
+                                     cost="all-gathers each block's parameters in forward and backward")]
 
     reshard_after_forward: bool = field(default=True, metadata={
         "doc": "free each unit's gathered parameters after forward (ZeRO-3-like); False keeps them to backward (ZeRO-2-like)"})

@@ -11,7 +11,8 @@ import torch.nn as nn
 
 import effpass
 from effpass.passes import ApplyAutocast
-from effpass.passes.apply_autocast import dtype_counts, is_autocast_enter, node_dtypes
+from effpass.graph import is_autocast_enter
+from effpass.passes.apply_autocast import dtype_counts, node_dtypes
 from effpass.testing import compile_and_compare, dynamo_counters, loss_of, model_case, train_steps
 
 BF16 = torch.bfloat16

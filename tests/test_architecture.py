@@ -1,5 +1,11 @@
-"""The layout's rules, checked on the import graph (ast): the core never imports a pass or a tool, and
-no module of the package takes part in an import circle.
+"""The layout's rules, checked on the import graph (ast): the core never imports a pass or a tool, passes
+never import each other, and no module of the package takes part in an import circle.
+
+How a pass module is told from a pass's helper module: a *pass module* is a module of ``passes/`` whose
+code calls ``register_pass`` (it defines a registered pass); every other module there (``lora.py``,
+``fsdp_estimate.py``, ``_quant_formats.py``, ...) is a *helper module*. A pass module never imports another
+pass module; a helper module never imports a pass module and belongs to one pass: at most one pass module
+reaches it (directly or through other helpers). What two passes share is a contract and lives in the core.
 
     effpass/ core: backend manager pass_api config scope graph report dump
     effpass/<tool>/: cli, inspect, integrations, planning, testing, verification  -> may import the core
@@ -65,6 +71,72 @@ def _graph() -> nx.DiGraph:
         for dep in _imports(name, path, set(mods)):
             g.add_edge(name, dep)
     return g
+
+
+def _registers_a_pass(path: pathlib.Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            if name == "register_pass":
+                return True
+    return False
+
+
+def _pass_layout(mods: dict[str, pathlib.Path] | None = None):
+    """(pass modules, helper modules) of ``passes/``."""
+    mods = mods or _modules()
+    inside = {m: p for m, p in mods.items() if m.startswith("effpass.passes.")}
+    passes = {m for m, p in inside.items() if _registers_a_pass(p)}
+    return passes, set(inside) - passes
+
+
+def pass_layout_violations(g: nx.DiGraph, passes: set[str], helpers: set[str]) -> list[str]:
+    out = [f"pass {a} imports pass {b}" for a, b in g.edges if a in passes and b in passes]
+    out += [f"helper {a} imports pass {b}" for a, b in g.edges if a in helpers and b in passes]
+    helper_graph = g.subgraph(passes | helpers).edge_subgraph(
+        [(a, b) for a, b in g.edges if a in passes | helpers and b in helpers]).copy()
+    for h in sorted(helpers):
+        if h not in helper_graph:
+            continue
+        owners = sorted(p for p in passes if p in helper_graph and nx.has_path(helper_graph, p, h))
+        if len(owners) > 1:
+            out.append(f"helper {h} is shared by passes {owners}: put the contract in the core")
+    return sorted(out)
+
+
+#: violations that other helpers' work removes (issue 22.3), each named: the test below fails when one
+#: is gone, so the entry is deleted with the fix
+KNOWN_PASS_LAYOUT_VIOLATIONS = {
+    "pass effpass.passes.fuse_cross_entropy imports pass effpass.passes.quantize_linear",
+    "helper effpass.passes._quant_formats is shared by passes ['effpass.passes.fuse_cross_entropy', "
+    "'effpass.passes.quantize_linear']: put the contract in the core",
+}
+
+
+def test_passes_never_import_each_other():
+    passes, helpers = _pass_layout()
+    assert {"effpass.passes.fuse_attention", "effpass.passes.inject_lora"} <= passes
+    assert {"effpass.passes.lora", "effpass.passes._quant_formats"} <= helpers
+    bad = set(pass_layout_violations(_graph(), passes, helpers))
+    assert not bad - KNOWN_PASS_LAYOUT_VIOLATIONS, f"passes reach into each other: {sorted(bad - KNOWN_PASS_LAYOUT_VIOLATIONS)}"
+
+
+def test_known_pass_layout_violations_are_still_there():
+    """Delete an entry of KNOWN_PASS_LAYOUT_VIOLATIONS when its fix lands (this test says which)."""
+    passes, helpers = _pass_layout()
+    gone = KNOWN_PASS_LAYOUT_VIOLATIONS - set(pass_layout_violations(_graph(), passes, helpers))
+    assert not gone, f"fixed, remove from KNOWN_PASS_LAYOUT_VIOLATIONS: {sorted(gone)}"
+
+
+def test_pass_layout_detector_can_fail():
+    g = nx.DiGraph([("p.a", "p.b"), ("p.c", "p._h"), ("p.a", "p._h"), ("p._k", "p.a")])
+    bad = pass_layout_violations(g, {"p.a", "p.b", "p.c"}, {"p._h", "p._k"})
+    assert bad == ["helper p._h is shared by passes ['p.a', 'p.c']: put the contract in the core",
+                   "helper p._k imports pass p.a", "pass p.a imports pass p.b"]
+    # a helper of one pass, reached through another of its helpers, is fine
+    g = nx.DiGraph([("p.a", "p._h"), ("p._h", "p._k")])
+    assert pass_layout_violations(g, {"p.a"}, {"p._h", "p._k"}) == []
 
 
 def test_import_graph_sees_the_package():

@@ -19,7 +19,7 @@ from effpass.passes import FuseAttention
 from effpass.testing import compile_and_compare, model_case
 
 SDPA = "F.scaled_dot_product_attention"
-MASKED_SDPA = "_sdpa_safe.masked_sdpa"  # SDPA with the empty-row guard (masks from the inputs)
+MASKED_SDPA = "attention.masked_sdpa"  # SDPA with the empty-row guard (masks from the inputs)
 
 
 def _records(compiled):
@@ -622,8 +622,8 @@ def test_saved_for_backward_bytes_grow_linearly_once_fused():
 # options, defaults, Inductor
 # ------------------------------------------------------------------------------------------------------
 def test_bad_options_name_the_value_and_the_valid_ones():
-    with pytest.raises(ValueError, match="'bogus'.*sdpa"):
-        FuseAttention(kernel="bogus")
+    with pytest.raises(ValueError, match="'kernel'"):  # the flash-attn choice is gone: SDPA dispatches to flash
+        FuseAttention(kernel="sdpa")
     with pytest.raises(ValueError, match="-1"):
         FuseAttention(max_mask_eval_elements=-1)
     with pytest.raises(TypeError):
@@ -668,3 +668,25 @@ def test_bloom_form_with_operands_cast_to_the_autocast_dtype():
     assert stats["rewritten"] == 1 and stats["skipped"] == 0, (stats, _skipped(compiled))
     assert out.dtype == ref.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_repeat_kv_forms_are_torch_pattern_matcher_patterns():
+    """HF repeat_kv's fixed shape is matched by torch._inductor.pattern_matcher patterns; the new axis and the
+    shapes are the extra check (a repeat on another axis is not an un-repeatable K/V)."""
+    from effpass.passes.fuse_attention import _match_repeat_kv, _unrepeat
+
+    def graph_out(f):
+        gms = []
+        torch._dynamo.reset()
+        torch.compile(f, backend=lambda gm, ex: gms.append(gm) or gm.forward, fullgraph=True)(torch.randn(2, 2, 5, 4))
+        return next(n for n in gms[0].graph.nodes if n.op == "output").args[0][0]
+
+    forms = {
+        "getitem": lambda k: k[:, :, None, :, :].expand(2, 2, 3, 5, 4).reshape(2, 6, 5, 4),
+        "unsqueeze": lambda k: torch.unsqueeze(k, 2).expand((2, 2, 3, 5, 4)).reshape(2, 6, 5, 4),
+        "wrong_axis": lambda k: k.unsqueeze(3).expand(2, 2, 5, 3, 4).reshape(2, 6, 5, 4),
+    }
+    got = {name: (bool(_match_repeat_kv(n := graph_out(f))), _unrepeat(n, None)) for name, f in forms.items()}
+    assert got["getitem"][0] and got["getitem"][1][1] == 3 and got["getitem"][1][0].op == "placeholder"
+    assert got["unsqueeze"][0] and got["unsqueeze"][1][1] == 3
+    assert got["wrong_axis"] == (True, None)

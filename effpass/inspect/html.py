@@ -104,6 +104,10 @@ def _graphs_of_report(report: CompileReport) -> list[dict[str, Any]]:
         d = graph_index(g, report.options)
         d["_dir"], d["_name"] = g.dump_path, (os.path.basename(g.dump_path) if g.dump_path else g.graph_id)
         out.append(d)
+    plan = getattr(report, "memory_plan", None)
+    if plan is not None and out and out[0].get("memory_plan") is None:
+        # effpass.compile(memory_budget=...): the planner's choice, with its timelines, under the first graph
+        out[0]["memory_plan"] = plan.to_dict() if hasattr(plan, "to_dict") else plan
     return out
 
 
@@ -371,6 +375,12 @@ def _pass_rows(g: dict[str, Any]) -> str:
 
 
 def _memory_plan(plan: Any) -> str:
+    if isinstance(plan, dict) and plan.get("timelines"):
+        from .timeline import timeline_svg
+
+        rest = {k: v for k, v in plan.items() if k != "timelines"}
+        return (f'<div class="timeline"><h5>Where memory goes (predicted, one step)</h5>'
+                f'{timeline_svg(list(plan["timelines"].items()))}</div>' + _memory_plan(rest))
     if isinstance(plan, dict) and isinstance(plan.get("rows"), list):
         cols = plan.get("columns") or sorted({k for row in plan["rows"] if isinstance(row, dict) for k in row})
         head = "".join(f"<th>{_e(c)}</th>" for c in cols)

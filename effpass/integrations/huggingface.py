@@ -200,7 +200,7 @@ def _save_pretrained(self, save_directory, *args, is_main_process: bool = True, 
     import effpass
 
     lora = effpass.lora
-    if not lora.lora_modules(self):
+    if not lora.lora_modules(self) and not lora.expert_lora_modules(self):
         return type(self).save_pretrained(self, save_directory, *args, is_main_process=is_main_process, **kwargs)
     if not is_main_process:
         return None

@@ -78,14 +78,19 @@ def _add_arguments(p) -> None:
     p.add_argument("--batch", type=int, required=True, help="micro-batch (per rank)")
     p.add_argument("--seq", type=int, required=True, help="sequence length")
     p.add_argument("--budget", required=True, help="memory per device, e.g. 24GiB")
-    p.add_argument("--allow", nargs="*", default=[], help="lossy techniques the plan may use: nf4 int8 adamw8bit")
+    p.add_argument("--allow", nargs="*", default=[], help="lossy techniques the plan may use (the memory options registered passes declare, e.g. a quantized base or 8-bit optimizer states; docs/memory_planner.md)")
     p.add_argument("--world-size", dest="world_size", type=int, default=1, help="ranks (FSDP is tried when > 1)")
     p.add_argument("--lora", type=int, default=None, metavar="RANK", help="train LoRA adapters of this rank")
     p.add_argument("--passes", default=None, help='the pipeline as JSON, e.g. \'{"fuse_attention": {}}\'')
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit", "none"])
+    p.add_argument("--optimizer", default="adamw", help="an optimizer registered with effpass.register_optimizer "
+                   "(adamw is torch's AdamW), or none")
     p.add_argument("--dtype", default=None, help="parameter dtype (default: the config's)")
     p.add_argument("--device", default="cpu", help="device to predict for (fake tensors; cuda is untested)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--html", metavar="OUT.html", help="also draw where memory goes: live bytes over one step, "
+                   "stacked by category, one curve per candidate plan")
+    p.add_argument("--memory-viz", dest="memory_viz", metavar="OUT.pickle",
+                   help="also write the chosen plan's timeline as a snapshot for https://pytorch.org/memory_viz")
 
 
 def _run(args) -> int:
@@ -108,6 +113,8 @@ def _run(args) -> int:
         return 2
     except (ValueError, TypeError) as e:
         raise SystemExit(f"effpass plan: {e}") from None
+    if args.html or args.memory_viz:
+        _write_pictures(plan, args)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=1))
         return 0
@@ -116,6 +123,24 @@ def _run(args) -> int:
           + (f", {args.world_size} ranks" if args.world_size > 1 else "") + " (predictions, not measurements)")
     print(plan.summary())
     return 0
+
+
+def _write_pictures(plan, args) -> None:
+    from ..inspect.timeline import memory_viz_snapshot, write_timeline_html
+
+    curves = plan.timelines()
+    if args.html:
+        write_timeline_html(args.html, curves, title=f"effpass plan: {args.config}, batch {args.batch} x {args.seq}",
+                            text=plan.summary())
+        print(f"wrote {args.html}", file=sys.stderr)
+    if args.memory_viz:
+        import pickle
+
+        if not curves:
+            raise SystemExit("effpass plan: the chosen plan has no recorded timeline to export")
+        with open(args.memory_viz, "wb") as f:
+            pickle.dump(memory_viz_snapshot(curves[0][1]), f)
+        print(f"wrote {args.memory_viz}", file=sys.stderr)
 
 
 effpass.register_command("plan", help="choose passes that fit a training step of a HF config into a memory budget",

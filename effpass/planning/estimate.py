@@ -3,7 +3,8 @@
 How: the model is copied with every parameter, buffer and tensor attribute replaced by a *fake* tensor
 (``torch._subclasses.FakeTensor``: shape, dtype and device, no storage) on the target device, the
 module-level passes run on the copy (quantization and adapters make fake buffers and parameters), then
-the copy is compiled with effpass (``lowering="eager"``: the AOTAutograd joint graph, passes and min-cut
+the copy is compiled by an effpass backend built directly (no loop back through ``effpass.compile``;
+``lowering="eager"``: the AOTAutograd joint graph, passes and min-cut
 partition run op by op; ``lowering="inductor"``: Inductor compiles, and its generated wrapper runs with
 fake allocations and no kernels, see :func:`_fake_wrapper`) and one training step (forward, backward,
 optimizer step, ``zero_grad``) runs twice on fake inputs: the first compiles and creates the optimizer states, the second
@@ -21,7 +22,16 @@ a dispatch mode makes Dynamo skip compiling unless ``ignore_compile_internals()`
 unties tied weights (the copy maps each parameter object once); ``torch.tensor(...)`` inside traced
 model code needs fake-tensor "non-fake inputs" allowed.
 
-The GPU path (fake CUDA tensors) is untested: no GPU was available when this was written.
+Every byte is counted as storage holds it (``effpass.quantized.storage_bytes``: tensor subclasses such as
+torchao's NF4 and int8 weights by their inner tensors, each storage once). For ``device="cuda"`` every
+storage is rounded up to the CUDA caching allocator's 512-byte block, as torch's ``MemTracker`` does.
+
+All process-wide patching the replay needs (Inductor's compiled graphs run their generated wrapper with fake
+allocations; Dynamo's fake modes accept real constants) happens inside one context manager,
+:func:`replay_patches`, and is undone when it exits.
+
+The GPU path (fake CUDA tensors, the allocator rounding) is untested: no GPU was available when this was
+written.
 """
 from __future__ import annotations
 
@@ -41,10 +51,35 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["MemoryEstimate", "estimate_memory", "training_step", "OPTIMIZERS", "format_bytes", "parse_size"]
+__all__ = ["MemoryEstimate", "estimate_memory", "training_step", "format_bytes", "parse_size", "with_optimizer",
+           "optimizer_replay", "replay_patches", "fold_fsdp"]
 
-OPTIMIZERS = ("adamw", "adamw8bit", None)
 _GIB = 1024 ** 3
+#: the CUDA caching allocator's smallest block (torch.distributed._tools.mem_tracker._PYTORCH_MIN_ALLOCATE)
+CUDA_MIN_ALLOCATE = 512
+
+
+def _alloc_bytes(n: int, device) -> int:
+    """Bytes the device's allocator holds for a storage of ``n`` bytes (CUDA: rounded up to 512)."""
+    if torch.device(device).type == "cuda" and n:
+        return -(-n // CUDA_MIN_ALLOCATE) * CUDA_MIN_ALLOCATE
+    return n
+
+
+def _bytes(tensors, device="cpu") -> int:
+    """Storage-true bytes of ``tensors`` (each storage once), as the device's allocator holds them."""
+    from effpass.quantized import inner_tensors, _storage_key_and_bytes
+
+    seen, total = set(), 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        for inner in inner_tensors(t):
+            key, n = _storage_key_and_bytes(inner)
+            if key not in seen:
+                seen.add(key)
+                total += _alloc_bytes(n, device)
+    return total
 
 from effpass.config import parse_size  # noqa: E402  (re-exported)
 
@@ -87,11 +122,12 @@ class MemoryEstimate:
     gradients_at_peak: int = 0
     phase_peaks: dict = field(default_factory=dict)  # peak above the start within each phase
     trainable_numels: list = field(default_factory=list)
+    trainable_shapes: list = field(default_factory=list)  # (shape, dtype name) of each trainable parameter
     flops: int = 0                  # of the step: matmul/attention FLOPs (torch's flop counter) + 1 per element
                                     # written by any other op
     optimizer: str | None = "adamw"
     world_size: int = 1
-    sharding: str = "none"          # "none" or "fsdp" (ZeRO-3 accounting, see fold_fsdp)
+    sharding: str = "none"          # "none" or the folded sharding mode, e.g. "zero3" (see fold_fsdp)
     device: str = "cpu"
     replay_lowering: str = "eager"
     requested_lowering: str = "eager"
@@ -101,6 +137,8 @@ class MemoryEstimate:
     notes: list = field(default_factory=list)
     largest_unit_bytes: int = 0     # parameters of the largest block (FSDP unit), after module passes
     depths: list = field(default_factory=list)  # block counts replayed when extrapolated (else empty)
+    #: live bytes over the step by category (:func:`step_timeline`); None when not recorded (extrapolated)
+    timeline: dict | None = None
 
     def breakdown(self) -> dict[str, int]:
         return {"parameters": self.parameters, "buffers": self.buffers, "inputs": self.inputs,
@@ -189,8 +227,9 @@ class _Tracker(TorchDispatchMode):
     def ignore_compile_internals(cls):  # NOTE: else Dynamo skips compiling under this mode
         return True
 
-    def __init__(self, params: Sequence[torch.Tensor] = ()):
+    def __init__(self, params: Sequence[torch.Tensor] = (), device="cpu"):
         super().__init__()
+        self.device = torch.device(device)
         self.live = 0
         self.peak = 0
         self.sizes: dict[int, int] = {}
@@ -200,6 +239,7 @@ class _Tracker(TorchDispatchMode):
         self.largest = (0, "-")
         self.params = list(params)
         self.grads_at_peak = 0
+        self.events = []
         self.phase_peaks: dict[str | None, int] = {}
         self.graphs: dict[tuple[str, str], str] = {}
         self.flops = 0
@@ -212,6 +252,8 @@ class _Tracker(TorchDispatchMode):
             pass
 
     def reset(self):
+        #: (+bytes or -bytes, storage key, phase, op) per allocation and free of the measured step: the timeline
+        self.events: list[tuple[int, int, str | None, str]] = []
         self.live = self.peak = 0
         self.peak_where = ("-", "-", "-")
         self.largest = (0, "-")
@@ -220,7 +262,10 @@ class _Tracker(TorchDispatchMode):
         self.phase_peaks = {}
 
     def _free(self, key):
-        self.live -= self.sizes.pop(key, 0)
+        n = self.sizes.pop(key, 0)
+        self.live -= n
+        if n and self.enabled:
+            self.events.append((-n, key, self.phase, ""))
 
     def _where(self, func) -> tuple[str, str]:
         f = sys._getframe(2)
@@ -257,27 +302,31 @@ class _Tracker(TorchDispatchMode):
                 pass
         elif not func.is_view:  # every other op: one per element it writes
             self.flops += sum(t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        from effpass.quantized import inner_tensors
+
         flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         ins = set()
         for a in flat_in:
-            try:
-                ins.add(a.untyped_storage()._cdata)
-            except Exception:
-                pass
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
+            for i in inner_tensors(a):
+                try:
+                    ins.add(i.untyped_storage()._cdata)
+                except Exception:
+                    pass
+        # NOTE(subclasses): a wrapper subclass (NF4, int8, 8-bit optimizer states) holds its inner tensors'
+        # storages; its own ops run below this mode, so its outputs are sized by their inner tensors here
+        for t in (i for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) for i in inner_tensors(o)):
             try:
                 st = t.untyped_storage()
-            except Exception:  # tensor subclasses without one storage: their inner ops are tracked
+            except Exception:  # pragma: no cover - a tensor without a storage
                 continue
             key = st._cdata
             if key in ins or key in self.sizes:
                 continue
-            n = st.nbytes()
+            n = _alloc_bytes(st.nbytes(), self.device)
             self.sizes[key] = n
             weakref.finalize(st, self._free, key)
             self.live += n
+            self.events.append((n, key, self.phase, str(getattr(func, "__name__", func))))
             if n > self.largest[0]:
                 self.largest = (n, f"{func} in the {self.phase}")
             if self.live > self.phase_peaks.get(self.phase, 0):
@@ -287,9 +336,70 @@ class _Tracker(TorchDispatchMode):
                 graph, node = self._where(func)
                 self.peak_where = (self.phase or "-", graph, node)
                 if self.phase in ("backward", "optimizer"):
-                    self.grads_at_peak = sum(p.grad.untyped_storage().nbytes() for p in self.params
-                                             if p.grad is not None)
+                    self.grads_at_peak = _bytes([p.grad for p in self.params if p.grad is not None],
+                                                self.device)
         return out
+
+
+TIMELINE_CATEGORIES = ("parameters", "optimizer states", "inputs", "saved activations", "gradients", "transients")
+
+
+def step_timeline(events, est: "MemoryEstimate", max_points: int = 600) -> dict:
+    """Live bytes over one step, stacked by category, from the tracker's allocation events.
+
+    What is live at the step's start is constant (parameters and buffers, optimizer states, inputs). What the
+    step allocates is classified by when it was made and freed: made in the forward and alive past it = saved
+    activations (the loss included); made in the backward and alive into the optimizer step or past it =
+    gradients; everything else = transients. Downsampled to ``max_points`` points, keeping each bucket's
+    highest point (so the peak is drawn at its height)."""
+    made: dict[int, str | None] = {}
+    freed: dict[int, str | None] = {}
+    for delta, key, phase, _ in events:
+        if delta > 0:
+            made[key] = phase
+            freed.pop(key, None)
+        else:
+            freed[key] = phase
+
+    def category(key) -> str:
+        a, f = made.get(key), freed.get(key, "end")
+        if a == "forward" and f != "forward":
+            return "saved activations"
+        if a == "backward" and f != "backward":
+            return "gradients"
+        return "transients"
+
+    static = {"parameters": est.parameters + est.buffers, "optimizer states": est.optimizer_states,
+              "inputs": est.inputs}
+    live = {"saved activations": 0, "gradients": 0, "transients": 0}
+    sizes: dict[int, tuple[str, int]] = {}
+    points, peak_i, peak_total = [], 0, -1
+    for i, (delta, key, phase, op) in enumerate(events):
+        if delta > 0:
+            c = category(key)
+            sizes[key] = (c, delta)
+            live[c] += delta
+        else:
+            c, n = sizes.pop(key, ("transients", 0))
+            live[c] -= n
+        total = sum(live.values())
+        points.append((i, phase or "-", live["saved activations"], live["gradients"], live["transients"], op))
+        if total > peak_total:
+            peak_total, peak_i = total, i
+    if len(points) > max_points:  # keep each bucket's highest point
+        step = -(-len(points) // max_points)
+        kept = []
+        for b in range(0, len(points), step):
+            chunk = points[b:b + step]
+            kept.append(max(chunk, key=lambda p: p[2] + p[3] + p[4]))
+        if all(p[0] != peak_i for p in kept):
+            kept.append(points[peak_i])
+            kept.sort()
+        points = kept
+    return {"categories": list(TIMELINE_CATEGORIES), "static": static, "events": len(events),
+            "points": [list(p[:5]) for p in points],
+            "peak": {"event": peak_i, "bytes": est.start_bytes + max(peak_total, 0), "phase": est.peak_phase,
+                     "graph": est.peak_graph, "node": est.peak_node}}
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -422,20 +532,10 @@ def _fake_inputs(inputs, fake):
 
 
 def _storage_bytes(tensors) -> int:
-    seen, total = set(), 0
-    for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            continue
-        try:
-            st = t.untyped_storage()
-            key = st._cdata
-            n = st.nbytes()
-        except Exception:
-            key, n = id(t), t.numel() * t.element_size()
-        if key not in seen:
-            seen.add(key)
-            total += n
-    return total
+    """Storage-true bytes (``effpass.quantized.storage_bytes``), as kept for callers of the old name."""
+    from effpass.quantized import storage_bytes
+
+    return storage_bytes(list(tensors))
 
 
 @contextlib.contextmanager
@@ -457,21 +557,17 @@ def _allow_non_fake_inputs():
         ft.FakeTensorMode.__init__ = orig
 
 
-def _adamw8bit_state_bytes(params, block_size: int = 256) -> tuple[int, int]:
-    """(state bytes, largest step transient) of torchao's AdamW8bit: tensors with >= 4096 values (and a
-    multiple of the block size) keep two uint8 codes per value plus an fp32 scale per block; smaller ones
-    keep fp32 states; plus one fp32 step counter per parameter. The step dequantizes one parameter's two
-    states to fp32 (the transient)."""
-    states, transient = 0, 0
-    for p in params:
-        n = p.numel()
-        if n >= 4096 and n % block_size == 0:
-            states += 2 * (n + 4 * (n // block_size))
-            transient = max(transient, 2 * n * 4)
-        else:
-            states += 2 * n * p.element_size()
-        states += 4
-    return states, transient
+@contextlib.contextmanager
+def replay_patches(device, inductor: bool):
+    """Every process-wide patch a replay needs, undone on exit: Dynamo's fake modes accept real constants
+    (:func:`_allow_non_fake_inputs`) and, with ``inductor``, compiled graphs run their generated wrapper with
+    fake allocations (:func:`_replay_inductor_wrappers`; also what lets a compiled optimizer step, e.g.
+    torchao's, run on fake parameters)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_allow_non_fake_inputs())
+        if inductor:
+            stack.enter_context(_replay_inductor_wrappers(device))
+        yield
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -484,6 +580,48 @@ def _target_device(model: torch.nn.Module, device) -> torch.device:
     return torch.device("cpu")
 
 
+def _check_optimizer(optimizer):
+    from effpass.memory_options import registered_optimizers
+    from effpass.pass_api import registered_passes
+
+    registered_passes()  # loads the built-in passes and plugins (some register optimizers)
+
+    valid = list(registered_optimizers())
+    if optimizer is not None and optimizer not in valid:
+        raise ValueError(f"optimizer {optimizer!r} is not valid; choose one of {valid + [None]}")
+
+
+def _build_replay_backend(work, pass_list, lowering, opts, dev):
+    """An effpass backend for the fake copy, built directly (its module phase run on the copy): the replay
+    never goes back through ``effpass.compile`` (whose ``memory_budget`` would plan again)."""
+    from effpass.backend import EffpassBackend
+    from effpass.config import parse_options
+
+    raw = {"lowering": lowering, "strict": opts.pop("strict", False),
+           "detailed_stats": opts.pop("detailed_stats", False)}
+    if pass_list is not None:
+        raw["passes"] = pass_list
+    if opts.get("disable"):
+        raw["disable"] = list(opts["disable"])
+    opts.pop("disable", None)
+    if opts.get("inductor_config"):
+        raw["inductor_config"] = opts["inductor_config"]
+    opts.pop("inductor_config", None)
+    options = parse_options(raw, mode=opts.pop("mode", None), device=dev)
+    backend = EffpassBackend(options, model=work)
+    kwargs = {"fullgraph": opts.pop("fullgraph", False), "dynamic": opts.pop("dynamic", None)}
+    opts.pop("bisect", None)
+    if opts:
+        raise TypeError(f"estimate_memory: unknown compile option(s) {sorted(opts)}")
+    backend.manager.run_module_phase(work, backend.report.module, device=dev, lowering=options.lowering,
+                                     backend_factory=lambda: backend, compile_kwargs=kwargs)
+    if "transformers" in sys.modules:  # as effpass.compile does for a Hugging Face model: the same graphs
+        from effpass.integrations.huggingface import set_hf_loss_type
+
+        set_hf_loss_type(work)
+    return backend, torch.compile(work, backend=backend, **kwargs)
+
+
 def estimate_memory(model: torch.nn.Module, example_inputs, passes=None, optimizer: str | None = "adamw",
                     world_size: int = 1, *, device=None, loss_fn: Callable | None = None,
                     lr: float = 1e-3, extrapolate: bool | None = None, **compile_options) -> MemoryEstimate:
@@ -492,8 +630,9 @@ def estimate_memory(model: torch.nn.Module, example_inputs, passes=None, optimiz
     ``example_inputs``: a tuple of positional arguments or a dict of keyword arguments (as Hugging Face
     models take them); real, fake or meta tensors (only shapes and dtypes are read). ``passes`` and
     ``compile_options`` (``lowering``, ``strict``, ``disable``, ...) are those of :func:`effpass.compile`.
-    ``optimizer``: ``"adamw"`` (``torch.optim.AdamW`` over the trainable parameters), ``"adamw8bit"``
-    (torchao's 8-bit states) or ``None`` (no optimizer: gradients are dropped after backward).
+    ``optimizer``: ``"adamw"`` (``torch.optim.AdamW`` over the trainable parameters), any name registered
+    with ``effpass.register_optimizer`` (``"adamw8bit"``: torchao's 8-bit states; built on fake parameters,
+    see :func:`with_optimizer`) or ``None`` (no optimizer: gradients are dropped after backward).
     ``world_size > 1``: per-rank figures under FSDP (ZeRO-3) sharding, see :func:`fold_fsdp`.
     ``device``: the device to predict for (default: the model's; a meta model is predicted for the CPU).
 
@@ -505,14 +644,21 @@ def estimate_memory(model: torch.nn.Module, example_inputs, passes=None, optimiz
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"estimate_memory expects an nn.Module, got {type(model).__name__}")
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer {optimizer!r} is not valid; choose one of {list(OPTIMIZERS)}")
+    _check_optimizer(optimizer)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if not isinstance(example_inputs, (tuple, list, Mapping, torch.Tensor)):
         raise TypeError(f"example_inputs must be a tuple of arguments or a dict of keyword arguments, got "
                         f"{type(example_inputs).__name__}")
     t0 = time.perf_counter()
+    if optimizer not in ("adamw", None):  # the AdamW replay's forward/backward, the optimizer built on fakes
+        est = estimate_memory(model, example_inputs, passes, "adamw", 1, device=device, loss_fn=loss_fn, lr=lr,
+                              extrapolate=extrapolate, **compile_options)
+        est = with_optimizer(est, optimizer, device=est.device, lr=lr)
+        if world_size > 1:
+            est = fold_fsdp(est, world_size, est.largest_unit_bytes)
+        est.seconds = time.perf_counter() - t0
+        return est
     if extrapolate is not False:
         est = _extrapolate_depth(model, example_inputs, extrapolate, dict(
             passes=passes, optimizer=optimizer, device=device, loss_fn=loss_fn, lr=lr, **compile_options))
@@ -523,9 +669,8 @@ def estimate_memory(model: torch.nn.Module, example_inputs, passes=None, optimiz
             return est
     opts = dict(compile_options)
     requested_lowering = opts.pop("lowering", "inductor")
-    opts.pop("dump_dir", None)
-    opts.pop("memory_budget", None)
-    opts.pop("allow", None)
+    for k in ("dump_dir", "memory_budget", "allow", "example_inputs", "optimizer", "world_size"):
+        opts.pop(k, None)
     dev = _target_device(model, device)
     pass_list = _without_fsdp(passes, dev)
 
@@ -538,31 +683,33 @@ def estimate_memory(model: torch.nn.Module, example_inputs, passes=None, optimiz
     was_training = work.training
     work.train(True if was_training is None else was_training)
 
-    tracker = _Tracker()
+    tracker = _Tracker(device=dev)
     notes: list[str] = []
     # Inductor is replayed from its generated code (its fusions, buffer reuse and frees); every other
     # lowering (eager, TensorRT) by the eager lowering's op-by-op run of the same partitioned graphs
     replay_lowering = "inductor" if requested_lowering == "inductor" else "eager"
-    wrappers = _replay_inductor_wrappers(dev) if replay_lowering == "inductor" else contextlib.nullcontext()
+    be = None
     try:
         torch._dynamo.reset()
-        with _allow_non_fake_inputs(), fake_mode, tracker, wrappers:
-            compiled = effpass.compile(work, passes=pass_list, lowering=replay_lowering, **opts)
+        with replay_patches(dev, inductor=replay_lowering == "inductor"), fake_mode, tracker:
+            be, compiled = _build_replay_backend(work, pass_list, replay_lowering, opts, dev)
             trainable = [p for p in work.parameters() if p.requires_grad]
             tracker.params = trainable
             opt = None
-            if optimizer == "adamw" and trainable:
-                opt = torch.optim.AdamW(trainable, lr=lr, foreach=(dev.type == "cuda"))
+            if optimizer is not None and trainable:
+                from effpass.memory_options import build_optimizer
+
+                opt = build_optimizer(optimizer, trainable, lr=lr, device=dev)
             training_step(compiled, inputs, opt, loss_fn)          # compiles; creates optimizer states
             params = list(work.parameters())
             buffers = list(work.buffers())
             states = [v for s in (opt.state.values() if opt else ()) for v in s.values() if isinstance(v, torch.Tensor)]
             flat_inputs = [x for x in tree_flatten(inputs)[0] if isinstance(x, torch.Tensor)]
-            start = _storage_bytes(params + buffers + states + flat_inputs)
-            p_bytes = _storage_bytes(params)
-            b_bytes = _storage_bytes(buffers)
-            s_bytes = _storage_bytes(states)
-            i_bytes = _storage_bytes(flat_inputs)
+            start = _bytes(params + buffers + states + flat_inputs, dev)
+            p_bytes = _bytes(params, dev)
+            b_bytes = _bytes(buffers, dev)
+            s_bytes = _bytes(states, dev)
+            i_bytes = _bytes(flat_inputs, dev)
             tracker.reset()
             tracker.enabled = True
             phases = {}
@@ -574,7 +721,10 @@ def estimate_memory(model: torch.nn.Module, example_inputs, passes=None, optimiz
 
             training_step(compiled, inputs, opt, loss_fn, _phase=set_phase)
             tracker.enabled = False
-    except (effpass.PipelineError, effpass.PassOptionError, effpass.TargetMatchError):
+    except (effpass.PipelineError, effpass.PassOptionError, effpass.TargetMatchError, TypeError) as e:
+        if isinstance(e, TypeError) and "unknown compile option" not in str(e):
+            raise RuntimeError(f"estimate_memory: could not replay a training step of {type(model).__name__} on "
+                               f"fake tensors ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
         raise
     except Exception as e:
         raise RuntimeError(f"estimate_memory: could not replay a training step of {type(model).__name__} on "
@@ -583,19 +733,8 @@ def estimate_memory(model: torch.nn.Module, example_inputs, passes=None, optimiz
                            f"control flow on tensor values outside graph breaks)") from e
     finally:
         torch._dynamo.reset()
-    grads = sum(p.numel() * p.element_size() for p in trainable)
+    grads = sum(_bytes([p], dev) for p in trainable)  # a gradient is laid out as its parameter (empty_like)
     step_peak = tracker.peak
-    if optimizer == "adamw8bit":
-        s_bytes, transient = _adamw8bit_state_bytes(trainable)
-        start += s_bytes
-        opt_peak = grads + transient
-        if opt_peak > step_peak:
-            step_peak = opt_peak
-            tracker.peak_where = ("optimizer", "eager code", "AdamW8bit step (dequantized states, analytic)")
-            tracker.grads_at_peak = grads
-        notes.append("AdamW8bit states and step transient are computed analytically (torchao's layout), "
-                     "not replayed")
-    be = effpass.backend_of(compiled)
     stats = {}
     if be is not None:
         for name in {p.name for p in be.options.passes}:
@@ -607,16 +746,22 @@ def estimate_memory(model: torch.nn.Module, example_inputs, passes=None, optimiz
                 stats[name] = {k: v for k, v in s.items() if isinstance(v, (int, float, bool, str))}
     est = MemoryEstimate(
         peak_bytes=start + step_peak, start_bytes=start, step_peak_bytes=step_peak, parameters=p_bytes,
-        trainable_parameters=_storage_bytes(trainable), buffers=b_bytes, inputs=i_bytes, gradients=grads,
+        trainable_parameters=_bytes(trainable, dev), buffers=b_bytes, inputs=i_bytes, gradients=grads,
         optimizer_states=s_bytes, activations=phases.get("activations", 0),
         largest_transient=tracker.largest[0], largest_transient_op=tracker.largest[1],
         peak_phase=tracker.peak_where[0], peak_graph=tracker.peak_where[1], peak_node=tracker.peak_where[2],
-        gradients_at_peak=tracker.grads_at_peak, phase_peaks=dict(tracker.phase_peaks), flops=tracker.flops, optimizer=optimizer, device=str(dev),
-        replay_lowering=replay_lowering, requested_lowering=requested_lowering, passes=[p.name for p in be.options.passes] if be else [],
-        pass_stats=stats, notes=notes, trainable_numels=[p.numel() for p in trainable])
+        gradients_at_peak=tracker.grads_at_peak, phase_peaks=dict(tracker.phase_peaks), flops=tracker.flops,
+        optimizer=optimizer, device=str(dev), replay_lowering=replay_lowering,
+        requested_lowering=requested_lowering, passes=[p.name for p in be.options.passes] if be else [],
+        pass_stats=stats, notes=notes, trainable_numels=[p.numel() for p in trainable],
+        trainable_shapes=[(tuple(p.shape), str(p.dtype).removeprefix("torch.")) for p in trainable])
+    est.timeline = step_timeline(tracker.events, est)
     if requested_lowering not in ("inductor", "eager"):
         est.notes.append(f"lowering={requested_lowering!r} is predicted by the eager lowering's replay of the same "
                          f"partitioned graphs (its own buffer plan is not replayed)")
+    if dev.type == "cuda":
+        est.notes.append("CUDA: every storage rounded up to the caching allocator's 512-byte blocks (as torch's "
+                         "MemTracker); untested on a GPU")
     est.largest_unit_bytes = _largest_unit_bytes(work)
     if world_size > 1:
         est = fold_fsdp(est, world_size, est.largest_unit_bytes)
@@ -624,66 +769,96 @@ def estimate_memory(model: torch.nn.Module, example_inputs, passes=None, optimiz
     return est
 
 
-def with_adamw8bit(est: MemoryEstimate, trainable_numels: Sequence[int]) -> MemoryEstimate:
-    """The estimate of the same step with torchao's AdamW8bit instead of AdamW, from an AdamW replay: the
-    forward and backward are the same; the states and the optimizer step's transient are torchao's layout
-    (see :func:`_adamw8bit_state_bytes`)."""
-    fake = [torch.empty(n, device="meta") for n in trainable_numels]
-    s8, transient = _adamw8bit_state_bytes(fake)
+#: (optimizer, device, shape, dtype, lr) -> (state bytes of one parameter, step peak above the gradient)
+_OPTIMIZER_REPLAYS: dict = {}
+
+
+def optimizer_replay(optimizer: str, shapes: Sequence[tuple], device="cpu", lr: float = 1e-3) -> tuple[int, int]:
+    """(state bytes, the largest step transient) of ``optimizer`` over trainable parameters of ``shapes``
+    (``(shape, dtype name)`` each), measured by building the real optimizer (``effpass.register_optimizer``)
+    on fake parameters and running two steps on fake tensors (the first creates the states, the second is
+    tracked). Parameters of the same shape and dtype are replayed once (their states are the same): the
+    transient is the largest one parameter's step allocates (optimizers that step several parameters at
+    once, ``foreach``, hold more)."""
+    from collections import Counter
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from effpass.memory_options import build_optimizer
+
+    dev = torch.device(device)
+    total, transient = 0, 0
+    for (shape, dtype), n in Counter((tuple(s), str(d)) for s, d in shapes).items():
+        key = (optimizer, str(dev), shape, dtype, lr)
+        if key not in _OPTIMIZER_REPLAYS:
+            fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+            tracker = _Tracker(device=dev)
+            try:
+                with replay_patches(dev, inductor=True), fake_mode, tracker:
+                    p = torch.nn.Parameter(torch.empty(shape, dtype=getattr(torch, dtype), device=dev))
+                    p.grad = torch.empty_like(p)
+                    opt = build_optimizer(optimizer, [p], lr=lr, device=dev)
+                    opt.step()
+                    states = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+                    s_bytes = _bytes(states, dev)
+                    tracker.reset()
+                    tracker.enabled = True
+                    opt.step()
+                    tracker.enabled = False
+            finally:
+                torch._dynamo.reset()
+            _OPTIMIZER_REPLAYS[key] = (s_bytes, tracker.peak)
+        s_bytes, peak = _OPTIMIZER_REPLAYS[key]
+        total += n * s_bytes
+        transient = max(transient, peak)
+    return total, transient
+
+
+def with_optimizer(est: MemoryEstimate, optimizer: str, *, device=None, lr: float = 1e-3) -> MemoryEstimate:
+    """The estimate of the same step with ``optimizer`` instead of the replayed one: the forward and
+    backward are the same; the states and the optimizer step's transient are measured by building the
+    real optimizer on fake parameters (:func:`optimizer_replay`)."""
+    _check_optimizer(optimizer)
+    shapes = est.trainable_shapes or [((n,), "float32") for n in est.trainable_numels]
+    states, transient = optimizer_replay(optimizer, shapes, device or est.device, lr)
     fwd_bwd = max(est.phase_peaks.get("forward", 0), est.phase_peaks.get("backward", 0))
     opt_peak = est.gradients + transient
-    start = est.start_bytes - est.optimizer_states + s8
+    start = est.start_bytes - est.optimizer_states + states
     step_peak = max(fwd_bwd, opt_peak)
     where = (est.peak_phase, est.peak_graph, est.peak_node) if fwd_bwd >= opt_peak else (
-        "optimizer", "eager code", "AdamW8bit step (dequantized states, analytic)")
-    return dataclasses.replace(est, optimizer="adamw8bit", optimizer_states=s8, start_bytes=start,
+        "optimizer", "eager code", f"{optimizer} step (replayed on fake parameters)")
+    return dataclasses.replace(est, optimizer=optimizer, optimizer_states=states, start_bytes=start,
                                step_peak_bytes=step_peak, peak_bytes=start + step_peak, peak_phase=where[0],
                                peak_graph=where[1], peak_node=where[2],
-                               notes=list(est.notes) + ["AdamW8bit states and step transient computed analytically "
-                                                        "(torchao's layout) on the AdamW replay's forward/backward"])
+                               notes=list(est.notes) + [f"{optimizer}: states and step transient from the real "
+                                                        f"optimizer built on fake parameters; forward/backward "
+                                                        f"from the replay with {est.optimizer}"])
 
 
 def _without_fsdp(passes, device):
-    """The pipeline without ``wrap_fsdp`` (sharding is accounted for by :func:`fold_fsdp`, not replayed)."""
+    """The pipeline without sharding passes (sharding is folded onto the one-rank replay, not replayed)."""
     from effpass.config import _build_passes
 
     if passes is None:
         return None
     built = _build_passes(passes)
-    return [p for p in built if p.name != "wrap_fsdp"]
+    return [p for p in built if not any(o.sharding for o in type(p).memory_options(None, world_size=2))]
 
 
 def _largest_unit_bytes(model: torch.nn.Module) -> int:
     from effpass.graph import transformer_blocks
+    from effpass.quantized import storage_bytes
 
     units = transformer_blocks(model)
-    return max((_storage_bytes(list(u.parameters())) for _, u in units), default=0)
+    return max((storage_bytes(list(u.parameters())) for _, u in units), default=0)
 
 
 def fold_fsdp(est: MemoryEstimate, world_size: int, unit_bytes: int) -> MemoryEstimate:
-    """Per-rank figures under FSDP2 / ZeRO-3 (``wrap_fsdp``), from a one-rank replay.
+    """Per-rank figures under FSDP2 / ZeRO-3 (``wrap_fsdp``), from a one-rank replay: the one sharding
+    arithmetic, :func:`effpass.planning.sharding.fold_sharding` (also behind ``effpass estimate``)."""
+    from .sharding import fold_sharding
 
-    Parameters, optimizer states and gradients are sharded ``world_size`` ways (FSDP2 keeps the sharded
-    parameter in its own dtype); each rank holds two gathered units (the one computing and the one
-    prefetched) and, in backward, one unit's unsharded gradients before the reduce-scatter. Activations
-    do not shrink (each rank runs its own micro-batch). This is the accounting of ``effpass estimate``
-    (``passes/fsdp_estimate.py``, mode ``zero3``) applied to the replayed terms.
-    """
-    N = world_size
-    shard = lambda b: math.ceil(b / N)  # noqa: E731
-    model_states = est.parameters + est.optimizer_states
-    gathered = 2 * unit_bytes
-    g_peak = est.gradients_at_peak
-    during = est.step_peak_bytes - g_peak + shard(g_peak) + gathered + (unit_bytes if est.peak_phase != "forward" else 0)
-    start = est.start_bytes - model_states + shard(model_states)
-    out = dataclasses.replace(
-        est, world_size=N, sharding="fsdp", start_bytes=start, step_peak_bytes=during, peak_bytes=start + during,
-        parameters=shard(est.parameters), trainable_parameters=shard(est.trainable_parameters),
-        optimizer_states=shard(est.optimizer_states), gradients=shard(est.gradients),
-        gradients_at_peak=shard(g_peak), notes=list(est.notes) + [
-            f"FSDP over {N} ranks: model states sharded, + 2 gathered units ({format_bytes(gathered)}) and one "
-            f"unit's unsharded gradients in backward (ZeRO-3 accounting on the replayed terms, not replayed)"])
-    return out
+    return fold_sharding(est, world_size, unit_bytes, "zero3")
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -766,11 +941,14 @@ def _extrapolate_depth(model, example_inputs, mode, kwargs) -> MemoryEstimate | 
 
     per_block = Counter(c.trainable_numels) - Counter(b.trainable_numels)
     numels = list(c.trainable_numels) + [x for x, m in per_block.items() for _ in range(m * n)]
+    per_block_s = Counter(map(tuple, c.trainable_shapes)) - Counter(map(tuple, b.trainable_shapes))
+    shapes = [tuple(x) for x in c.trainable_shapes] + [x for x, m in per_block_s.items() for _ in range(m * n)]
     stats = {}
     for name, st in c.pass_stats.items():
         stats[name] = {k: (v + n * (v - b.pass_stats.get(name, {}).get(k, v))
                            if isinstance(v, int) and not isinstance(v, bool) else v) for k, v in st.items()}
     out = dataclasses.replace(c, **{f: step(f) for f in _AFFINE}, phase_peaks=phase_peaks, trainable_numels=numels,
+                              trainable_shapes=shapes,
                               pass_stats=stats, depths=list(_DEPTHS), notes=list(c.notes) + [
                                   f"extrapolated from replays of the first {', '.join(map(str, _DEPTHS))} of "
                                   f"{L} identical blocks (every count affine in depth, checked); the peak node "

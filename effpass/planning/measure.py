@@ -13,7 +13,9 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_flatten
 
-from .estimate import _storage_bytes, training_step
+from effpass.quantized import storage_bytes as _storage_bytes
+
+from .estimate import training_step
 
 __all__ = ["MeasuredStep", "measure_step", "make_optimizer"]
 
@@ -30,17 +32,15 @@ class MeasuredStep:
 def make_optimizer(model: torch.nn.Module, optimizer: str | None, lr: float = 1e-3):
     """The optimizer the planner assumes: AdamW over the trainable parameters (foreach on CUDA only, as
     torch's default), torchao's AdamW8bit, or None."""
+    from effpass.memory_options import build_optimizer
+
+    from .estimate import _check_optimizer
+
+    _check_optimizer(optimizer)
     params = [p for p in model.parameters() if p.requires_grad]
     if optimizer is None or not params:
         return None
-    if optimizer == "adamw":
-        dev = params[0].device
-        return torch.optim.AdamW(params, lr=lr, foreach=(dev.type == "cuda"))
-    if optimizer == "adamw8bit":
-        from torchao.optim import AdamW8bit
-
-        return AdamW8bit(params, lr=lr)
-    raise ValueError(f"optimizer {optimizer!r} is not valid; choose one of ['adamw', 'adamw8bit', None]")
+    return build_optimizer(optimizer, params, lr=lr, device=params[0].device)
 
 
 def measure_step(compiled: torch.nn.Module, model: torch.nn.Module, inputs, optimizer: str | None = "adamw", *,

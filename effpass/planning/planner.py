@@ -1,44 +1,47 @@
 """Choose the passes that fit a training step into a memory budget with the least extra compute.
 
-Tiers, tried in order:
+The planner knows techniques only through the registry (:mod:`effpass.memory_options`): every registered
+pass declares the memory options it offers (``Pass.memory_options``: its options, lossless or lossy, what
+they change, the phase that needs them, the passes they require, a group), and non-pass options (an
+optimizer with smaller states) are declared with ``register_memory_option``. Candidates are the
+combinations of at most one option per group. Tiers, tried in order:
 
-1. lossless (always): activation checkpointing (``checkpoint_activations``, policies ``"ops"`` then
-   ``"full"``), fused cross-entropy (``fuse_cross_entropy``, when that pass is registered) and, with
-   ``world_size > 1``, FSDP sharding (``wrap_fsdp``; per-rank accounting, see ``fold_fsdp``). Gradients are
-   those of the plain step.
-2. lossy, only the techniques named in ``allow``: ``"nf4"`` / ``"int8"`` frozen base weights under LoRA
-   (``quantize_linear``; needs ``inject_lora`` in the pipeline) and ``"adamw8bit"`` (torchao's 8-bit
-   optimizer states).
+1. lossless options (always tried);
+2. lossy options, only the techniques named in ``allow``.
 
-Every candidate of a tier is replayed (:func:`~effpass.planning.estimate_memory`); among those whose
-predicted peak fits the budget, the one with the least extra compute (FLOPs counted during the replay:
-matmul/attention FLOPs from torch's flop counter plus one per element written by every other op, minus the
-base plan's) wins, ties going to the smaller peak. The next tier is tried only when nothing in the
-previous one fits. If nothing fits, :class:`MemoryBudgetError` names the smallest achievable peak and the
-plan that reaches it.
+Every candidate of a tier is replayed (:func:`~effpass.planning.estimate_memory`; candidates that differ
+only in what is folded - sharding - or in the optimizer share one replay of the forward and backward);
+among those whose predicted peak fits the budget, the one with the least extra compute (FLOPs counted
+during the replay, minus the base plan's) wins, ties going to unsharded plans and then to the smaller peak.
+The next tier is tried only when nothing in the previous one fits. If nothing fits,
+:class:`MemoryBudgetError` names the smallest achievable peak and the plan that reaches it.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 import torch
 
-from .estimate import with_adamw8bit, MemoryEstimate, _storage_bytes, _target_device, estimate_memory, fold_fsdp, format_bytes, \
-    parse_size, _largest_unit_bytes
+from effpass.quantized import storage_bytes
 
-__all__ = ["MemoryPlan", "Candidate", "MemoryBudgetError", "plan_memory", "LOSSY_TECHNIQUES", "plan_for_compile"]
+from .estimate import MemoryEstimate, _largest_unit_bytes, _target_device, estimate_memory, format_bytes, parse_size, \
+    with_optimizer
+from .sharding import fold_sharding
 
-#: what ``allow`` may name (lossy techniques), with what each does
-LOSSY_TECHNIQUES = {
-    "nf4": "NF4 (4-bit, double-quantized) frozen base weights under LoRA (quantize_linear scheme='nf4')",
-    "int8": "int8 frozen base weights under LoRA (quantize_linear scheme='int8')",
-    "adamw8bit": "8-bit AdamW states (torchao.optim.AdamW8bit): build the optimizer as torchao's AdamW8bit",
-}
-#: lossless techniques, tried without being allowed (named in ``allow`` they are accepted and ignored)
-LOSSLESS_TECHNIQUES = ("checkpoint", "fuse_cross_entropy", "fsdp")
+__all__ = ["MemoryPlan", "Candidate", "MemoryBudgetError", "plan_memory", "plan_for_compile", "techniques"]
+
+
+def techniques(world_size: int = 2) -> dict[str, tuple[bool, str]]:
+    """technique -> (lossless, what it does) of every option the registry declares (what ``allow`` may name)."""
+    from effpass.memory_options import declared_memory_options
+
+    out: dict[str, tuple[bool, str]] = {}
+    for o in declared_memory_options(None, world_size=world_size):
+        out.setdefault(o.technique, (o.lossless, o.cost or o.name))
+    return out
 
 
 class MemoryBudgetError(ValueError):
@@ -54,11 +57,10 @@ class MemoryBudgetError(ValueError):
 
 @dataclass
 class Candidate:
-    checkpoint: str | None = None          # None, "ops", "full"
-    fuse_cross_entropy: bool = False
-    quantize: str | None = None            # None, "nf4", "int8"
+    """One combination of declared memory options (at most one per group) and the optimizer it builds."""
+
+    options: tuple = ()                    # MemoryOption, one per group, in group order
     optimizer: str | None = "adamw"
-    fsdp: bool = False
     estimate: MemoryEstimate | None = None
     extra_flops: int = 0
     fits: bool = False
@@ -66,29 +68,34 @@ class Candidate:
 
     @property
     def lossy(self) -> bool:
-        return self.quantize is not None or self.optimizer == "adamw8bit"
+        return any(not o.lossless for o in self.options)
 
     @property
     def name(self) -> str:
-        parts = []
-        if self.checkpoint:
-            parts.append(f"checkpoint({self.checkpoint})")
-        if self.fuse_cross_entropy:
-            parts.append("fuse_cross_entropy")
-        if self.fsdp:
-            parts.append("fsdp")
-        if self.quantize:
-            parts.append(f"{self.quantize} base")
-        if self.optimizer == "adamw8bit":
-            parts.append("adamw8bit")
-        return " + ".join(parts) or "as given"
+        return " + ".join(o.name for o in self.options) or "as given"
+
+    def option(self, group: str):
+        """The option of ``group`` in this plan (None when the plan has none)."""
+        return next((o for o in self.options if o.group == group), None)
+
+    def techniques(self) -> tuple[str, ...]:
+        return tuple(o.technique for o in self.options)
+
+    @property
+    def sharded(self) -> bool:
+        return any(o.sharding for o in self.options)
 
     @property
     def peak_bytes(self) -> int | None:
         return self.estimate.peak_bytes if self.estimate else None
 
     def replay_key(self):
-        return (self.checkpoint, self.fuse_cross_entropy, self.quantize, self.optimizer)
+        """What the replay depends on: the added passes and their options (sharding is folded, not replayed)."""
+        return (tuple((o.pass_name, repr(sorted(o.options.items()))) for o in self.options
+                      if o.pass_name and not o.sharding), self.optimizer)
+
+    def without_optimizer_option(self, base_optimizer) -> "Candidate":
+        return Candidate(options=tuple(o for o in self.options if not o.optimizer), optimizer=base_optimizer)
 
 
 @dataclass
@@ -135,11 +142,17 @@ class MemoryPlan:
         lines += ["", self.table()]
         return "\n".join(lines)
 
+    def timelines(self) -> list[tuple[str, dict]]:
+        """(plan name, live-byte timeline) of the chosen plan first, then of every other evaluated candidate."""
+        order = [self.chosen] + [c for c in self.candidates if c is not self.chosen]
+        return [(c.name, c.estimate.timeline) for c in order
+                if c.estimate is not None and getattr(c.estimate, "timeline", None)]
+
     def to_dict(self) -> dict[str, Any]:
-        return {"budget": self.budget, "chosen": self.chosen.name, "peak_bytes": self.peak_bytes,
+        return {"budget": self.budget, "timelines": dict(self.timelines()), "chosen": self.chosen.name, "peak_bytes": self.peak_bytes,
                 "reason": self.reason, "optimizer": self.optimizer, "world_size": self.world_size,
                 "passes": [{"name": p.name, "options": p.options()} for p in self.passes],
-                "candidates": [{"plan": c.name, "lossy": c.lossy, "peak_bytes": c.peak_bytes, "fits": c.fits,
+                "candidates": [{"plan": c.name, "techniques": list(c.techniques()), "lossy": c.lossy, "peak_bytes": c.peak_bytes, "fits": c.fits,
                                 "extra_flops": c.extra_flops, "error": c.error,
                                 "peak_at": f"{c.estimate.peak_phase}: {c.estimate.peak_node}" if c.estimate else None}
                                for c in self.candidates],
@@ -154,92 +167,95 @@ def _flops(n: float) -> str:
     return f"{int(n)} FLOP"
 
 
-def _registered(name: str) -> bool:
-    from effpass.pass_api import registered_passes
 
-    return name in registered_passes()
-
-
-def _check_allow(allow) -> tuple[str, ...]:
+def _check_allow(allow, world_size: int = 2) -> tuple[str, ...]:
+    """The lossy techniques ``allow`` names (lossless ones are accepted and ignored: always tried)."""
     if allow is None:
         return ()
     if isinstance(allow, str):
         allow = [allow]
+    known = techniques(max(world_size, 2))
+    lossy = sorted(t for t, (lossless, _) in known.items() if not lossless)
+    lossless = sorted(t for t, (ll, _) in known.items() if ll)
     out = []
-    valid = sorted(LOSSY_TECHNIQUES) + list(LOSSLESS_TECHNIQUES)
     for a in allow:
-        if not isinstance(a, str) or a.lower() not in valid:
+        if not isinstance(a, str) or a.lower() not in known:
             import difflib
 
-            close = difflib.get_close_matches(str(a), valid, n=1)
+            close = difflib.get_close_matches(str(a), list(known), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(f"allow: {a!r} names no technique{hint}; lossy techniques: "
-                             f"{sorted(LOSSY_TECHNIQUES)} (lossless ones {list(LOSSLESS_TECHNIQUES)} are always tried)")
-        if a.lower() in LOSSY_TECHNIQUES:
+            raise ValueError(f"allow: {a!r} names no technique{hint}; lossy techniques: {lossy} (lossless ones "
+                             f"{lossless} are always tried)")
+        if not known[a.lower()][0]:
             out.append(a.lower())
     return tuple(dict.fromkeys(out))
 
 
-def _pipeline(base: list, cand: Candidate, lora_targets_quant_exclude: Sequence[str]) -> list:
+def _pipeline(base: list, cand: Candidate) -> list:
     """The user's pipeline plus the candidate's passes (the user's own settings of a pass win)."""
     from effpass.pass_api import make_pass
 
     names = {p.name for p in base}
-    out = list(base)
-    if cand.checkpoint and "checkpoint_activations" not in names:
-        out.append(make_pass("checkpoint_activations", {"policy": cand.checkpoint}))
-    if cand.fuse_cross_entropy and "fuse_cross_entropy" not in names:
-        out.append(make_pass("fuse_cross_entropy", {}))
-    if cand.quantize and "quantize_linear" not in names:
-        out.append(make_pass("quantize_linear", {"scheme": cand.quantize,
-                                                  "exclude": list(lora_targets_quant_exclude)}))
-    if cand.fsdp and "wrap_fsdp" not in names:
-        out.append(make_pass("wrap_fsdp", {}))
-    return out
+    return list(base) + [make_pass(o.pass_name, dict(o.options)) for o in cand.options
+                         if o.pass_name and o.pass_name not in names]
 
 
-def _output_heads(model) -> list[str]:
-    """Module names of the output head (left in full precision under a quantized base, as QLoRA does)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return [n for n, m in model.named_modules() if head is not None and m is head and n]
+def _usable_options(model, base_names: set, allow: tuple, optimizer, world_size: int, notes: list,
+                    graph_only: bool = False) -> dict[str, list]:
+    """group -> the declared options the planner may add, in preference order."""
+    from effpass.memory_options import declared_memory_options
+
+    groups: dict[str, list] = {}
+    for o in declared_memory_options(model, world_size=world_size):
+        if o.sharding and world_size <= 1:
+            continue
+        if not o.lossless and o.technique not in allow:
+            continue
+        if o.pass_name and o.pass_name in base_names:
+            if not o.lossless:
+                notes.append(f"{o.technique!r} allowed but the pipeline already has {o.pass_name}: left as given")
+            continue
+        missing = [r for r in o.requires if r not in base_names]
+        if missing:
+            notes.append(f"{o.technique!r} needs {', '.join(missing)} in the pipeline: not tried")
+            continue
+        if o.optimizer and o.replaces_optimizer and optimizer != o.replaces_optimizer:
+            notes.append(f"{o.technique!r} replaces the optimizer {o.replaces_optimizer!r} but the optimizer is "
+                         f"{optimizer!r}: not tried")
+            continue
+        if graph_only and o.phase == "module":
+            continue
+        groups.setdefault(o.group, []).append(o)
+    for g in groups.values():
+        g.sort(key=lambda o: o.order)
+    return groups
 
 
-def _candidates(base_names: set, allow: tuple, optimizer, world_size: int, has_lora: bool, notes: list):
-    ckpts = [None] if "checkpoint_activations" in base_names else [None, "ops", "full"]
-    ces = [False]
-    if "fuse_cross_entropy" not in base_names:
-        if _registered("fuse_cross_entropy"):
-            ces = [False, True]
-        else:
-            notes.append("fuse_cross_entropy is not registered: plans without it")
-    fsdps = [False, True] if world_size > 1 and "wrap_fsdp" not in base_names else [world_size > 1 and "wrap_fsdp" in base_names]
-    quants = [None]
-    for q in ("int8", "nf4"):
-        if q in allow:
-            if "quantize_linear" in base_names:
-                notes.append(f"{q!r} allowed but the pipeline already has quantize_linear: left as given")
-            elif not has_lora:
-                notes.append(f"{q!r} allowed but the pipeline has no inject_lora (a quantized base must be "
-                             f"frozen under adapters): not tried")
-            else:
-                quants.append(q)
-    opts = [optimizer]
-    if "adamw8bit" in allow:
-        if optimizer == "adamw":
-            opts.append("adamw8bit")
-        else:
-            notes.append(f"'adamw8bit' allowed but the optimizer is {optimizer!r}: not tried")
+def _candidates(groups: dict, optimizer):
+    keys = sorted(groups)
     lossless, lossy = [], []
-    for q, o in itertools.product(quants, opts):
-        for ck, ce, fs in itertools.product(ckpts, ces, fsdps):
-            c = Candidate(checkpoint=ck, fuse_cross_entropy=ce, quantize=q, optimizer=o, fsdp=fs)
-            (lossy if c.lossy else lossless).append(c)
+    for combo in itertools.product(*[[None] + groups[k] for k in keys]):
+        opts = tuple(o for o in combo if o is not None)
+        opt_o = next((o for o in opts if o.optimizer), None)
+        c = Candidate(options=opts, optimizer=opt_o.optimizer if opt_o else optimizer)
+        (lossy if c.lossy else lossless).append(c)
+    # lossy plans: those with fewer lossy options first (a stable order for reports)
+    lossy.sort(key=lambda c: sum(not o.lossless for o in c.options))
     return lossless, lossy
+
+
+def _parameter_floor(model, groups, world_size) -> tuple[int, int]:
+    """(the parameters' own bytes, the smallest they can become under the usable options) - an early bound."""
+    p_bytes = storage_bytes(list(model.parameters()))
+    floor = p_bytes / max(world_size, 1)
+    if any(o.group for g in groups.values() for o in g if "parameters" in o.changes):
+        floor = floor / 8  # no declared parameter format holds less than 4 bits per 32-bit value
+    return p_bytes, floor
 
 
 def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: Iterable[str] = (), passes=None,
                 optimizer: str | None = "adamw", world_size: int = 1, *, device=None, loss_fn=None,
-                _cache: dict | None = None, **compile_options) -> MemoryPlan:
+                _cache: dict | None = None, _graph_only: bool = False, **compile_options) -> MemoryPlan:
     """Choose a pipeline for ``model`` whose predicted training-step peak fits ``memory_budget``
     (``"24GiB"``, bytes; per rank when ``world_size > 1``). See the module docstring for the order.
 
@@ -250,74 +266,93 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
     from effpass.config import _build_passes, default_pipeline
 
     budget = parse_size(memory_budget, "memory_budget")
-    allow_t = _check_allow(allow)
+    allow_t = _check_allow(allow, world_size)
     dev = _target_device(model, device)
     base = _build_passes(passes) if passes is not None else default_pipeline(dev)
     base_names = {p.name for p in base}
-    has_lora = "inject_lora" in base_names
-    params = list(model.parameters())
-    p_bytes = _storage_bytes(params)
-    floor = p_bytes / (world_size if world_size > 1 else 1)
-    if has_lora and ("nf4" in allow_t or "int8" in allow_t):
-        floor = floor / (8 if "nf4" in allow_t else 4)
+    notes: list[str] = []
+    groups = _usable_options(model, base_names, allow_t, optimizer, world_size, notes, graph_only=_graph_only)
+    p_bytes, floor = _parameter_floor(model, groups, world_size)
     if budget < floor:
         raise ValueError(f"memory_budget {memory_budget!r} ({format_bytes(budget)}) is below the parameters' own "
                          f"bytes ({format_bytes(p_bytes)}"
                          + (f" / {world_size} ranks" if world_size > 1 else "")
                          + (", quantized as allowed" if floor < p_bytes / max(world_size, 1) else "")
                          + "); no plan can fit it")
-    notes: list[str] = []
-    lossless, lossy = _candidates(base_names, allow_t, optimizer, world_size, has_lora, notes)
-    lora_exclude = _output_heads(model)
+    lossless, lossy = _candidates(groups, optimizer)
+    # a sharding pass the user put in the pipeline is folded on every candidate
+    from effpass.memory_options import declared_memory_options
+
+    base_sharding = next((o for o in declared_memory_options(model, world_size=world_size)
+                          if o.sharding and o.pass_name in base_names), None) if world_size > 1 else None
     replays: dict = {} if _cache is None else _cache  # a caller planning several budgets shares the replays
     unit_bytes = _largest_unit_bytes(model) if world_size > 1 else 0
 
-    def evaluate(c: Candidate):
+    def replay(c: Candidate):
         key = c.replay_key()
-        if c.optimizer == "adamw8bit":  # the AdamW replay's forward/backward, torchao's states (analytic)
-            same = Candidate(checkpoint=c.checkpoint, fuse_cross_entropy=c.fuse_cross_entropy, quantize=c.quantize,
-                             optimizer="adamw")
-            evaluate(same)
-            if same.error:
-                c.error = same.error
-                return
-            if key not in replays:
-                est = replays[same.replay_key()]
-                replays[key] = with_adamw8bit(est, est.trainable_numels)
-        if key not in replays:
+        if key in replays:
+            return replays[key]
+        opt_o = next((o for o in c.options if o.optimizer), None)
+        if opt_o is not None and opt_o.optimizer != optimizer:
+            # the same forward and backward as the base optimizer's replay; the optimizer built on fake
+            # parameters of the same shapes (its states and step transient measured, not derived)
+            r = replay(c.without_optimizer_option(optimizer))
+            if not isinstance(r, Exception):
+                try:
+                    r = with_optimizer(r, opt_o.optimizer, device=dev)
+                except Exception as e:  # pragma: no cover - an optimizer that cannot run on fake tensors
+                    r = e
+        else:
             try:
-                pipeline = [p for p in _pipeline(base, c, lora_exclude) if p.name != "wrap_fsdp"]
-                replays[key] = estimate_memory(model, example_inputs, passes=pipeline, optimizer=c.optimizer,
-                                               device=dev, loss_fn=loss_fn, **compile_options)
+                pipeline = _pipeline([p for p in base if not _is_sharding(p.name, model, world_size)], c)
+                pipeline = [p for p in pipeline if not _is_sharding(p.name, model, world_size)]
+                r = estimate_memory(model, example_inputs, passes=pipeline, optimizer=c.optimizer, device=dev,
+                                    loss_fn=loss_fn, **compile_options)
             except Exception as e:  # a candidate that cannot be replayed is reported, not fatal
-                replays[key] = e
-        r = replays[key]
+                r = e
+        replays[key] = r
+        return r
+
+    def evaluate(c: Candidate):
+        r = replay(c)
         if isinstance(r, Exception):
             c.error = f"{type(r).__name__}: {str(r).splitlines()[0][:120] if str(r) else ''}"
             return
         est = r
+        sharding = next((o.sharding for o in c.options if o.sharding), None) or (
+            base_sharding.sharding if base_sharding else None)
         if world_size > 1:
-            est = fold_fsdp(est, world_size, unit_bytes) if c.fsdp else dataclasses.replace(est, world_size=world_size)
+            est = fold_sharding(est, world_size, unit_bytes, sharding) if sharding else dataclasses.replace(
+                est, world_size=world_size)
         c.estimate = est
         c.fits = est.peak_bytes <= budget
 
     considered: list[Candidate] = []
     chosen = None
-    for tier_name, tier in (("lossless", lossless), ("lossy", lossy)):
+    for tier in (lossless, lossy):
         if not tier:
             continue
-        for c in tier:
-            evaluate(c)
+        from ..progress import progress
+
+        bar = progress(len(tier), "effpass plan")  # each candidate: a replay unless shared with another
+        try:
+            for c in tier:
+                bar.set_postfix_str(c.name[:40])
+                evaluate(c)
+                bar.update()
+        finally:
+            bar.close()
         considered += tier
         done = [c for c in considered if c.estimate is not None]
         if not done:
             continue
-        base_flops = done[0].estimate.flops if considered[0].estimate is not None else min(c.estimate.flops for c in done)
+        base_flops = considered[0].estimate.flops if considered[0].estimate is not None else min(
+            c.estimate.flops for c in done)
         for c in done:
             c.extra_flops = c.estimate.flops - base_flops
         fitting = [c for c in tier if c.fits]
         if fitting:
-            chosen = min(fitting, key=lambda c: (c.extra_flops, c.fsdp, c.peak_bytes))
+            chosen = min(fitting, key=lambda c: (c.extra_flops, c.sharded, c.peak_bytes))
             break
     done = [c for c in considered if c.estimate is not None]
     if chosen is None:
@@ -326,7 +361,7 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
             raise RuntimeError(f"plan_memory: no plan could be replayed ({errors})")
         best = min(done, key=lambda c: c.peak_bytes)
         hint = ""
-        missing = sorted(set(LOSSY_TECHNIQUES) - set(allow_t))
+        missing = sorted(t for t, (ll, _) in techniques(max(world_size, 2)).items() if not ll and t not in allow_t)
         if missing:
             hint = f"; allow=[...] may add lossy techniques: {missing}"
         raise MemoryBudgetError(
@@ -344,23 +379,118 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
                   f"{sum(c.fits for c in considered)} fitting {'lossy' if chosen.lossy else 'lossless'} plans")
         if chosen.lossy:
             reason += "; no lossless plan fits"
-    if chosen.optimizer == "adamw8bit":
-        notes.append("build the optimizer as torchao.optim.AdamW8bit(trainable parameters) for this plan")
-    pipeline = _pipeline(base, chosen, lora_exclude)
+    for o in chosen.options:
+        if o.optimizer:
+            notes.append(f"build the optimizer as {o.optimizer!r} for this plan ({o.cost})")
+    pipeline = _pipeline(base, chosen)
     return MemoryPlan(budget=budget, chosen=chosen, candidates=considered, passes=pipeline,
                       optimizer=chosen.optimizer, world_size=world_size, reason=reason, notes=notes)
+
+
+def _is_sharding(pass_name: str, model, world_size: int) -> bool:
+    """A pass whose declared option is folded (sharding): not replayed (one rank is replayed)."""
+    from effpass.pass_api import registered_passes
+
+    klass = registered_passes().get(pass_name)
+    return klass is not None and any(o.sharding for o in klass.memory_options(None, world_size=max(world_size, 2)))
 
 
 def plan_for_compile(model, passes, memory_budget, allow, example_inputs, *, optimizer="adamw", world_size=1,
                      **compile_options):
     """For ``effpass.compile(model, memory_budget=...)``: (the pipeline to compile with, the plan)."""
-    if example_inputs is None:
-        raise ValueError("memory_budget needs example_inputs= (a tuple of arguments or a dict of keyword "
-                         "arguments for one training step, e.g. {'input_ids': ..., 'labels': ...}): the plan is "
-                         "chosen by replaying that step")
     plan = plan_memory(model, example_inputs, memory_budget, allow=allow, passes=passes, optimizer=optimizer,
                        world_size=world_size, **compile_options)
     import logging
 
     logging.getLogger("effpass.planning").info("%s", plan.summary())
     return plan.passes, plan
+
+
+def module_phase_techniques(model, passes, allow, optimizer="adamw", world_size=1) -> list[str]:
+    """The techniques the planner could add for ``model`` that must change the eager model before the
+    optimizer exists (``phase="module"``): planning them needs ``example_inputs`` before compiling."""
+    from effpass.config import _build_passes, default_pipeline
+
+    base = _build_passes(passes) if passes is not None else default_pipeline(_target_device(model, None))
+    groups = _usable_options(model, {p.name for p in base}, _check_allow(allow, world_size), optimizer, world_size,
+                             [])
+    return sorted({o.technique for g in groups.values() for o in g if o.phase == "module"})
+
+
+def check_plan_without_inputs(model, passes, allow, optimizer="adamw", world_size=1) -> None:
+    """``effpass.compile(memory_budget=...)`` without ``example_inputs``: the plan is made on the first call,
+    after the optimizer exists, so it may only add options that act on graphs. Raise naming the options that
+    must change the eager model first (a quantized base, sharding, another optimizer)."""
+    module = module_phase_techniques(model, passes, allow, optimizer, world_size)
+    if module:
+        raise ValueError(
+            f"memory_budget without example_inputs: the plan may use {module}, which change the eager model (or "
+            f"the optimizer) before the optimizer exists, so they cannot be chosen on the first call; pass "
+            f"example_inputs= (a tuple of arguments or a dict of keyword arguments for one training step, e.g. "
+            f"{{'input_ids': ..., 'labels': ...}}) to plan before compiling, or leave them out of allow="
+            + (" / use world_size=1" if world_size > 1 else ""))
+
+
+class _PlanOnFirstCall:
+    """``model._compiled_call_impl`` until the first call: plans with that call's inputs (graph options
+    only), compiles the model again in place with the plan's passes, then runs the call."""
+
+    def __init__(self, model, inner, base_passes, memory_budget, allow, optimizer, world_size, compile_options,
+                 on_backend):
+        self.model, self.inner, self.on_backend = model, inner, on_backend
+        self.args = (base_passes, memory_budget, allow, optimizer, world_size, compile_options)
+        self.backend = inner.backend
+        self.first_call_checks = inner.first_call_checks
+        self.first_input_checks = getattr(inner, "first_input_checks", [])
+
+    def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return self.inner(*args, **kwargs)
+        return self._plan_and_call(args, kwargs)
+
+    @torch._dynamo.disable
+    def _plan_and_call(self, args, kwargs):
+        import logging
+
+        from effpass.backend import EffpassBackend, compile_in_place
+
+        base_passes, budget, allow, optimizer, world_size, opts = self.args
+        if args and kwargs:
+            import inspect
+
+            bound = inspect.signature(self.model.forward).bind(*args, **kwargs)
+            inputs = dict(bound.arguments)
+        else:
+            inputs = dict(kwargs) if kwargs else tuple(args)
+        old = self.backend
+        plan = plan_memory(self.model, inputs, budget, allow=allow, passes=base_passes, optimizer=optimizer,
+                           world_size=world_size, _graph_only=True, **opts)
+        plan.notes.append("planned on the first call (no example_inputs): graph options only")
+        logging.getLogger("effpass.planning").info("%s", plan.summary())
+        names = {p.name for p in old.options.passes}
+        new = EffpassBackend(old.options, model=self.model, report=old.report)
+        new.extra_passes = tuple(p for p in plan.passes if p.name not in names)
+        new._count = old._count
+        new.manager = new._make_manager(old.options.passes)
+        new.report.memory_plan = plan
+        compile_in_place(self.model, new, **getattr(self.model, "_effpass_compile_kwargs", {}))
+        self.on_backend(new)
+        call = self.model._compiled_call_impl
+        call.first_call_checks = list(self.first_call_checks)
+        if hasattr(call, "first_input_checks"):
+            call.first_input_checks = list(self.first_input_checks)
+        return call(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        return None
+
+    def __reduce__(self):
+        return (type(None), ())
+
+
+def plan_on_first_call(model, base_passes, memory_budget, allow, optimizer, world_size, *, on_backend,
+                       **compile_options) -> None:
+    """Install :class:`_PlanOnFirstCall` on a model ``effpass.compile`` compiled in place; ``on_backend(b)``
+    is told the backend compiled with the plan."""
+    model._compiled_call_impl = _PlanOnFirstCall(model, model._compiled_call_impl, base_passes, memory_budget, allow,
+                                                 optimizer, world_size, compile_options, on_backend)

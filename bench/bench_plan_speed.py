@@ -1,0 +1,68 @@
+"""Planning time of Llama-3-8B LoRA (r=16, q/k/v/o, batch 1 x 2048 tokens, bf16) over every candidate the
+registry offers with allow=['nf4', 'int8', 'adamw8bit'] (a budget nothing fits, so every tier is replayed).
+
+    .venv/bin/python bench/bench_plan_speed.py
+
+Writes bench/results/plan_speed.json and .md (device, versions, date, load before and after).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import effpass  # noqa: E402
+from effpass.planning import MemoryBudgetError, format_bytes, plan_memory  # noqa: E402
+from effpass.planning.cli import model_from_config  # noqa: E402
+
+LLAMA_3_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+                  max_position_embeddings=8192, tie_word_embeddings=False, torch_dtype="bfloat16")
+
+
+def main():
+    load0 = os.getloadavg()
+    model = model_from_config(dict(LLAMA_3_8B))
+    tok = torch.zeros(1, 2048, dtype=torch.long, device="meta")
+    inputs = {"input_ids": tok, "labels": tok, "use_cache": False}
+    lora = effpass.make_pass("inject_lora", {"rank": 16, "targets": ["*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj"]})
+    t0 = time.perf_counter()
+    try:
+        plan = plan_memory(model, inputs, "6GiB", allow=["nf4", "int8", "adamw8bit"], passes=[lora], lowering="eager")
+        cands = plan.candidates
+    except MemoryBudgetError as e:
+        cands = e.candidates
+    seconds = time.perf_counter() - t0
+    load1 = os.getloadavg()
+    rows = [{"plan": c.name, "peak": c.peak_bytes, "parameters": c.estimate.parameters if c.estimate else None,
+             "extra_flops": c.extra_flops, "error": c.error} for c in cands]
+    import transformers
+
+    head = {"device": f"CPU ({platform.machine()}, {os.cpu_count()} cores, shared)", "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "load_before": load0, "load_after": load1}
+    out = {"header": head, "seconds": round(seconds, 1), "candidates": len(cands), "rows": rows}
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    os.makedirs(here, exist_ok=True)
+    with open(os.path.join(here, "plan_speed.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    md = [f"# Planning time: Llama-3-8B LoRA r=16, 1 x 2048 tokens, allow nf4/int8/adamw8bit\n", f"{head}\n",
+          f"{len(cands)} candidates in {seconds:.1f} s (load average before {load0[0]:.1f}, after {load1[0]:.1f})\n",
+          "| plan | predicted peak | parameters | error |", "|---|---|---|---|"]
+    md += [f"| {r['plan']} | {format_bytes(r['peak']) if r['peak'] else '-'} | "
+           f"{format_bytes(r['parameters']) if r['parameters'] else '-'} | {r['error'] or ''} |" for r in rows]
+    with open(os.path.join(here, "plan_speed.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+import json, sys
+b = json.load(open("bench/results/issue22_behaviour/before.json")); a = json.load(open("bench/results/issue22_behaviour/after.json"))
+common = [k for k in a if k in b]
+print("before", len(b), "after", len(a), "common", len(common))
+def norm_stats(st):
+    out = []
+    for name, phase, graph, stats, skipped, fb in st:
+        stats = {k: v for k, v in stats.items() if k != "flash_attn"}
+        out.append((name, phase, graph, json.dumps(stats, sort_keys=True), json.dumps(skipped), fb))
+    return out
+same_stats = same_num = 0
+for k in common:
+    sa, sb = norm_stats(a[k]["stats"]), norm_stats(b[k]["stats"])
+    if sa == sb: same_stats += 1
+    else:
+        print("STATS DIFF", k)
+        for x, y in zip(sb, sa):
+            if x != y: print("  before", x[:4], "\n  after ", y[:4]); break
+        if len(sa) != len(sb): print("  records", len(sb), len(sa))
+    if a[k]["loss"] == b[k]["loss"] and a[k]["grads"] == b[k]["grads"]: same_num += 1
+    else:
+        import math
+        dl = max([abs(x - y) for x, y in zip(a[k]["loss"], b[k]["loss"])] or [0])
+        print("NUM DIFF", k, "max loss diff", dl, len(a[k]["loss"]), len(b[k]["loss"]))
+print("same stats", same_stats, "/", len(common), " identical loss+grads", same_num, "/", len(common))

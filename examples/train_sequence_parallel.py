@@ -1,0 +1,147 @@
+"""Train a Llama-style model with effpass sequence parallelism (Ulysses) + FSDP2 under torchrun.
+
+Every rank of a sequence-parallel group feeds the same batch; the pass keeps 1/sp of each sequence's
+tokens per rank and all-to-alls around attention. ``world = data x sp``; FSDP2 shards over all ranks.
+
+    # 2 processes, one sequence group of 2 (CPU: gloo; GPUs: NCCL, picked automatically)
+    torchrun --standalone --nproc-per-node 2 examples/train_sequence_parallel.py --sp 2 --seq 64 --ckpt-dir /tmp/sp
+    # 8 GPUs: 2 data groups x sequence groups of 4, 32k tokens per sequence
+    torchrun --standalone --nproc-per-node 8 examples/train_sequence_parallel.py --model 1b --sp 4 --batch 2 \\
+        --seq 32768 --autocast bf16 --lowering inductor --ckpt-dir /data/ckpt
+
+The job resumes from the newest complete checkpoint in ``--ckpt-dir``; ``--fail-at-step K`` kills rank 1
+once at step K. The data of step ``k`` depends only on ``--seed`` and ``k``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import effpass
+from effpass.passes import ShardSequence, WrapFSDP
+from effpass.passes.wrap_fsdp import load_checkpoint, save_checkpoint
+
+
+def build_model(name: str, attn: str):
+    import transformers as tf
+
+    if name == "tiny":
+        cfg = tf.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    elif name == "1b":  # the Llama-3.2-1B shape
+        cfg = tf.LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                             num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                             tie_word_embeddings=True)
+    else:
+        raise ValueError(f"--model {name!r}: choose 'tiny' or '1b'")
+    cfg.use_cache = False
+    cfg._attn_implementation = attn
+    return tf.LlamaForCausalLM(cfg), cfg.vocab_size
+
+
+def batch_of(step: int, seed: int, batch: int, seq: int, vocab: int, data_rank: int, data_world: int, device):
+    """The global batch of ``step`` (a function of seed and step only), this data group's slice."""
+    if batch % data_world:
+        raise ValueError(f"--batch {batch} must be divisible by the number of data groups {data_world}")
+    g = torch.Generator().manual_seed(seed * 100003 + step)
+    tokens = torch.randint(0, vocab, (batch, seq), generator=g)
+    per = batch // data_world
+    return tokens[data_rank * per:(data_rank + 1) * per].to(device)
+
+
+def latest_checkpoint(ckpt_dir: str | None) -> tuple[str | None, int]:
+    if not ckpt_dir or not os.path.isdir(ckpt_dir):
+        return None, 0
+    steps = [int(d.split("_")[1]) for d in os.listdir(ckpt_dir)
+             if d.startswith("step_") and os.path.exists(os.path.join(ckpt_dir, d, ".metadata"))]
+    if not steps:
+        return None, 0
+    return os.path.join(ckpt_dir, f"step_{max(steps)}"), max(steps)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="tiny", help="tiny | 1b")
+    ap.add_argument("--sp", type=int, default=2, help="ranks per sequence-parallel group")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=2, help="global batch (split over data groups)")
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager", "flash_attention_2"])
+    ap.add_argument("--lowering", default="eager", choices=["eager", "inductor"])
+    ap.add_argument("--autocast", default="none", choices=["none", "bf16"])
+    ap.add_argument("--no-fsdp", action="store_true", help="replicated parameters (gradients averaged by the pass)")
+    ap.add_argument("--ckpt-dir", default=None)
+    ap.add_argument("--ckpt-every", type=int, default=2)
+    ap.add_argument("--out", default=None, help="save the final full state dict here (rank 0)")
+    ap.add_argument("--fail-at-step", type=int, default=-1, help="rank 1 dies once at this step (fault test)")
+    args = ap.parse_args(argv)
+
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+
+    torch.manual_seed(args.seed)
+    model, vocab = build_model(args.model, args.attn)
+    model.to(device).train()
+    passes: list = [ShardSequence(size=args.sp)]
+    if args.autocast == "bf16":
+        from effpass.passes import ApplyAutocast
+
+        passes.append(ApplyAutocast(dtype=torch.bfloat16))
+    if not args.no_fsdp:
+        passes.append(WrapFSDP())
+    model = effpass.compile(model, passes=passes, lowering=args.lowering, dump_dir=None)
+    data_world, data_rank = world // args.sp, rank // args.sp   # build_sequence_mesh: groups of sp consecutive ranks
+
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
+    state = {"step": 0}
+    path, _ = latest_checkpoint(args.ckpt_dir)
+    if path:
+        if args.no_fsdp:
+            raise SystemExit("--ckpt-dir needs FSDP here (save_checkpoint handles DTensor and plain states alike, "
+                             "but this example only resumes the FSDP setup)")
+        state = load_checkpoint(path, model, opt, extra=state)
+        if rank == 0:
+            print(f"resumed from {path} at step {state['step']}", flush=True)
+
+    t0 = time.perf_counter()
+    for step in range(state["step"], args.steps):
+        if step == args.fail_at_step and rank == 1 and args.ckpt_dir:
+            marker = os.path.join(args.ckpt_dir, "failed_once")
+            if not os.path.exists(marker):
+                open(marker, "w").close()
+                print(f"rank 1: simulated crash at step {step}", flush=True)
+                os._exit(17)
+        tokens = batch_of(step, args.seed, args.batch, args.seq, vocab, data_rank, data_world, device)
+        loss = model(input_ids=tokens, labels=tokens).loss      # the same whole batch on every rank of a group
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if rank == 0:
+            print(f"step {step} loss {loss.item():.6f}", flush=True)
+        if args.ckpt_dir and (step + 1) % args.ckpt_every == 0:
+            save_checkpoint(os.path.join(args.ckpt_dir, f"step_{step + 1}"), model, opt, extra={"step": step + 1})
+    if rank == 0:
+        print(f"{args.steps - state['step']} steps in {time.perf_counter() - t0:.2f} s", flush=True)
+
+    if args.out:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            torch.save(full, args.out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
