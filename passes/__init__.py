@@ -19,6 +19,7 @@ _BUILTINS = {
     "fuse_cross_entropy": ("FuseCrossEntropy",),
     "shard_sequence": ("ShardSequence",),
     "tile_sequence": ("TileSequence",),
+    "step_in_backward": ("StepInBackward",),
 }
 
 __all__ = []

@@ -234,6 +234,17 @@ def check_training_args(args: Any, model: torch.nn.Module) -> None:
             "the scale_loss pass needs the optimizer step to unscale with effpass.loss_scaler(model), which "
             "Trainer's step does not do; remove scale_loss and use TrainingArguments(fp16=True) "
             "(Trainer's GradScaler) instead")
+    if "step_in_backward" in names:
+        # the optimizer steps each parameter inside backward: neither clipping by the global norm (it needs
+        # every gradient at once) nor accumulation over micro-batches (a step per backward) can be exact
+        bad = []
+        if float(getattr(args, "max_grad_norm", 0.0) or 0.0) > 0:
+            bad.append(f"max_grad_norm={args.max_grad_norm} (set max_grad_norm=0.0)")
+        if int(getattr(args, "gradient_accumulation_steps", 1) or 1) != 1:
+            bad.append(f"gradient_accumulation_steps={args.gradient_accumulation_steps} (set it to 1)")
+        if bad:
+            raise ValueError("the step_in_backward pass steps each parameter inside backward, which cannot be "
+                             "exact with " + ", ".join(bad))
     be = _backend(model)
     autocast = next((p for p in (be.manager.active if be else []) if p.name == "apply_autocast"), None)
     if autocast is not None:

@@ -1,0 +1,218 @@
+"""step_in_backward: each parameter's optimizer update applied as soon as its gradient is complete.
+
+Full fine-tuning holds every parameter's gradient from the end of backward until ``opt.step()``. This
+pass registers a ``Tensor.register_post_accumulate_grad_hook`` on every trainable parameter; once the
+user's optimizer is known, the hook runs that optimizer's own ``step`` on that one parameter (its
+param_groups temporarily narrowed to ``[{**group, "params": [p]}]``, so the hyperparameters, the LR a
+scheduler set, and ``opt.state[p]`` are the user's own) and then frees the gradient (``p.grad = None``).
+``opt.step()`` afterwards finds no gradients and does nothing to those parameters (torch's and torchao's
+optimizers skip parameters whose ``grad`` is ``None``); ``opt.zero_grad()`` is harmless.
+
+The user's optimizer is found without any change to the training loop: a global
+``torch.optim`` step pre-hook attaches every optimizer that holds one of the hooked parameters on its
+first ``step()`` (the first step is therefore an ordinary one; from the second on, gradients are freed
+during backward). ``attach(opt)`` attaches an optimizer at once, so that even the first step saves memory.
+
+Exactness: the arithmetic is the optimizer's own per-parameter arithmetic, so parameters and state are
+bit-identical to the usual ``step()`` for the single-tensor (``foreach=False``) implementations, torchao's
+per-parameter 8-bit AdamW, and (as tested) ``foreach=True`` / ``fused=True`` of AdamW/Adam/SGD on CPU.
+Refused with an error: a second backward before ``opt.step()`` (gradient accumulation: the first
+micro-batch's update has already been applied), a closure passed to ``step``, an optimizer class not in
+:data:`SUPPORTED` (its step may couple parameters, e.g. LBFGS or a global-norm clipping optimizer).
+Clipping by the global norm cannot be exact (it needs every gradient at once): with this pass the
+gradients are gone when ``clip_grad_norm_`` runs; the Hugging Face integration raises when
+``max_grad_norm > 0`` or ``gradient_accumulation_steps > 1``
+(``effpass.integrations.huggingface.check_training_args``).
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.utils.weak import WeakTensorKeyDictionary
+
+import effpass
+
+__all__ = ["StepInBackward", "attach", "detach", "SUPPORTED", "StepInBackwardError"]
+
+
+class StepInBackwardError(RuntimeError):
+    """A use of step_in_backward that cannot give the same parameters as the usual step."""
+
+
+def _supported_classes() -> tuple[type, ...]:
+    out: list[type] = [torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD]
+    try:  # optional: torchao's low-bit optimizers step one parameter at a time
+        from torchao.optim.adam import _AdamBase
+        out.append(_AdamBase)
+    except Exception:  # noqa: BLE001 - torchao absent or broken: its optimizers are simply not supported
+        pass
+    return tuple(out)
+
+
+#: Optimizer classes whose update of a parameter depends on that parameter's gradient and state only.
+SUPPORTED: tuple[type, ...] = _supported_classes()
+
+_LOCK = threading.RLock()
+# keyed by tensor identity (a plain WeakKeyDictionary would compare tensors with ==)
+_HOOKED = WeakTensorKeyDictionary()
+_OPTS: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+_GLOBAL_HOOK = None
+_INSIDE = threading.local()
+
+
+class _ParamEntry:
+    __slots__ = ("opt", "group", "stepped", "handle", "__weakref__")
+
+    def __init__(self, handle):
+        self.opt = None  # weakref to the optimizer, once attached
+        self.group = None  # index into opt.param_groups
+        self.stepped = False  # updated in backward since the last opt.step()
+        self.handle = handle
+
+
+def _check_optimizer(opt: torch.optim.Optimizer) -> None:
+    if not isinstance(opt, SUPPORTED):
+        raise StepInBackwardError(
+            f"step_in_backward: optimizer {type(opt).__name__} is not supported; supported: "
+            f"{[c.__name__ for c in SUPPORTED]} (their update of one parameter depends on its own gradient "
+            f"and state only). Remove the step_in_backward pass to use {type(opt).__name__}.")
+    for g in opt.param_groups:
+        if g.get("differentiable"):
+            raise StepInBackwardError("step_in_backward: differentiable=True optimizers are not supported")
+
+
+def attach(opt: torch.optim.Optimizer) -> int:
+    """Make ``opt`` step the hooked parameters it holds inside backward; returns how many it holds.
+
+    Called automatically on ``opt``'s first ``step()``; call it right after building the optimizer to save
+    the gradients' memory from the first step on. Idempotent."""
+    with _LOCK:
+        held = [(gi, p) for gi, g in enumerate(opt.param_groups) for p in g["params"] if p in _HOOKED]
+        if not held:
+            return 0
+        _check_optimizer(opt)
+        for gi, p in held:
+            e = _HOOKED[p]
+            other = e.opt() if e.opt is not None else None
+            if other is not None and other is not opt:
+                raise StepInBackwardError(
+                    f"step_in_backward: a parameter of shape {tuple(p.shape)} is held by two optimizers "
+                    f"({type(other).__name__} and {type(opt).__name__}); each parameter must have one")
+            e.opt, e.group = weakref.ref(opt), gi
+        if opt not in _OPTS:
+            _OPTS.add(opt)
+            opt.register_step_pre_hook(_on_user_step)
+        return len(held)
+
+
+def detach(opt: torch.optim.Optimizer) -> None:
+    """Stop stepping ``opt``'s parameters in backward (gradients are kept for ``opt.step()`` again)."""
+    with _LOCK:
+        for e in list(_HOOKED.values()):
+            if e.opt is not None and e.opt() is opt:
+                e.opt, e.group, e.stepped = None, None, False
+
+
+def _on_any_step(opt, args, kwargs):
+    """Global step pre-hook: attach optimizers holding hooked parameters on their first step."""
+    if getattr(_INSIDE, "on", False) or opt in _OPTS:
+        return None
+    attach(opt)
+    return None
+
+
+def _on_user_step(opt, args, kwargs):
+    """The user's ``opt.step()``: a new cycle; refuse what cannot be exact."""
+    if getattr(_INSIDE, "on", False):
+        return None
+    closure = args[1] if len(args) > 1 else kwargs.get("closure")
+    if closure is not None:
+        raise StepInBackwardError("step_in_backward: opt.step(closure) is not supported (the closure would "
+                                  "run backward, which already stepped the parameters)")
+    for e in _HOOKED.values():
+        if e.opt is not None and e.opt() is opt:
+            e.stepped = False
+    return None
+
+
+def _grad_hook(p: torch.Tensor) -> None:
+    e = _HOOKED.get(p)
+    if e is None or e.opt is None or p.grad is None:
+        return
+    opt = e.opt()
+    if opt is None:
+        e.opt = None
+        return
+    if e.stepped:
+        raise StepInBackwardError(
+            "step_in_backward: a second backward before opt.step() (gradient accumulation over several "
+            "micro-batches) cannot be exact: the first micro-batch's update was already applied in backward. "
+            "Call opt.step() after every backward (gradient_accumulation_steps=1), or remove the pass.")
+    groups = opt.param_groups
+    group = groups[e.group]
+    if not any(q is p for q in group["params"]):
+        raise StepInBackwardError("step_in_backward: the optimizer's param_groups changed after attach(); "
+                                  "call attach(opt) again")
+    with torch.no_grad():
+        opt.param_groups = [{**group, "params": [p]}]
+        _INSIDE.on = True
+        try:
+            step = type(opt).step
+            if getattr(step, "hooked", False):  # torch's hook wrapper: user hooks run once, on opt.step()
+                step = step.__wrapped__
+            step(opt)
+        finally:
+            _INSIDE.on = False
+            opt.param_groups = groups
+    p.grad = None
+    e.stepped = True
+
+
+def _install_global_hook() -> None:
+    global _GLOBAL_HOOK
+    with _LOCK:
+        if _GLOBAL_HOOK is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+            _GLOBAL_HOOK = register_optimizer_step_pre_hook(_on_any_step)
+
+
+def hooked_parameters(model: torch.nn.Module) -> int:
+    """How many of ``model``'s parameters step in backward (hooked by the pass)."""
+    return sum(1 for p in model.parameters() if p in _HOOKED)
+
+
+@effpass.register_pass("step_in_backward",
+                       run_after=("inject_lora", "quantize_linear"), conflicts_with=("wrap_fsdp",),
+                       summary="optimizer step per parameter inside backward; gradients freed at once (lossless)")
+@dataclass(frozen=True, kw_only=True)
+class StepInBackward(effpass.Pass):
+    """Each trainable parameter's optimizer update applied as soon as its gradient is complete, then the
+    gradient freed: the gradients of all parameters never exist at once. Lossless (the optimizer's own
+    arithmetic). Works with the optimizer the user builds after ``effpass.compile``."""
+
+    requires_module_phase = True
+
+    def prepare_module(self, model: torch.nn.Module, ctx) -> effpass.PassResult:
+        from fnmatch import fnmatch
+
+        _install_global_hook()
+        stats = {"parameters": 0, "elements": 0, "gradient_bytes": 0}
+        skipped = []
+        with _LOCK:
+            for name, p in model.named_parameters():
+                if not p.requires_grad:
+                    continue
+                mod = name.rpartition(".")[0]  # targets/exclude are module-name globs
+                if (self.targets and not any(fnmatch(mod, t) or fnmatch(mod, t + ".*") for t in self.targets)) or any(
+                        fnmatch(mod, t) or fnmatch(mod, t + ".*") for t in self.exclude):
+                    skipped.append({"site": name, "reason": "outside targets"})
+                    continue
+                if p not in _HOOKED:
+                    _HOOKED[p] = _ParamEntry(p.register_post_accumulate_grad_hook(_grad_hook))
+                stats["parameters"] += 1
+                stats["elements"] += p.numel()
+                stats["gradient_bytes"] += p.numel() * p.element_size()
+        return effpass.PassResult(changed=bool(stats["parameters"]), stats=stats, skipped=skipped)

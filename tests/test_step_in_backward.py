@@ -1,0 +1,216 @@
+"""step_in_backward: each parameter's optimizer update inside backward, gradients freed at once."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import effpass
+from effpass.passes import StepInBackward
+from effpass.passes.step_in_backward import StepInBackwardError, attach, hooked_parameters
+from effpass.testing import model_case
+from effpass.testing.memory import peak_memory
+
+
+def _params(m):
+    return {n.replace("_orig_mod.", ""): p for n, p in m.named_parameters()}
+
+
+def _train(model, make_opt, case, *, steps=4, use_pass=False, attach_now=False, check_grads=None):
+    if use_pass:
+        model = effpass.compile(model, passes=[StepInBackward()], lowering="eager")
+    else:
+        model = effpass.compile(model, passes=[], lowering="eager")
+    opt = make_opt(model.parameters())
+    if attach_now:
+        assert attach(opt) == len(list(model.parameters()))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    losses = []
+    for i in range(steps):
+        loss = case.loss(model(**case.inputs))
+        loss.backward()
+        if check_grads is not None:
+            check_grads(i, model)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return model, opt, losses
+
+
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=False),
+    "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),
+    "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+    "adam_amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, foreach=False),
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=1e-1, momentum=0.9, nesterov=True, weight_decay=0.01),
+}
+
+
+@pytest.mark.parametrize("kind,attach_now", [(k, True) for k in OPTIMIZERS] + [("adamw", False)])
+def test_parameters_and_state_bit_identical_to_usual_step(kind, attach_now):
+    case = model_case("llama", layers=1)
+    seen = []
+
+    def grads_freed(i, model):  # structural: after backward, which gradients still exist
+        seen.append(sum(p.grad is not None for p in model.parameters()))
+
+    ref, ref_opt, ref_losses = _train(copy.deepcopy(case.model), OPTIMIZERS[kind], case)
+    got, opt, losses = _train(copy.deepcopy(case.model), OPTIMIZERS[kind], case, use_pass=True,
+                              attach_now=attach_now, check_grads=grads_freed)
+    n = len(list(got.parameters()))
+    assert hooked_parameters(got) == n
+    # found by attach() at once, or by the global hook on the first step (an ordinary one)
+    assert seen == ([0] * 4 if attach_now else [n, 0, 0, 0])
+    assert losses == ref_losses
+    pr, pg = _params(ref), _params(got)
+    assert pr.keys() == pg.keys()
+    assert all(torch.equal(pr[k], pg[k]) for k in pr)
+    sr, sg = ref_opt.state_dict(), opt.state_dict()
+    assert sr["param_groups"] == sg["param_groups"]          # LR the scheduler set, identical bookkeeping
+    assert sr["state"].keys() == sg["state"].keys() and sg["state"]
+    for k in sr["state"]:
+        for f, v in sr["state"][k].items():
+            assert torch.equal(v, sg["state"][k][f]) if isinstance(v, torch.Tensor) else v == sg["state"][k][f]
+
+
+def test_checkpoint_round_trip_continues_exactly():
+    """opt.state_dict() / load_state_dict() into a fresh optimizer: the in-backward steps go on from it."""
+    case = model_case("llama", layers=1)
+    make = OPTIMIZERS["adamw"]
+    ref, ref_opt, _ = _train(copy.deepcopy(case.model), make, case, steps=3)
+    got = effpass.compile(copy.deepcopy(case.model), passes=[StepInBackward()], lowering="eager")
+    opt = make(got.parameters())
+    for _ in range(2):
+        case.loss(got(**case.inputs)).backward(); opt.step(); opt.zero_grad()
+    opt2 = make(got.parameters())
+    opt2.load_state_dict(opt.state_dict())
+    del opt
+    attach(opt2)
+    case.loss(got(**case.inputs)).backward()
+    assert all(p.grad is None for p in got.parameters())     # stepped in backward by the new optimizer
+    opt2.step()
+    # reference: 3 plain steps without a scheduler
+    plain = effpass.compile(copy.deepcopy(case.model), passes=[], lowering="eager")
+    popt = make(plain.parameters())
+    for _ in range(3):
+        case.loss(plain(**case.inputs)).backward(); popt.step(); popt.zero_grad()
+    pr, pg = _params(plain), _params(got)
+    assert all(torch.equal(pr[k], pg[k]) for k in pr)
+
+
+def test_gradient_accumulation_refused():
+    case = model_case("llama", layers=1)
+    m = effpass.compile(copy.deepcopy(case.model), passes=[StepInBackward()], lowering="eager")
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    attach(opt)
+    case.loss(m(**case.inputs)).backward()
+    with pytest.raises(StepInBackwardError, match="gradient accumulation"):
+        case.loss(m(**case.inputs)).backward()
+
+
+def test_unsupported_optimizer_refused():
+    case = model_case("llama", layers=1)
+    m = effpass.compile(copy.deepcopy(case.model), passes=[StepInBackward()], lowering="eager")
+    opt = torch.optim.Adagrad(m.parameters(), lr=1e-3)
+    with pytest.raises(StepInBackwardError, match="Adagrad is not supported.*AdamW"):
+        attach(opt)
+    with pytest.raises(StepInBackwardError, match="closure"):
+        opt2 = torch.optim.SGD(m.parameters(), lr=1e-3)
+        attach(opt2)
+        opt2.step(lambda: None)
+
+
+def test_frozen_and_excluded_parameters_keep_their_gradients():
+    case = model_case("llama", layers=1)
+    model = copy.deepcopy(case.model)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    m = effpass.compile(model, passes=[StepInBackward(exclude=("lm_head",))], lowering="eager")
+    stats = effpass.report(m).stats("step_in_backward", "module")
+    trainable = [p for p in m.parameters() if p.requires_grad]
+    assert stats["parameters"] == len(trainable) - 1 == hooked_parameters(m)
+    opt = torch.optim.AdamW(trainable, lr=1e-3)
+    attach(opt)
+    case.loss(m(**case.inputs)).backward()
+    assert [n.replace("_orig_mod.", "") for n, p in m.named_parameters() if p.grad is not None] == ["lm_head.weight"]
+    opt.step()      # steps the excluded one in the usual way
+    assert m.lm_head.weight.grad is not None
+
+
+class _Stack(torch.nn.Module):
+    """A self-written model whose parameters dominate its activations (a deep stack of square linears)."""
+
+    def __init__(self, dim=256, depth=4):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(depth))
+
+    def forward(self, x):
+        for lin in self.layers:
+            x = torch.tanh(lin(x))
+        return x.square().mean()
+
+
+def test_step_peak_memory_lower_by_the_gradients():
+    """A step's peak (forward, backward, opt.step) with the pass is lower than without by about the
+    gradient bytes minus the largest parameter's (its gradient exists while it is stepped)."""
+    torch.manual_seed(0)
+    base, x = _Stack(), torch.randn(2, 256)
+    peaks, params = {}, {}
+    for use in (False, True):
+        # eager (effpass.prepare runs the module phase only): autograd hands each gradient over on its own.
+        # One compiled backward graph returns all its gradients at once (see the docs): no saving there.
+        m = effpass.prepare(copy.deepcopy(base), passes=[StepInBackward()] if use else [])
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False)
+        attach(opt)
+
+        def step():
+            m(x).backward()
+            opt.step()
+            opt.zero_grad()
+        for _ in range(2):
+            step()            # optimizer states exist from here on
+        _, peaks[use] = peak_memory(step)
+        params[use] = _params(m)
+    assert all(torch.equal(params[False][k], params[True][k]) for k in params[False])
+    grad_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
+    largest = max(p.numel() * p.element_size() for p in base.parameters())
+    saved = peaks[False] - peaks[True]
+    assert 0.9 * (grad_bytes - largest) <= saved <= grad_bytes, (peaks, grad_bytes, largest)
+
+
+def test_trainer_losses_and_state_equal_a_normal_run(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from effpass.testing.hf import lm_dataset
+
+    data, runs = lm_dataset(8), {}
+    for use in (False, True):
+        torch.manual_seed(0)
+        model = model_case("llama", layers=1).model
+        model = effpass.compile(model, passes=[StepInBackward()] if use else [], lowering="eager")
+        args = transformers.TrainingArguments(
+            str(tmp_path / str(use)), max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=1,
+            max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0, save_strategy="no", use_cpu=True,
+            disable_tqdm=True, lr_scheduler_type="linear", learning_rate=1e-2)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+        runs[use] = ([h["loss"] for h in trainer.state.log_history if "loss" in h], _params(model),
+                     trainer.optimizer.state_dict(), trainer.lr_scheduler.get_last_lr())
+    (l0, p0, s0, lr0), (l1, p1, s1, lr1) = runs[False], runs[True]
+    assert len(l1) == 3 and l1 == l0 and lr1 == lr0
+    assert all(torch.equal(p0[k], p1[k]) for k in p0)
+    assert all(torch.equal(s0["state"][k]["exp_avg"], s1["state"][k]["exp_avg"]) for k in s0["state"])
+
+
+def test_trainer_refuses_clipping_and_accumulation(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from effpass.integrations.huggingface import check_training_args
+
+    model = effpass.compile(model_case("llama", layers=1).model, passes=[StepInBackward()], lowering="eager")
+    for kw, what in ((dict(max_grad_norm=1.0), "max_grad_norm=1.0"),
+                     (dict(max_grad_norm=0.0, gradient_accumulation_steps=2), "gradient_accumulation_steps=2")):
+        args = transformers.TrainingArguments(str(tmp_path), report_to=[], use_cpu=True, **kw)
+        with pytest.raises(ValueError, match=what):
+            check_training_args(args, model)
+    check_training_args(transformers.TrainingArguments(str(tmp_path), report_to=[], use_cpu=True,
+                                                       max_grad_norm=0.0), model)
