@@ -118,6 +118,14 @@ def canonicalize(gm: fx.GraphModule) -> dict[str, int]:
                 node.target = _FN_ALIASES[t]
                 stats["functions"] += 1
             elif t in _OPERATORS and any(_is_tensor(a) for a in node.args):
+                # NOTE(numerics): a Python number first (``0.5 * x``) runs as ``x.__rmul__(0.5)``, a scalar op;
+                # ``torch.mul(0.5, x)`` wraps the number in an fp32 tensor and rounds differently in bf16
+                # (GPT-2's gelu under autocast). Swap the operands where the op commutes, else leave it.
+                if not _is_tensor(node.args[0]):
+                    if t is operator.truediv or len(node.args) != 2:
+                        stats["operators_kept"] = stats.get("operators_kept", 0) + 1
+                        continue
+                    node.args = (node.args[1], node.args[0])
                 node.target = _OPERATORS[t]
                 stats["operators"] += 1
             elif t in _INPLACE and node.args and _is_tensor(node.args[0]):
