@@ -115,7 +115,7 @@ def moe(rows):
         p = arms.get(peer)
         if not p or not ours:
             continue
-        pk = next((k for k in ("peak_bytes", "peak") if k in p), None)
+        pk = next((k for k in ("peak_bytes", "peak_step_bytes", "peak") if k in p), None)
         tk = next((k for k in ("median_step_s", "step_s", "cpu_s") if k in p), None)
         rows.append(("MoE LoRA (experts)", label, _r(ours.get(pk), p.get(pk)) + " peak" if pk else "-",
                      _r(ours.get(tk), p.get(tk)) + " step" if tk else "-",
