@@ -305,8 +305,8 @@ class EffpassBackend:
         for i, lowering in enumerate(order):
             try:
                 compiled = self._lower_with(lowering, gm, example_inputs, report, common)
-            except (WrongResultError, EffpassPassError):
-                raise
+            except (WrongResultError, EffpassPassError, ValueError, TypeError):
+                raise  # a wrong result, a failing pass in strict mode, a user error (bad targets, options)
             except Exception as e:
                 if self.options.strict:
                     raise

@@ -43,14 +43,15 @@ class WrongResultError(RuntimeError):
     the message names the site and how to avoid it."""
 
 
-def order_passes(passes: Sequence[Pass]) -> list[Pass]:
+def order_passes(passes: Sequence[Pass], *, check_conflicts: bool = True) -> list[Pass]:
     """Order ``passes`` so every ``run_after`` edge holds, keeping the user's order where free.
 
-    Raises :class:`PipelineError` naming both passes for a conflict, and the passes of a cycle.
+    Raises :class:`PipelineError` naming both passes for a conflict (unless ``check_conflicts=False``, for
+    listing a whole registry), and the passes of a cycle.
     """
     by_name = {p.name: p for p in passes}
     for p in passes:
-        for other in p.conflicts_with:
+        for other in (p.conflicts_with if check_conflicts else ()):
             if other in by_name:
                 raise PipelineError(f"pass {p.name!r} conflicts with pass {other!r}: remove one of them")
     g = nx.DiGraph()
@@ -197,11 +198,13 @@ class PassManager:
         passes = self.passes_for(phase)
         if not passes:
             return False
-        for inst in self.instruments:
-            inst.graph_input(report, graph_kind, gm)
         changed_any = False
         if phase is Phase.TORCH_IR:
+            # NOTE(dumps): canonicalised first, so the dump's input graph is what the passes see and each
+            # pass's diff shows only what that pass changed
             changed_any = self._canonicalize(gm, report)
+        for inst in self.instruments:
+            inst.graph_input(report, graph_kind, gm)
         done: list[str] = []
         for p in passes:
             model = ctx_kwargs.get("model")

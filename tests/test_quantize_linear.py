@@ -317,14 +317,6 @@ def test_moe_expert_weights_listed_as_skipped_for_int4(tmp_path):
     assert rec.stats["quantized"] == 5 and type(model.model.layers[0].mlp.experts.down_proj) is nn.Parameter
 
 
-def test_lora_on_expert_projections_is_a_clear_error():
-    from effpass.passes import InjectLoRA
-
-    model, _ = family("mixtral")
-    with pytest.raises(ValueError, match=r"experts\.gate_up_proj' (names MoE expert weights|matches no module)"):
-        effpass.prepare(model, passes=[InjectLoRA(targets=["*.experts.gate_up_proj"])])
-
-
 def test_int8_uses_aten_int8pack_for_half_inference_and_torchao_otherwise():
     torch.manual_seed(0)
     lin = nn.Linear(64, 48).bfloat16()
