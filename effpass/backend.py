@@ -315,7 +315,14 @@ class EffpassBackend:
             if errors:
                 self._fell_back(report, lowering, errors)
             return compiled
-        self._fell_back(report, "none", errors)
+        late = [p.name for ph in (Phase.JOINT, Phase.POST_GRAD) for p in self.manager.passes_for(ph)]
+        if late and getattr(self.report, "memory_plan", None) is not None:
+            # NOTE: without a lowering the joint/post-grad passes (checkpointing, recompute marks) do not run:
+            # the values stay right, but the memory plan's promise would not hold
+            raise RuntimeError(f"effpass: lowering failed on {report.graph_id} ({'; '.join(errors)}) and the graph "
+                               f"cannot run as captured: it would skip {late}, which the memory plan relies on")
+        errors.append(f"not run without a lowering (memory only, values unchanged): {late}" if late else "")
+        self._fell_back(report, "none", [e for e in errors if e])
         return _run_graph_as_is(gm)
 
     @staticmethod

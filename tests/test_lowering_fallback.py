@@ -33,7 +33,8 @@ def test_failed_lowering_falls_back_to_graph_as_is_with_warning(monkeypatch):
     assert_close_tree(grads, ref_grads, what="grads")
     rep = effpass.report(model)
     fb = rep.graphs[0].notes["lowering_fallback"]
-    assert fb["to"] == "none" and len(fb["errors"]) == 2 and all("planted" in e for e in fb["errors"])
+    assert fb["to"] == "none" and sum("planted" in e for e in fb["errors"]) == 2
+    assert any("not run without a lowering" in e and "fuse_cross_entropy" in e for e in fb["errors"])
     # the torch-IR passes still ran on the graph (the default pipeline's fused attention)
     assert rep.stats("fuse_attention").get("fused", 0) >= 1
 
