@@ -31,7 +31,8 @@ def _free_port() -> int:
 
 
 def _worker(rank, world, port, scenario, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -210,6 +211,49 @@ def scenario_compose(rank, world):
         r["name"] = name
         out.append(r)
     return out
+
+
+def _trainer(rank, world) -> dict:
+    """Hugging Face Trainer (DDP over the 2 ranks) trains a compiled sp=2 model for 2 steps; the reference is the
+    same 2 steps on the batches the Trainer drew, in one process, with the same optimizer (SGD)."""
+    from transformers import Trainer, TrainingArguments
+
+    from effpass.passes.shard_sequence import sequence_parallel_trainer
+
+    data = [{k: v[0] for k, v in batch(200 + i, b=1).items()} for i in range(8)]
+    model = make_model("llama", attn="sdpa")
+    effpass.compile(model, passes=[ShardSequence(size=2)], lowering="eager")
+    seen, losses = [], []
+    model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].clone()), with_kwargs=True)
+    model.register_forward_hook(lambda m, a, out: losses.append(float(out.loss)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    args = TrainingArguments(output_dir=os.environ["SP_TMP"], per_device_train_batch_size=2, max_steps=2,
+                             use_cpu=True, report_to=[], save_strategy="no", max_grad_norm=0.0, seed=0,
+                             logging_steps=1, disable_tqdm=True, dataloader_num_workers=0)
+    trainer = sequence_parallel_trainer(Trainer(model=model, args=args, train_dataset=data,
+                                                optimizers=(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))))
+    trainer.train()
+    wrapped = type(trainer.model_wrapped).__name__
+
+    ref = make_model("llama", attn="sdpa")
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    ref_losses = []
+    lookup = {tuple(d["input_ids"].tolist()): d for d in data}
+    for ids in seen:
+        rows = [lookup[tuple(r.tolist())] for r in ids]
+        b_ = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+        loss = ref(**b_).loss
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(float(loss))
+    diff = max(_rel(p.detach(), q.detach()) for p, q in zip(model.parameters(), ref.parameters()))
+    return {"seen": [t.tolist() for t in seen], "losses": losses, "ref_losses": ref_losses, "weights_rel": diff,
+            "wrapped": wrapped}
+
+
+def scenario_trainer(rank, world):
+    return _trainer(rank, world)
 
 
 def scenario_dp2_sp2(rank, world):
