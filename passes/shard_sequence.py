@@ -137,15 +137,20 @@ def _sp_attention(module, query, key, value, attention_mask, **kwargs):
     sp = getattr(module, "_effpass_sp_attn", None)
     if sp is None:
         raise RuntimeError(f"shard_sequence: attention module {type(module).__name__} was not prepared by the pass")
-    state, inner, kv_rep = sp
+    state, inner, kv_rep, pad = sp
     n, group = state.size, state.group
     if kv_rep > 1:
         key, value = key.repeat_interleave(kv_rep, dim=1), value.repeat_interleave(kv_rep, dim=1)
+    heads = query.shape[1]
+    if pad:   # uneven_heads="pad": zero heads up to a multiple of n; their outputs are dropped below
+        zeros = (0, 0, 0, 0, 0, pad)
+        query, key, value = (torch.nn.functional.pad(t, zeros) for t in (query, key, value))
     q = heads_from_tokens(query, n, group)
     k = heads_from_tokens(key, n, group)
     v = heads_from_tokens(value, n, group)
     out, weights = inner(module, q, k, v, attention_mask, **kwargs)
-    return tokens_from_heads(out, n, group), None
+    out = tokens_from_heads(out, n, group)
+    return (out[:, :, :heads] if pad else out), None
 
 
 # -- the causal mask --------------------------------------------------------------------------------------
@@ -310,6 +315,17 @@ def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module, Any]]:
     return out
 
 
+def _ring_note() -> str:
+    """What torch's ring attention (``context_parallel``) could do here (feature-tested)."""
+    try:
+        from torch.distributed.tensor.experimental import context_parallel  # noqa: F401
+    except ImportError:
+        return "this torch has no torch.distributed.tensor.experimental.context_parallel"
+    return ("this torch has torch.distributed.tensor.experimental.context_parallel, but it shards only CUDA SDPA "
+            "flash/efficient/cuDNN calls (no CPU, no custom masks such as packed or sliding-window ones) and "
+            "needs the buffers sharded outside the model; it is not wired into this pass")
+
+
 def _kv_replication(heads: int, kv_heads: int, n: int) -> int:
     """The smallest factor r (dividing heads/kv_heads) with kv_heads * r divisible by n."""
     groups = heads // kv_heads
@@ -346,9 +362,15 @@ class ShardSequence(effpass.Pass):
         "doc": "average each gradient over the mesh after backward (default: unless wrap_fsdp is in the "
                "pipeline, whose reduce-scatter over all ranks does it)"})
 
+    uneven_heads: str = field(default="error", metadata={
+        "doc": "heads the group size does not divide: 'error' (names the valid sizes) or 'pad' (zero heads up to a "
+               "multiple of the group; exact, more attention compute)"})
+
     summary = "Ulysses sequence parallelism: each rank keeps 1/n of the tokens, all-to-all around attention"
 
     def validate(self) -> None:
+        if self.uneven_heads not in ("error", "pad"):
+            raise ValueError(f"shard_sequence: uneven_heads={self.uneven_heads!r}; valid: 'error', 'pad'")
         if self.size < 0:
             raise ValueError(f"shard_sequence: size must be >= 1 (or 0 for the whole world), got {self.size}")
 
@@ -400,14 +422,21 @@ class ShardSequence(effpass.Pass):
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         if heads is None:
             raise ValueError(f"shard_sequence: the config {type(cfg).__name__} has no num_attention_heads")
-        if heads % n:
-            raise ValueError(
-                f"shard_sequence: {heads} attention heads cannot be split over {n} ranks; valid sequence-parallel "
-                f"sizes for this model: {[d for d in range(1, heads + 1) if heads % d == 0]} (torch's ring "
-                "context_parallel is not used as a fallback: it needs CUDA SDPA kernels)")
         if heads % kv_heads:
             raise ValueError(f"shard_sequence: {heads} heads are not a multiple of {kv_heads} key/value heads")
-        kv_rep = _kv_replication(heads, kv_heads, n)
+        pad = 0
+        if heads % n:
+            if self.uneven_heads != "pad":
+                raise ValueError(
+                    f"shard_sequence: {heads} attention heads ({kv_heads} key/value heads) cannot be split over {n} "
+                    f"ranks; valid sequence-parallel sizes for this model: "
+                    f"{[d for d in range(1, heads + 1) if heads % d == 0]}, or ShardSequence(uneven_heads='pad') "
+                    f"(zero heads up to {-(-heads // n) * n}: exact, {(-(-heads // n) * n) / heads:.2f}x the attention "
+                    f"compute). torch's ring context_parallel is not a fallback here: {_ring_note()}")
+            pad = -heads % n
+            kv_rep = heads // kv_heads          # key/value expanded to one per query head, then padded too
+        else:
+            kv_rep = _kv_replication(heads, kv_heads, n)
 
         from transformers import AttentionInterface
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
@@ -424,7 +453,7 @@ class ShardSequence(effpass.Pass):
             AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[base])
         for _, mod, eager in attns:
             inner = eager if base == "eager" else ALL_ATTENTION_FUNCTIONS[base]
-            mod._effpass_sp_attn = (state, inner, kv_rep)
+            mod._effpass_sp_attn = (state, inner, kv_rep, pad)
             if kv_rep > 1 and hasattr(mod, "num_key_value_groups"):
                 mod.num_key_value_groups = mod.num_key_value_groups // kv_rep
         for c in {id(c): c for c in (model.config, cfg)}.values():
@@ -449,7 +478,7 @@ class ShardSequence(effpass.Pass):
             _STATES[id(c)] = state
         return effpass.PassResult(changed=True, stats={
             "size": n, "rank": state.rank, "data_parallel": mesh.size() // n, "attention_modules": len(attns),
-            "blocks": len(blocks), "kv_replication": kv_rep, "attn_implementation": name,
+            "blocks": len(blocks), "kv_replication": kv_rep, "padded_heads": pad, "attn_implementation": name,
             "gradient_hooks": grad_hooks})
 
 
