@@ -141,7 +141,7 @@ def predict(args) -> None:
 
     The planner's sharding fold has no sequence-parallel mode, so one rank is predicted as the planner's
     one-rank replay (``effpass.planning.estimate_memory``, fake tensors, depth extrapolation) of one sequence of
-    ``tokens / sp`` tokens with the zero3 fold over all ranks, plus what a sequence-parallel rank holds whole:
+    ``tokens / sp`` tokens, SDPA with ``is_causal`` and no mask (what the pass gives plain causal calls) with the zero3 fold over all ranks, plus what a sequence-parallel rank holds whole:
     the embedding output and its gradient (``2 x tokens x hidden x 2 bytes``, bf16) and the rotary tables.
     Attention under Ulysses sees all tokens for ``heads / sp`` heads: the same bytes of q/k/v/output and of
     flash attention's log-sum-exp as ``tokens / sp`` tokens of all heads (what the replay counts); the
@@ -152,11 +152,20 @@ def predict(args) -> None:
     from effpass.passes import CheckpointActivations, FuseCrossEntropy
     from effpass.planning import estimate_memory
 
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    # NOTE: the replay runs one process without the pass; the pass skips the whole causal mask of these plain
+    # calls (SDPA's is_causal), so the replay's SDPA gets no mask either (else Dynamo's S x S mask and the
+    # math kernel's scores would be counted)
+    AttentionInterface.register("effpass_sp_predict", ALL_ATTENTION_FUNCTIONS["sdpa"])
+    AttentionMaskInterface.register("effpass_sp_predict", lambda *a, **k: None)
     rows = []
     for shape, tokens, ranks, sp in PREDICT_ROWS:
         cfg = tf.LlamaConfig(**PREDICT_SHAPES[shape], max_position_embeddings=max(tokens, 8192), use_cache=False,
                              tie_word_embeddings=False)
-        cfg._attn_implementation = "sdpa"
+        cfg._attn_implementation = "effpass_sp_predict"
         with torch.device("meta"):
             model = tf.LlamaForCausalLM(cfg).to(torch.bfloat16)
         ids = torch.empty((1, tokens // sp), dtype=torch.long, device="meta")
