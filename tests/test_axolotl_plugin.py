@@ -78,3 +78,20 @@ def test_bad_sections_are_named(section, match):
 def test_axolotl_torch_compile_is_refused():
     with pytest.raises(ValueError, match="torch_compile: true"):
         parse_effpass_config(DictDefault(effpass={}, torch_compile=True))
+
+
+def test_axolotl_lora_kernels_are_turned_off_before_validation_or_refused():
+    # register() gets the raw config: Axolotl would switch its fused LoRA kernels on for adapter: lora when none is
+    # set; the plugin sets them to false (Dynamo cannot trace the QKV kernel, tests/test_axolotl_real.py)
+    cfg = DictDefault(adapter="lora", effpass={"lowering": "eager"})
+    EffpassPlugin().register(cfg)
+    assert [cfg[k] for k in ("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", "lora_embedding_kernel")] == \
+        [False] * 4
+    # a user's choice stays (Axolotl then auto-enables nothing); no effpass section or another adapter: untouched
+    for cfg in (DictDefault(adapter="lora", lora_o_kernel=True, effpass={}), DictDefault(adapter="lora"),
+                DictDefault(adapter="full", effpass={})):
+        before = dict(cfg)
+        EffpassPlugin().register(cfg)
+        assert dict(cfg) == before
+    with pytest.raises(ValueError, match=r"lora_qkv_kernel: true.*Dynamo.*set lora_qkv_kernel: false"):
+        EffpassPlugin().register(DictDefault(adapter="lora", lora_qkv_kernel=True, effpass={}))

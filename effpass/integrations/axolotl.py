@@ -24,9 +24,10 @@ tests/test_axolotl_plugin.py drives the hooks in the order Axolotl's ``PluginMan
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-__all__ = ["EffpassPlugin", "EffpassArgs", "parse_effpass_config", "OPTIONS"]
+__all__ = ["EffpassPlugin", "EffpassArgs", "parse_effpass_config", "disable_auto_lora_kernels", "OPTIONS"]
 
 #: the keys of the ``effpass:`` section, with what each means
 OPTIONS = {
@@ -39,6 +40,16 @@ OPTIONS = {
     "strict": "raise when a pass fails instead of skipping it",
     "dump_dir": "write dumps there, and report.html after training",
 }
+
+
+#: Axolotl's fused LoRA kernel options (``axolotl.kernels.lora``), which it switches on by itself for LoRA
+LORA_KERNELS = ("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", "lora_embedding_kernel")
+#: those effpass refuses: Dynamo fails to trace the QKV kernel's backward (``LoRA_QKV``) with Axolotl 0.19.0 and
+#: torch 2.13 (checked on CPU; the kernel has no Triton code); ``lora_mlp_kernel`` (Triton SwiGLU, CUDA only) was
+#: not tried under effpass
+REFUSED_LORA_KERNELS = ("lora_qkv_kernel",)
+
+LOG = logging.getLogger(__name__)
 
 
 def _base():
@@ -90,7 +101,28 @@ def parse_effpass_config(cfg) -> dict[str, Any] | None:
     if _get(cfg, "torch_compile") is True:
         raise ValueError("effpass: the Axolotl option torch_compile: true would compile the model a second time "
                          "with Inductor and bypass effpass; set torch_compile: false (effpass compiles the model)")
+    on = [k for k in REFUSED_LORA_KERNELS if _get(cfg, k) is True]
+    if on:
+        raise ValueError(f"effpass: the Axolotl option(s) {', '.join(k + ': true' for k in on)} replace PEFT's LoRA "
+                         f"layers with a torch.autograd.Function that Dynamo cannot trace (torch 2.13: 'An "
+                         f"intermediate tensor ... aliases an input or output'), so effpass cannot compile the model; "
+                         f"set {', '.join(k + ': false' for k in on)} (effpass compiles PEFT's LoRA layers as they are)")
     return section
+
+
+def disable_auto_lora_kernels(cfg) -> list[str]:
+    """Axolotl (0.19) switches its fused LoRA kernels on by itself for ``adapter: lora``/``qlora`` when the config
+    sets none of the ``lora_*_kernel`` options; its QKV kernel cannot be traced by Dynamo (see
+    :data:`REFUSED_LORA_KERNELS`). Called on the raw config before Axolotl validates it: sets each unset option
+    to false, so that Axolotl leaves PEFT's LoRA layers in place, and returns the options it set."""
+    if _get(cfg, "adapter") not in ("lora", "qlora"):
+        return []
+    unset = [k for k in LORA_KERNELS if _get(cfg, k) is None]
+    if len(unset) < len(LORA_KERNELS):  # the user chose: Axolotl does not auto-enable; explicit true is refused
+        return []
+    for k in unset:
+        cfg[k] = False
+    return unset
 
 
 class EffpassPlugin(_base()):
@@ -105,7 +137,14 @@ class EffpassPlugin(_base()):
         return "effpass.integrations.axolotl.EffpassArgs"
 
     def register(self, cfg) -> None:
+        """Axolotl calls this with the raw config, before validating it."""
         self.options = parse_effpass_config(cfg)
+        if self.options is not None:
+            turned_off = disable_auto_lora_kernels(cfg)
+            if turned_off:
+                LOG.warning("effpass: set %s to false: Axolotl would switch its fused LoRA kernels on by itself, "
+                            "and Dynamo cannot trace its QKV kernel; effpass compiles PEFT's LoRA layers instead",
+                            ", ".join(turned_off))
 
     def pre_model_load(self, cfg) -> None:
         if self.options is None:
