@@ -64,13 +64,15 @@ def write_config(root, name, effpass=None, **extra):
         "sequence_len": 256, "sample_packing": False,
         "attn_implementation": "eager",  # transformers' eager attention: fuse_attention has sites to fuse
         "adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "lora_target_linear": True,
-        # Axolotl auto-enables its fused LoRA kernels; their SwiGLU kernel is Triton (CUDA only): off on CPU
-        "lora_mlp_kernel": False, "lora_qkv_kernel": False, "lora_o_kernel": False, "lora_embedding_kernel": False,
         "micro_batch_size": 2, "gradient_accumulation_steps": 1, "max_steps": 2, "num_epochs": 1,
         "optimizer": "adamw_torch", "lr_scheduler": "constant", "learning_rate": 1e-3, "seed": 42,
         "logging_steps": 1, "save_strategy": "no", "bf16": False, "fp16": False, "tf32": False,
     }
-    if effpass is not None:
+    if effpass is None:
+        # Axolotl auto-enables its fused LoRA kernels when none is set; their SwiGLU kernel is Triton (CUDA only).
+        # With the plugin they stay unset: the plugin turns them off (Dynamo cannot trace the QKV and O kernels)
+        cfg.update(lora_mlp_kernel=False, lora_qkv_kernel=False, lora_o_kernel=False, lora_embedding_kernel=False)
+    else:
         cfg["plugins"] = ["effpass.integrations.axolotl.EffpassPlugin"]
         cfg["effpass"] = effpass
     cfg.update(extra)
@@ -80,12 +82,16 @@ def write_config(root, name, effpass=None, **extra):
     return path
 
 
-def run_axolotl(config, out, cwd, timeout=1200):
-    """``axolotl train CONFIG`` in a fresh process (this file as the driver); returns what the driver recorded."""
+def run_axolotl(config, out, cwd, timeout=1200, expect_failure=False):
+    """``axolotl train CONFIG`` in a fresh process (this file as the driver); returns what the driver recorded
+    (``expect_failure``: the failed process's stderr)."""
     env = dict(os.environ, AXOLOTL_DO_NOT_TRACK="1", WANDB_MODE="disabled", HF_HUB_OFFLINE="1",
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), config, out], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
+    if expect_failure:
+        assert proc.returncode != 0 and not os.path.exists(out), proc.stdout[-4000:]
+        return proc.stderr
     if proc.returncode != 0 or not os.path.exists(out):
         raise AssertionError(f"axolotl train {config} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n"
                              f"{proc.stderr[-8000:]}")
@@ -111,6 +117,8 @@ def _drive(config, out):
         import effpass
         from effpass.integrations.huggingface import is_effpass_compiled
 
+        record["lora_kernels"] = {k: cfg.get(k) for k in ("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel",
+                                                          "lora_embedding_kernel")}
         record["compiled"] = bool(is_effpass_compiled(trainer.model))
         if record["compiled"]:
             rep = effpass.report(trainer.model)
@@ -151,6 +159,8 @@ def test_axolotl_trains_with_the_plugin_and_the_losses_match(runs):
     # included) and its passes rewrote the attention of both layers and the loss
     assert base["compiled"] is False
     assert eff["compiled"] is True
+    # the config left Axolotl's LoRA kernels unset: the plugin turned them off before Axolotl could switch them on
+    assert eff["lora_kernels"] == dict.fromkeys(eff["lora_kernels"], False) and len(eff["lora_kernels"]) == 4
     assert eff["stats"]["fuse_attention"]["fused"] == 2
     assert eff["stats"]["fuse_cross_entropy"]["fused"] == 1
     dump = os.path.join(root, "dump")
@@ -162,3 +172,10 @@ def test_axolotl_trains_with_the_plugin_and_the_losses_match(runs):
     assert all(math.isfinite(x) for x in eff["losses"])
     assert eff["losses"] == pytest.approx(base["losses"], rel=1e-5)
     assert eff["grad_norms"] == pytest.approx(base["grad_norms"], rel=1e-4)
+
+
+def test_axolotl_lora_qkv_kernel_is_refused_by_name(runs):
+    root = runs[0]
+    config = write_config(root, "qkv", effpass=dict(EFFPASS_SECTION), lora_qkv_kernel=True)
+    err = run_axolotl(config, os.path.join(root, "qkv.json"), root, expect_failure=True)
+    assert "lora_qkv_kernel: true" in err and "set lora_qkv_kernel: false" in err
