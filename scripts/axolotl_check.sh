@@ -18,14 +18,17 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 pip="$venv/bin/python -m pip install -q"
 if ! "$venv/bin/python" -c "import axolotl.cli.train, effpass" >/dev/null 2>&1; then
-  $pip "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu 2>/dev/null || $pip "torch==2.13.0"
+  $pip --upgrade pip >/dev/null
+  # torch first, pinned (as scripts/dev.sh does): a range would pull the newest build and several GB with it
+  $pip "torch==${EFFPASS_TORCH_VERSION:-2.13.0}"
   $pip --no-deps "axolotl==0.19.0" "axolotl-contribs-lgpl==0.0.7" "axolotl-contribs-mit==0.0.6" "evaluate==0.4.1"
-  # Axolotl 0.19.0's pins for the Hugging Face stack
+  # what `axolotl train` imports for a LoRA run, at Axolotl 0.19.0's pins where it pins (wandb and evaluate are
+  # imported unconditionally by axolotl.utils.callbacks; numba by the multipack sampler; posthog by telemetry)
   $pip "transformers==5.16.1" "peft==0.20.0" "accelerate==1.13.0" "trl==1.9.0" "datasets==4.8.4" \
        "huggingface_hub==1.17.0" "tokenizers==0.23.1" "typer==0.25.1" "posthog==6.7.11" "python-dotenv==1.0.1" \
        "numba>=0.63.1,<1.0" "fsspec[http]<=2026.2.0" colorama addict fire einops fastcore art pillow wandb \
        requests httpx pyyaml pydantic pytest
-  $pip --no-deps --no-build-isolation -e .
+  $pip -e .
 fi
 # no telemetry, no wandb, no hub: everything the test uses is made locally
 export AXOLOTL_DO_NOT_TRACK=1 WANDB_MODE=disabled HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
