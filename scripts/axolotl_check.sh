@@ -2,7 +2,7 @@
 # effpass's Axolotl plugin inside the real Axolotl: builds a virtual environment with Axolotl 0.19.0 (the last
 # release that allows Python 3.11; 0.20+ need Python >= 3.12) and runs tests/test_axolotl_real.py in it.
 #
-#   bash scripts/axolotl_check.sh [VENV]      (VENV default: .axolotl-venv in the repository root)
+#   bash scripts/axolotl_check.sh [pytest options]   (AXOLOTL_VENV: the environment, default .axolotl-venv here)
 #
 # Axolotl's declared dependencies are many and pinned (gradio, modal, lm_eval, xformers, bitsandbytes, fla-core, ...);
 # most are not imported on the path `axolotl train` takes for a LoRA run. Axolotl is installed without them and only
@@ -11,7 +11,7 @@
 # fla-core, gradio, modal, lm_eval, trackio, mistral-common, optimum, the cloud file systems.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-venv=${1:-.axolotl-venv}
+venv=${AXOLOTL_VENV:-.axolotl-venv}
 py=${PYTHON:-python3}
 if [ ! -x "$venv/bin/python" ]; then
   "$py" -m venv "$venv"
@@ -37,4 +37,4 @@ import importlib.metadata as m
 print("versions:", {p: m.version(p) for p in ("axolotl", "torch", "transformers", "peft", "accelerate", "trl",
                                                "datasets", "effpass")})
 EOF
-"$venv/bin/python" -m pytest -q -p no:cacheprovider -rs tests/test_axolotl_real.py
+"$venv/bin/python" -m pytest -q -p no:cacheprovider -rs tests/test_axolotl_real.py "$@"
