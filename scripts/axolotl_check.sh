@@ -7,8 +7,8 @@
 # Axolotl's declared dependencies are many and pinned (gradio, modal, lm_eval, xformers, bitsandbytes, fla-core, ...);
 # most are not imported on the path `axolotl train` takes for a LoRA run. Axolotl is installed without them and only
 # what that path imports is added, at the versions Axolotl 0.19.0 pins where it pins one. torch is the CPU build.
-# Not installed (not needed on this path, CPU): xformers, flash-attn, bitsandbytes, triton, liger-kernel, torchao,
-# fla-core, gradio, modal, lm_eval, trackio, mistral-common, optimum, the cloud file systems.
+# Not installed (not imported on this path): xformers, flash-attn, liger-kernel, fla-core, gradio, modal, lm_eval,
+# trackio, mistral-common, optimum, the cloud file systems; torchao is effpass's version (>= 0.18), not Axolotl's 0.17.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${AXOLOTL_VENV:-.axolotl-venv}
@@ -23,11 +23,12 @@ if ! "$venv/bin/python" -c "import axolotl.cli.train, effpass" >/dev/null 2>&1; 
   $pip "torch==${EFFPASS_TORCH_VERSION:-2.13.0}"
   $pip --no-deps "axolotl==0.19.0" "axolotl-contribs-lgpl==0.0.7" "axolotl-contribs-mit==0.0.6" "evaluate==0.4.1"
   # what `axolotl train` imports for a LoRA run, at Axolotl 0.19.0's pins where it pins (wandb and evaluate are
-  # imported unconditionally by axolotl.utils.callbacks; numba by the multipack sampler; posthog by telemetry)
+  # imported unconditionally by axolotl.utils.callbacks; numba by the multipack sampler; posthog by telemetry;
+  # bitsandbytes by axolotl.loaders.adapter; triton by Axolotl's kernels)
   $pip "transformers==5.16.1" "peft==0.20.0" "accelerate==1.13.0" "trl==1.9.0" "datasets==4.8.4" \
        "huggingface_hub==1.17.0" "tokenizers==0.23.1" "typer==0.25.1" "posthog==6.7.11" "python-dotenv==1.0.1" \
        "numba>=0.63.1,<1.0" "fsspec[http]<=2026.2.0" colorama addict fire einops fastcore art pillow wandb \
-       requests httpx pyyaml pydantic pytest
+       requests httpx pyyaml pydantic pytest "bitsandbytes==0.50.2" "triton>=3.4.0"
   $pip -e .
 fi
 # no telemetry, no wandb, no hub: everything the test uses is made locally
