@@ -113,7 +113,10 @@ class OffloadActivations(effpass.Pass):
 
     @classmethod
     def memory_options(cls, model=None, *, world_size=1):
-        """For the memory planner: lossless, host memory for device memory (CUDA only)."""
+        """For the memory planner: lossless, host memory for device memory (CUDA only: none for a model whose
+        parameters are on the CPU)."""
+        if model is not None and any(p.device.type == "cpu" for p in model.parameters()):
+            return []
         return [effpass.MemoryOption(technique="offload_activations", options={}, lossless=True,
                                      group="activation_offload", changes="activations", label="offload",
                                      cost="saved activations copied to host memory and back over PCIe "
