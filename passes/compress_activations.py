@@ -45,6 +45,7 @@ Statistics (per graph)
 from __future__ import annotations
 
 import fnmatch
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -121,14 +122,52 @@ class _Hook(fx.GraphModule):
         return self._fn(*args)
 
 
-def _hook_node() -> fx.Node | None:
-    """The forward node whose value the pack hook is given (torch >= 2.9 exposes it; None before)."""
+def _hook_info() -> dict:
+    """What torch tells a pack hook about the saved value: ``_node`` (the forward node), ``_fw_graph``,
+    ``_bw_graph`` (torch 2.13 has it; an empty dict where torch has none)."""
     try:
         from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
     except ImportError:
-        return None
-    info = _get_saved_tensor_hook_context() or {}
-    return info.get("_node")
+        return {}
+    return _get_saved_tensor_hook_context() or {}
+
+
+def _match_rng_state_names(info: dict) -> None:
+    """NOTE(torch-bug): when the partitioner functionalizes recomputed random ops (checkpointing over a
+    dropout, even with p=0), the forward returns the RNG state as ``getitem_N`` while the backward takes it
+    as ``rng_state_output_K``; AOTAutograd's hook inlining pairs saved values by name and fails ("could not
+    find saved tensor ... in bw_g_inputs"). Saved values are passed positionally, so the unmatched names are
+    paired in order and the backward's placeholders renamed to the forward's. Remove when torch names them
+    alike (seen on torch 2.13)."""
+    node, fw, bw = info.get("_node"), info.get("_fw_graph"), info.get("_bw_graph")
+    if node is None or fw is None or bw is None:
+        return
+    bw_in = [p for p in bw.find_nodes(op="placeholder") if not is_tangent(p)]
+    if any(p.name == node.name for p in bw_in):
+        return
+    bw_names = {p.name for p in bw_in}
+    lone_fw = [o for o in fw.output_node().args[0] if isinstance(o, fx.Node) and o.name not in bw_names
+               and o.target is operator.getitem and isinstance(o.args[0], fx.Node)
+               and _is_rng_state_op(o.args[0].target)]
+    lone_bw = [p for p in bw_in if p.name.startswith("rng_state_output")]
+    if node not in lone_fw or len(lone_fw) != len(lone_bw):
+        return  # not the known mismatch: let torch report it
+    for o, p in zip(lone_fw, lone_bw):
+        for q in bw.nodes:
+            if q.name == o.name:  # a backward-internal node of the same name: names are local, move it aside
+                if q.op == "placeholder":
+                    return
+                q._rename(f"{o.name}_bw")
+        # the namespace keeps every name it handed out, so ``_rename`` would pick "<name>_N": set it directly
+        p.name = o.name
+        bw._graph_namespace._rename_object(p, o.name)
+        p.target = o.name
+    bw.owning_module.recompile() if bw.owning_module is not None else None
+
+
+def _is_rng_state_op(target) -> bool:
+    name = str(getattr(target, "_name", "")) or str(getattr(target, "__name__", "")) or type(target).__name__
+    return "run_and_save_rng_state" in name or type(target).__name__ == "RunAndSaveRngState"
 
 
 def _inline_supported() -> bool:
@@ -190,7 +229,7 @@ class CompressActivations(effpass.Pass):
                              f"{torch.__version__}; use format='int8'")
 
     def verify_tolerance(self) -> float:
-        # relative gradient error (norm) measured on the family suite stays below 1% (int8) / 10% (fp8)
+        # per gradient tensor (verify's measure): up to 1.4% measured with int8 on the tiny Llama (global 0.5%)
         return 0.02 if self.format == "int8" else 0.15
 
     # -- which tensors ----------------------------------------------------------------------------------
@@ -224,7 +263,9 @@ class CompressActivations(effpass.Pass):
         group, fmt = self.group, self.format
 
         def pack(x):
-            if self.skip_reason(x, _hook_node()) is not None:
+            info = _hook_info()
+            _match_rng_state_names(info)
+            if self.skip_reason(x, info.get("_node")) is not None:
                 return x
             q, scale = torch.ops.effpass.compress_saved(x.contiguous(), group, fmt)
             return q, scale, tuple(x.shape), x.dtype

@@ -134,6 +134,24 @@ def test_hf_families_gradients_within_bound(family):
     assert st["skipped"] > 0  # small tensors (norm statistics) stay as they are
 
 
+def test_with_full_checkpointing_and_functionalized_rng():
+    """Checkpointing "full" over HF Llama recomputes a random op (dropout with p=0 in training): the partitioner
+    saves an RNG state under different names in forward and backward, which torch's hook inlining cannot
+    pair by itself (the pass pairs them; see _match_rng_state_names)."""
+    from effpass.passes import CheckpointActivations, FuseAttention
+
+    case = family_case("llama", batch=2, seq=16, attn="sdpa")
+    base = [FuseAttention(), CheckpointActivations(policy="full")]
+    ref = effpass.compile(copy.deepcopy(case.model), passes=base, lowering="eager", strict=True)
+    cm = effpass.compile(copy.deepcopy(case.model), passes=base + [CompressActivations(min_elements=256)],
+                         lowering="eager", strict=True)
+    l0, g0 = _grads(ref, case.inputs, case.loss)
+    l1, g1 = _grads(cm, case.inputs, case.loss)
+    assert l0 == l1 and 0 < _global_rel(g1, g0) <= GRAD_BOUND["int8"]
+    st = effpass.report(cm).stats("compress_activations")  # strict=True: a failed inlining would have raised
+    assert st["compressed"] == 3 and st["saved_bytes_after"] < st["saved_bytes_before"]
+
+
 @pytest.mark.parametrize("fmt", ["int8", pytest.param("fp8", marks=pytest.mark.skipif(not HAS_FP8, reason="no fp8 dtype"))])
 def test_self_written_model_gradients_within_bound(fmt):
     model, inputs = _mlp_case()
