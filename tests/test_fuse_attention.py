@@ -673,7 +673,7 @@ def test_bloom_form_with_operands_cast_to_the_autocast_dtype():
 def test_repeat_kv_forms_are_torch_pattern_matcher_patterns():
     """HF repeat_kv's fixed shape is matched by torch._inductor.pattern_matcher patterns; the new axis and the
     shapes are the extra check (a repeat on another axis is not an un-repeatable K/V)."""
-    from effpass.passes.fuse_attention import _match_repeat_kv, _unrepeat
+    from effpass.passes._attention_match import match_repeat_kv as _match_repeat_kv, unrepeat as _unrepeat
 
     def graph_out(f):
         gms = []
