@@ -2,7 +2,7 @@
 
 * reading graphs: :func:`op_name`, :func:`op_histogram`, :func:`tensor_meta`, :func:`placeholder_values`
 * joint graphs: :func:`is_tangent`, :func:`is_primal`, :func:`has_tangents`
-* rollback and dumps: :func:`snapshot_graph`, :func:`restore_graph`, :func:`runnable_source`
+* rollback and dumps: :func:`snapshot_graph`, :func:`restore_graph`, :func:`copy_graph_into`, :func:`runnable_source`
 * module paths: :func:`normalize_module_path`, :func:`module_stack_of_node`, :func:`module_path_of_node`,
   :func:`source_path` (the parameter or buffer a torch-IR placeholder stands for), :func:`is_buffer_source`
 * nodes a pass creates: :func:`copy_provenance`, :func:`infer_fake_values` (the one fake-value updater),
@@ -24,7 +24,8 @@ from typing import Any, Iterable
 import torch
 import torch.fx as fx
 
-__all__ = ["op_name", "op_histogram", "snapshot_graph", "restore_graph", "runnable_source", "tensor_meta",
+__all__ = ["op_name", "op_histogram", "snapshot_graph", "restore_graph", "copy_graph_into", "runnable_source",
+           "tensor_meta",
            "placeholder_values", "is_tangent", "is_primal", "has_tangents", "transformer_blocks",
            "normalize_module_path", "module_stack_of_node", "module_path_of_node", "source_path", "is_buffer_source",
            "PROVENANCE_KEYS", "copy_provenance", "infer_fake_values", "annotate_new_nodes", "erase_dead",
@@ -71,14 +72,19 @@ def op_histogram(graph: fx.Graph) -> dict[str, int]:
 def snapshot_graph(graph: fx.Graph) -> fx.Graph:
     """A structural copy of ``graph`` (node meta dicts are shallow-copied) for rollback."""
     g = fx.Graph(tracer_cls=graph._tracer_cls)
-    val_map: dict[fx.Node, fx.Node] = {}
-    out = g.graph_copy(graph, val_map, return_output_node=True)
-    out_val, out_node = out if isinstance(out, tuple) else (out, None)
-    new_out = g.output(out_val)
-    if out_node is not None:
-        new_out.meta = dict(out_node.meta)
+    copy_graph_into(g, graph, {})
     g._codegen = graph._codegen
     return g
+
+
+def copy_graph_into(dst: fx.Graph, src: fx.Graph, val_map: dict[fx.Node, fx.Node]) -> None:
+    """Append ``src``'s nodes and its output (with the output's meta) to ``dst``; ``val_map`` maps ``src``'s
+    nodes to ``dst``'s (pre-filled entries are used for those nodes, e.g. placeholders kept)."""
+    out = dst.graph_copy(src, val_map, return_output_node=True)
+    out_val, out_node = out if isinstance(out, tuple) else (out, None)
+    new_out = dst.output(out_val)
+    if out_node is not None:
+        new_out.meta = dict(out_node.meta)
 
 
 def restore_graph(graph: fx.Graph, snapshot: fx.Graph) -> None:
@@ -96,12 +102,7 @@ def restore_graph(graph: fx.Graph, snapshot: fx.Graph) -> None:
             graph.erase_node(n)
     for n in [n for n in graph.nodes if n not in keep]:
         graph.erase_node(n)
-    val_map = {p: by_name[p.name] for p in snap_ph}
-    out = graph.graph_copy(snapshot, val_map, return_output_node=True)
-    out_val, out_node = out if isinstance(out, tuple) else (out, None)
-    new_out = graph.output(out_val)
-    if out_node is not None:
-        new_out.meta = dict(out_node.meta)
+    copy_graph_into(graph, snapshot, {p: by_name[p.name] for p in snap_ph})
 
 
 def tensor_meta(node: fx.Node) -> Any:

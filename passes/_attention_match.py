@@ -38,7 +38,7 @@ from effpass.graph import MASK_FILL_THRESHOLD, Skip, ancestors, is_fn, is_method
 
 from ._attention_proofs import ConstEval, fill_value_ok, static_shape
 
-__all__ = ["Site", "SPINE", "QK_ROOTS", "find_spines", "match_site", "strip_transpose", "unrepeat", "match_repeat_kv"]
+__all__ = ["Site", "SPINE", "QK_ROOTS", "spine_of", "match_site", "strip_transpose", "unrepeat", "match_repeat_kv"]
 
 # NOTE(canonical): the manager canonicalizes torch-IR graphs first (effpass.canonicalize): one function per op
 # (torch.matmul, torch.mul, torch.div, torch.add, torch.masked_fill, torch.transpose, torch.softmax) and in-place
@@ -123,15 +123,19 @@ def _first_match(patterns, node: Any) -> pm.Match | None:
     return None
 
 
-def find_spines(graph: fx.Graph) -> dict[fx.Node, pm.Match]:
-    """softmax node -> the match of the spine pattern it is part of."""
-    out = {}
-    for n in graph.nodes:
-        if is_fn(n, _MATMUL_FNS):
-            m = _first_match(SPINE, n)
-            if m is not None:
-                out[m.nodes[0]] = m  # depth first: the softmax is the first node matched
-    return out
+def spine_of(sm: fx.Node) -> pm.Match | None:
+    """The match of :data:`SPINE` that ``sm`` (a softmax) is part of, or None: tried at the ``matmul``/``bmm``
+    its single users lead to (the pattern's anchor), at most ``MAX_WEIGHTS_OPS + 1`` nodes on. Looked up when
+    the site is matched, so that a rewrite of an earlier site (its ``@ v`` feeding this one) is seen."""
+    y = sm
+    for _ in range(MAX_WEIGHTS_OPS + 1):
+        if len(y.users) != 1:
+            return None
+        y = next(iter(y.users))
+        if is_fn(y, _MATMUL_FNS):
+            m = _first_match(SPINE, y)
+            return m if m is not None and m.nodes[0] is sm else None  # depth first: the softmax comes first
+    return None
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -299,9 +303,8 @@ def _explain_no_spine(sm: fx.Node) -> Skip:
     return Skip(f"the attention weights feed {op_name(nxt)}, not weights @ v")
 
 
-def match_site(sm: fx.Node, spine: pm.Match | None, const: ConstEval) -> Site:
-    """The site of the attention whose softmax is ``sm`` (``spine``: its match of :data:`SPINE`, or None), or
-    :class:`Skip` with the reason it is left alone."""
+def match_site(sm: fx.Node, const: ConstEval) -> Site:
+    """The site of the attention whose softmax is ``sm``, or :class:`Skip` with the reason it is left alone."""
     site = Site(softmax=sm)
     x = sm.args[0] if sm.args else sm.kwargs.get("input")
     if not isinstance(x, fx.Node) or shape_of(x) is None:
@@ -314,6 +317,7 @@ def match_site(sm: fx.Node, spine: pm.Match | None, const: ConstEval) -> Site:
         raise Skip("scores are not batched (fewer than 3 dims)")
 
     # -- the spine: softmax -> casts, views, dropout -> weights @ v ------------------------------------
+    spine = spine_of(sm)
     if spine is None:
         raise _explain_no_spine(sm)
     site.chain.append(sm)
@@ -321,7 +325,7 @@ def match_site(sm: fx.Node, spine: pm.Match | None, const: ConstEval) -> Site:
     for y in ops:
         if not _weights_op(site, y):
             raise Skip(f"the attention weights feed {op_name(y)}, not weights @ v")
-    site.pv, site.v = pv, spine.kwargs["v"]
+    site.pv, site.v = pv, pv.args[1]
 
     # -- backward from softmax: scale, masks, casts, down to q @ k^T -----------------------------------
     x_shape = shape_of(x)

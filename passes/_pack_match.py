@@ -15,6 +15,7 @@ import re
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from effpass.attention import attention_op, sdpa_arguments
 from effpass.graph import Skip, ancestors, annotate_new_nodes, shape_of, tensor_meta
@@ -29,13 +30,10 @@ TOKENS_RE = re.compile(r"^L_(?:kwargs_)?(input_ids|inputs_embeds|tokens)_$")
 
 
 def same(a, b) -> bool:
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
+    """Two lengths are equal: statically, or, for symbols the model never relates, by a guard on it."""
+    if static_same(a, b):
+        return True
     try:
-        from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-        if statically_known_true(a == b):
-            return True
         # NOTE(dynamic lengths): the boundary's and the tokens' lengths are separate symbols when the model
         # never relates them (Falcon with ALiBi ignores position_ids). Evaluating the comparison guards on
         # it (as Dynamo does when it specialises): equal lengths, the only valid input, reuse the graph.
@@ -92,11 +90,10 @@ def attention_scores(sm: fx.Node) -> tuple[fx.Node, fx.Node | None] | None:
 
 
 def static_same(a, b) -> bool:
+    """Two lengths (ints or symbols) are known equal without a guard."""
     if isinstance(a, int) and isinstance(b, int):
         return a == b
     try:
-        from torch.fx.experimental.symbolic_shapes import statically_known_true
-
         return bool(statically_known_true(a == b))
     except Exception:
         return False

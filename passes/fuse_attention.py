@@ -94,7 +94,7 @@ import effpass
 from effpass.attention import masked_sdpa
 from effpass.graph import AutocastRegions, Skip, annotate_new_nodes, erase_dead, is_softmax, shape_of, site_name, val
 
-from ._attention_match import Site, find_spines, match_site, strip_transpose, unrepeat
+from ._attention_match import Site, match_site, strip_transpose, unrepeat
 from ._attention_proofs import ConstEval, is_causal, rows_nonempty
 
 __all__ = ["FuseAttention"]
@@ -152,11 +152,10 @@ class FuseAttention(effpass.Pass):
         unfused: list[dict] = []
         skipped = []
         # the scope keeps the softmaxes in targets/exclude (and warns, naming the pass, when it keeps none)
-        spines = find_spines(graph)
         for sm in ctx.scope.select_nodes(gm, [n for n in graph.nodes if is_softmax(n)], what="attention softmax"):
             where = site_name(sm)
             try:
-                site = match_site(sm, spines.get(sm), const)
+                site = match_site(sm, const)
                 self._rewrite(graph, site, const, stats, unfused, where, regions)
             except Skip as e:
                 stats["skipped"] += 1
