@@ -9,7 +9,7 @@ from _families import family_case
 
 out = {}
 for rnd in range(int(sys.argv[1]) if len(sys.argv) > 1 else 1):
-    for fam in ("llama", "gpt2", "bloom", "falcon", "qwen2", "gemma2"):
+    for fam in ("llama", "gpt2", "bloom", "falcon_old"):
         case = family_case(fam)
         torch._dynamo.reset()
         m = effpass.compile(case.model, passes=[FuseAttention(), PackSequences(require_boundaries=False)],
