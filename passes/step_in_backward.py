@@ -65,13 +65,13 @@ _INSIDE = threading.local()
 
 
 class _ParamEntry:
-    __slots__ = ("opt", "group", "stepped", "in_graph", "handle", "__weakref__")
+    __slots__ = ("opt", "group", "stepped", "frames", "handle", "__weakref__")
 
     def __init__(self, handle):
         self.opt = None  # weakref to the optimizer, once attached
         self.group = None  # index into opt.param_groups
         self.stepped = False  # updated in backward since the last opt.step()
-        self.in_graph = False  # last stepped by the op inside a compiled backward graph
+        self.frames = set()  # Dynamo frames whose compiled graphs take the parameter as an input
         self.handle = handle
 
 
@@ -156,10 +156,15 @@ def _grad_hook(p: torch.Tensor) -> None:
     if opt is None:
         e.opt = None
         return
+    if e.frames:
+        # NOTE(compiled graphs): a graph taking p as input hands its gradient to its step op (autograd still
+        # calls this hook, with p.grad as the op left it); a gradient arriving after that step is refused
+        if e.stepped:
+            raise StepInBackwardError(_ACCUMULATION + _OUTSIDE)
+        return
     if e.stepped:
-        raise StepInBackwardError(_ACCUMULATION + (_OUTSIDE if e.in_graph else ""))
+        raise StepInBackwardError(_ACCUMULATION)
     _step_one(p, e, opt)
-    e.in_graph = False
 
 
 def _step_one(p: torch.Tensor, e: "_ParamEntry", opt: torch.optim.Optimizer) -> None:
@@ -187,21 +192,27 @@ def _step_one(p: torch.Tensor, e: "_ParamEntry", opt: torch.optim.Optimizer) -> 
 # ------------------------------------------------------------------------------------------------------
 # inside a compiled backward graph: one op per parameter gradient
 # ------------------------------------------------------------------------------------------------------
-@torch.library.custom_op("effpass::step_parameter", mutates_args=("param",))
+@torch.library.custom_op("effpass::step_parameter", mutates_args=())
 def step_parameter(param: torch.Tensor, grad: torch.Tensor, after: list[torch.Tensor]) -> None:
     """Hand ``grad`` (``param``'s whole gradient from this graph) to ``param``'s optimizer at once: its step
     runs on ``param`` alone and the gradient is dropped. Before the optimizer is attached the gradient is
-    accumulated into ``param.grad`` as autograd would. ``param`` is declared mutated, and ``after`` holds the
-    values computed from it in the backward (unused here): a compiler must compute them, reading the old
-    ``param``, before this op (Inductor computes a pointwise read lazily inside a later kernel otherwise)."""
+    accumulated into ``param.grad`` as autograd would.
+
+    NOTE(ordering): the op updates ``param`` in place behind the compiler's back (declared side-effectful so
+    it is kept, not declared mutating: a declared mutation bumps the parameter's version counter even when
+    nothing is stepped, which breaks another graph's saved copy of it). Every value the backward computes
+    from ``param`` is passed in ``after`` (unused here), so a compiler computes them all, reading the old
+    ``param``, before this op (Inductor would otherwise compute a pointwise read lazily in a later kernel),
+    and the pass places the op after every read of ``param`` in the graph."""
     e = _HOOKED.get(param)
     if e is None:
         raise StepInBackwardError(f"step_in_backward: a compiled graph steps a parameter of shape {tuple(param.shape)} "
                                   "that the pass did not hook (was the model's parameter replaced after compile?)")
     opt = e.opt() if e.opt is not None else None
     with torch.no_grad():
-        if opt is None:
-            e.opt = None
+        if opt is None or len(e.frames) > 1:
+            # not attached yet, or the parameter is an input of graphs of several frames (a graph break):
+            # this graph's gradient may be a part of it; opt.step() steps it as usual.
             # NOTE(accumulate): autograd's AccumulateGrad keeps a gradient laid out like its parameter
             g = grad if grad.stride() == param.stride() else grad.contiguous()
             param.grad = g if param.grad is None else param.grad + g
@@ -216,7 +227,6 @@ def step_parameter(param: torch.Tensor, grad: torch.Tensor, after: list[torch.Te
                 + _OUTSIDE)
         param.grad = grad
         _step_one(param, e, opt)
-        e.in_graph = True
 
 
 @step_parameter.register_fake
@@ -225,6 +235,7 @@ def _step_parameter_fake(param, grad, after) -> None:
 
 
 _STEP_OP = torch.ops.effpass.step_parameter.default
+fx.node.has_side_effect(_STEP_OP)  # kept by dead-code elimination (partitioner, Inductor) without users
 
 
 @dataclass(frozen=True)
@@ -385,9 +396,18 @@ class StepInBackward(effpass.Pass):
         ex = list(ctx.example_inputs or ())
         pos = frozenset(i for i, x in enumerate(ex)
                         if isinstance(x, torch.Tensor) and x.requires_grad and x in _HOOKED)
+        frame = (ctx.notes.get("dynamo") or {}).get("frame_id")
+        shared = 0
+        for i in pos:
+            e = _HOOKED[ex[i]]
+            e.frames.add(frame)
+            shared += len(e.frames) > 1
         if pos:
             ctx.leave(_HookedInputs(pos))
-        return effpass.PassResult(changed=False, stats={"graph_parameters": len(pos)})
+        skipped = [{"site": f"{shared} parameter(s)", "reason": "also inputs of another frame's compiled graph (a graph "
+                    "break): their gradients are accumulated and opt.step() steps them as usual"}] if shared else []
+        return effpass.PassResult(changed=False, stats={"graph_parameters": len(pos), "shared_parameters": shared},
+                                  skipped=skipped)
 
     def transform_joint(self, gm: fx.GraphModule, ctx) -> effpass.PassResult | None:
         note = ctx.read(_HookedInputs)
