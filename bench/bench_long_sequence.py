@@ -13,6 +13,10 @@ fp32), batch 1, random tokens, AdamW(lr=1e-4). Arms (all in one run, same weight
 * ``effpass_ckpt``: ``effpass.compile`` with its default pipeline + ``CheckpointActivations(policy="full")``
   (the best lossless plan before ``tile_sequence``).
 * ``effpass_tiled``: ... + ``TileSequence()`` (MLP regions in sequence tiles, recomputed tile by tile).
+* ``effpass_step``: ... + ``StepInBackward()`` (each parameter's AdamW update inside the compiled backward,
+  its gradient freed at once). The training loop is unchanged; ``attach(opt)`` is called so that the
+  measured (first, ``--prefill``) step is already the steady state that the unchanged loop reaches from its
+  second step on (its first ``opt.step()`` attaches the optimizer).
 
 Peak = bytes live at the step's start (weights, AdamW states, inputs) + the profiler's peak during one
 steady-state step (forward, backward, ``opt.step()``, ``opt.zero_grad()``). The loss history of every arm
@@ -38,7 +42,7 @@ import effpass  # noqa: E402
 from effpass.testing.memory import live_tensor_bytes, peak_memory  # noqa: E402
 
 RESULTS = os.environ.get("EFFPASS_BENCH_RESULTS") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-ARMS = ("hf_eager", "hand_built", "hand_built_compiled", "effpass_ckpt", "effpass_tiled")
+ARMS = ("hf_eager", "hand_built", "hand_built_compiled", "effpass_ckpt", "effpass_tiled", "effpass_step")
 
 
 def build(attn: str, hidden=512, inter=1408, layers=4, vocab=32000, seq=8192):
@@ -87,10 +91,14 @@ def make_arm(name: str, seq: int):
 
     passes = list(effpass.default_pipeline("cpu", torch.float32))
     extra = [CheckpointActivations(policy="full")]
-    if name == "effpass_tiled":
+    if name in ("effpass_tiled", "effpass_step"):
         from effpass.passes import TileSequence
 
         extra.append(TileSequence())
+    if name == "effpass_step":
+        from effpass.passes import StepInBackward
+
+        extra.append(StepInBackward())
     effpass.compile(m, passes=passes + extra, lowering=os.environ.get("LOWERING", "inductor"))
     return m, m, lambda out: out.loss
 
@@ -100,6 +108,10 @@ def run_arm(name: str, seq: int, steps: int, prefill: bool = False):
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, 32000, (1, seq), generator=g) for _ in range(steps)]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if name == "effpass_step":
+        from effpass.passes.step_in_backward import attach
+
+        attach(opt)  # what the unchanged loop's first opt.step() does (see the module docstring)
     if prefill:  # AdamW's states as after a first step, so the first step is already the steady state
         for p in model.parameters():
             opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}

@@ -390,7 +390,6 @@ class EffpassBackend:
 
     def _lower_eager(self, gm, example_inputs, report, common):
         from torch._dynamo.backends.common import aot_autograd
-        from torch._functorch.aot_autograd import make_boxed_func
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
         manager = self.manager
@@ -404,7 +403,7 @@ class EffpassBackend:
             n = _views_as_reshapes(g)
             if n:
                 report.notes["eager_views_as_reshape"] = report.notes.get("eager_views_as_reshape", 0) + n
-            return make_boxed_func(g.forward)
+            return _boxed(g)
 
         def inference_compiler(g, inputs):
             self._run_late_phase(Phase.JOINT, g, report, common, manager=manager)
@@ -493,6 +492,23 @@ def _views_as_reshapes(g: fx.GraphModule) -> int:
     if n:
         g.recompile()
     return n
+
+
+def _boxed(g: fx.GraphModule):
+    """``g`` run with the boxed calling convention, its code clearing the argument list once it has read it
+    (what ``aot_eager``'s ``boxed_nop`` does): each input, e.g. a tensor saved for backward, is then freed
+    after its last use in the graph, as in Inductor's code, not held until the graph returns."""
+    from torch.fx.graph import _BoxedCodeGen
+
+    g.graph.set_codegen(_BoxedCodeGen())
+    g.recompile()
+    forward = g.forward
+
+    def run(args):
+        return forward(args)
+
+    run._boxed_call = True
+    return run
 
 
 def _run_graph_as_is(gm: fx.GraphModule):

@@ -31,6 +31,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.fx as fx
 from torch.utils.weak import WeakTensorKeyDictionary
 
 import effpass
@@ -64,12 +65,13 @@ _INSIDE = threading.local()
 
 
 class _ParamEntry:
-    __slots__ = ("opt", "group", "stepped", "handle", "__weakref__")
+    __slots__ = ("opt", "group", "stepped", "frames", "handle", "__weakref__")
 
     def __init__(self, handle):
         self.opt = None  # weakref to the optimizer, once attached
         self.group = None  # index into opt.param_groups
         self.stepped = False  # updated in backward since the last opt.step()
+        self.frames = set()  # Dynamo frames whose compiled graphs take the parameter as an input
         self.handle = handle
 
 
@@ -138,6 +140,14 @@ def _on_user_step(opt, args, kwargs):
     return None
 
 
+_ACCUMULATION = ("step_in_backward: a second backward before opt.step() (gradient accumulation over several "
+                 "micro-batches) cannot be exact: the first micro-batch's update was already applied in backward. "
+                 "Call opt.step() after every backward (gradient_accumulation_steps=1), or remove the pass.")
+_OUTSIDE = (" Under effpass.compile this also happens when a parameter gets gradient from more than one place "
+            "(used in two compiled graphs across a graph break, or also by eager code): its compiled graph's "
+            "gradient was not the whole gradient. Exclude that parameter (StepInBackward(exclude=...)).")
+
+
 def _grad_hook(p: torch.Tensor) -> None:
     e = _HOOKED.get(p)
     if e is None or e.opt is None or p.grad is None:
@@ -146,11 +156,19 @@ def _grad_hook(p: torch.Tensor) -> None:
     if opt is None:
         e.opt = None
         return
+    if e.frames:
+        # NOTE(compiled graphs): a graph taking p as input hands its gradient to its step op (autograd still
+        # calls this hook, with p.grad as the op left it); a gradient arriving after that step is refused
+        if e.stepped:
+            raise StepInBackwardError(_ACCUMULATION + _OUTSIDE)
+        return
     if e.stepped:
-        raise StepInBackwardError(
-            "step_in_backward: a second backward before opt.step() (gradient accumulation over several "
-            "micro-batches) cannot be exact: the first micro-batch's update was already applied in backward. "
-            "Call opt.step() after every backward (gradient_accumulation_steps=1), or remove the pass.")
+        raise StepInBackwardError(_ACCUMULATION)
+    _step_one(p, e, opt)
+
+
+def _step_one(p: torch.Tensor, e: "_ParamEntry", opt: torch.optim.Optimizer) -> None:
+    """Run ``opt``'s own step on ``p`` alone (its gradient in ``p.grad``), then free the gradient."""
     groups = opt.param_groups
     group = groups[e.group]
     if not any(q is p for q in group["params"]):
@@ -171,6 +189,161 @@ def _grad_hook(p: torch.Tensor) -> None:
     e.stepped = True
 
 
+# ------------------------------------------------------------------------------------------------------
+# inside a compiled backward graph: one op per parameter gradient
+# ------------------------------------------------------------------------------------------------------
+@torch.library.custom_op("effpass::step_parameter", mutates_args=())
+def step_parameter(param: torch.Tensor, grad: torch.Tensor, after: list[torch.Tensor]) -> None:
+    """Hand ``grad`` (``param``'s whole gradient from this graph) to ``param``'s optimizer at once: its step
+    runs on ``param`` alone and the gradient is dropped. Before the optimizer is attached the gradient is
+    accumulated into ``param.grad`` as autograd would.
+
+    NOTE(ordering): the op updates ``param`` in place behind the compiler's back (declared side-effectful so
+    it is kept, not declared mutating: a declared mutation bumps the parameter's version counter even when
+    nothing is stepped, which breaks another graph's saved copy of it). Every value the backward computes
+    from ``param`` is passed in ``after`` (unused here), so a compiler computes them all, reading the old
+    ``param``, before this op (Inductor would otherwise compute a pointwise read lazily in a later kernel),
+    and the pass places the op after every read of ``param`` in the graph."""
+    e = _HOOKED.get(param)
+    if e is None:
+        raise StepInBackwardError(f"step_in_backward: a compiled graph steps a parameter of shape {tuple(param.shape)} "
+                                  "that the pass did not hook (was the model's parameter replaced after compile?)")
+    opt = e.opt() if e.opt is not None else None
+    with torch.no_grad():
+        if opt is None or len(e.frames) > 1:
+            # not attached yet, or the parameter is an input of graphs of several frames (a graph break):
+            # this graph's gradient may be a part of it; opt.step() steps it as usual.
+            # NOTE(accumulate): autograd's AccumulateGrad keeps a gradient laid out like its parameter
+            g = grad if grad.stride() == param.stride() else grad.contiguous()
+            param.grad = g if param.grad is None else param.grad + g
+            return
+        if e.stepped:
+            raise StepInBackwardError(_ACCUMULATION + _OUTSIDE)
+        if param.grad is not None:
+            raise StepInBackwardError(
+                f"step_in_backward: a parameter of shape {tuple(param.shape)} already holds a gradient when its "
+                "compiled graph's gradient is complete (gradient from eager code or another graph, or a gradient "
+                "left from before: call opt.zero_grad()): stepping now would not use the whole gradient."
+                + _OUTSIDE)
+        param.grad = grad
+        _step_one(param, e, opt)
+
+
+@step_parameter.register_fake
+def _step_parameter_fake(param, grad, after) -> None:
+    return None
+
+
+_STEP_OP = torch.ops.effpass.step_parameter.default
+fx.node.has_side_effect(_STEP_OP)  # kept by dead-code elimination (partitioner, Inductor) without users
+
+
+@dataclass(frozen=True)
+class _HookedInputs(effpass.Note):
+    """Positions (in the Dynamo graph's inputs) of the parameters this pass hooked."""
+
+    positions: frozenset
+
+
+def _desc_position(desc) -> int | None:
+    """The flat input position a gradient output of the joint graph belongs to (``PlainAOTInput.idx``)."""
+    d = getattr(desc, "grad_of", None)
+    if type(d).__name__ == "PlainAOTInput":
+        return int(d.idx)
+    return None
+
+
+def _readers(p: fx.Node) -> list[fx.Node]:
+    """Nodes reading ``p``'s storage: its users and, through view ops, their users."""
+    out, stack, seen = [], [p], {p}
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u not in seen:
+                seen.add(u)
+                out.append(u)
+                if u.op == "call_function" and getattr(u.target, "is_view", False):
+                    stack.append(u)
+    return out
+
+
+def insert_steps(gm: fx.GraphModule, positions) -> tuple[int, list[dict]]:
+    """In a joint graph, replace the gradient output of every input at ``positions`` (flat input positions of
+    hooked parameters) by a :func:`step_parameter` call placed where that gradient is complete and after the
+    backward's last read of the parameter; the graph returns no gradient for it. Returns (steps, skipped)."""
+    import torch.utils._pytree as pytree
+
+    from effpass.graph import is_tangent
+
+    graph = gm.graph
+    out = next(iter(graph.find_nodes(op="output")))
+    descs = out.meta.get("desc")
+    if descs is None:
+        return 0, [{"site": "graph", "reason": "the joint graph's outputs carry no descriptors (older torch)"}]
+    leaves, spec = pytree.tree_flatten(out.args)
+    descs = pytree.arg_tree_leaves(descs)
+    if len(descs) != len(leaves):
+        return 0, [{"site": "graph", "reason": "joint outputs and their descriptors differ in number"}]
+    primals = {}
+    for ph in graph.find_nodes(op="placeholder"):
+        d = ph.meta.get("desc")
+        if type(d).__name__ == "PlainAOTInput":
+            primals[int(d.idx)] = ph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    backward: set[fx.Node] = set()
+    for n in graph.nodes:  # nodes computed from a tangent: the backward
+        if (n.op == "placeholder" and is_tangent(n)) or any(a in backward for a in n.all_input_nodes):
+            backward.add(n)
+    steps, skipped, new_leaves = 0, [], list(leaves)
+    for j, (leaf, d) in enumerate(zip(leaves, descs)):
+        pos = _desc_position(d)
+        if pos is None or pos not in positions or not isinstance(leaf, fx.Node):
+            continue
+        p = primals.get(pos)
+        if p is None or leaf not in backward:
+            skipped.append({"site": p.name if p is not None else f"input {pos}",
+                            "reason": "its gradient is not computed from the loss's gradient in this graph"
+                                      if p is not None else "no primal input for it"})
+            continue
+        # NOTE(ordering): after every backward read of the parameter (direct or through a view, and the
+        # backward users of forward reads, which the partitioner may recompute just before them): the step
+        # writes it in place.
+        after, readers = [leaf], []
+        for r in _readers(p):
+            if r is out:
+                continue
+            after.append(r)
+            if r in backward:
+                readers.append(r)
+            else:
+                users = [u for u in r.users if u in backward and u is not out]
+                after.extend(users)
+                readers.extend(users)
+        last = max(after, key=order.get)
+        deps = []
+        for r in readers:
+            v = r.meta.get("val")
+            if r.op == "call_function" and getattr(r.target, "is_view", False):
+                continue  # an alias of the parameter: its own readers are listed
+            if isinstance(v, torch.Tensor):
+                deps.append(r)
+            elif isinstance(v, (tuple, list)):  # a multi-output op: its pieces
+                deps.extend(u for u in r.users if isinstance(u.meta.get("val"), torch.Tensor) and u in backward)
+        deps = sorted(set(deps), key=order.get)
+        last = max([last, *deps], key=order.get)
+        with graph.inserting_after(last):
+            node = graph.call_function(_STEP_OP, (p, leaf, deps))
+        node.meta["val"] = None
+        node.meta["partitioner_tag"] = "must_be_in_backward"
+        node.meta["custom"] = {**(leaf.meta.get("custom") or {}), "effpass_step": pos}
+        order[node] = order[last] + 0.5
+        new_leaves[j] = None
+        steps += 1
+    if steps:
+        out.args = pytree.tree_unflatten(new_leaves, spec)
+    return steps, skipped
+
+
 def _install_global_hook() -> None:
     global _GLOBAL_HOOK
     with _LOCK:
@@ -185,7 +358,8 @@ def hooked_parameters(model: torch.nn.Module) -> int:
 
 
 @effpass.register_pass("step_in_backward",
-                       run_after=("inject_lora", "quantize_linear"), conflicts_with=("wrap_fsdp",),
+                       run_after=("inject_lora", "quantize_linear", "checkpoint_activations", "tile_sequence",
+                                  "fuse_cross_entropy"), conflicts_with=("wrap_fsdp",),
                        summary="optimizer step per parameter inside backward; gradients freed at once (lossless)")
 @dataclass(frozen=True, kw_only=True)
 class StepInBackward(effpass.Pass):
@@ -216,3 +390,28 @@ class StepInBackward(effpass.Pass):
                 stats["elements"] += p.numel()
                 stats["gradient_bytes"] += p.numel() * p.element_size()
         return effpass.PassResult(changed=bool(stats["parameters"]), stats=stats, skipped=skipped)
+
+    def transform_torch_ir(self, gm: fx.GraphModule, ctx) -> effpass.PassResult | None:
+        # which of this graph's inputs are hooked parameters (the joint graph knows inputs by position only)
+        ex = list(ctx.example_inputs or ())
+        pos = frozenset(i for i, x in enumerate(ex)
+                        if isinstance(x, torch.Tensor) and x.requires_grad and x in _HOOKED)
+        frame = (ctx.notes.get("dynamo") or {}).get("frame_id")
+        shared = 0
+        for i in pos:
+            e = _HOOKED[ex[i]]
+            e.frames.add(frame)
+            shared += len(e.frames) > 1
+        if pos:
+            ctx.leave(_HookedInputs(pos))
+        skipped = [{"site": f"{shared} parameter(s)", "reason": "also inputs of another frame's compiled graph (a graph "
+                    "break): their gradients are accumulated and opt.step() steps them as usual"}] if shared else []
+        return effpass.PassResult(changed=False, stats={"graph_parameters": len(pos), "shared_parameters": shared},
+                                  skipped=skipped)
+
+    def transform_joint(self, gm: fx.GraphModule, ctx) -> effpass.PassResult | None:
+        note = ctx.read(_HookedInputs)
+        if ctx.graph_kind != "joint" or note is None:
+            return None
+        steps, skipped = insert_steps(gm, note.positions)
+        return effpass.PassResult(changed=bool(steps), stats={"steps_in_graph": steps}, skipped=skipped)

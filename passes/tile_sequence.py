@@ -350,11 +350,24 @@ def tile_region(gm: fx.GraphModule, region: Region, tile_rows: int, region_id: i
     new_nodes: list[fx.Node] = []
     if True:
         cursor = [last]
+        # NOTE(input gradients): one split per input, not a narrow per tile: the backward of a split is one
+        # cat of the tiles' gradients, where narrows would each give a zero-padded gradient of the whole
+        # input, summed (several whole-input tensors live at once)
+        sizes = [e - s for s, e in bounds]
+        splits = {}
+        for a in region.row_inputs:
+            with graph.inserting_after(cursor[0]):
+                sp = graph.call_function(torch.split, (a, sizes), {"dim": dim})
+            sp.meta["custom"] = {TAG: region_id, "role": "split"}
+            copy_provenance(sp, region.nodes[0])
+            cursor[0] = sp
+            new_nodes.append(sp)
+            splits[a] = sp
         for k, (s, e) in enumerate(bounds):
             env: dict[fx.Node, fx.Node] = {}
             for a in region.row_inputs:
                 with graph.inserting_after(cursor[0]):
-                    sl = graph.call_function(torch.narrow, (a, dim, s, e - s))
+                    sl = graph.call_function(operator.getitem, (splits[a], k))
                 sl.meta["custom"] = {TAG: region_id, "tile": k, "role": "slice"}
                 copy_provenance(sl, region.nodes[0])
                 cursor[0] = sl
@@ -455,10 +468,14 @@ class TileSequence(effpass.Pass):
             if TAG not in info:
                 continue
             if info.get("role") == "output":
-                if "recompute" not in n.meta:  # nothing else decides: keep the region's output
-                    n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-                    n.meta["ac_graph_id"] = 10_000 + int(info[TAG])
-                    save += 1
+                # NOTE(one tile at a time): the region's output is saved, even inside a block that
+                # checkpoint_activations recomputes: recomputing it in the backward (for a later norm's
+                # gradient, say) would compute every tile at once and keep all their intermediates alive
+                # until each tile's gradient is taken. At a block's end it is the boundary that
+                # checkpointing saves anyway.
+                n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+                n.meta.setdefault("ac_graph_id", 10_000 + int(info[TAG]))
+                save += 1
                 continue
             n.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
             n.meta.setdefault("ac_graph_id", 10_000 + int(info[TAG]))

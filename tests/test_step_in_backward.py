@@ -217,3 +217,128 @@ def test_trainer_refuses_clipping_and_accumulation(tmp_path):
             check_training_args(args, model)
     check_training_args(transformers.TrainingArguments(str(tmp_path), report_to=[], use_cpu=True,
                                                        max_grad_norm=0.0), model)
+
+
+# ------------------------------------------------------------------------------------------------------
+# under effpass.compile: the update inside the compiled backward graph
+# ------------------------------------------------------------------------------------------------------
+_BACKWARDS: list[dict] = []
+
+
+class _RecordBackward(effpass.Pass):
+    """Test pass: what each backward graph returns and how many step ops it holds."""
+
+    def transform_post_grad(self, gm, ctx):
+        if ctx.graph_kind == "backward":
+            out = next(iter(gm.graph.find_nodes(op="output")))
+            leaves = torch.utils._pytree.arg_tree_leaves(*out.args)
+            _BACKWARDS.append({"gradients": sum(isinstance(x, torch.fx.Node) for x in leaves),
+                               "steps": sum(1 for n in gm.graph.nodes if n.target is torch.ops.effpass.step_parameter.default)})
+        return effpass.PassResult(False, {})
+
+
+@pytest.fixture
+def record_backward():
+    import dataclasses
+
+    from effpass.pass_api import _REGISTRY
+
+    effpass.registered_passes()
+    saved = dict(_REGISTRY)
+    effpass.register_pass("record_backward", run_after=("step_in_backward",))(
+        dataclasses.dataclass(frozen=True, kw_only=True)(_RecordBackward))
+    _BACKWARDS.clear()
+    yield _REGISTRY["record_backward"]
+    _REGISTRY.clear()
+    _REGISTRY.update(saved)
+
+
+def test_compiled_backward_steps_in_graph_and_frees_each_gradient(record_backward):
+    """One compiled graph: the backward graph returns no parameter gradient (each one goes to a step op
+    where it is complete), and the step's peak falls by about the gradient bytes, as eagerly."""
+    torch.manual_seed(0)
+    base, x = _Stack(), torch.randn(2, 256)
+    peaks, params = {}, {}
+    for use in (False, True):
+        m = effpass.compile(copy.deepcopy(base), passes=[record_backward(), *([StepInBackward()] if use else [])],
+                            lowering="eager")
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False)
+        attach(opt)
+
+        def step():
+            m(x).backward()
+            opt.step()
+            opt.zero_grad()
+        for _ in range(2):
+            step()
+        _, peaks[use] = peak_memory(step)
+        params[use] = _params(m)
+        if use:
+            assert effpass.report(m).stats("step_in_backward", "joint") == {"steps_in_graph": 8}
+    n = len(list(base.parameters()))
+    assert _BACKWARDS == [{"gradients": n, "steps": 0}, {"gradients": 0, "steps": n}]
+    assert all(torch.equal(params[False][k], params[True][k]) for k in params[False])
+    grad_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
+    largest = max(p.numel() * p.element_size() for p in base.parameters())
+    saved = peaks[False] - peaks[True]
+    assert 0.9 * (grad_bytes - largest) <= saved <= grad_bytes, (peaks, grad_bytes, largest)
+
+
+def test_inductor_backward_steps_bit_identical():
+    """Inductor computes a pointwise read of a parameter lazily inside a later kernel: the step op must
+    still see every read of the old parameter done (its ``after`` operands). AdamW foreach, 3 steps."""
+    case = model_case("llama", layers=1)
+    runs = {}
+    for use in (False, True):
+        m = effpass.compile(copy.deepcopy(case.model), passes=[StepInBackward()] if use else [], lowering="inductor")
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+        attach(opt)
+        losses = []
+        for _ in range(3):
+            loss = case.loss(m(**case.inputs))
+            loss.backward()
+            assert not use or all(p.grad is None for p in m.parameters())
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs[use] = (losses, _params(m), opt.state_dict())
+        if use:
+            assert effpass.report(m).stats("step_in_backward", "joint")["steps_in_graph"] == len(list(m.parameters()))
+    (l0, p0, s0), (l1, p1, s1) = runs[False], runs[True]
+    assert l0 == l1
+    assert all(torch.equal(p0[k], p1[k]) for k in p0)
+    assert all(torch.equal(s0["state"][k]["exp_avg_sq"], s1["state"][k]["exp_avg_sq"]) for k in s0["state"])
+
+
+class _Shared(torch.nn.Module):
+    """A linear used on both sides of a graph break: each compiled graph sees only part of its gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x).tanh()
+        torch._dynamo.graph_break()
+        return self.lin(y).square().mean()
+
+
+def test_parameter_in_two_graphs_stepped_by_the_usual_step():
+    """Each graph's gradient is a part: the in-graph op accumulates instead of stepping, opt.step() steps it;
+    parameters equal a plain run's."""
+    torch.manual_seed(0)
+    base, x = _Shared(), torch.randn(2, 8)
+    runs = {}
+    for use in (False, True):
+        m = effpass.compile(copy.deepcopy(base), passes=[StepInBackward()] if use else [], lowering="eager")
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        attach(opt)
+        for _ in range(2):
+            m(x).backward()
+            assert all(p.grad is not None for p in m.parameters())
+            opt.step()
+            opt.zero_grad()
+        runs[use] = _params(m)
+        if use:
+            assert effpass.report(m).stats("step_in_backward", "torch_ir")["shared_parameters"] == 2
+    assert all(torch.equal(runs[False][k], runs[True][k]) for k in runs[False])

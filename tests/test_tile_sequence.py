@@ -160,3 +160,23 @@ def test_short_sequences_are_left_alone():
     m = effpass.compile(copy.deepcopy(case.model), passes=[TileSequence(tile_rows=16)], lowering="eager")
     m(**case.inputs)
     assert not effpass.report(m).stats("tile_sequence").get("regions")
+
+
+def test_quantized_base_with_lora_composes():
+    """QLoRA-style: int8 base weights (buffers, dequantized in the graph: row-constant weights of a linear)
+    with LoRA adapters; the MLP region is tiled the same way and the adapters' gradients equal the untiled."""
+    from effpass.passes import InjectLoRA, QuantizeLinear
+
+    case = family_case("llama", batch=2, seq=32, attn="sdpa")
+    case.model.train()
+    extra = [QuantizeLinear(scheme="int8"), InjectLoRA(targets=("*.gate_proj", "*.up_proj", "*.down_proj"), rank=4)]
+    torch.manual_seed(0)
+    ref, tiled = _compile_pair(case, extra, tile_rows=16)
+    tiled.load_state_dict(ref.state_dict())
+    assert effpass.report(tiled).stats("quantize_linear", "module")["quantized"] >= 3 * case.num_layers
+    l0, g0 = _grads(ref, case.inputs, case.loss)
+    l1, g1 = _grads(tiled, case.inputs, case.loss)
+    assert any("lora" in n for n in g0)
+    assert abs(l0 - l1) <= 1e-6 * abs(l0)
+    assert max(_rel(g1[n], g0[n]) for n in g0) <= 1e-6
+    assert effpass.report(tiled).stats("tile_sequence")["regions"] == case.num_layers
