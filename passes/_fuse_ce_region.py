@@ -185,6 +185,13 @@ def row_local(n: fx.Node, ndim_of) -> Optional[str]:
                 or n.kwargs.get("sparse_grad", False):
             return None
         return "gather"
+    if _is_fn(n, {torch.squeeze, torch.unsqueeze}) or _is_method(n, {"squeeze", "unsqueeze"}):
+        where, dim = _dim_arg(n)
+        src = n.args[0]
+        grow = 1 if n.target in ("unsqueeze", torch.unsqueeze) else 0
+        if where is None or not isinstance(src, fx.Node) or not _row_dim(dim, ndim_of(src) + grow):
+            return None
+        return "squeeze"
     kl = _kl_div_parts(n)
     if kl is not None and kl[2] == "none":
         return "kl"
@@ -300,11 +307,12 @@ def _check(g: _Grow, ents, sites, mem) -> Region:
                 continue
             t = g.tail(a, leading, vocab)
             av = _val(a)
-            if t is None or t == (vocab,) and vocab != 1:
-                raise Skip(f"{n.name} reads {a.name} (shape {g.shape(a)}), which is neither a per-row value nor "
-                           "the projection's logits")
+            if t is None:
+                raise Skip(f"{n.name} reads {a.name} (shape {g.shape(a)}), which is not row-aligned with the "
+                           f"logits' rows {leading}")
             if isinstance(av, torch.Tensor) and av.requires_grad:
-                raise Skip(f"{n.name} reads {a.name}, a per-row tensor that needs a gradient")
+                raise Skip(f"{n.name} reads {a.name}, a row-aligned tensor that needs a gradient")
+            # a vocabulary-sized one (a teacher's logits computed in another graph) is read row block by row block
             region.externals.append(a)
         outside = [u for u in n.users if u not in inside]
         if not outside:
@@ -344,7 +352,7 @@ def build_row_fn(region: Region) -> tuple[fx.GraphModule, list]:
     def row_args(n):
         args, kwargs = list(n.args), dict(n.kwargs)
         kind = row_local(n, ndim)
-        if kind in ("softmax", "reduce", "gather"):
+        if kind in ("softmax", "reduce", "gather", "squeeze"):
             where, _ = _dim_arg(n)
             if where == "dim":
                 kwargs["dim"] = -1
