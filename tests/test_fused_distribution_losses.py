@@ -255,3 +255,36 @@ def test_distillation_loop(teacher_graph):
     (le, pe), (lf, pf) = runs["eager"], runs["effpass"]
     assert all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(le, lf)), (le, lf)
     assert all(_rel(a, b) <= 1e-5 for a, b in zip(pf, pe))
+
+
+def test_rowwise_op_flops_and_opcheck():
+    """The row-wise op's FLOP formulas (registered for the memory planner): forward = the heads' logits;
+    backward = the logits again plus one matmul per gradient asked for. torch.library.opcheck passes."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from effpass.passes._fuse_ce_kernels import register_row_fn
+
+    def kl(z0, z1):
+        ls, lt = z0.log_softmax(-1), z1.log_softmax(-1)
+        return ((lt.exp() * (lt - ls)).sum(-1),)
+
+    key = register_row_fn(torch.fx.symbolic_trace(kl))
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 6, 8, 32
+    x, w = torch.randn(n, h, generator=g, requires_grad=True), torch.randn(v, h, generator=g, requires_grad=True)
+    y, u = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g)
+    args = (x, w, None, None, None, y, u, None, None, None, [], key, [1.0, 0.0, 1.0], [1.0, 0.0, 1.0], 4 * v * 2 * 2,
+            "", 1)
+    with FlopCounterMode(display=False) as fc:
+        out = torch.ops.effpass.linear_rowwise(*args)
+    assert fc.get_total_flops() == 2 * (2 * n * h * v)
+    with FlopCounterMode(display=False) as fc:
+        out.sum().backward()
+    assert fc.get_total_flops() == 2 * (2 * n * h * v) + 2 * (2 * n * h * v)  # recompute both, dx and dw
+    # the gradient equals autograd's on the unfused computation
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    kl(x2 @ w2.t(), y @ u.t())[0].sum().backward()
+    assert _rel(x.grad, x2.grad) <= 1e-5 and _rel(w.grad, w2.grad) <= 1e-5
+    result = torch.library.opcheck(torch.ops.effpass.linear_rowwise.default, args,
+                                   test_utils=("test_schema", "test_faketensor"))
+    assert set(result.values()) == {"SUCCESS"}, result
