@@ -475,6 +475,20 @@ def _heads(args, t0, t1, compute):
     return heads
 
 
+def _autograd_inside_op():
+    """Autograd back on inside a custom op's implementation (which runs below the autograd dispatch keys):
+    the row function is differentiated per block with ``torch.autograd.grad``.
+
+    NOTE: ``torch.func.vjp`` also works there, but not under a ``TorchDispatchMode`` such as
+    ``FlopCounterMode`` (the planner's replay): functorch's wrappers have no storage."""
+    excl = torch._C._dispatch_tls_local_exclude_set()
+    for name in ("AutogradFunctionality", "AutogradOther", "AutogradCPU", "AutogradCUDA", "ADInplaceOrView"):
+        key = getattr(torch._C.DispatchKey, name, None)
+        if key is not None:
+            excl = excl.remove(key)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excl)
+
+
 def rowwise_rows(n: int, vocab: int, heads: int, chunk_bytes: int) -> int:
     """Rows per chunk of the row-wise op: full rows of every head's fp32 logits within ``chunk_bytes``."""
     return max(1, min(max(n, 1), chunk_bytes // (4 * vocab * max(heads, 1))))
@@ -526,25 +540,21 @@ def _rowwise_bwd(grad: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor], xa: Op
     g = grad.float()
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
-        # NOTE: inside a custom op's implementation autograd's dispatch keys are excluded, so the row function
-        # is differentiated with torch.func.vjp (functorch's own grad transform), not torch.autograd.grad
         raws = [h.raw(r0, r1) for h in heads]
         want = [k for k in range(len(heads)) if any(mask[5 * k:5 * k + 5])]
         if not want:
             continue
-        ex = [e[r0:r1] for e in ext]
-
-        def rows_fn(*leaf, raws=raws, ex=ex, r=r1 - r0):
+        with _autograd_inside_op(), torch.enable_grad():
             zs = list(raws)
-            for k, z in zip(want, leaf):
-                zs[k] = z
+            for k in want:
+                zs[k] = raws[k].requires_grad_()
             zs = [_transform(z, h.t) for z, h in zip(zs, heads)]
-            return tuple(o.reshape(r).float() for o in f(*zs, *ex))
-
-        outs_, vjp_fn = torch.func.vjp(rows_fn, *(raws[k] for k in want))
-        ds = vjp_fn(tuple(g[r0:r1, j] for j in range(len(outs_))))
+            outs_ = [o.reshape(r1 - r0).float() for o in f(*zs, *(e[r0:r1] for e in ext))]
+            pairs = [(o, g[r0:r1, j]) for j, o in enumerate(outs_) if o.requires_grad]
+            ds = torch.autograd.grad([o for o, _ in pairs], [raws[k] for k in want], [gg for _, gg in pairs],
+                                     allow_unused=True) if pairs else [None] * len(want)
         leaves = [(k, None) for k in want]
-        del raws, outs_, vjp_fn
+        del raws, zs, outs_, pairs
         for (k, _), d in zip(leaves, ds):
             if d is None:
                 continue
