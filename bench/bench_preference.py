@@ -40,8 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import timed  # noqa: E402
 
 ARMS = ("eager", "compile", "liger", "effpass")
-LOSSES = ("dpo", "grpo", "distill")
-SHAPE = dict(hidden=64, layers=1, heads=4, kv_heads=2, ffn=128, vocab=128256, seq=512, rows=2, dtype="float32",
+LOSSES = ("dpo", "distill", "grpo")
+SHAPE = dict(hidden=64, layers=1, heads=4, kv_heads=2, ffn=128, vocab=128256, seq=256, rows=2, dtype="float32",
              steps=1)
 if os.environ.get("BENCH_PREF_SMOKE"):  # a quick check that every arm runs (not a measurement)
     SHAPE.update(vocab=1024, seq=128)
@@ -145,7 +145,7 @@ def build():
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg["vocab"], (cfg["rows"], cfg["seq"]), generator=g)
     labels = ids.clone()
-    labels[:, :64] = -100  # prompt
+    labels[:, :32] = -100  # prompt
     return policy, {"dpo": DPO, "grpo": GRPO, "distill": Distill, "liger_dpo": LigerDPO, "liger_grpo": LigerGRPO,
                     "liger_distill": LigerDistill}, ids, labels
 
