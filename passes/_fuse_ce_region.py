@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from effpass.graph import Skip, is_fn as _is_fn, is_method as _is_method, is_number as _is_number, val as _val
+from effpass.graph import Skip, is_fn as _is_fn, is_method as _is_method, val as _val
 
 from ._fuse_ce_match import Site, walk
 

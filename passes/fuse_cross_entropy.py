@@ -307,6 +307,15 @@ class FuseCrossEntropy(effpass.Pass):
         stats["low_precision_matmuls"] += int(bool(compute))
         stats["dequantized_heads"] += int(weight is not site.weight)
 
+    def _plan(self, graph: fx.Graph, site: Site, consumers, n_rows: int, vocab: int):
+        """``(chain_set, returned, keep, compute, budget)`` of a one-head site: who reads its logits, whether
+        they are kept, the matmul dtype and the chunk budget."""
+        chain_set, returned, used_elsewhere = self._readers(site, consumers)
+        hv = _val(site.h)
+        budget = self.chunk_bytes or default_chunk_bytes(n_rows, vocab, hv.numel() * hv.element_size())
+        return (chain_set, returned, bool(used_elsewhere) or self.keep_logits, self._compute(graph, site),
+                budget)
+
     def _caller(self, graph: fx.Graph, new: list):
         def call(fn, *args, **kwargs):
             n = graph.call_function(fn, args, kwargs)
@@ -320,11 +329,7 @@ class FuseCrossEntropy(effpass.Pass):
         a = ce_args(ce)
         vocab, width = self._check_head(site)
         n_rows = int(_val(a["input"]).shape[0])
-        chain_set, returned, used_elsewhere = self._readers(site, {ce})
-        keep = bool(used_elsewhere) or self.keep_logits
-        compute = self._compute(graph, site)
-        hv = _val(site.h)
-        budget = self.chunk_bytes or default_chunk_bytes(n_rows, vocab, hv.numel() * hv.element_size())
+        chain_set, returned, keep, compute, budget = self._plan(graph, site, {ce}, n_rows, vocab)
         new: list[fx.Node] = []
         call = self._caller(graph, new)
         with graph.inserting_before(ce):
@@ -378,11 +383,7 @@ class FuseCrossEntropy(effpass.Pass):
         if not isinstance(iv, torch.Tensor):
             raise Skip("the index has no static example value")
         n_rows = int(iv.numel())
-        chain_set, returned, used_elsewhere = self._readers(site, set(lp.nodes))
-        keep = bool(used_elsewhere) or self.keep_logits
-        compute = self._compute(graph, site)
-        hv = _val(site.h)
-        budget = self.chunk_bytes or default_chunk_bytes(n_rows, vocab, hv.numel() * hv.element_size())
+        chain_set, returned, keep, compute, budget = self._plan(graph, site, set(lp.nodes), n_rows, vocab)
         new: list[fx.Node] = []
         call = self._caller(graph, new)
         with graph.inserting_before(anchor):
@@ -480,7 +481,6 @@ class FuseCrossEntropy(effpass.Pass):
                 if not need and grad_on:
                     col = call(torch.Tensor.detach, col)
                 outs.append(col)
-        first = region.sites[0]
         self._set_meta_or_skip(graph, new, anchor, args[0], (n_rows, heads[0][1]))
         for (kind, n), col in zip(what, outs):
             if kind == "node":
@@ -496,7 +496,6 @@ class FuseCrossEntropy(effpass.Pass):
             stats["logits_returned"] += int(bool(returned) and keep)
             stats["logits_dropped"] += int(dropped)
             self._count_head(stats, site, weight, compute)
-        del first
         stats["rowwise_sites"] += 1
         stats["two_head_sites"] += int(len(region.sites) == 2)
         stats["rowwise_outputs"] += len(what)
