@@ -78,6 +78,22 @@ def test_opcheck_schema_fake_and_autograd():
         assert set(result.values()) == {"SUCCESS"}, result
 
 
+def test_op_flop_formulas():
+    """The planner's FLOP formulas for TRL's op: forward 2*N*H*V; backward the projection again plus dx and dw."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    assert _trl_kernels.install()
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(9, 8, generator=g, requires_grad=True), torch.randn(20, 8, generator=g, requires_grad=True)
+    t = torch.randint(0, 20, (9,), generator=g)
+    with FlopCounterMode(display=False) as fc:
+        out = _trl_kernels.chunked_logprob(h, w, None, t, 1.0, 8, None, 1.0, ("log_probs",))[0]
+    assert fc.get_total_flops() == 2 * 9 * 8 * 20
+    with FlopCounterMode(display=False) as fc:
+        out.sum().backward()
+    assert fc.get_total_flops() == 3 * 2 * 9 * 8 * 20
+
+
 def test_op_compiles_once_for_every_length():
     """Compiled (aot_eager) with the op: one recompile (to a dynamic length) over 4 lengths, no graph break,
     loss and gradients equal to TRL's Function run eagerly."""
