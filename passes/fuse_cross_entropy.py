@@ -55,6 +55,13 @@ log-sum-exp), ``inject_lora`` and ``quantize_linear`` (the head may be a LoRA or
 ``checkpoint_activations`` (its joint hook runs first; this pass then marks the op ``MUST_SAVE`` so the
 partitioner never recomputes it).
 
+Other vocabulary-sized computations
+    Chosen-token log-probabilities (``log_softmax`` + ``gather``, ``gather - logsumexp``) become the per-row op;
+    whatever else is computed row by row from one or two heads' logits (entropy, KL / JSD between a student and
+    a teacher, z-loss; ``_fuse_ce_region.py``) becomes ``effpass::linear_rowwise``, which runs the extracted
+    row function on blocks of full rows and differentiates it per block in the backward. TRL's chunked
+    log-prob op (routed by ``effpass/integrations/_trl_kernels.py``) is counted as ``trl_logprob_sites``.
+
 Invariants: only matched nodes are replaced; placeholders are never added or removed; the loss and every
 gradient equal the unfused graph's within 1e-5 relative in fp32 (the sums are ordered differently).
 """
