@@ -7,14 +7,16 @@ Arms (each in a fresh subprocess, same seed and batch, all in one run):
 * ``eager``: the step as written; ``compile``: ``torch.compile`` of the loss module (Inductor), unfused;
 * ``effpass``: ``effpass.compile(loss module)`` with the default pipeline (``fuse_cross_entropy`` rewrites the
   policy's and the reference's chosen-token log-probs into the chunked op);
-* Liger-Kernel's fused losses: not run: Liger's kernels are Triton (GPU only) and it is not installed here.
+* ``liger``: Liger-Kernel's chunked fused-linear losses (``LigerFusedLinearDPOLoss``, ``...GRPOLoss``
+  (``loss_type="grpo"``), ``...JSDLoss`` with ``beta=0``: the forward KL) on the backbones' hidden states: pure
+  PyTorch with ``torch.compile`` of the chunk function, so they run on CPU (Liger's Triton kernels do not).
 * TRL's trainers: TRL 1.16's DPO/KTO/GRPO trainers compute log-probs with their own chunked op
   (``add_fused_lm_head``); effpass routes it as a custom op (``effpass/integrations/_trl_kernels.py``); not
   benchmarked here.
 
 Losses: ``dpo`` (sigmoid DPO over one chosen/rejected pair), ``grpo`` (per-token ratio x advantage minus
 beta x k3-KL to the reference, masked mean), ``distill`` (forward KL between the teacher's and the student's full
-distributions: not fused by effpass yet, measured to say so).
+distributions: fused by effpass as one row-wise op over both heads).
 
 CPU shape (shared 2-core machine with 23 GB; the issue's 2 x 2,048 tokens at vocabulary 128,256 hold over
 8 GB eager, more than this machine can spare): fp32, hidden 64, 1 layer, vocabulary 128,256, 2 x 512 tokens.
@@ -37,10 +39,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import timed  # noqa: E402
 
-ARMS = ("eager", "compile", "effpass")
-LOSSES = ("dpo", "grpo", "distill")
-SHAPE = dict(hidden=64, layers=1, heads=4, kv_heads=2, ffn=128, vocab=128256, seq=512, rows=2, dtype="float32",
+ARMS = ("eager", "compile", "liger", "effpass")
+LOSSES = ("dpo", "distill", "grpo")
+SHAPE = dict(hidden=64, layers=1, heads=4, kv_heads=2, ffn=128, vocab=128256, seq=256, rows=2, dtype="float32",
              steps=1)
+if os.environ.get("BENCH_PREF_SMOKE"):  # a quick check that every arm runs (not a measurement)
+    SHAPE.update(vocab=1024, seq=128)
 
 
 def build():
@@ -92,11 +96,58 @@ def build():
             m = (labels != -100).float()
             return ((t.exp() * (t - s)).sum(-1) * m).sum() / m.sum()
 
+    def hidden(model, ids):
+        return model.model(input_ids=ids).last_hidden_state
+
+    class LigerDPO(DPO):
+        """Liger-Kernel's chunked fused-linear DPO loss (pure PyTorch + torch.compile: runs on CPU) on the
+        backbones' hidden states."""
+
+        def __init__(self):
+            super().__init__()
+            from liger_kernel.chunked_loss import LigerFusedLinearDPOLoss
+            self.loss = LigerFusedLinearDPOLoss(beta=0.1)
+
+        def forward(self, ids, labels):
+            h = hidden(self.policy, ids)[:, :-1]
+            with torch.no_grad():
+                rh = hidden(self.ref, ids)[:, :-1]
+            return self.loss(self.policy.lm_head.weight, h, labels[:, 1:], ref_input=rh,
+                             ref_weight=self.ref.lm_head.weight)[0]
+
+    class LigerGRPO(DPO):
+        def __init__(self):
+            super().__init__()
+            from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+            self.loss = LigerFusedLinearGRPOLoss(beta=0.04, loss_type="grpo")
+
+        def forward(self, ids, labels, adv):
+            h = hidden(self.policy, ids)[:, :-1]
+            with torch.no_grad():
+                rh = hidden(self.ref, ids)[:, :-1]
+            t = labels[:, 1:]
+            return self.loss(h, self.policy.lm_head.weight, t.clamp(min=0), (t != -100).long(), adv,
+                             ref_input=rh, ref_weight=self.ref.lm_head.weight)[0]
+
+    class LigerDistill(DPO):
+        def __init__(self):
+            super().__init__()
+            from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+            # beta 0: the forward KL(teacher || student) of the other arms; no hard (cross-entropy) loss
+            self.loss = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=0.0)
+
+        def forward(self, ids, labels):
+            h = hidden(self.policy, ids).reshape(-1, cfg["hidden"])
+            with torch.no_grad():
+                th = hidden(self.ref, ids).reshape(-1, cfg["hidden"])
+            return self.loss(h, self.policy.lm_head.weight, th, self.ref.lm_head.weight, labels.reshape(-1))
+
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg["vocab"], (cfg["rows"], cfg["seq"]), generator=g)
     labels = ids.clone()
-    labels[:, :64] = -100  # prompt
-    return policy, {"dpo": DPO, "grpo": GRPO, "distill": Distill}, ids, labels
+    labels[:, :32] = -100  # prompt
+    return policy, {"dpo": DPO, "grpo": GRPO, "distill": Distill, "liger_dpo": LigerDPO, "liger_grpo": LigerGRPO,
+                    "liger_distill": LigerDistill}, ids, labels
 
 
 def run_arm(arm: str, loss: str) -> dict:
@@ -106,9 +157,9 @@ def run_arm(arm: str, loss: str) -> dict:
     from effpass.testing.memory import live_tensor_bytes, peak_memory
 
     policy, kinds, ids, labels = build()
-    mod = kinds[loss]()
+    mod = kinds[("liger_" if arm == "liger" else "") + loss]()
     args = (ids, labels) + ((torch.tensor([1.0, -1.0]),) if loss == "grpo" else ())
-    if arm == "eager":
+    if arm in ("eager", "liger"):
         f = mod
     elif arm == "compile":
         f = torch.compile(mod)

@@ -55,6 +55,13 @@ log-sum-exp), ``inject_lora`` and ``quantize_linear`` (the head may be a LoRA or
 ``checkpoint_activations`` (its joint hook runs first; this pass then marks the op ``MUST_SAVE`` so the
 partitioner never recomputes it).
 
+Other vocabulary-sized computations
+    Chosen-token log-probabilities (``log_softmax`` + ``gather``, ``gather - logsumexp``) become the per-row op;
+    whatever else is computed row by row from one or two heads' logits (entropy, KL / JSD between a student and
+    a teacher, z-loss; ``_fuse_ce_region.py``) becomes ``effpass::linear_rowwise``, which runs the extracted
+    row function on blocks of full rows and differentiates it per block in the backward. TRL's chunked
+    log-prob op (routed by ``effpass/integrations/_trl_kernels.py``) is counted as ``trl_logprob_sites``.
+
 Invariants: only matched nodes are replaced; placeholders are never added or removed; the loss and every
 gradient equal the unfused graph's within 1e-5 relative in fp32 (the sums are ordered differently).
 """
@@ -76,8 +83,27 @@ from effpass.scope import module_path_of_node
 
 from ._fuse_ce_kernels import (MIN_CHUNK_ROWS, MIN_FULL_ROWS, NO_IGNORE, OPS, default_chunk_bytes,  # noqa: F401 (re-exported)
                                linear_cross_entropy, num_chunks, plan_chunks)
+from ._fuse_ce_region import Region, build_row_fn, find_regions
+from ._fuse_ce_kernels import register_row_fn, rowwise_rows
 from ._fuse_ce_match import (LogProbSite, Site, Skip, _CE_FNS, _is_fn, _val, autocast_dtype_at, ce_args, erase_unused,
                              match, match_logprob, replay_shape, set_meta)
+
+def _grad_enabled_at(graph: fx.Graph, node: fx.Node) -> bool:
+    """Whether gradients are enabled where ``node`` runs (``torch.no_grad`` regions appear in torch IR as
+    ``torch._C._set_grad_enabled`` calls; the graph starts with them enabled)."""
+    on = True
+    for n in graph.nodes:
+        if n is node:
+            return on
+        if n.op == "call_function" and n.target is torch._C._set_grad_enabled and n.args:
+            on = bool(n.args[0])
+    return on
+
+
+def _needs_grad(n: fx.Node) -> bool:
+    v = _val(n)
+    return bool(isinstance(v, torch.Tensor) and v.requires_grad)
+
 
 __all__ = ["FuseCrossEntropy", "default_chunk_bytes", "linear_cross_entropy", "plan_chunks",
            "set_hf_loss_type"]
@@ -143,7 +169,8 @@ class FuseCrossEntropy(effpass.Pass):
         graph = gm.graph
         stats = {"fused": 0, "logits_bytes_avoided": 0, "chunks": 0, "chunk_bytes": 0, "logits_returned": 0,
                  "logits_dropped": 0, "lora_heads": 0, "low_precision_matmuls": 0, "torch_kernel": 0,
-                 "dequantized_heads": 0, "skipped": 0, "left_alone_no_grad": 0, "logprob_sites": 0}
+                 "dequantized_heads": 0, "skipped": 0, "left_alone_no_grad": 0, "logprob_sites": 0,
+                 "rowwise_sites": 0, "two_head_sites": 0, "rowwise_outputs": 0, "trl_logprob_sites": 0}
         skipped: list[dict] = []
         for ce in [n for n in graph.nodes if _is_fn(n, _CE_FNS)]:
             where = f"{module_path_of_node(ce) or '<root>'}:{ce.name}"
@@ -165,8 +192,9 @@ class FuseCrossEntropy(effpass.Pass):
             except Skip as e:
                 stats["skipped"] += 1
                 skipped.append({"site": where, "reason": str(e)})
+        deferred: list[tuple[fx.Node, str]] = []
         for n in list(graph.nodes):
-            if n.graph is not graph or n.op not in ("call_function", "call_method"):
+            if getattr(n, "_erased", False) or n.op not in ("call_function", "call_method"):
                 continue
             try:
                 lp = match_logprob(n, ctx.model)
@@ -174,65 +202,145 @@ class FuseCrossEntropy(effpass.Pass):
                     continue
                 self._rewrite_logprob(graph, lp, ctx, stats)
             except Skip as e:
-                stats["skipped"] += 1
-                skipped.append({"site": f"{module_path_of_node(n) or '<root>'}:{n.name}", "reason": str(e)})
-        changed = stats["fused"] > 0 or stats["logprob_sites"] > 0
+                deferred.append((n, str(e)))  # the row-wise rewrite below may still fuse it
+        # what is left: row-wise functions of the heads' distributions (entropy, KL / JSD, z-loss, a
+        # log-prob whose full log-softmax is also read)
+        regions, why = find_regions(graph, ctx.model, set())
+        for region in regions:
+            if not all(ctx.allows(s.proj) for s in region.sites):
+                continue
+            try:
+                self._rewrite_region(graph, region, ctx, stats)
+            except Skip as e:
+                why.append({"node": region.members[0], "reason": str(e)})
+        for n, reason in deferred + [(w["node"], w["reason"]) for w in why]:
+            if getattr(n, "_erased", False):
+                continue  # fused after all
+            stats["skipped"] += 1
+            skipped.append({"site": f"{module_path_of_node(n) or '<root>'}:{n.name}", "reason": reason})
+        # TRL's fused LM head (DPO/KTO/GRPO/SFT trainers), routed through effpass's custom op
+        # (effpass/integrations/_trl_kernels.py): already chunked, counted so the report says so
+        stats["trl_logprob_sites"] = sum(1 for n in graph.nodes if n.op == "call_function"
+                                         and "trl_chunked_logprob" in str(n.target) and "backward" not in str(n.target))
+        changed = stats["fused"] > 0 or stats["logprob_sites"] > 0 or stats["rowwise_sites"] > 0
         if changed:
             graph.lint()
         return effpass.PassResult(changed=changed, stats=stats, skipped=skipped)
 
-    def _rewrite(self, graph: fx.Graph, site: Site, ctx, stats: dict) -> None:
-        ce = site.ce
-        a = ce_args(ce)
+    # -- shared by the rewriters ---------------------------------------------------------------------
+    @staticmethod
+    def _check_head(site: Site) -> tuple[int, int]:
+        """``(vocab, width)`` of a site's head; Skip when its tensors have no static value or its weight is a
+        tensor subclass other than a frozen registered quantized weight."""
         hv, wv = _val(site.h), _val(site.weight)
         if not (isinstance(hv, torch.Tensor) and isinstance(wv, torch.Tensor) and wv.dim() == 2):
             raise Skip("the projection's input or weight has no static example value")
         if is_traceable_wrapper_subclass(wv) and (wv.requires_grad or not is_quantized(wv)):
             raise Skip(f"the head's weight is a {type(wv).__name__} (a tensor subclass that is not a frozen "
-                        "quantized weight from quantize_linear)")
-        vocab, width = int(wv.shape[0]), int(wv.shape[1])
-        n_rows = int(_val(a["input"]).shape[0])
+                       "quantized weight from quantize_linear)")
+        return int(wv.shape[0]), int(wv.shape[1])
+
+    @staticmethod
+    def _readers(site: Site, consumers) -> tuple[set, list, list]:
+        """The logits chain of a site, and who else reads it: the graph output (returned logits) or other
+        computations (``consumers``: the nodes the rewrite replaces)."""
         chain_set = set(site.chain) | {site.proj} | set(site.lora_nodes)
-        # who else reads the logits: the graph output (returned logits) or other computations
         returned, used_elsewhere = [], []
         for n in chain_set:
             for u in n.users:
-                if u in chain_set or u is ce:
+                if u in chain_set or u in consumers:
                     continue
                 (returned if u.op == "output" else used_elsewhere).append(n)
-        if used_elsewhere:
-            keep = True
-        else:
-            keep = self.keep_logits
+        return chain_set, returned, used_elsewhere
+
+    @staticmethod
+    def _compute(graph: fx.Graph, site: Site) -> str:
+        """The matmul dtype inside the op: an enclosing autocast region's, for an fp32 head ("" otherwise)."""
+        hv = _val(site.h)
         dtype = autocast_dtype_at(graph, site.proj, hv.device.type)
-        compute = "" if dtype is None or hv.dtype != torch.float32 else str(dtype).removeprefix("torch.")
+        return "" if dtype is None or hv.dtype != torch.float32 else str(dtype).removeprefix("torch.")
+
+    @staticmethod
+    def _emit_head(graph: fx.Graph, site: Site, call, new: list, vocab: int, width: int):
+        """Nodes for the op's projection inputs: rows ``x`` (N, H), the plain weight (a quantized head
+        dequantised once), and a LoRA head's ``x2 = A(h) * s`` rows and ``B``."""
+        def rows_of(src: fx.Node, w: int) -> fx.Node:
+            for op in site.shape_ops:
+                src = replay_shape(graph, op, src, vocab, w)
+                new.append(src)
+            return call(torch.reshape, src, (-1, w))
+
+        x = rows_of(site.h, width)
+        # a quantized head (quantize_linear: torchao Int8Tensor, NF4, int4): the op takes plain tensors, so the
+        # frozen weight is dequantised once in the graph, as the unfused F.linear on it does (torchao's
+        # weight-only linear dequantises the whole weight too)
+        weight = call(dequantize, site.weight) if is_traceable_wrapper_subclass(_val(site.weight)) else site.weight
+        x2 = w2 = None
+        if site.lora is not None:
+            u0, w2, s = site.lora
+            x2 = rows_of(call(torch.mul, u0, s) if s != 1.0 else u0, int(_val(w2).shape[1]))
+        return x, weight, x2, w2
+
+    @staticmethod
+    def _set_meta_or_skip(graph: fx.Graph, new: list, like: fx.Node, x: fx.Node, want: tuple) -> None:
+        """Example values for the new nodes; Skip (new nodes erased) when the rows do not line up or a shape op
+        does not replay on the projection's input."""
+        try:
+            set_meta(new, like)
+            got = _val(x)
+            if got is None or tuple(got.shape) != want:
+                raise Skip(f"the projection's rows do not line up with the loss's rows "
+                           f"({None if got is None else tuple(got.shape)} vs {want})")
+        except Skip:
+            erase_unused(graph, list(reversed(new)))
+            raise
+        except Exception as e:  # noqa: BLE001 - a shape op that does not replay on h: leave the site alone
+            erase_unused(graph, list(reversed(new)))
+            raise Skip(f"could not rebuild the projection's rows: {type(e).__name__}: {e}") from None
+
+    @staticmethod
+    def _drop_logits(graph: fx.Graph, site: Site, chain_set: set, returned: list, keep: bool) -> bool:
+        """Returned logits become None (unless kept); the logits chain is erased once nothing reads it."""
+        dropped = bool(returned) and not keep
+        if dropped:
+            out = next(n for n in graph.nodes if n.op == "output")
+            out.args = fx.node.map_arg(out.args, lambda n: None if n in chain_set else n)
+        erase_unused(graph, list(reversed(site.chain)) + [site.proj] + list(site.lora_nodes))
+        return dropped
+
+    @staticmethod
+    def _count_head(stats: dict, site: Site, weight, compute: str) -> None:
+        stats["lora_heads"] += int(site.lora is not None)
+        stats["low_precision_matmuls"] += int(bool(compute))
+        stats["dequantized_heads"] += int(weight is not site.weight)
+
+    def _plan(self, graph: fx.Graph, site: Site, consumers, n_rows: int, vocab: int):
+        """``(chain_set, returned, keep, compute, budget)`` of a one-head site: who reads its logits, whether
+        they are kept, the matmul dtype and the chunk budget."""
+        chain_set, returned, used_elsewhere = self._readers(site, consumers)
+        hv = _val(site.h)
         budget = self.chunk_bytes or default_chunk_bytes(n_rows, vocab, hv.numel() * hv.element_size())
+        return (chain_set, returned, bool(used_elsewhere) or self.keep_logits, self._compute(graph, site),
+                budget)
+
+    def _caller(self, graph: fx.Graph, new: list):
+        def call(fn, *args, **kwargs):
+            n = graph.call_function(fn, args, kwargs)
+            new.append(n)
+            return n
+        return call
+
+    # -- cross-entropy ------------------------------------------------------------------------------------
+    def _rewrite(self, graph: fx.Graph, site: Site, ctx, stats: dict) -> None:
+        ce = site.ce
+        a = ce_args(ce)
+        vocab, width = self._check_head(site)
+        n_rows = int(_val(a["input"]).shape[0])
+        chain_set, returned, keep, compute, budget = self._plan(graph, site, {ce}, n_rows, vocab)
         new: list[fx.Node] = []
+        call = self._caller(graph, new)
         with graph.inserting_before(ce):
-            def call(fn, *args, **kwargs):
-                n = graph.call_function(fn, args, kwargs)
-                new.append(n)
-                return n
-
-            def rows_of(src: fx.Node, w: int) -> fx.Node:
-                for op in site.shape_ops:
-                    with graph.inserting_before(ce):
-                        src = replay_shape(graph, op, src, vocab, w)
-                    new.append(src)
-                return call(torch.reshape, src, (-1, w))
-
-            x = rows_of(site.h, width)
-            weight = site.weight
-            if is_traceable_wrapper_subclass(wv):
-                # a quantized head (quantize_linear: torchao Int8Tensor, NF4, int4): the op takes plain
-                # tensors, so the frozen weight is dequantised once in the graph, as the unfused F.linear
-                # on it does (torchao's weight-only linear dequantises the whole weight too)
-                weight = call(dequantize, site.weight)
-            x2 = w2 = None
-            if site.lora is not None:
-                u0, w2, s = site.lora
-                rank = int(_val(w2).shape[1])
-                x2 = rows_of(call(torch.mul, u0, s) if s != 1.0 else u0, rank)
+            x, weight, x2, w2 = self._emit_head(graph, site, call, new, vocab, width)
             target = a["target"]
             reduction = a["reduction"]
             eps, ignore = float(a["label_smoothing"]), int(a["ignore_index"])
@@ -259,78 +367,34 @@ class FuseCrossEntropy(effpass.Pass):
             out_dtype = _val(ce).dtype
             if out_dtype != torch.float32:
                 loss = call(torch.Tensor.to, loss, out_dtype)
-        try:
-            set_meta(new, ce)
-            got, want = _val(x), (n_rows, width)
-            if got is None or tuple(got.shape) != want:
-                raise Skip(f"the projection's rows do not line up with the loss's rows "
-                            f"({None if got is None else tuple(got.shape)} vs {want})")
-        except Skip:
-            erase_unused(graph, list(reversed(new)))
-            raise
-        except Exception as e:  # noqa: BLE001 - a shape op that does not replay on h: leave the site alone
-            erase_unused(graph, list(reversed(new)))
-            raise Skip(f"could not rebuild the projection's rows: {type(e).__name__}: {e}") from None
+        self._set_meta_or_skip(graph, new, ce, x, (n_rows, width))
         ce.replace_all_uses_with(loss)
         graph.erase_node(ce)
-        dropped = bool(returned) and not keep
-        if dropped:
-            out = next(n for n in graph.nodes if n.op == "output")
-            out.args = fx.node.map_arg(out.args, lambda n: None if n in chain_set else n)
-        erase_unused(graph, list(reversed(site.chain)) + [site.proj] + list(site.lora_nodes))
+        dropped = self._drop_logits(graph, site, chain_set, returned, keep)
         stats["fused"] += 1
         stats["logits_bytes_avoided"] += n_rows * vocab * 4
         stats["chunks"] += 1 if use_torch else num_chunks(n_rows, vocab, budget)
         stats["chunk_bytes"] = budget
         stats["logits_returned"] += int(bool(returned) and keep)
         stats["logits_dropped"] += int(dropped)
-        stats["lora_heads"] += int(site.lora is not None)
-        stats["low_precision_matmuls"] += int(bool(compute))
         stats["torch_kernel"] += int(use_torch)
-        stats["dequantized_heads"] += int(weight is not site.weight)
+        self._count_head(stats, site, weight, compute)
 
+    # -- chosen-token log-probabilities ---------------------------------------------------------------------
     def _rewrite_logprob(self, graph: fx.Graph, lp: LogProbSite, ctx, stats: dict) -> None:
         """``log_softmax(proj(h))[..., t]`` -> ``-linear_cross_entropy_rows(h, W, ..., t)`` (no ignored rows:
         a negative or too large index raises, as gather does), reshaped to the gather's shape."""
         site, anchor = lp.site, lp.out
-        hv, wv, iv = _val(site.h), _val(site.weight), _val(lp.index)
-        if not (isinstance(hv, torch.Tensor) and isinstance(wv, torch.Tensor) and wv.dim() == 2
-                and isinstance(iv, torch.Tensor)):
-            raise Skip("the projection's input, weight or the index has no static example value")
-        if is_traceable_wrapper_subclass(wv) and (wv.requires_grad or not is_quantized(wv)):
-            raise Skip(f"the head's weight is a {type(wv).__name__} (not a frozen registered quantized weight)")
-        vocab, width = int(wv.shape[0]), int(wv.shape[1])
+        vocab, width = self._check_head(site)
+        iv = _val(lp.index)
+        if not isinstance(iv, torch.Tensor):
+            raise Skip("the index has no static example value")
         n_rows = int(iv.numel())
-        chain_set = set(site.chain) | {site.proj} | set(site.lora_nodes)
-        returned, used_elsewhere = [], []
-        for n in chain_set:
-            for u in n.users:
-                if u in chain_set or u in lp.nodes:
-                    continue
-                (returned if u.op == "output" else used_elsewhere).append(n)
-        keep = bool(used_elsewhere) or self.keep_logits
-        dtype = autocast_dtype_at(graph, site.proj, hv.device.type)
-        compute = "" if dtype is None or hv.dtype != torch.float32 else str(dtype).removeprefix("torch.")
-        budget = self.chunk_bytes or default_chunk_bytes(n_rows, vocab, hv.numel() * hv.element_size())
+        chain_set, returned, keep, compute, budget = self._plan(graph, site, set(lp.nodes), n_rows, vocab)
         new: list[fx.Node] = []
+        call = self._caller(graph, new)
         with graph.inserting_before(anchor):
-            def call(fn, *args, **kwargs):
-                n = graph.call_function(fn, args, kwargs)
-                new.append(n)
-                return n
-
-            def rows_of(src: fx.Node, w: int) -> fx.Node:
-                for op in site.shape_ops:
-                    src = replay_shape(graph, op, src, vocab, w)
-                    new.append(src)
-                return call(torch.reshape, src, (-1, w))
-
-            x = rows_of(site.h, width)
-            weight = call(dequantize, site.weight) if is_traceable_wrapper_subclass(wv) else site.weight
-            x2 = w2 = None
-            if site.lora is not None:
-                u0, w2, s = site.lora
-                x2 = rows_of(call(torch.mul, u0, s) if s != 1.0 else u0, int(_val(w2).shape[1]))
+            x, weight, x2, w2 = self._emit_head(graph, site, call, new, vocab, width)
             target = call(torch.reshape, lp.index, (-1,))
             res = call(torch.ops.effpass.linear_cross_entropy_rows.default, x, weight, x2, w2, site.bias, target,
                        NO_IGNORE, 0.0, site.pre, site.softcap, site.post, budget, compute)
@@ -339,34 +403,111 @@ class FuseCrossEntropy(effpass.Pass):
             out = call(torch.reshape, out, shape[:-1] if lp.squeezed else shape)
             if _val(anchor).dtype != torch.float32:
                 out = call(torch.Tensor.to, out, _val(anchor).dtype)
-        try:
-            set_meta(new, anchor)
-            got = _val(x)
-            if got is None or tuple(got.shape) != (n_rows, width):
-                raise Skip(f"the projection's rows do not line up with the index's rows "
-                           f"({None if got is None else tuple(got.shape)} vs {(n_rows, width)})")
-        except Skip:
-            erase_unused(graph, list(reversed(new)))
-            raise
-        except Exception as e:  # noqa: BLE001 - a shape op that does not replay on h: leave the site alone
-            erase_unused(graph, list(reversed(new)))
-            raise Skip(f"could not rebuild the projection's rows: {type(e).__name__}: {e}") from None
+        self._set_meta_or_skip(graph, new, anchor, x, (n_rows, width))
         anchor.replace_all_uses_with(out)
         erase_unused(graph, list(lp.nodes))
-        dropped = bool(returned) and not keep
-        if dropped:
-            outn = next(n for n in graph.nodes if n.op == "output")
-            outn.args = fx.node.map_arg(outn.args, lambda n: None if n in chain_set else n)
-        erase_unused(graph, list(reversed(site.chain)) + [site.proj] + list(site.lora_nodes))
+        dropped = self._drop_logits(graph, site, chain_set, returned, keep)
         stats["logprob_sites"] += 1
         stats["logits_bytes_avoided"] += 0 if keep else n_rows * vocab * 4
         stats["chunks"] += num_chunks(n_rows, vocab, budget)
         stats["chunk_bytes"] = budget
         stats["logits_returned"] += int(bool(returned) and keep)
         stats["logits_dropped"] += int(dropped)
-        stats["lora_heads"] += int(site.lora is not None)
-        stats["low_precision_matmuls"] += int(bool(compute))
-        stats["dequantized_heads"] += int(weight is not site.weight)
+        self._count_head(stats, site, weight, compute)
+
+    # -- row-wise functions of one or two heads (entropy, KL / JSD, z-loss) ------------------------------
+    def _rewrite_region(self, graph: fx.Graph, region: Region, ctx, stats: dict) -> None:
+        """A region (``_fuse_ce_region``) -> ``effpass::linear_rowwise`` on the heads' rows, its columns
+        reshaped to the per-row values they replace; reductions of everything become sums of the row sums."""
+        gm, what = build_row_fn(region)
+        inside = set(region.members) | set(region.entries)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        readers = [u for kind, n in what for u in ([u for u in n.users if u not in inside] if kind == "node"
+                                                   else [n])]
+        anchor = min(readers, key=order.get)
+        if len(region.sites) == 2 and region.sites[0].proj is region.sites[1].proj:
+            raise Skip("both inputs of the row-wise computation come from the same projection")
+        heads = []
+        for site in region.sites:
+            vocab, width = self._check_head(site)
+            heads.append((vocab, width))
+        n_rows = 1
+        for d in region.leading:
+            n_rows *= int(d)
+        inputs = [s.h for s in region.sites] + [s.weight for s in region.sites] + list(region.externals) +             [s.bias for s in region.sites if isinstance(s.bias, fx.Node)] +             [x for s in region.sites if s.lora is not None for x in s.lora[:2]]
+        late = [i for i in inputs if isinstance(i, fx.Node) and order[i] >= order[anchor]]
+        if late:
+            raise Skip(f"{late[0].name} is computed after {anchor.name}, which reads the row-wise result")
+        grad_on = _grad_enabled_at(graph, anchor)
+        needs = [_needs_grad(n if kind == "node" else n) for kind, n in what]
+        if any(needs) and not grad_on:
+            raise Skip(f"the row-wise result needs a gradient but {anchor.name} runs without gradients")
+        computes = {self._compute(graph, s) for s in region.sites}
+        if len(computes) != 1:
+            raise Skip("the two heads run their matmuls in different dtypes (autocast)")
+        compute = computes.pop()
+        hv = _val(region.sites[0].h)
+        vocab = region.vocab
+        budget = self.chunk_bytes or default_chunk_bytes(n_rows, vocab, hv.numel() * hv.element_size())
+        consumed = set(region.members) | {u for kind, u in what if kind == "split"}
+        reads = [self._readers(s, consumed) for s in region.sites]
+        new: list[fx.Node] = []
+        call = self._caller(graph, new)
+        with graph.inserting_before(anchor):
+            args, weights = [], []
+            for site, (v, width) in zip(region.sites, heads):
+                x, weight, x2, w2 = self._emit_head(graph, site, call, new, v, width)
+                args += [x, weight, site.bias, x2, w2]
+                weights.append(weight)
+            args += [None] * (10 - len(args))
+            ext = []
+            for e in region.externals:
+                tail = tuple(_val(e).shape[len(region.leading):])
+                ext.append(call(torch.reshape, e, (-1,) + tail))
+            t = [[s.pre, 1.0 if s.softcap else 0.0, s.post] for s in region.sites] + [[1.0, 0.0, 1.0]]
+            key = register_row_fn(gm)
+            res = call(torch.ops.effpass.linear_rowwise.default, *args, ext, key, t[0], t[1], budget, compute,
+                       len(what))
+            outs = []
+            for j, ((kind, n), need) in enumerate(zip(what, needs)):
+                col = call(operator.getitem, res, (slice(None), j))
+                if kind == "node":
+                    v = _val(n)
+                    col = call(torch.reshape, col, tuple(int(d) for d in v.shape))
+                else:
+                    src, u, how = next(s for s in region.splits if s[1] is n)
+                    col = call(torch.sum, col)
+                    sv = _val(src)
+                    if how in ("mean", "kl_mean"):
+                        col = call(operator.truediv, col, float(sv.numel()))
+                    elif how == "kl_batchmean":
+                        col = call(operator.truediv, col, float(sv.shape[0]))
+                    v = _val(n)
+                if v.dtype != torch.float32:
+                    col = call(torch.Tensor.to, col, v.dtype)
+                if not need and grad_on:
+                    col = call(torch.Tensor.detach, col)
+                outs.append(col)
+        self._set_meta_or_skip(graph, new, anchor, args[0], (n_rows, heads[0][1]))
+        for (kind, n), col in zip(what, outs):
+            if kind == "node":
+                n.replace_all_uses_with(col, delete_user_cb=lambda u: u not in inside)
+            else:
+                n.replace_all_uses_with(col)
+                graph.erase_node(n)
+        erase_unused(graph, list(reversed(region.members)))
+        for site, (chain_set, returned, used_elsewhere), weight in zip(region.sites, reads, weights):
+            keep = bool(used_elsewhere) or self.keep_logits
+            dropped = self._drop_logits(graph, site, chain_set, returned, keep)
+            stats["logits_bytes_avoided"] += 0 if keep else n_rows * vocab * 4
+            stats["logits_returned"] += int(bool(returned) and keep)
+            stats["logits_dropped"] += int(dropped)
+            self._count_head(stats, site, weight, compute)
+        stats["rowwise_sites"] += 1
+        stats["two_head_sites"] += int(len(region.sites) == 2)
+        stats["rowwise_outputs"] += len(what)
+        stats["chunks"] += -(-n_rows // rowwise_rows(n_rows, vocab, len(region.sites), budget))
+        stats["chunk_bytes"] = budget
 
     @staticmethod
     def _torch_supports(site: Site, reduction: str, eps: float, compute: str) -> bool:

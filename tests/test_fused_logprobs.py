@@ -126,9 +126,10 @@ def test_dpo_logprobs_fused_policy_and_reference(family, arm, form):
     assert stats["logits_bytes_avoided"] == 2 * 4 * 11 * V * 4
 
 
-def test_full_log_probs_used_elsewhere_are_left_alone():
-    """An entropy next to the chosen-token log-prob reads the whole log_softmax: the site is skipped with its
-    reason (the loss stays the unfused one)."""
+def test_full_log_probs_used_elsewhere_fuse_as_a_row_function():
+    """An entropy next to the chosen-token log-prob reads the whole log_softmax: the log-prob rewrite cannot
+    take it alone, the row-wise rewrite takes both (one effpass::linear_rowwise, no log_softmax left), with
+    the eager loss and gradients."""
 
     class M(torch.nn.Module):
         def __init__(self):
@@ -141,9 +142,17 @@ def test_full_log_probs_used_elsewhere_are_left_alone():
             return lp.mean() + (ls.exp() * ls).sum(-1).mean()
 
     m = M()
+    ref = copy.deepcopy(m)
     ids, _ = _batch()
     compiled = effpass.compile(m, passes=[FuseCrossEntropy()], lowering="eager")
-    compiled(ids).backward()
+    loss = compiled(ids)
+    loss.backward()
+    want = ref(ids)
+    want.backward()
+    assert _rel(loss.detach(), want.detach()) <= 1e-5
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert _rel(p.grad, q.grad) <= 1e-5
     recs = [r for r in effpass.report(compiled).records("fuse_cross_entropy") if r.phase == "torch_ir"]
-    assert recs[-1].stats["logprob_sites"] == 0
-    assert any("used elsewhere" in s["reason"] for r in recs for s in r.skipped)
+    st = recs[-1].stats
+    assert st["logprob_sites"] == 0 and st["rowwise_sites"] == 1 and st["skipped"] == 0, st
+    assert not any(k.endswith("log_softmax") for k in recs[-1].ops_after)

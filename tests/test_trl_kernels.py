@@ -78,6 +78,22 @@ def test_opcheck_schema_fake_and_autograd():
         assert set(result.values()) == {"SUCCESS"}, result
 
 
+def test_op_flop_formulas():
+    """The planner's FLOP formulas for TRL's op: forward 2*N*H*V; backward the projection again plus dx and dw."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    assert _trl_kernels.install()
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(9, 8, generator=g, requires_grad=True), torch.randn(20, 8, generator=g, requires_grad=True)
+    t = torch.randint(0, 20, (9,), generator=g)
+    with FlopCounterMode(display=False) as fc:
+        out = _trl_kernels.chunked_logprob(h, w, None, t, 1.0, 8, None, 1.0, ("log_probs",))[0]
+    assert fc.get_total_flops() == 2 * 9 * 8 * 20
+    with FlopCounterMode(display=False) as fc:
+        out.sum().backward()
+    assert fc.get_total_flops() == 3 * 2 * 9 * 8 * 20
+
+
 def test_op_compiles_once_for_every_length():
     """Compiled (aot_eager) with the op: one recompile (to a dynamic length) over 4 lengths, no graph break,
     loss and gradients equal to TRL's Function run eagerly."""
@@ -152,3 +168,107 @@ def test_sft_trainer_padding_free_many_lengths(tmp_path, monkeypatch):
     assert counters["graph_breaks"] == 0 and counters["recompiles"] <= 1, counters
     # every step ran TRL's forward and backward through effpass's op
     assert _trl_kernels.CALLS == {"forward": 4, "backward": 4}, _trl_kernels.CALLS
+
+
+# ------------------------------------------------------------------------------------------------------
+# TRL's preference / RL trainers end to end (issue 27): an effpass-compiled policy (and reference) trains
+# with the eager losses, and the log-probs run as TRL's chunked op inside effpass's graph
+# ------------------------------------------------------------------------------------------------------
+def _words(g, n):
+    from effpass.testing.hf import VOCAB
+
+    return " ".join(f"w{i}" for i in torch.randint(0, VOCAB - 6, (n,), generator=g).tolist())
+
+
+def _pref_dataset(kind, n=4):
+    import datasets
+
+    g = torch.Generator().manual_seed(0)
+    if kind == "kto":
+        return datasets.Dataset.from_dict({"prompt": [_words(g, 4) for _ in range(n)],
+                                           "completion": [_words(g, 5) for _ in range(n)],
+                                           "label": [bool(i % 2) for i in range(n)]})
+    if kind == "grpo":
+        return datasets.Dataset.from_dict({"prompt": [_words(g, 4) for _ in range(n)]})
+    return datasets.Dataset.from_dict({"prompt": [_words(g, 4) for _ in range(n)],
+                                       "chosen": [_words(g, 5) for _ in range(n)],
+                                       "rejected": [_words(g, 5) for _ in range(n)]})
+
+
+def _reward(completions, **kwargs):
+    return [float(len(c)) / 10.0 for c in completions]
+
+
+def _train_trl(kind, policy, ref, tmp_path, compile_ref=False):
+    import trl
+    from effpass.testing.hf import tiny_tokenizer
+
+    common = dict(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, learning_rate=0.1,
+                  optim="sgd", logging_steps=1, report_to=[], seed=0, save_strategy="no", use_cpu=True,
+                  disable_tqdm=True, bf16=False, gradient_checkpointing=False)
+    tok = tiny_tokenizer()
+    data = _pref_dataset(kind)
+    if kind == "dpo":
+        cfg = trl.DPOConfig(**common, beta=0.1)
+        tr = trl.DPOTrainer(model=policy, ref_model=ref, args=cfg, train_dataset=data, processing_class=tok)
+    elif kind == "kto":
+        cfg = trl.KTOConfig(**common, beta=0.1)
+        tr = trl.KTOTrainer(model=policy, ref_model=ref, args=cfg, train_dataset=data, processing_class=tok)
+    elif kind == "orpo":
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+        cfg = ORPOConfig(**common, beta=0.1)
+        tr = ORPOTrainer(model=policy, args=cfg, train_dataset=data, processing_class=tok)
+    elif kind == "grpo":
+        cfg = trl.GRPOConfig(**common, beta=0.04, num_generations=2, max_completion_length=4,
+                             generation_batch_size=2)
+        tr = trl.GRPOTrainer(model=policy, reward_funcs=_reward, args=cfg, train_dataset=data,
+                             processing_class=tok)
+        assert tr.ref_model is not None  # loaded by TRL from the policy's saved copy
+        if compile_ref:
+            effpass.compile(tr.ref_model, lowering="eager")
+    tr.train()
+    return [h["loss"] for h in tr.state.log_history if "loss" in h]
+
+
+# NOTE(time): KTO (three forwards per step) and GRPO (generation with the compiled policy recompiles per
+# length) take 40-160 s on the shared 2-core CPU under load: marked slow
+@pytest.mark.parametrize("kind", ["dpo", pytest.param("kto", marks=pytest.mark.slow),
+                                  pytest.param("grpo", marks=pytest.mark.slow), "orpo"])
+def test_trl_trainer_end_to_end(kind, tmp_path, monkeypatch):
+    """TRL's DPO / KTO / GRPO / ORPO trainer, 2 SGD steps on a tiny Llama: the effpass-compiled policy (and
+    reference, compiled with effpass) gives the eager run's losses; DPO/KTO/GRPO's log-probs run as TRL's
+    chunked op inside the compiled graph (the logits are never built: no vocabulary-sized projection is left
+    in the policy's graph), ORPO's are computed by TRL on returned logits outside the graph (nothing to fuse
+    there, and the report says so: no fused site)."""
+    import transformers as tf
+
+    tf.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    base = model_case("llama", layers=1).model.train()
+    if kind == "grpo":  # GRPO loads its reference from the policy's path
+        base.save_pretrained(tmp_path / "base")
+        base.config._name_or_path = str(tmp_path / "base")
+    runs = {}
+    for arm in ("eager", "effpass"):
+        policy = copy.deepcopy(base)
+        ref = copy.deepcopy(base).eval() if kind in ("dpo", "kto") else None
+        if arm == "effpass":
+            monkeypatch.setattr(_trl_kernels, "CALLS", {"forward": 0, "backward": 0})
+            effpass.compile(policy, lowering="eager")
+            if ref is not None:
+                effpass.compile(ref, lowering="eager")
+        runs[arm] = _train_trl(kind, policy, ref, tmp_path / arm, compile_ref=arm == "effpass")
+        if arm == "effpass":
+            st = effpass.report(policy).stats("fuse_cross_entropy")
+            if kind == "orpo":
+                assert st["trl_logprob_sites"] == 0 and st["fused"] == 0 and st["logprob_sites"] == 0, st
+            else:
+                assert st["trl_logprob_sites"] >= 1, st
+                assert _trl_kernels.CALLS["forward"] >= 2 and _trl_kernels.CALLS["backward"] >= 2, \
+                    _trl_kernels.CALLS
+    eager, fused = runs["eager"], runs["effpass"]
+    assert len(eager) == len(fused) == 2, (eager, fused)
+    for a, b in zip(eager, fused):
+        assert abs(a - b) <= 1e-4 * max(abs(a), 1e-3), (eager, fused)

@@ -188,6 +188,26 @@ def _backward(ctx, grad_logprobs, grad_log_z, grad_entropy, *_):
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _register_flops() -> None:
+    """FLOP formulas for the memory planner's replay (``effpass.register_flop_formula``): TRL's forward
+    projects every token through the head (2*N*H*V); its backward projects again and computes one matmul per
+    gradient asked for (hidden, weight)."""
+    from effpass.memory_options import register_flop_formula
+
+    def fwd(hidden, weight, *a, out_val=None, **k):
+        return 2 * hidden.shape[0] * hidden.shape[-1] * weight.shape[0]
+
+    def bwd(hidden, weight, bias, targets, log_z, entropy, grad_logprobs, grad_entropy, temperature, chunk_size,
+            softcap, logit_scale, compute_dtype, needs_hidden, needs_weight, needs_bias, out_val=None, **k):
+        return fwd(hidden, weight) * (1 + int(bool(needs_hidden)) + int(bool(needs_weight)))
+
+    register_flop_formula(torch.ops.effpass.trl_chunked_logprob, fwd)
+    register_flop_formula(torch.ops.effpass.trl_chunked_logprob_backward, bwd)
+
+
+_register_flops()
+
+
 # ------------------------------------------------------------------------------------------------------
 # the stand-in for TRL's Function
 # ------------------------------------------------------------------------------------------------------

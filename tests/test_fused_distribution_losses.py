@@ -1,0 +1,290 @@
+"""fuse_cross_entropy on row-wise functions of the heads' distributions (issue 27): entropy, KL and JSD between
+a student's and a frozen teacher's heads (distillation), z-loss, and a log-prob whose full log-softmax is also
+read (an entropy bonus), become ``effpass::linear_rowwise`` on row blocks.
+
+Oracles: numerical (loss and every gradient equal the unfused eager graph's within 1e-5 relative, fp32) and
+structural (the pass's statistics; no log_softmax / softmax / logsumexp left in the graph; the logits' bytes
+avoided). Families: a plain head (Llama), a tied head (Qwen3 with tie_word_embeddings), a tied soft-capped head
+(Gemma 2, final_logit_softcapping), a LoRA head (inject_lora) and an int8-quantized head (quantize_linear).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import effpass
+from effpass.passes import FuseCrossEntropy
+
+V = 256
+
+
+def _hf(name):
+    import transformers as tf
+
+    common = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    if name == "llama":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**common))
+    if name == "gemma2":  # tied head, final-logit soft-capping 30.0
+        return tf.Gemma2ForCausalLM(tf.Gemma2Config(head_dim=16, pad_token_id=0, final_logit_softcapping=3.0,
+                                                    **common))
+    if name == "qwen3_tied":
+        return tf.Qwen3ForCausalLM(tf.Qwen3Config(head_dim=16, tie_word_embeddings=True, **common))
+    raise ValueError(name)
+
+
+def _kl(lt, ls):
+    return (lt.exp() * (lt - ls)).sum(-1)
+
+
+class Loss(torch.nn.Module):
+    """One distribution loss of a student (trained) and a frozen teacher, in plain PyTorch."""
+
+    def __init__(self, student, teacher, kind, temperature=2.0):
+        super().__init__()
+        self.student, self.teacher, self.kind, self.tau = student, teacher, kind, temperature
+
+    def forward(self, ids, mask):
+        zs = self.student(input_ids=ids).logits
+        if self.kind in ("kl", "kl_div", "jsd"):
+            with torch.no_grad():
+                zt = self.teacher(input_ids=ids).logits
+        if self.kind == "kl":  # forward KL at a temperature, masked mean over tokens
+            ls = (zs.float() / self.tau).log_softmax(-1)
+            lt = (zt.float() / self.tau).log_softmax(-1)
+            return (_kl(lt, ls) * mask).sum() / mask.sum() * self.tau ** 2
+        if self.kind == "kl_div":  # torch's KL, reduced over everything
+            return F.kl_div(zs.float().log_softmax(-1), zt.float().log_softmax(-1), reduction="batchmean",
+                            log_target=True)
+        if self.kind == "jsd":  # Jensen-Shannon (beta 0.5), as Liger's / TRL's GKD write it
+            ls, lt = zs.float().log_softmax(-1), zt.float().log_softmax(-1)
+            m = torch.log(0.5 * ls.exp() + 0.5 * lt.exp())
+            jsd = 0.5 * F.kl_div(m, ls, reduction="none", log_target=True).sum(-1) \
+                + 0.5 * F.kl_div(m, lt, reduction="none", log_target=True).sum(-1)
+            return (jsd * mask).sum() / mask.sum()
+        if self.kind == "entropy_bonus":  # chosen-token log-prob + entropy of the same log-softmax (GRPO-style)
+            ls = zs.float().log_softmax(-1)
+            lp = ls.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+            ent = -(ls.exp() * ls).sum(-1)
+            return -((lp + 0.01 * ent) * mask).sum() / mask.sum()
+        if self.kind == "z_loss":  # PaLM's z-loss next to a per-token cross-entropy
+            z = zs.float()
+            return (torch.logsumexp(z, -1).pow(2) * mask).mean() * 1e-2
+        raise ValueError(self.kind)
+
+
+def _batch(seed=1, rows=2, seq=12):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, V, (rows, seq), generator=g)
+    mask = torch.ones(rows, seq)
+    mask[:, :3] = 0
+    return ids, mask
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def _teacher(student):
+    t = copy.deepcopy(student).eval().requires_grad_(False)
+    with torch.no_grad():
+        for p in t.parameters():
+            if p.dtype.is_floating_point:
+                p.add_(0.05 * torch.randn_like(p))
+    return t
+
+
+def _compare(model, extra=()):
+    """Compiles a copy with effpass, runs one step on both, checks loss and gradients; returns the pass's
+    torch-IR record."""
+    ids, mask = _batch()
+    compiled_model = copy.deepcopy(model)
+    compiled = effpass.compile(compiled_model, passes=list(extra) + [FuseCrossEntropy()], lowering="eager")
+    eager = copy.deepcopy(compiled_model)  # the same prepared model (LoRA injected / weights quantized), unfused
+    loss = compiled(ids, mask)
+    loss.backward()
+    want = eager(ids, mask)
+    want.backward()
+    assert _rel(loss.detach(), want.detach()) <= 1e-5, (float(loss), float(want))
+    got, ref = dict(compiled_model.named_parameters()), dict(eager.named_parameters())
+    n = 0
+    for name, q in ref.items():
+        p = got[name]
+        if q.grad is None:
+            assert p.grad is None, name
+            continue
+        assert p.grad is not None and _rel(p.grad, q.grad) <= 1e-5, (name, _rel(p.grad, q.grad))
+        n += 1
+    assert n > 0
+    recs = [r for r in effpass.report(compiled).records("fuse_cross_entropy") if r.phase == "torch_ir"]
+    return recs[-1]
+
+
+@pytest.mark.parametrize("family,kind,arm", [
+    ("llama", "kl", "int8"), ("gemma2", "kl_div", "plain"), ("qwen3_tied", "jsd", "plain"),
+    ("llama", "entropy_bonus", "lora"), ("gemma2", "z_loss", "plain"),
+])
+def test_distribution_losses_fused(family, kind, arm):
+    student = _hf(family).train()
+    extra = []
+    if arm == "lora":
+        from effpass.passes import InjectLoRA
+        extra = [InjectLoRA(rank=4, init="gaussian", targets=["student.lm_head", "student.*.q_proj"])]
+    if arm == "int8":  # both heads quantized (a QLoRA-style frozen int8 student head and teacher head)
+        from effpass.passes import QuantizeLinear
+        extra = [QuantizeLinear(scheme="int8", targets=["*.lm_head"])]
+    rec = _compare(Loss(student, _teacher(student), kind), extra)
+    st, ops = rec.stats, rec.ops_after
+    two = kind in ("kl", "kl_div", "jsd")
+    assert st["rowwise_sites"] == 1 and st["two_head_sites"] == int(two), (st, rec.skipped)
+    assert ops.get("effpass.linear_rowwise", 0) == 1, ops
+    # (Gemma 2's eager attention keeps its own softmax)
+    assert not any(k.endswith(("log_softmax", "logsumexp", "kl_div")) for k in ops), ops
+    assert ops.get(".softmax", 0) + ops.get("F.softmax", 0) == rec.ops_before.get(".softmax", 0) + \
+        rec.ops_before.get("F.softmax", 0), ops
+    assert st["logits_bytes_avoided"] == (2 if two else 1) * 2 * 12 * V * 4
+    assert st["lora_heads"] == (1 if arm == "lora" else 0)
+    assert st["dequantized_heads"] == ((2 if two else 1) if arm == "int8" else 0)
+    assert not rec.skipped, rec.skipped
+
+
+def test_keep_logits_opt_out_and_returned_logits():
+    """A graph that also returns the student's logits: they are dropped (None) by default and kept with
+    keep_logits=True; the entropy is fused either way."""
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = _hf("llama").train()
+
+        def forward(self, ids):
+            z = self.m(input_ids=ids).logits
+            ls = z.float().log_softmax(-1)
+            return -(ls.exp() * ls).sum(-1).mean(), z
+
+    ids, _ = _batch()
+    for keep in (False, True):
+        m = M()
+        ref = copy.deepcopy(m)
+        c = effpass.compile(m, passes=[FuseCrossEntropy(keep_logits=keep)], lowering="eager")
+        loss, logits = c(ids)
+        want, want_logits = ref(ids)
+        assert _rel(loss.detach(), want.detach()) <= 1e-5
+        st = effpass.report(c).stats("fuse_cross_entropy")
+        assert st["rowwise_sites"] == 1
+        if keep:
+            assert logits is not None and torch.allclose(logits, want_logits) and st["logits_returned"] == 1
+        else:
+            assert logits is None and st["logits_dropped"] == 1
+
+
+def test_distribution_read_elsewhere_is_left_alone():
+    """A softmax also read by something that is not row-wise (a top-k) would be materialised anyway: the site
+    is left unchanged with its reason."""
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = _hf("llama").train()
+
+        def forward(self, ids):
+            p = self.m(input_ids=ids).logits.float().softmax(-1)
+            return -(p * p.log()).sum(-1).mean() + p.topk(2, -1).values.sum()
+
+    ids, _ = _batch()
+    c = effpass.compile(M(), passes=[FuseCrossEntropy()], lowering="eager")
+    c(ids).backward()
+    recs = [r for r in effpass.report(c).records("fuse_cross_entropy") if r.phase == "torch_ir"]
+    assert recs[-1].stats["rowwise_sites"] == 0
+    assert any("read by" in s["reason"] and "topk" in s["reason"] for r in recs for s in r.skipped), \
+        [s for r in recs for s in r.skipped]
+
+
+@pytest.mark.parametrize("teacher_graph", ["same", "own"])
+def test_distillation_loop(teacher_graph):
+    """A plain-PyTorch distillation loop, three SGD steps, the teacher frozen: ``same``: teacher and student in
+    one module compiled with effpass (both heads fused into one op: the teacher's logits are never
+    materialised either); ``own``: the teacher compiled with effpass on its own (its logits are its output) and
+    passed to the compiled student step (the student's head fused, the teacher's logits read row block by row
+    block). Losses and weights equal the eager loop's."""
+
+    class Student(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids, teacher_logits, mask):
+            ls = (self.m(input_ids=ids).logits.float() / 2.0).log_softmax(-1)
+            lt = (teacher_logits.float() / 2.0).log_softmax(-1)
+            return (_kl(lt, ls) * mask).sum() / mask.sum() * 4.0
+
+    base = _hf("llama").train()
+    teacher_model = _teacher(base)
+    runs = {}
+    for arm in ("eager", "effpass"):
+        student, teacher = copy.deepcopy(base), copy.deepcopy(teacher_model)
+        if teacher_graph == "same":
+            module = Loss(student, teacher, "kl")
+            step_fn = effpass.compile(module, lowering="eager") if arm == "effpass" else module
+        else:
+            module = Student(student)
+            step_fn = effpass.compile(module, lowering="eager") if arm == "effpass" else module
+            teacher_fwd = effpass.compile(teacher, lowering="eager") if arm == "effpass" else teacher
+        opt = torch.optim.SGD(student.parameters(), lr=0.5)
+        losses = []
+        for step in range(3):
+            ids, mask = _batch(seed=10 + step)
+            if teacher_graph == "same":
+                loss = step_fn(ids, mask)
+            else:
+                with torch.no_grad():
+                    tl = teacher_fwd(input_ids=ids).logits
+                loss = step_fn(ids, tl, mask)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+        runs[arm] = (losses, [p.detach().clone() for p in student.parameters()])
+        if arm == "effpass":
+            st = effpass.report(step_fn).stats("fuse_cross_entropy")
+            assert st["rowwise_sites"] == 1 and st["two_head_sites"] == int(teacher_graph == "same"), st
+    (le, pe), (lf, pf) = runs["eager"], runs["effpass"]
+    assert all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(le, lf)), (le, lf)
+    assert all(_rel(a, b) <= 1e-5 for a, b in zip(pf, pe))
+
+
+def test_rowwise_op_flops_and_opcheck():
+    """The row-wise op's FLOP formulas (registered for the memory planner): forward = the heads' logits;
+    backward = the logits again plus one matmul per gradient asked for. torch.library.opcheck passes."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from effpass.passes._fuse_ce_kernels import register_row_fn
+
+    def kl(z0, z1):
+        ls, lt = z0.log_softmax(-1), z1.log_softmax(-1)
+        return ((lt.exp() * (lt - ls)).sum(-1),)
+
+    key = register_row_fn(torch.fx.symbolic_trace(kl))
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 6, 8, 32
+    x, w = torch.randn(n, h, generator=g, requires_grad=True), torch.randn(v, h, generator=g, requires_grad=True)
+    y, u = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g)
+    args = (x, w, None, None, None, y, u, None, None, None, [], key, [1.0, 0.0, 1.0], [1.0, 0.0, 1.0], 4 * v * 2 * 2,
+            "", 1)
+    with FlopCounterMode(display=False) as fc:
+        out = torch.ops.effpass.linear_rowwise(*args)
+    assert fc.get_total_flops() == 2 * (2 * n * h * v)
+    with FlopCounterMode(display=False) as fc:
+        out.sum().backward()
+    assert fc.get_total_flops() == 2 * (2 * n * h * v) + 2 * (2 * n * h * v)  # recompute both, dx and dw
+    # the gradient equals autograd's on the unfused computation
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    kl(x2 @ w2.t(), y @ u.t())[0].sum().backward()
+    assert _rel(x.grad, x2.grad) <= 1e-5 and _rel(w.grad, w2.grad) <= 1e-5
+    result = torch.library.opcheck(torch.ops.effpass.linear_rowwise.default, args,
+                                   test_utils=("test_schema", "test_faketensor"))
+    assert set(result.values()) == {"SUCCESS"}, result
