@@ -651,8 +651,10 @@ def _prepare_replay_model(work, options, kwargs, dev):
 
 #: the Dynamo graph being compiled by :class:`_SharedCapture` (the key of shared joint traces)
 _JOINT_KEY: list = []
-#: share AOTAutograd's joint trace between plans with the same torch-IR graph (:func:`_shared_joint_traces`)
-_SHARE_JOINT = True
+#: share AOTAutograd's joint trace between plans with the same torch-IR graph (:func:`_shared_joint_traces`).
+#: OFF: on a test plan (checkpoint + fused loss, training mode) AOTAutograd asserted "traced_tangent_metas should
+#: be None before calling make_runtime_safe" on a reused trace and effpass fell back to the captured graph
+_SHARE_JOINT = False
 
 
 def _joint_key(gm, args) -> tuple:
