@@ -1,7 +1,12 @@
 """Planning time of Llama-3-8B LoRA (r=16, q/k/v/o, batch 1 x 2048 tokens, bf16) over every candidate the
 registry offers with allow=['nf4', 'int8', 'adamw8bit'] (a budget nothing fits, so every tier is replayed).
 
-    .venv/bin/python bench/bench_plan_speed.py
+    .venv/bin/python bench/bench_plan_speed.py [--no-share] [--tiny]
+
+``--no-share``: every candidate replayed alone (the planner before work was shared between candidates);
+``--tiny``: the same architecture and depth at hidden size 64 (fake tensors: the replay's work is the same
+op for op, so its CPU time is a proxy of the full-size plan's). Reports wall and CPU seconds of this
+process (the machine is shared: CPU seconds are the comparable figure).
 
 Writes bench/results/plan_speed.json and .md (device, versions, date, load before and after).
 """
@@ -28,18 +33,36 @@ LLAMA_3_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336,
 
 
 def main():
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--no-share", action="store_true")
+    ap.add_argument("--tiny", action="store_true")
+    args = ap.parse_args()
+    if args.no_share:  # every candidate replayed alone
+        import effpass.planning.estimate as est_mod
+
+        real = est_mod.estimate_many
+        est_mod.estimate_many = lambda *a, **k: real(*a, **{**k, "share": False})
+        import effpass.planning.planner as planner_mod
+
+        planner_mod.estimate_many = est_mod.estimate_many
     load0 = os.getloadavg()
-    model = model_from_config(dict(LLAMA_3_8B))
+    cfg = dict(LLAMA_3_8B)
+    if args.tiny:
+        cfg.update(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                   vocab_size=256)
+    model = model_from_config(cfg)
     tok = torch.zeros(1, 2048, dtype=torch.long, device="meta")
     inputs = {"input_ids": tok, "labels": tok, "use_cache": False}
     lora = effpass.make_pass("inject_lora", {"rank": 16, "targets": ["*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj"]})
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     try:
         plan = plan_memory(model, inputs, "6GiB", allow=["nf4", "int8", "adamw8bit"], passes=[lora], lowering="eager")
         cands = plan.candidates
     except MemoryBudgetError as e:
         cands = e.candidates
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     load1 = os.getloadavg()
     rows = [{"plan": c.name, "peak": c.peak_bytes, "parameters": c.estimate.parameters if c.estimate else None,
              "extra_flops": c.extra_flops, "error": c.error} for c in cands]
@@ -48,18 +71,22 @@ def main():
     head = {"device": f"CPU ({platform.machine()}, {os.cpu_count()} cores, shared)", "torch": torch.__version__,
             "transformers": transformers.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "load_before": load0, "load_after": load1}
-    out = {"header": head, "seconds": round(seconds, 1), "candidates": len(cands), "rows": rows}
+            "load_before": load0, "load_after": load1, "shared": not args.no_share,
+            "model": "Llama-3-8B shapes at hidden 64 (--tiny)" if args.tiny else "Llama-3-8B"}
+    out = {"header": head, "seconds": round(seconds, 1), "cpu_seconds": round(cpu, 1), "candidates": len(cands),
+           "rows": rows}
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     os.makedirs(here, exist_ok=True)
-    with open(os.path.join(here, "plan_speed.json"), "w") as f:
+    stem = "plan_speed" + ("_tiny" if args.tiny else "") + ("_noshare" if args.no_share else "")
+    with open(os.path.join(here, stem + ".json"), "w") as f:
         json.dump(out, f, indent=1)
     md = [f"# Planning time: Llama-3-8B LoRA r=16, 1 x 2048 tokens, allow nf4/int8/adamw8bit\n", f"{head}\n",
-          f"{len(cands)} candidates in {seconds:.1f} s (load average before {load0[0]:.1f}, after {load1[0]:.1f})\n",
+          f"{len(cands)} candidates in {seconds:.1f} s wall, {cpu:.1f} s CPU of this process (load average before "
+          f"{load0[0]:.1f}, after {load1[0]:.1f}; shared replays: {not args.no_share})\n",
           "| plan | predicted peak | parameters | error |", "|---|---|---|---|"]
     md += [f"| {r['plan']} | {format_bytes(r['peak']) if r['peak'] else '-'} | "
            f"{format_bytes(r['parameters']) if r['parameters'] else '-'} | {r['error'] or ''} |" for r in rows]
-    with open(os.path.join(here, "plan_speed.md"), "w") as f:
+    with open(os.path.join(here, stem + ".md"), "w") as f:
         f.write("\n".join(md) + "\n")
     print("\n".join(md))
 

@@ -573,7 +573,11 @@ class QuantizeLinear(effpass.Pass):
             config = getattr(mod, "config", None)
             impl = getattr(config, "_experts_implementation", None)
             switch = config is not None and impl not in (None, "eager") and hasattr(mod, "is_transposed")
-            probe = _experts_probe(mod, transposed)
+            # NOTE(fake weights): the memory planner's replay prepares a copy whose weights are fake tensors
+            # (no values): the probe cannot run (routing is data-dependent) and its SQNR means nothing there.
+            # The copy is quantized as the real model is (the real prepare runs the probe).
+            fake = not _has_values(getattr(mod, todo[0][2]))
+            probe = _experts_probe(mod, transposed) if not fake else (lambda: None)
             if switch:
                 self._set_experts_impl(model, config, "eager")
             try:
@@ -596,9 +600,11 @@ class QuantizeLinear(effpass.Pass):
             except Exception as e:
                 bad = f"{type(e).__name__}: {str(e)[:150]}"
             else:
-                s = _formats().sqnr(ref, q_out)
-                floor = 25 if self.scheme == "int8" else 10
-                bad = None if s > floor else f"probe output SQNR {s:.1f} dB after quantizing (floor {floor} dB)"
+                bad = None
+                if not fake:
+                    s = _formats().sqnr(ref, q_out)
+                    floor = 25 if self.scheme == "int8" else 10
+                    bad = None if s > floor else f"probe output SQNR {s:.1f} dB after quantizing (floor {floor} dB)"
             if bad:
                 for a, p in originals.items():
                     setattr(mod, a, p)
@@ -644,6 +650,13 @@ def _experts_transposed(mod: nn.Module) -> bool:
     except (OSError, TypeError):
         return False
     return ("bmm(" in src or " @ self." in src) and "linear(" not in src
+
+
+def _has_values(t: torch.Tensor) -> bool:
+    """False for tensors without values: fake tensors (the memory planner's replay) and meta tensors."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not (t.device.type == "meta" or is_fake(t))
 
 
 def _nf4_expert_problem(w: torch.Tensor, block_size: int) -> str | None:

@@ -2,10 +2,10 @@
 it under a byte budget (``plan_memory``; ``effpass.compile(model, memory_budget=...)``, ``effpass plan``)."""
 from __future__ import annotations
 
-from .estimate import MemoryEstimate, estimate_memory, fold_fsdp, format_bytes, parse_size, training_step
+from .estimate import MemoryEstimate, estimate_many, estimate_memory, fold_fsdp, format_bytes, parse_size, training_step
 from .planner import Candidate, MemoryBudgetError, MemoryPlan, plan_memory, techniques
 from .sharding import fold_sharding, shard_model_states
 
-__all__ = ["MemoryEstimate", "estimate_memory", "fold_fsdp", "format_bytes", "parse_size", "training_step",
+__all__ = ["MemoryEstimate", "estimate_many", "estimate_memory", "fold_fsdp", "format_bytes", "parse_size", "training_step",
            "MemoryPlan", "Candidate", "MemoryBudgetError", "plan_memory", "techniques", "fold_sharding",
            "shard_model_states"]

@@ -51,7 +51,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["MemoryEstimate", "estimate_memory", "training_step", "format_bytes", "parse_size", "with_optimizer",
+__all__ = ["MemoryEstimate", "estimate_memory", "estimate_many", "training_step", "format_bytes", "parse_size", "with_optimizer",
            "optimizer_replay", "replay_patches", "fold_fsdp"]
 
 _GIB = 1024 ** 3
@@ -591,12 +591,12 @@ def _check_optimizer(optimizer):
         raise ValueError(f"optimizer {optimizer!r} is not valid; choose one of {valid + [None]}")
 
 
-def _build_replay_backend(work, pass_list, lowering, opts, dev):
-    """An effpass backend for the fake copy, built directly (its module phase run on the copy): the replay
-    never goes back through ``effpass.compile`` (whose ``memory_budget`` would plan again)."""
-    from effpass.backend import EffpassBackend
+def _replay_options(pass_list, lowering, opts, dev):
+    """(effpass ``Options``, torch.compile kwargs) of a replay; ``opts`` are the remaining compile options
+    (consumed; unknown ones raise ``TypeError``)."""
     from effpass.config import parse_options
 
+    opts = dict(opts)
     raw = {"lowering": lowering, "strict": opts.pop("strict", False),
            "detailed_stats": opts.pop("detailed_stats", False)}
     if pass_list is not None:
@@ -608,18 +608,371 @@ def _build_replay_backend(work, pass_list, lowering, opts, dev):
         raw["inductor_config"] = opts["inductor_config"]
     opts.pop("inductor_config", None)
     options = parse_options(raw, mode=opts.pop("mode", None), device=dev)
-    backend = EffpassBackend(options, model=work)
     kwargs = {"fullgraph": opts.pop("fullgraph", False), "dynamic": opts.pop("dynamic", None)}
     opts.pop("bisect", None)
     if opts:
         raise TypeError(f"estimate_memory: unknown compile option(s) {sorted(opts)}")
+    return options, kwargs
+
+
+def _module_phase_key(options, kwargs) -> tuple:
+    """What the module phase of a replay depends on: its module-level passes (names and options, in order)
+    and the compile arguments. Replays with the same key can share one prepared fake copy and one Dynamo
+    capture (:func:`_replay_group`)."""
+    from effpass.backend import EffpassBackend
+    from effpass.pass_api import Phase
+
+    mgr = EffpassBackend(options).manager
+    return (tuple((p.name, repr(sorted(p.options().items()))) for p in mgr.passes_for(Phase.MODULE)),
+            repr(sorted(kwargs.items())), options.lowering)
+
+
+def _build_replay_backend(work, pass_list, lowering, opts, dev):
+    """An effpass backend for the fake copy, built directly (its module phase run on the copy): the replay
+    never goes back through ``effpass.compile`` (whose ``memory_budget`` would plan again)."""
+    options, kwargs = _replay_options(pass_list, lowering, opts, dev)
+    backend = _prepare_replay_model(work, options, kwargs, dev)
+    return backend, torch.compile(work, backend=backend, **kwargs)
+
+
+def _prepare_replay_model(work, options, kwargs, dev):
+    """The effpass backend of ``options`` for the fake copy ``work``, after running its module phase on it."""
+    from effpass.backend import EffpassBackend
+
+    backend = EffpassBackend(options, model=work)
     backend.manager.run_module_phase(work, backend.report.module, device=dev, lowering=options.lowering,
                                      backend_factory=lambda: backend, compile_kwargs=kwargs)
     if "transformers" in sys.modules:  # as effpass.compile does for a Hugging Face model: the same graphs
         from effpass.integrations.huggingface import set_hf_loss_type
 
         set_hf_loss_type(work)
-    return backend, torch.compile(work, backend=backend, **kwargs)
+    return backend
+
+
+#: the Dynamo graph being compiled by :class:`_SharedCapture` (the key of shared joint traces)
+_JOINT_KEY: list = []
+#: share AOTAutograd's joint trace between plans with the same torch-IR graph (:func:`_shared_joint_traces`).
+#: OFF: on a test plan (checkpoint + fused loss, training mode) AOTAutograd asserted "traced_tangent_metas should
+#: be None before calling make_runtime_safe" on a reused trace and effpass fell back to the captured graph
+_SHARE_JOINT = False
+
+
+def _joint_key(gm, args) -> tuple:
+    """What AOTAutograd's joint trace of ``gm`` depends on, within one shared capture: the Dynamo graph it
+    came from, the torch-IR graph (code and the node annotations tracing carries into the joint), the
+    example inputs (the same objects for every plan of a capture) and the global state tracing reads."""
+    import hashlib
+
+    h = hashlib.sha256(gm.code.encode())
+    for n in gm.graph.nodes:
+        m = n.meta
+        h.update(repr((n.name, m.get("custom"), m.get("recompute"), m.get("ac_graph_id"),
+                       tuple(m.get("nn_module_stack", {}) or {}), m.get("stack_trace"))).encode())
+    cfg = torch._functorch.config.get_config_copy()
+    return (_JOINT_KEY[-1], h.hexdigest(), tuple(id(a) for a in args), repr(sorted(cfg.items(), key=str)),
+            torch.is_grad_enabled(), torch.is_autocast_enabled())
+
+
+@contextlib.contextmanager
+def _shared_joint_traces():
+    """While active (inside :class:`_SharedCapture`), plans whose torch-IR graphs are the same (they differ
+    only in joint-graph passes or partitioning, e.g. checkpoint policies) share AOTAutograd's joint trace:
+    the first plan's trace is kept and every plan gets its own copy of it (node meta copied, so the joint
+    passes' marks stay per plan), with the per-call bookkeeping AOTAutograd does after tracing
+    (``fw_metadata``'s stream indices and tangent stack traces) redone on the plan's own metadata.
+    Partitioning, compiling and the runtime wrappers stay per plan."""
+    from torch._dynamo.backends import common
+    from torch._functorch._aot_autograd import graph_capture, graph_compile
+
+    from effpass.graph import snapshot_graph
+
+    orig_simplified = common.aot_module_simplified
+    orig_trace = graph_compile.aot_dispatch_autograd_graph
+    cache: dict = {}
+    keys: list = []
+
+    def simplified(gm, args, *a, **kw):
+        keys.append(_joint_key(gm, args) if _JOINT_KEY and isinstance(gm, torch.fx.GraphModule) else None)
+        try:
+            return orig_simplified(gm, args, *a, **kw)
+        finally:
+            keys.pop()
+
+    def copy_joint(fx_g):
+        new = torch.fx.GraphModule(fx_g, snapshot_graph(fx_g.graph), class_name=type(fx_g).__name__)
+        new.meta = dict(getattr(fx_g, "meta", {}))
+        return new
+
+    def trace(flat_fn, flat_args, flat_args_descs, aot_config, *, fw_metadata):
+        key = keys[-1] if keys else None
+        if key is None:
+            return orig_trace(flat_fn, flat_args, flat_args_descs, aot_config, fw_metadata=fw_metadata)
+        if key not in cache:
+            cache[key] = orig_trace(flat_fn, flat_args, flat_args_descs, aot_config, fw_metadata=fw_metadata)
+        fx_g, inputs, descs, sub_meta = cache[key]
+        fx_g = copy_joint(fx_g)
+        graph_capture.populate_fw_metadata_with_stream_indices(fx_g, fw_metadata)
+        graph_capture._extract_tangent_source_stack_traces(fx_g, fw_metadata)
+        return fx_g, inputs, descs, sub_meta
+
+    common.aot_module_simplified = simplified
+    graph_compile.aot_dispatch_autograd_graph = trace
+    try:
+        yield
+    finally:
+        common.aot_module_simplified = orig_simplified
+        graph_compile.aot_dispatch_autograd_graph = orig_trace
+
+
+class _SharedCapture:
+    """A torch.compile backend that hands every graph Dynamo captures to several effpass backends (one per
+    replayed plan; they differ only in graph-level passes) and runs the compiled graph of the plan that is
+    ``current``: one Dynamo trace serves every plan of a group (:func:`_replay_group`). Each backend compiles
+    its own copy of the graph, inside Dynamo's compile (its tracing context and fake mode), as it would
+    alone."""
+
+    def __init__(self, backends):
+        self.backends = list(backends)
+        self.current = 0
+
+    def __call__(self, gm, example_inputs, **kwargs):
+        from effpass.backend import copy_dynamo_graph_module
+
+        _JOINT_KEY.append(id(gm))
+        try:
+            with _shared_joint_traces() if _SHARE_JOINT else contextlib.nullcontext():
+                fns = [be(copy_dynamo_graph_module(gm), example_inputs, **kwargs) for be in self.backends]
+        finally:
+            _JOINT_KEY.pop()
+
+        def run(*args):  # as Dynamo calls a backend's result (unboxed)
+            return fns[self.current](*args)
+
+        return run
+
+
+def _replay_errors(model, e):
+    """The exception a failed replay raises (as :func:`estimate_memory` always has)."""
+    import effpass
+
+    if isinstance(e, (effpass.PipelineError, effpass.PassOptionError, effpass.TargetMatchError)):
+        return e
+    if isinstance(e, TypeError) and "unknown compile option" in str(e):
+        return e
+    err = RuntimeError(f"estimate_memory: could not replay a training step of {type(model).__name__} on fake "
+                       f"tensors ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                       + ("" if isinstance(e, TypeError) else
+                          "; the model must run under torch.compile (fake tensors, no data-dependent Python "
+                          "control flow on tensor values outside graph breaks)"))
+    err.__cause__ = e
+    return err
+
+
+def _replay_group(model, example_inputs, items, optimizer, dev, loss_fn, lr, requested_lowering):
+    """Replay the training step of every ``(pass_list, options, kwargs)`` in ``items`` (they share the module
+    phase, :func:`_module_phase_key`) on one fake copy of ``model``: the module phase runs once, Dynamo
+    captures once, and each plan compiles the captured graphs with its own backend (graph-level passes,
+    AOTAutograd, partition) and runs its two steps (the first creates its optimizer's states, the second is
+    tracked with a fresh tracker). Returns one :class:`MemoryEstimate` per item (the bytes of each are those
+    of a replay of that plan alone). Raises on any failure (the caller replays the items alone then)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    t0 = time.perf_counter()
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = _fake_factory(fake_mode, dev)
+    work = _fake_model(model, fake, dev)
+    inputs = _fake_inputs(example_inputs, fake)
+    was_training = work.training
+    work.train(True if was_training is None else was_training)
+    # Inductor is replayed from its generated code (its fusions, buffer reuse and frees); every other
+    # lowering (eager, TensorRT) by the eager lowering's op-by-op run of the same partitioned graphs
+    replay_lowering = "inductor" if requested_lowering == "inductor" else "eager"
+    results = []
+    try:
+        torch._dynamo.reset()
+        with replay_patches(dev, inductor=replay_lowering == "inductor"), fake_mode:
+            with _Tracker(device=dev):  # as during each step: .item() on a fake tensor reads 1
+                first = _prepare_replay_model(work, items[0][1], items[0][2], dev)
+            backends = [first]
+            for _, options, _kw in items[1:]:
+                from effpass.backend import EffpassBackend
+                from effpass.report import CompileReport
+
+                be = EffpassBackend(options, model=work, report=CompileReport(module=first.report.module))
+                backends.append(be)
+            switch = _SharedCapture(backends) if len(items) > 1 else None
+            compiled = torch.compile(work, backend=switch or first, **items[0][2])
+            for i, (pass_list, options, _kw) in enumerate(items):
+                if switch is not None:
+                    switch.current = i
+                tracker = _Tracker(device=dev)
+                with tracker:
+                    est = _run_tracked(work, compiled, inputs, tracker, backends[i], optimizer, dev, loss_fn, lr,
+                                       replay_lowering, requested_lowering)
+                est.seconds = time.perf_counter() - t0
+                results.append(est)
+    finally:
+        torch._dynamo.reset()
+    return results
+
+
+def _run_tracked(work, compiled, inputs, tracker, be, optimizer, dev, loss_fn, lr, replay_lowering,
+                 requested_lowering):
+    """Two training steps of the compiled fake copy (the first compiles and creates the optimizer states, the
+    second is tracked); the estimate of the second."""
+    notes: list[str] = []
+    trainable = [p for p in work.parameters() if p.requires_grad]
+    tracker.params = trainable
+    opt = None
+    if optimizer is not None and trainable:
+        from effpass.memory_options import build_optimizer
+
+        opt = build_optimizer(optimizer, trainable, lr=lr, device=dev)
+    training_step(compiled, inputs, opt, loss_fn)          # compiles; creates optimizer states
+    params = list(work.parameters())
+    buffers = list(work.buffers())
+    states = [v for s in (opt.state.values() if opt else ()) for v in s.values() if isinstance(v, torch.Tensor)]
+    flat_inputs = [x for x in tree_flatten(inputs)[0] if isinstance(x, torch.Tensor)]
+    start = _bytes(params + buffers + states + flat_inputs, dev)
+    p_bytes = _bytes(params, dev)
+    b_bytes = _bytes(buffers, dev)
+    s_bytes = _bytes(states, dev)
+    i_bytes = _bytes(flat_inputs, dev)
+    tracker.reset()
+    tracker.enabled = True
+    phases = {}
+
+    def set_phase(p):
+        if tracker.phase == "forward" and p == "backward":
+            phases["activations"] = tracker.live
+        tracker.phase = p
+
+    training_step(compiled, inputs, opt, loss_fn, _phase=set_phase)
+    tracker.enabled = False
+    del opt, states
+    grads = sum(_bytes([p], dev) for p in trainable)  # a gradient is laid out as its parameter (empty_like)
+    step_peak = tracker.peak
+    stats = {}
+    for name in {p.name for p in be.options.passes}:
+        try:
+            s = be.report.stats(name)
+        except Exception:
+            continue
+        if s:
+            stats[name] = {k: v for k, v in s.items() if isinstance(v, (int, float, bool, str))}
+    est = MemoryEstimate(
+        peak_bytes=start + step_peak, start_bytes=start, step_peak_bytes=step_peak, parameters=p_bytes,
+        trainable_parameters=_bytes(trainable, dev), buffers=b_bytes, inputs=i_bytes, gradients=grads,
+        optimizer_states=s_bytes, activations=phases.get("activations", 0),
+        largest_transient=tracker.largest[0], largest_transient_op=tracker.largest[1],
+        peak_phase=tracker.peak_where[0], peak_graph=tracker.peak_where[1], peak_node=tracker.peak_where[2],
+        gradients_at_peak=tracker.grads_at_peak, phase_peaks=dict(tracker.phase_peaks), flops=tracker.flops,
+        optimizer=optimizer, device=str(dev), replay_lowering=replay_lowering,
+        requested_lowering=requested_lowering, passes=[p.name for p in be.options.passes],
+        pass_stats=stats, notes=notes, trainable_numels=[p.numel() for p in trainable],
+        trainable_shapes=[(tuple(p.shape), str(p.dtype).removeprefix("torch.")) for p in trainable])
+    est.timeline = step_timeline(tracker.events, est)
+    if requested_lowering not in ("inductor", "eager"):
+        est.notes.append(f"lowering={requested_lowering!r} is predicted by the eager lowering's replay of the same "
+                         f"partitioned graphs (its own buffer plan is not replayed)")
+    if dev.type == "cuda":
+        est.notes.append("CUDA: every storage rounded up to the caching allocator's 512-byte blocks (as torch's "
+                         "MemTracker); untested on a GPU")
+    est.largest_unit_bytes = _largest_unit_bytes(work)
+    return est
+
+
+def _replay_many(model, example_inputs, pipelines, optimizer, dev, loss_fn, lr, compile_options, share=True):
+    """One estimate (or the exception its replay raised) per pipeline in ``pipelines``, replayed on fake
+    tensors at the model's own depth. Pipelines with the same module phase share one fake copy and one
+    Dynamo capture (``share``); if a shared replay fails, its pipelines are replayed alone."""
+    opts = dict(compile_options)
+    requested_lowering = opts.pop("lowering", "inductor")
+    for k in ("dump_dir", "memory_budget", "allow", "example_inputs", "optimizer", "world_size"):
+        opts.pop(k, None)
+    replay_lowering = "inductor" if requested_lowering == "inductor" else "eager"
+    out: list = [None] * len(pipelines)
+    groups: dict = {}
+    for i, passes in enumerate(pipelines):
+        try:
+            pass_list = _without_fsdp(passes, dev)
+        except Exception as e:  # a bad pipeline: raised as given
+            out[i] = e
+            continue
+        try:
+            options, kwargs = _replay_options(pass_list, replay_lowering, opts, dev)
+            key = _module_phase_key(options, kwargs) if share else i
+        except Exception as e:
+            out[i] = _replay_errors(model, e)
+            continue
+        groups.setdefault(key, []).append((i, (pass_list, options, kwargs)))
+    for members in groups.values():
+        idx = [i for i, _ in members]
+        items = [it for _, it in members]
+        try:
+            for i, est in zip(idx, _replay_group(model, example_inputs, items, optimizer, dev, loss_fn, lr,
+                                                 requested_lowering)):
+                out[i] = est
+            continue
+        except Exception as e:
+            if len(items) == 1:
+                out[idx[0]] = _replay_errors(model, e)
+                continue
+        for i, it in members:  # a shared replay failed: each alone, so that errors name their plan
+            try:
+                out[i] = _replay_group(model, example_inputs, [it], optimizer, dev, loss_fn, lr,
+                                       requested_lowering)[0]
+            except Exception as e:
+                out[i] = _replay_errors(model, e)
+    return out
+
+
+def estimate_many(model: torch.nn.Module, example_inputs, pipelines: Sequence, optimizer: str | None = "adamw", *,
+                  device=None, loss_fn: Callable | None = None, lr: float = 1e-3, extrapolate: bool | None = None,
+                  share: bool = True, **compile_options) -> list:
+    """:func:`estimate_memory` of ``model`` under each pipeline of ``pipelines`` (one rank; ``optimizer``
+    ``"adamw"`` or ``None``), sharing work between them: pipelines whose module phase is the same (the same
+    module-level passes, e.g. the same quantized base and adapters) are replayed on one fake copy with one
+    Dynamo capture, each compiling the captured graphs with its own graph-level passes; with depth
+    extrapolation each depth is replayed once for all of them. Returns, per pipeline, its
+    :class:`MemoryEstimate` (the same bytes as ``estimate_memory`` alone) or the exception its replay
+    raised (not raised here)."""
+    if optimizer not in ("adamw", None):
+        raise ValueError(f"estimate_many: optimizer {optimizer!r}: only 'adamw' or None are replayed (other "
+                         f"optimizers: with_optimizer on the AdamW replay)")
+    t0 = time.perf_counter()
+    dev = _target_device(model, device)
+    pipelines = list(pipelines)
+    out: list = [None] * len(pipelines)
+    todo = list(range(len(pipelines)))
+    blocks = _block_list(model) if extrapolate is not False else None
+    if blocks is not None and len(blocks) > max(_DEPTHS) and (extrapolate or len(blocks) >= _AUTO_MIN_BLOCKS):
+        per_depth = []
+        for k in _DEPTHS:
+            with _first_blocks(blocks, k):
+                per_depth.append(_replay_many(model, example_inputs, pipelines, optimizer, dev, loss_fn, lr,
+                                              compile_options, share))
+        todo = []
+        for i in range(len(pipelines)):
+            ests = [d[i] for d in per_depth]
+            bad = next((e for e in ests if isinstance(e, BaseException)), None)
+            if bad is not None and not isinstance(bad, RuntimeError):
+                out[i] = bad  # a user error (bad targets, options): as the replay alone raises it
+                continue
+            est = None if bad is not None else _combine_depths(ests, len(blocks))
+            if est is None:
+                todo.append(i)  # not affine (or a depth failed): the full model is replayed
+            else:
+                est.seconds = time.perf_counter() - t0
+                out[i] = est
+    if todo:
+        full = _replay_many(model, example_inputs, [pipelines[i] for i in todo], optimizer, dev, loss_fn, lr,
+                            compile_options, share)
+        for i, r in zip(todo, full):
+            if not isinstance(r, BaseException):
+                r.seconds = time.perf_counter() - t0
+            out[i] = r
+    return out
 
 
 def estimate_memory(model: torch.nn.Module, example_inputs, passes=None, optimizer: str | None = "adamw",
@@ -638,10 +991,8 @@ def estimate_memory(model: torch.nn.Module, example_inputs, passes=None, optimiz
 
     The model is not changed: the replay works on a fake copy (no weights are allocated), so a model
     built on the meta device at full size (``with torch.device("meta"): AutoModelForCausalLM.from_config(cfg)``)
-    works.
+    works. Several pipelines of one model: :func:`estimate_many` (shares the capture between them).
     """
-    import effpass
-
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"estimate_memory expects an nn.Module, got {type(model).__name__}")
     _check_optimizer(optimizer)
@@ -655,114 +1006,11 @@ def estimate_memory(model: torch.nn.Module, example_inputs, passes=None, optimiz
         est = estimate_memory(model, example_inputs, passes, "adamw", 1, device=device, loss_fn=loss_fn, lr=lr,
                               extrapolate=extrapolate, **compile_options)
         est = with_optimizer(est, optimizer, device=est.device, lr=lr)
-        if world_size > 1:
-            est = fold_fsdp(est, world_size, est.largest_unit_bytes)
-        est.seconds = time.perf_counter() - t0
-        return est
-    if extrapolate is not False:
-        est = _extrapolate_depth(model, example_inputs, extrapolate, dict(
-            passes=passes, optimizer=optimizer, device=device, loss_fn=loss_fn, lr=lr, **compile_options))
-        if est is not None:
-            if world_size > 1:
-                est = fold_fsdp(est, world_size, est.largest_unit_bytes)
-            est.seconds = time.perf_counter() - t0
-            return est
-    opts = dict(compile_options)
-    requested_lowering = opts.pop("lowering", "inductor")
-    for k in ("dump_dir", "memory_budget", "allow", "example_inputs", "optimizer", "world_size"):
-        opts.pop(k, None)
-    dev = _target_device(model, device)
-    pass_list = _without_fsdp(passes, dev)
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake = _fake_factory(fake_mode, dev)
-    work = _fake_model(model, fake, dev)
-    inputs = _fake_inputs(example_inputs, fake)
-    was_training = work.training
-    work.train(True if was_training is None else was_training)
-
-    tracker = _Tracker(device=dev)
-    notes: list[str] = []
-    # Inductor is replayed from its generated code (its fusions, buffer reuse and frees); every other
-    # lowering (eager, TensorRT) by the eager lowering's op-by-op run of the same partitioned graphs
-    replay_lowering = "inductor" if requested_lowering == "inductor" else "eager"
-    be = None
-    try:
-        torch._dynamo.reset()
-        with replay_patches(dev, inductor=replay_lowering == "inductor"), fake_mode, tracker:
-            be, compiled = _build_replay_backend(work, pass_list, replay_lowering, opts, dev)
-            trainable = [p for p in work.parameters() if p.requires_grad]
-            tracker.params = trainable
-            opt = None
-            if optimizer is not None and trainable:
-                from effpass.memory_options import build_optimizer
-
-                opt = build_optimizer(optimizer, trainable, lr=lr, device=dev)
-            training_step(compiled, inputs, opt, loss_fn)          # compiles; creates optimizer states
-            params = list(work.parameters())
-            buffers = list(work.buffers())
-            states = [v for s in (opt.state.values() if opt else ()) for v in s.values() if isinstance(v, torch.Tensor)]
-            flat_inputs = [x for x in tree_flatten(inputs)[0] if isinstance(x, torch.Tensor)]
-            start = _bytes(params + buffers + states + flat_inputs, dev)
-            p_bytes = _bytes(params, dev)
-            b_bytes = _bytes(buffers, dev)
-            s_bytes = _bytes(states, dev)
-            i_bytes = _bytes(flat_inputs, dev)
-            tracker.reset()
-            tracker.enabled = True
-            phases = {}
-
-            def set_phase(p):
-                if tracker.phase == "forward" and p == "backward":
-                    phases["activations"] = tracker.live
-                tracker.phase = p
-
-            training_step(compiled, inputs, opt, loss_fn, _phase=set_phase)
-            tracker.enabled = False
-    except (effpass.PipelineError, effpass.PassOptionError, effpass.TargetMatchError, TypeError) as e:
-        if isinstance(e, TypeError) and "unknown compile option" not in str(e):
-            raise RuntimeError(f"estimate_memory: could not replay a training step of {type(model).__name__} on "
-                               f"fake tensors ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
-        raise
-    except Exception as e:
-        raise RuntimeError(f"estimate_memory: could not replay a training step of {type(model).__name__} on "
-                           f"fake tensors ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); the "
-                           f"model must run under torch.compile (fake tensors, no data-dependent Python "
-                           f"control flow on tensor values outside graph breaks)") from e
-    finally:
-        torch._dynamo.reset()
-    grads = sum(_bytes([p], dev) for p in trainable)  # a gradient is laid out as its parameter (empty_like)
-    step_peak = tracker.peak
-    stats = {}
-    if be is not None:
-        for name in {p.name for p in be.options.passes}:
-            try:
-                s = be.report.stats(name)
-            except Exception:
-                continue
-            if s:
-                stats[name] = {k: v for k, v in s.items() if isinstance(v, (int, float, bool, str))}
-    est = MemoryEstimate(
-        peak_bytes=start + step_peak, start_bytes=start, step_peak_bytes=step_peak, parameters=p_bytes,
-        trainable_parameters=_bytes(trainable, dev), buffers=b_bytes, inputs=i_bytes, gradients=grads,
-        optimizer_states=s_bytes, activations=phases.get("activations", 0),
-        largest_transient=tracker.largest[0], largest_transient_op=tracker.largest[1],
-        peak_phase=tracker.peak_where[0], peak_graph=tracker.peak_where[1], peak_node=tracker.peak_where[2],
-        gradients_at_peak=tracker.grads_at_peak, phase_peaks=dict(tracker.phase_peaks), flops=tracker.flops,
-        optimizer=optimizer, device=str(dev), replay_lowering=replay_lowering,
-        requested_lowering=requested_lowering, passes=[p.name for p in be.options.passes] if be else [],
-        pass_stats=stats, notes=notes, trainable_numels=[p.numel() for p in trainable],
-        trainable_shapes=[(tuple(p.shape), str(p.dtype).removeprefix("torch.")) for p in trainable])
-    est.timeline = step_timeline(tracker.events, est)
-    if requested_lowering not in ("inductor", "eager"):
-        est.notes.append(f"lowering={requested_lowering!r} is predicted by the eager lowering's replay of the same "
-                         f"partitioned graphs (its own buffer plan is not replayed)")
-    if dev.type == "cuda":
-        est.notes.append("CUDA: every storage rounded up to the caching allocator's 512-byte blocks (as torch's "
-                         "MemTracker); untested on a GPU")
-    est.largest_unit_bytes = _largest_unit_bytes(work)
+    else:
+        (est,) = estimate_many(model, example_inputs, [passes], optimizer, device=device, loss_fn=loss_fn, lr=lr,
+                               extrapolate=extrapolate, **compile_options)
+        if isinstance(est, BaseException):
+            raise est
     if world_size > 1:
         est = fold_fsdp(est, world_size, est.largest_unit_bytes)
     est.seconds = time.perf_counter() - t0
@@ -906,8 +1154,9 @@ def _first_blocks(blocks: torch.nn.ModuleList, k: int):
         blocks._modules = saved
 
 
-def _extrapolate_depth(model, example_inputs, mode, kwargs) -> MemoryEstimate | None:
-    """The estimate of ``model`` from replays of its first 2, 3 and 4 blocks, when its blocks are identical.
+def _combine_depths(ests, L: int) -> MemoryEstimate | None:
+    """The estimate of ``L`` identical blocks from the replays of the first 2, 3 and 4 (``_DEPTHS``), or None
+    when they are not affine in depth.
 
     Every byte count of a stack of identical blocks is affine in the number of blocks (each block adds
     its parameters, gradients, states and saved activations; the peak stays at the same place, e.g. the
@@ -915,19 +1164,6 @@ def _extrapolate_depth(model, example_inputs, mode, kwargs) -> MemoryEstimate | 
     difference is not zero (the peak moves with depth) this returns None and the full model is replayed.
     Cost: 9 blocks replayed instead of all (Llama-3-8B: 32).
     """
-    blocks = _block_list(model)
-    if blocks is None or len(blocks) <= max(_DEPTHS):
-        return None
-    L = len(blocks)
-    if mode is None and L < _AUTO_MIN_BLOCKS:
-        return None
-    ests = []
-    try:
-        for k in _DEPTHS:
-            with _first_blocks(blocks, k):
-                ests.append(estimate_memory(model, example_inputs, extrapolate=False, **kwargs))
-    except RuntimeError:
-        return None  # e.g. a model that indexes its blocks by the config's layer count: replay it whole
     a, b, c = ests
     # the same place in each: phase, graph and node (FX numbers repeated nodes: _softmax_backward_data_3)
     where = {(e.peak_phase, e.peak_graph, re.sub(r"_\d+$", "", e.peak_node.split(" ")[0]),

@@ -27,8 +27,8 @@ import torch
 
 from effpass.quantized import storage_bytes
 
-from .estimate import MemoryEstimate, _largest_unit_bytes, _target_device, estimate_memory, format_bytes, parse_size, \
-    with_optimizer
+from .estimate import MemoryEstimate, _largest_unit_bytes, _target_device, estimate_many, estimate_memory, format_bytes, \
+    parse_size, with_optimizer
 from .sharding import fold_sharding
 
 __all__ = ["MemoryPlan", "Candidate", "MemoryBudgetError", "plan_memory", "plan_for_compile", "techniques"]
@@ -288,6 +288,35 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
     replays: dict = {} if _cache is None else _cache  # a caller planning several budgets shares the replays
     unit_bytes = _largest_unit_bytes(model) if world_size > 1 else 0
 
+    def pipeline_of(c: Candidate) -> list:
+        pipeline = _pipeline([p for p in base if not _is_sharding(p.name, model, world_size)], c)
+        return [p for p in pipeline if not _is_sharding(p.name, model, world_size)]
+
+    def replay_all(cands):
+        """Replay every candidate of ``cands`` not replayed yet in one :func:`estimate_many` call: candidates
+        with the same module phase share one fake copy and one Dynamo capture (and, extrapolated, each depth
+        is replayed once for all of them); those that change only the optimizer reuse their AdamW twin."""
+        todo, seen = [], set()
+        for c in cands:
+            opt_o = next((o for o in c.options if o.optimizer), None)
+            if opt_o is not None and opt_o.optimizer != optimizer:
+                c = c.without_optimizer_option(optimizer)
+            key = c.replay_key()
+            if key in replays or key in seen or c.optimizer not in ("adamw", None):
+                continue
+            seen.add(key)
+            todo.append(c)
+        if len(todo) < 2:
+            return
+        try:
+            pipelines = [pipeline_of(c) for c in todo]
+        except Exception:
+            return  # replayed one by one below (each error reported on its candidate)
+        results = estimate_many(model, example_inputs, pipelines, todo[0].optimizer, device=dev, loss_fn=loss_fn,
+                                **compile_options)
+        for c, r in zip(todo, results):
+            replays[c.replay_key()] = r
+
     def replay(c: Candidate):
         key = c.replay_key()
         if key in replays:
@@ -304,8 +333,7 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
                     r = e
         else:
             try:
-                pipeline = _pipeline([p for p in base if not _is_sharding(p.name, model, world_size)], c)
-                pipeline = [p for p in pipeline if not _is_sharding(p.name, model, world_size)]
+                pipeline = pipeline_of(c)
                 r = estimate_memory(model, example_inputs, passes=pipeline, optimizer=c.optimizer, device=dev,
                                     loss_fn=loss_fn, **compile_options)
             except Exception as e:  # a candidate that cannot be replayed is reported, not fatal
@@ -334,6 +362,8 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
             continue
         from ..progress import progress
 
+        if optimizer in ("adamw", None):
+            replay_all(tier)
         bar = progress(len(tier), "effpass plan")  # each candidate: a replay unless shared with another
         try:
             for c in tier:
