@@ -10,8 +10,8 @@ Arms (same seed, weights and batches; lr 1e-3, weight decay 0.01; every paramete
 * ``bnb_adamw8bit``: ``bitsandbytes.optim.AdamW8bit`` (block-wise dynamic 8-bit states; bitsandbytes
   >= 0.48 has a CPU backend, so the arm runs on the CPU too)
 * ``effpass_adamw8bit``: effpass's 8-bit option as the planner builds it, ``effpass.memory_options.
-  build_optimizer("adamw8bit", ...)`` (which is torchao's AdamW8bit: effpass has no 8-bit optimizer of its own), on the
-  model through ``effpass.compile`` with ``StepInBackward()``: each parameter's 8-bit update runs as
+  build_optimizer("adamw8bit", ...)`` (which is torchao's AdamW8bit: effpass has no 8-bit optimizer of its
+  own), on the model through ``effpass.compile`` with ``StepInBackward()``: each parameter's 8-bit update runs as
   soon as its gradient is complete and the gradient is freed, so the gradients never all exist at once
 
 Per arm: optimizer-state bytes as storage holds them (``effpass.quantized.storage_bytes`` over every
@@ -145,9 +145,9 @@ def markdown(doc: dict) -> str:
              f"{s['heads']}/{s['kv_heads']}, vocab {s['vocab']} (untied), batch {s['batch']} x {s['seq']}, "
              f"{s['dtype']}; lr 1e-3, weight decay 0.01; {s['steps']} timed steps after {1 + s['warmup']} "
              f"warm-up.", "",
-             "| arm | optimizer | state bytes | bytes/param | vs AdamW | live at step start | step peak | vs AdamW "
-             "| optimizer step (median) | whole step | loss after steps | vs AdamW's loss | load |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| arm | optimizer | state bytes | bytes/param | vs AdamW | live at step start | step peak | high-water | "
+             "vs AdamW | optimizer step (median) | whole step (CPU time) | loss after steps | vs AdamW's loss | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             why = r["error"].strip().splitlines()[-1][:160] if r["error"].strip() else "crashed"
@@ -157,15 +157,19 @@ def markdown(doc: dict) -> str:
         def rat(k):
             return f"{r[k] / ref[k]:.2f}" if ref.get(k) else "-"
 
+        hw = f"{(r['live_bytes'] + r['peak_bytes']) / (ref['live_bytes'] + ref['peak_bytes']):.2f}" if ref else "-"
         ost = f"{r['opt_step_s'] * 1e3:,.1f} ms" if r.get("opt_step_s") is not None else "inside backward"
         dl = f"{(r['loss_end'] - ref['loss_end']) / ref['loss_end']:+.1e}" if ref else "-"
         lines.append(f"| {r['arm']} | {r['optimizer']} | {mib(r['state_bytes'])} | {r['state_bytes_per_param']:.2f} | "
-                     f"{rat('state_bytes')} | {mib(r['live_bytes'])} | {mib(r['peak_bytes'])} | {rat('peak_bytes')} | "
-                     f"{ost} | {r['step_s'] * 1e3:,.0f} ms | {r['loss_end']:.4f} | {dl} | {r['load']:.1f} |")
+                     f"{rat('state_bytes')} | {mib(r['live_bytes'])} | {mib(r['peak_bytes'])} | "
+                     f"{mib(r['live_bytes'] + r['peak_bytes'])} | {hw} | "
+                     f"{ost} | {r['step_s'] * 1e3:,.0f} ms ({r['cpu_s'] * 1e3:,.0f} ms) | {r['loss_end']:.4f} | {dl} | "
+                     f"{r['load']:.1f} |")
     lines += ["", "State bytes: every tensor in `opt.state`, each storage once (8-bit states: uint8 codes plus "
               "fp32 block scales; 1-D parameters under 4,096 elements keep fp32 states in both 8-bit peers). Step "
               "peak: allocated during one step (forward, backward, optimizer step) above what is live at its "
-              "start. effpass_adamw8bit is torchao's AdamW8bit (built by effpass.memory_options.build_optimizer) stepping inside "
+              "start; high-water: the two added (8-bit optimizers dequantize a parameter's states to fp32 inside "
+              "their step, so their step peak can exceed AdamW's while their high-water is lower). effpass_adamw8bit is torchao's AdamW8bit (built by effpass.memory_options.build_optimizer) stepping inside "
               "backward (StepInBackward): its lower peak comes from gradients freed as they complete. CPU "
               "times are noisy on the shared 2-core machine: compare within this run only.", ""]
     return "\n".join(lines)

@@ -171,9 +171,9 @@ def markdown(doc: dict) -> str:
              f"{s['ffn']}, vocab {s['vocab']}, batch {s['batch']} x {s['seq']} tokens, {s['dtype']}; LoRA r=16 on "
              f"{', '.join(TARGETS)}; effpass lowering {s['lowering']}; {s['steps']} timed steps after "
              f"{s['warmup']} warm-up.", "",
-             "| arm | base weight bytes | vs fp32 | live at step start | step peak | vs effpass | step (median) | "
-             "CPU time | vs effpass | loss (first) | vs fp32 loss | trainable | load |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| arm | base weight bytes | vs fp32 | live at step start | step peak | high-water | vs effpass | "
+             "step (median) | CPU time | vs effpass | loss (first) | vs fp32 loss | trainable | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ours = ok.get("effpass_nf4", {})
     for r in rows:
         if "error" in r:
@@ -185,15 +185,16 @@ def markdown(doc: dict) -> str:
             return f"{r[k] / o[k]:.2f}" if o.get(k) else "-"
 
         lines.append(f"| {r['arm']} | {mib(r['base_weight_bytes'])} | {rat('base_weight_bytes', ref)} | "
-                     f"{mib(r['live_bytes'])} | {mib(r['peak_bytes'])} | {rat('peak_bytes', ours)} | "
+                     f"{mib(r['live_bytes'])} | {mib(r['peak_bytes'])} | {mib(r['live_bytes'] + r['peak_bytes'])} | "
+                     f"{(r['live_bytes'] + r['peak_bytes']) / (ours['live_bytes'] + ours['peak_bytes']):.2f} | "
                      f"{r['step_s'] * 1e3:,.0f} ms | {r['cpu_s'] * 1e3:,.0f} ms | {rat('cpu_s', ours)} | "
                      f"{r['loss_first']:.5f} | "
                      f"{abs(r['loss_first'] - ref['loss_first']) / ref['loss_first']:.1e} | "
                      f"{r['trainable_params']:,} | {r['load']:.1f} |" if ref else "")
     lines += ["", "Base weight bytes: the q/k/v/o/gate/up/down weights as storage holds them (bitsandbytes: plus "
               "their quant states). Step peak: allocated during one step (forward, backward, AdamW step) above "
-              "what is live at its start. \"vs effpass\": the arm's figure over effpass_nf4's (above 1: effpass "
-              "lower). CPU times are noisy on the shared 2-core machine: compare within this run only.", ""]
+              "what is live at its start; high-water: the two added. \"vs effpass\": the arm's figure over "
+              "effpass_nf4's (above 1: effpass lower). CPU times are noisy on the shared 2-core machine: compare within this run only.", ""]
     return "\n".join(lines)
 
 
