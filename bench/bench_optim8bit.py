@@ -169,8 +169,10 @@ def markdown(doc: dict) -> str:
               "fp32 block scales; 1-D parameters under 4,096 elements keep fp32 states in both 8-bit peers). Step "
               "peak: allocated during one step (forward, backward, optimizer step) above what is live at its "
               "start; high-water: the two added (8-bit optimizers dequantize a parameter's states to fp32 inside "
-              "their step, so their step peak can exceed AdamW's while their high-water is lower). effpass_adamw8bit is torchao's AdamW8bit (built by effpass.memory_options.build_optimizer) stepping inside "
-              "backward (StepInBackward): its lower peak comes from gradients freed as they complete. CPU "
+              "their step, so their step peak can exceed AdamW's while their high-water is lower). effpass_adamw8bit is torchao's AdamW8bit (built by effpass.memory_options.build_optimizer) "
+              "stepping inside backward (StepInBackward), which frees each gradient as soon as its update ran; "
+              "the update's fp32 transients then coincide with the activations still live in backward. "
+              "CPU "
               "times are noisy on the shared 2-core machine: compare within this run only.", ""]
     return "\n".join(lines)
 
