@@ -27,7 +27,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .config import Options, describe_options, parse_options
 from .dump import DumpInstrument, RecordStore, claim_graph_dir
-from .graph import has_tangents, snapshot_graph
+from .graph import has_tangents, parameter_input_flags, snapshot_graph
 from .manager import EffpassPassError, PassManager, WrongResultError
 from .pass_api import Phase, cacheable_functions
 from .report import CompileReport, GraphReport, PassRecord
@@ -241,6 +241,10 @@ class EffpassBackend:
         report.notes["dynamo"] = _dynamo_context()
         common = dict(model=self.model, device=_device_of(example_inputs), lowering=self.options.lowering,
                       detailed_stats=self.options.detailed_stats)
+        try:
+            common["parameter_inputs"] = parameter_input_flags(example_inputs)
+        except Exception:  # noqa: BLE001 - an input we cannot flatten: passes see None (unknown)
+            common["parameter_inputs"] = None
 
         if self.manager.passes_for(Phase.TORCH_IR):
             gm = copy_dynamo_graph_module(gm)

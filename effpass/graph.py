@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 import operator
 import re
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.fx as fx
@@ -119,6 +119,43 @@ def is_tangent(node: fx.Node) -> bool:
 def is_primal(node: fx.Node) -> bool:
     """A joint graph's forward input (``primals_*``: parameters, buffers and user inputs)."""
     return node.op == "placeholder" and str(node.target).startswith("primals")
+
+
+def parameter_input_flags(example_inputs: Sequence[Any]) -> tuple[bool, ...]:
+    """For each ``primals_*`` input of the joint graph AOTAutograd makes from a Dynamo graph's
+    ``example_inputs``, whether it holds (a piece of) a model parameter. Tensor subclasses are flattened into
+    their inner tensors (``__tensor_flatten__`` order, recursively), as AOTAutograd flattens them."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    def leaves(t: Any) -> int:
+        if isinstance(t, torch.Tensor) and is_traceable_wrapper_subclass(t):
+            names, _ = t.__tensor_flatten__()
+            return sum(leaves(getattr(t, n)) for n in names)
+        return 1
+
+    flags: list[bool] = []
+    for x in example_inputs:
+        flags += [isinstance(x, torch.nn.Parameter)] * leaves(x)
+    return tuple(flags)
+
+
+def parameter_only_nodes(graph: fx.Graph, flags: Sequence[bool] | None
+                         ) -> tuple[set[fx.Node], set[fx.Node]] | None:
+    """``(derived, params)``: the joint graph's parameter placeholders (from :func:`parameter_input_flags`)
+    and the ops computed from parameters alone (and constants): a weight's dequantization, cast or
+    transpose, which a backward can recompute from the parameters instead of saving. None when ``flags``
+    does not match the graph's primals (unknown: do nothing)."""
+    prims = [n for n in graph.nodes if is_primal(n)]
+    if flags is None or len(prims) != len(flags):
+        return None
+    params = {n for n, f in zip(prims, flags) if f}
+    derived: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op != "call_function" or is_random_op(n):
+            continue
+        if all(i in params or i in derived for i in n.all_input_nodes):
+            derived.add(n)
+    return derived, params
 
 
 def has_tangents(graph: fx.Graph) -> bool:

@@ -97,6 +97,9 @@ class PassContext:
 
     #: compute statistics that cost extra work (a dump is written or the user asked: ``detailed_stats``)
     detailed_stats: bool = False
+    #: joint phase: for each ``primals_*`` input, whether it holds (part of) a model parameter
+    #: (:func:`effpass.graph.parameter_input_flags`; None where unknown)
+    parameter_inputs: tuple[bool, ...] | None = None
 
     def allows(self, node: fx.Node) -> bool:
         """Whether this pass may act on ``node`` (targets/exclude globs and skip/only decorators)."""

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import effpass
+from effpass.graph import parameter_only_nodes, val
 from effpass.quantized import is_quantized, storage_bytes
 
 SCHEMES = ("int8", "int4", "nf4", "fp8")
@@ -278,6 +279,39 @@ class QuantizeLinear(effpass.Pass):
             raise ValueError("quantize_linear: fp8_fsdp_all_gather=True needs scheme='fp8' with "
                              f"fp8_granularity='tensorwise' (torchao supports fp8 all-gather for tensorwise scales "
                              f"only), got scheme={self.scheme!r}, fp8_granularity={self.fp8_granularity!r}")
+
+    # -- the joint graph: recompute dequantized weights rather than save them ------------------------
+    def transform_joint(self, gm: torch.fx.GraphModule, ctx) -> effpass.PassResult | None:
+        """Mark the ops that compute a weight from quantized parameters alone (dequantization, its casts and
+        views) ``MUST_RECOMPUTE``: the backward recomputes them from the quantized parameters (as the eager
+        autograd functions do) instead of keeping a full-precision copy of every weight from the forward to
+        the backward. Without it AOTAutograd's CSE merges the backward's dequantization into the forward's
+        and the partitioner saves the dequantized weights (measured: +51 MiB at 4 layers of hidden 512)."""
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        if ctx.graph_kind != "joint":
+            return None
+        found = parameter_only_nodes(gm.graph, ctx.parameter_inputs)
+        if found is None:
+            return effpass.PassResult(skipped=[{"site": "graph", "reason": "the joint graph's inputs could not be "
+                                                "matched to the model's parameters: dequantized weights are left "
+                                                "to the partitioner"}])
+        derived, params = found
+        quantized = {p for p in params if isinstance(val(p), torch.Tensor)
+                     and not val(p).is_floating_point()}
+        from_quantized: set = set(quantized)
+        marked = 0
+        for n in gm.graph.nodes:
+            if n not in derived or not any(i in from_quantized for i in n.all_input_nodes):
+                continue
+            from_quantized.add(n)
+            v = val(n)
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+                marked += 1
+        if not marked:
+            return None
+        return effpass.PassResult(changed=True, stats={"dequant_recompute_nodes": marked})
 
     # -- what can be quantized -----------------------------------------------------------------------
     def _shape_problem(self, k: int, n: int, numel: int) -> str | None:

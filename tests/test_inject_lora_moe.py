@@ -346,7 +346,7 @@ def test_expert_lora_on_int8_quantized_experts():
     assert _rel(compiled(**c.inputs).logits, want.logits) < 1e-5
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])   # GPT-OSS's attention sinks: pack_sequences' domain
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "gpt_oss"])   # GPT-OSS: attention sinks too
 def test_packed_moe_with_expert_lora_equals_each_example_alone(name):
     """pack_sequences on an MoE model with expert adapters: routing is per token, attention per example,
     so each packed example's logits equal the example run alone (eager prepared model)."""

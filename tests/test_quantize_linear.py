@@ -657,3 +657,63 @@ def test_warm_aot_autograd_cache_hit_with_quantized_weights(scheme, tmp_path, mo
     assert not [w for w in caught if "_stable_hash_for_caching" in str(w.message)]
     w = m[0].weight
     assert w._stable_hash_for_caching() == copy.deepcopy(w)._stable_hash_for_caching()
+
+
+def _saved_for_backward(monkeypatch, passes):
+    """Compile a 2-layer Llama with ``passes`` (eager lowering), run one training step; return the
+    partitioned forward's saved tensors as (is a parameter input, dtype, bytes), and the loss."""
+    import torch._functorch.partitioners as P
+
+    orig, saved = P.min_cut_rematerialization_partition, []
+
+    def spy(joint, inputs, **kw):
+        fw, bw = orig(joint, inputs, **kw)
+        params = {n.name for n, f in zip([n for n in joint.graph.nodes if n.op == "placeholder"
+                                          and n.name.startswith("primals")], flags[0]) if f}
+        out = next(iter(fw.graph.find_nodes(op="output"))).args[0]
+        for s in out[kw["num_fwd_outputs"]:]:
+            v = s.meta.get("val")
+            if isinstance(v, torch.Tensor):
+                saved.append((s.op == "placeholder" and s.name in params, v.dtype, v.numel() * v.element_size()))
+        return fw, bw
+
+    flags = []
+    import effpass.graph
+
+    real_flags = effpass.graph.parameter_input_flags
+
+    def keep(xs):
+        flags.append(real_flags(xs))
+        return flags[-1]
+
+    monkeypatch.setattr(P, "min_cut_rematerialization_partition", spy)
+    monkeypatch.setattr("effpass.backend.parameter_input_flags", keep)
+    case = model_case("llama", layers=2, seq=64)
+    ref = copy.deepcopy(case.model)
+    torch.manual_seed(0)  # the adapters' initialisation
+    m = effpass.compile(case.model, passes=passes, lowering="eager")
+    loss = m(**case.inputs).loss
+    loss.backward()
+    torch.manual_seed(0)
+    effpass.prepare(ref, passes=passes)  # the eager prepared model: the same function (reference semantics)
+    ref_loss = ref(**case.inputs).loss
+    ref_loss.backward()
+    assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    grads = [(a.grad, b.grad) for a, b in zip(m.parameters(), ref.parameters()) if a.requires_grad]
+    assert grads and all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in grads)
+    return saved, loss, m
+
+
+def test_qlora_backward_recomputes_dequantized_weights_instead_of_saving_them(monkeypatch):
+    """QLoRA under compile: the forward saves no full-precision copy of a quantized weight for the backward
+    (quantize_linear marks the dequantization MUST_RECOMPUTE in the joint graph): what it saves beyond the
+    parameters is what fp32 LoRA saves (activations), within the few bytes of small quantized constants."""
+    from effpass.passes import InjectLoRA, QuantizeLinear
+
+    lora = lambda: InjectLoRA(rank=4, targets=["*.q_proj", "*.v_proj"])  # noqa: E731
+    fp_saved, _, _ = _saved_for_backward(monkeypatch, [lora()])
+    q_saved, loss, m = _saved_for_backward(monkeypatch, [QuantizeLinear(scheme="nf4"), lora()])
+    activations = lambda s: sum(b for is_param, _, b in s if not is_param)  # noqa: E731
+    assert activations(q_saved) <= activations(fp_saved) * 1.01, (activations(q_saved), activations(fp_saved))
+    assert effpass.report(m).stats("quantize_linear")["dequant_recompute_nodes"] > 0
+    assert torch.isfinite(loss)
