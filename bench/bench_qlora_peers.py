@@ -186,7 +186,8 @@ def markdown(doc: dict) -> str:
 
         lines.append(f"| {r['arm']} | {mib(r['base_weight_bytes'])} | {rat('base_weight_bytes', ref)} | "
                      f"{mib(r['live_bytes'])} | {mib(r['peak_bytes'])} | {mib(r['live_bytes'] + r['peak_bytes'])} | "
-                     f"{(r['live_bytes'] + r['peak_bytes']) / (ours['live_bytes'] + ours['peak_bytes']):.2f} | "
+                     + (f"{(r['live_bytes'] + r['peak_bytes']) / (ours['live_bytes'] + ours['peak_bytes']):.2f} | "
+                        if ours else "- | ") +
                      f"{r['step_s'] * 1e3:,.0f} ms | {r['cpu_s'] * 1e3:,.0f} ms | {rat('cpu_s', ours)} | "
                      f"{r['loss_first']:.5f} | "
                      f"{abs(r['loss_first'] - ref['loss_first']) / ref['loss_first']:.1e} | "

@@ -74,25 +74,26 @@ def lora(rows):
 
 def checkpointing(rows):
     d = _load("checkpoint_cpu.json")
-    if d is None:
+    sac = _load("checkpoint_cpu_sac.json")  # a run of the arms none, torch_sac, effpass_ops alone
+    if d is None and sac is None:
         return
-    a, v = d["arms"], d["versions"]
     for peer, ours, label in (("torch_budget", "effpass_budget", "torch activation_memory_budget"),
                               ("torch_sac", "effpass_ops", "torch selective checkpointing (save matmuls/attention)"),
                               ("torch_block_ckpt", "effpass_full", "torch.utils.checkpoint per block")):
-        p, o = a.get(peer), a.get(ours)
-        if not p or not o:
+        run = next((x for x in (d, sac) if x and peer in x["arms"] and ours in x["arms"]), None)
+        if run is None:
             rows.append(("activation checkpointing", label, "not measured yet (arm absent from the results)", "", "",
                          "bench/bench_checkpoint.py"))
             continue
+        p, o = run["arms"][peer], run["arms"][ours]
         mem = (f"{_r(o['saved_bytes_hook'], p['saved_bytes_hook'])} saved for backward ({o['saved_bytes_hook'] / 2**20:,.1f}"
                f" vs {p['saved_bytes_hook'] / 2**20:,.1f} MiB, saved-tensor hook)")
-        rows.append(("activation checkpointing", label, mem, _r(o["step_s_median"], p["step_s_median"]) + " step",
-                     _where(v), "bench/bench_checkpoint.py"))
+        rows.append(("activation checkpointing", label, mem, _r(o["step_s_median"], p["step_s_median"]) + " step (wall)",
+                     _where(run["versions"]), "bench/bench_checkpoint.py"))
 
 
 def packing(rows):
-    runs = [x for x in (_load("packing_cpu.json"), _load("packing_cpu_idle.json")) if x]
+    runs = [x for x in (_load("packing_cpu.json"), _load("packing_cpu_quick.json"), _load("packing_cpu_idle.json")) if x]
     # the run with the peer as its users run it (transformers' collator, correct masks) first
     d = next((x for x in runs if any(r["arm"] == "hf_flattening" for r in x["results"])), runs[0] if runs else None)
     if d is None:
@@ -106,7 +107,8 @@ def packing(rows):
         rows.append(("padding-free packing", label,
                      _r(o["peak_bytes"], p["peak_bytes"]) + " peak",
                      f"{o['useful_tokens_per_s'] / p['useful_tokens_per_s']:.2f}x useful tokens/s (higher is better)",
-                     _where(d["meta"]), "bench/bench_packing.py"))
+                     _where(d["meta"]) + f", {d['meta']['lengths'].split(',')[0]}, {d['meta']['model'].split(', ')[-1]}",
+                     "bench/bench_packing.py"))
 
 
 def moe(rows):
@@ -150,17 +152,17 @@ def qlora(rows):
     for peer, label in (("peft_torchao_nf4", "PEFT + torchao NF4 (to_nf4)"),
                         ("peft_bnb_nf4", "PEFT + bitsandbytes 4-bit NF4 (BitsAndBytesConfig)")):
         p = arms.get(peer)
-        if p is None:
+        if p is None or ours is None:
             continue
-        if "error" in p or not ours or "error" in ours:
+        if "error" in p or "error" in ours:
             rows.append(("QLoRA", label, _failed(p if "error" in p else ours), "", _where(d["meta"]), script))
             continue
         hw_o, hw_p = ours["live_bytes"] + ours["peak_bytes"], p["live_bytes"] + p["peak_bytes"]
         mem = (f"{_r(hw_o, hw_p)} high-water ({hw_o / 2**20:,.0f} vs {hw_p / 2**20:,.0f} MiB; step peak "
                f"{_r(ours['peak_bytes'], p['peak_bytes'])}), {_r(ours['base_weight_bytes'], p['base_weight_bytes'])} "
                f"base weight bytes")
-        rows.append(("QLoRA", label, mem, _r(ours["cpu_s"], p["cpu_s"]) + " CPU time", _where(d["meta"], p.get("load")),
-                     script))
+        where = _where(d["meta"], p.get("load")) + (f"; {d['meta']['note']}" if d["meta"].get("note") else "")
+        rows.append(("QLoRA", label, mem, _r(ours["cpu_s"], p["cpu_s"]) + " CPU time", where, script))
 
 
 def optim8bit(rows):
@@ -173,9 +175,9 @@ def optim8bit(rows):
     ours = arms.get("effpass_adamw8bit")
     for peer, label in (("torchao_adamw8bit", "torchao AdamW8bit"), ("bnb_adamw8bit", "bitsandbytes AdamW8bit")):
         p = arms.get(peer)
-        if p is None:
+        if p is None or ours is None:
             continue
-        if "error" in p or not ours or "error" in ours:
+        if "error" in p or "error" in ours:
             rows.append(("8-bit optimizer states", label, _failed(p if "error" in p else ours), "", _where(d["meta"]),
                          script))
             continue
