@@ -64,8 +64,9 @@ def worker(args) -> None:
     torch.manual_seed(0)
     model, cfg = _model(args.device, args.vocab)
     model.to(dev).train()
-    # NOTE: sp=1 runs the pass too (a group of one): the same mask handling as the split runs (the pass skips
-    # the plain causal S x S mask that Hugging Face materialises under Dynamo), so the ratio is the split's
+    # NOTE: arm "1" runs the pass as a group of one: the same mask handling as the split runs (the pass skips
+    # the plain causal S x S mask that Hugging Face materialises under Dynamo), so its ratio is the split's;
+    # arm "1n" is the model without the pass (Hugging Face's own masks, compiled the same way)
     passes = [ShardSequence(size=world)] if (world > 1 or not args.no_pass_at_1) else []
     if cuda:
         from effpass.passes import ApplyAutocast, FuseCrossEntropy
@@ -122,16 +123,103 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
+#: Llama-3 shapes for the per-rank predictions (random weights on the meta device: nothing is downloaded)
+PREDICT_SHAPES = {
+    "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8),
+    "70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                num_attention_heads=64, num_key_value_heads=8),
+}
+#: (shape, tokens per sequence, ranks, sequence-parallel size)
+PREDICT_ROWS = [("8b", 131072, 8, 8), ("8b", 524288, 8, 8), ("70b", 131072, 16, 8), ("70b", 65536, 8, 8)]
+
+
+def predict(args) -> None:
+    """Per-rank peak predictions (not measurements) for Llama-3-8B/70B shapes at long sequences under
+    ``shard_sequence`` + FSDP2 (ZeRO-3 over all ranks), bf16 parameters, AdamW, full activation checkpointing
+    and the fused cross-entropy.
+
+    The planner's sharding fold has no sequence-parallel mode, so one rank is predicted as the planner's
+    one-rank replay (``effpass.planning.estimate_memory``, fake tensors, depth extrapolation) of one sequence of
+    ``tokens / sp`` tokens, SDPA with ``is_causal`` and no mask (what the pass gives plain causal calls) with the zero3 fold over all ranks, plus what a sequence-parallel rank holds whole:
+    the embedding output and its gradient (``2 x tokens x hidden x 2 bytes``, bf16) and the rotary tables.
+    Attention under Ulysses sees all tokens for ``heads / sp`` heads: the same bytes of q/k/v/output and of
+    flash attention's log-sum-exp as ``tokens / sp`` tokens of all heads (what the replay counts); the
+    all-to-all buffers (one q/k/v-sized copy at a time) are not modelled."""
+    import torch
+    import transformers as tf
+
+    from effpass.passes import CheckpointActivations, FuseCrossEntropy
+    from effpass.planning import estimate_memory
+
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    # NOTE: the replay runs one process without the pass; the pass skips the whole causal mask of these plain
+    # calls (SDPA's is_causal), so the replay's SDPA gets no mask either (else Dynamo's S x S mask and the
+    # math kernel's scores would be counted)
+    AttentionInterface.register("effpass_sp_predict", ALL_ATTENTION_FUNCTIONS["sdpa"])
+    AttentionMaskInterface.register("effpass_sp_predict", lambda *a, **k: None)
+    rows = []
+    for shape, tokens, ranks, sp in PREDICT_ROWS:
+        cfg = tf.LlamaConfig(**PREDICT_SHAPES[shape], max_position_embeddings=max(tokens, 8192), use_cache=False,
+                             tie_word_embeddings=False)
+        cfg._attn_implementation = "effpass_sp_predict"
+        with torch.device("meta"):
+            model = tf.LlamaForCausalLM(cfg).to(torch.bfloat16)
+        ids = torch.empty((1, tokens // sp), dtype=torch.long, device="meta")
+        t0 = time.perf_counter()
+        est = estimate_memory(model, {"input_ids": ids, "labels": ids},
+                              passes=[CheckpointActivations(policy="full"), FuseCrossEntropy()], world_size=ranks,
+                              lowering="eager", extrapolate=True)
+        whole = 2 * tokens * cfg.hidden_size * 2 + 2 * tokens * (cfg.hidden_size // cfg.num_attention_heads) * 2
+        per_rank = est.peak_bytes + whole
+        row = {"shape": shape, "tokens": tokens, "ranks": ranks, "sp": sp, "data_parallel": ranks // sp,
+               "replay_peak_bytes": est.peak_bytes, "whole_sequence_bytes": whole, "per_rank_bytes": per_rank,
+               "per_rank_gib": per_rank / 2**30, "fits_80gb": per_rank <= 80e9, "peak_phase": est.peak_phase,
+               "parameters_per_rank": est.parameters, "optimizer_per_rank": est.optimizer_states,
+               "activations": est.activations, "seconds": time.perf_counter() - t0}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        del model
+    import transformers
+
+    try:
+        load = os.getloadavg()
+    except OSError:  # pragma: no cover
+        load = None
+    result = {"kind": "prediction (not measured)", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="seconds"), "torch": torch.__version__, "transformers": transformers.__version__, "load_before": load,
+        "method": predict.__doc__, "rows": rows}
+    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    with open(os.path.join(HERE, "results", "sequence_parallel_predict.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    lines = ["# shard_sequence: per-rank peak PREDICTIONS (planner replay, not measured)", "",
+             f"{result['date']}, torch {torch.__version__}, transformers {transformers.__version__}; bf16, AdamW, "
+             "FSDP2 over all ranks, full checkpointing, fused cross-entropy, one sequence per data group", "",
+             "| model | tokens | GPUs | sp | data | predicted peak / GPU | fits 80 GB | replay s |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| Llama-3-{r['shape'].upper()} shape | {r['tokens']:,} | {r['ranks']} | {r['sp']} | "
+                     f"{r['data_parallel']} | {r['per_rank_gib']:.1f} GiB | {'yes' if r['fits_80gb'] else 'no'} | "
+                     f"{r['seconds']:.0f} |")
+    with open(os.path.join(HERE, "results", "sequence_parallel_predict.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--sp", default=None, help="comma-separated sizes (default: 1,2,4 on CPU; 1,2,4,8 on GPU)")
+    ap.add_argument("--sp", default=None, help="comma-separated arms: sizes, '1n' = one process without the pass "
+                    "(default: 1n,1,2,4 on CPU; 1n,1,2,4,8 on GPU)")
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="GPU bf16 dense peak (H100 SXM: 989)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--no-pass-at-1", action="store_true", help="sp=1 without the pass (Hugging Face's own masks)")
     ap.add_argument("--vocab", type=int, default=None, help="CPU model's vocabulary (default 8192)")
+    ap.add_argument("--predict", action="store_true", help="per-rank predictions for 8B/70B shapes (planner replay)")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -139,11 +227,14 @@ def main():
         args.seq = 32768 if args.device == "cuda" else 8192
     if args.worker:
         return worker(args)
-    sizes = [int(s) for s in (args.sp or ("1,2,4,8" if args.device == "cuda" else "1,2,4")).split(",")]
+    if args.predict:
+        return predict(args)
+    arms = (args.sp or ("1n,1,2,4,8" if args.device == "cuda" else "1n,1,2,4")).split(",")
     if args.device == "cuda":
         import torch
 
-        sizes = [s for s in sizes if s <= torch.cuda.device_count()]
+        arms = [a for a in arms if int(a.rstrip("n")) <= torch.cuda.device_count()]
+    sizes = arms
     try:
         load = os.getloadavg()
     except OSError:  # pragma: no cover
@@ -152,10 +243,11 @@ def main():
     for sp in sizes:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
             out = f.name
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(sp),
+        nopass = str(sp).endswith("n") or args.no_pass_at_1
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(sp).rstrip("n"),
                os.path.abspath(__file__), "--worker", "--device", args.device, "--seq", str(args.seq),
                "--steps", str(args.steps), *(["--vocab", str(args.vocab)] if args.vocab else []),
-               *(["--no-pass-at-1"] if args.no_pass_at_1 else []), "--peak-tflops", str(args.peak_tflops), "--out", out]
+               *(["--no-pass-at-1"] if nopass else []), "--peak-tflops", str(args.peak_tflops), "--out", out]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": ROOT}
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
         if proc.returncode:
@@ -168,7 +260,7 @@ def main():
     import torch
     import transformers
 
-    base = rows[sizes[0]]
+    base = rows["1"] if "1" in rows else rows[sizes[0]]
     b_peak = max(x["peak_bytes"] for x in base)
     b_during = max(x["allocated_during_step"] for x in base)
     b_t = max(x["step_s"] for x in base)
@@ -177,12 +269,16 @@ def main():
         peak = max(x["peak_bytes"] for x in rows[sp])
         during = max(x["allocated_during_step"] for x in rows[sp])
         t = max(x["step_s"] for x in rows[sp])
-        s = {"sp": sp, "peak_mib": peak / 2**20, "during_step_mib": during / 2**20, "step_s": t,
+        s = {"sp": sp, "pass": not sp.endswith("n"), "peak_mib": peak / 2**20, "during_step_mib": during / 2**20, "step_s": t,
              "peak_ratio": peak / b_peak, "during_step_ratio": during / b_during, "time_ratio": t / b_t,
              "tokens_per_s": args.seq / t}
         if args.device == "cuda":
             s["mfu"] = statistics.mean(x["mfu"] for x in rows[sp])
         summary.append(s)
+    nop = rows.get("1n")
+    for s_ in summary:
+        if nop:
+            s_["peak_ratio_vs_no_pass"] = s_["peak_mib"] * 2**20 / max(x["peak_bytes"] for x in nop)
     result = {"device": args.device, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
               "cpu_count": os.cpu_count(), "load_before": load, "seq": args.seq, "steps": args.steps,
@@ -194,12 +290,15 @@ def main():
     lines = [f"# shard_sequence: per-rank peak and step time ({args.device}, {args.seq} tokens, one sequence, vocabulary {args.vocab or 'default'})", "",
              f"{result['date']}, torch {torch.__version__}, transformers {transformers.__version__}, "
              f"{os.cpu_count()} CPUs, load average before {load}", "",
-             "| sp | peak / rank (MiB) | allocated during step (MiB) | step (s) | peak ratio | during-step ratio | time ratio |"
+             "Arms: `1n` = one process without the pass (Hugging Face's own masks); `1`, `2`, `4` = the pass with "
+             "groups of 1, 2, 4 ranks. Ratios against arm `1` (and against `1n`).", "",
+             "| arm | peak / rank (MiB) | allocated during step (MiB) | step (s) | peak ratio | vs 1n | during-step ratio | time ratio |"
              + (" MFU |" if args.device == "cuda" else ""),
-             "|---|---|---|---|---|---|---|" + ("---|" if args.device == "cuda" else "")]
+             "|---|---|---|---|---|---|---|---|" + ("---|" if args.device == "cuda" else "")]
     for s in summary:
         lines.append(f"| {s['sp']} | {s['peak_mib']:.1f} | {s['during_step_mib']:.1f} | {s['step_s']:.2f} | "
-                     f"{s['peak_ratio']:.3f} | {s['during_step_ratio']:.3f} | {s['time_ratio']:.2f} |"
+                     f"{s['peak_ratio']:.3f} | {s.get('peak_ratio_vs_no_pass', float('nan')):.3f} | "
+                     f"{s['during_step_ratio']:.3f} | {s['time_ratio']:.2f} |"
                      + (f" {s['mfu']:.3f} |" if args.device == "cuda" else ""))
     with open(os.path.join(HERE, "results", name + ".md"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -339,8 +339,14 @@ class EffpassBackend:
                       "(strict=True raises instead)", RuntimeWarning, stacklevel=3)
 
     def _lower_with(self, lowering, gm, example_inputs, report, common):
+        import contextlib
+
         inductor_patches, functorch_patches = self._config_patches(common)
-        with torch._functorch.config.patch(functorch_patches):
+        with torch._functorch.config.patch(functorch_patches), contextlib.ExitStack() as stack:
+            for p in self.manager.active:  # e.g. compress_activations' saved-tensor hooks (compile time only)
+                cm = p.lowering_context(common)
+                if cm is not None:
+                    stack.enter_context(cm)
             if lowering == "eager":
                 with torch._inductor.config.patch(inductor_patches):
                     return self._lower_eager(gm, example_inputs, report, common)

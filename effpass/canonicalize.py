@@ -6,7 +6,7 @@ Dynamo records an op as the model wrote it: ``q @ k`` (``operator.matmul``), ``q
 its graphs before it matches patterns; effpass does the same here so that a pass matches one spelling:
 
 * one function per op: the aliases below become the ``torch.*`` function (``torch.matmul``,
-  ``torch.softmax``, ``torch.mul``, ``torch.div``, ``torch.add``, ``torch.masked_fill``, ``torch.transpose``);
+  ``torch.softmax`` as ``torch.softmax(x, dim)`` with ``dtype`` the only keyword, ``torch.mul``, ``torch.div``, ``torch.add``, ``torch.masked_fill``, ``torch.transpose``);
   Python operators only where an operand is a tensor (``operator.add`` on sizes stays);
 * in-place arithmetic and ``masked_fill_`` become out of place where that is safe: the mutated tensor is
   made by the graph (not an input), is not a view, and nothing made before the mutation aliases it. Later
@@ -29,7 +29,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .graph import infer_fake_values, val
 
-__all__ = ["canonicalize", "CANONICAL_FUNCTIONS"]
+__all__ = ["canonicalize", "CANONICAL_FUNCTIONS", "INPLACE_FORMS"]
 
 #: function aliases -> the canonical torch function (same signature after argument mapping)
 _FN_ALIASES = {
@@ -53,6 +53,8 @@ _INPLACE = {
     "mul_": torch.mul, "__imul__": torch.mul, "div_": torch.div, "__itruediv__": torch.div,
     "add_": torch.add, "__iadd__": torch.add, "masked_fill_": torch.masked_fill,
 }
+#: in-place spellings a canonical graph may still hold (where making them out of place was not provably safe)
+INPLACE_FORMS = frozenset(_INPLACE)
 #: every function a canonical graph spells these ops with
 CANONICAL_FUNCTIONS = frozenset(_FN_ALIASES.values()) | frozenset(_METHODS.values()) | {torch.softmax}
 
@@ -75,7 +77,7 @@ def _softmax_call(node: fx.Node) -> tuple | None:
         x, *rest = node.args
         dim = rest[0] if rest else node.kwargs.get("dim")
         dtype = rest[1] if len(rest) > 1 else node.kwargs.get("dtype")
-    else:  # F.softmax(input, dim=None, _stacklevel=3, dtype=None) / torch.special.softmax(input, dim, dtype=None)
+    else:  # F.softmax(input, dim=None, _stacklevel=3, dtype=None) / torch[.special].softmax(input, dim, dtype=None)
         names = ("input", "dim", "_stacklevel", "dtype") if node.target is F.softmax else ("input", "dim", "dtype")
         bound = dict(zip(names, node.args)) | dict(node.kwargs)
         x, dim, dtype = bound.get("input"), bound.get("dim"), bound.get("dtype")
@@ -109,9 +111,10 @@ def canonicalize(gm: fx.GraphModule) -> dict[str, int]:
     for node in list(graph.nodes):
         if node.op == "call_function":
             t = node.target
-            if t is F.softmax or t is torch.special.softmax:
+            if t is F.softmax or t is torch.special.softmax or t is torch.softmax:
                 call = _softmax_call(node)
-                if call is not None:
+                # torch.softmax already is the canonical function: only its arguments are put in one form
+                if call is not None and (t is not torch.softmax or call != (node.args, dict(node.kwargs))):
                     node.target, (node.args, node.kwargs) = torch.softmax, call
                     stats["functions"] += 1
             elif t in _FN_ALIASES:

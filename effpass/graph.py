@@ -2,11 +2,12 @@
 
 * reading graphs: :func:`op_name`, :func:`op_histogram`, :func:`tensor_meta`, :func:`placeholder_values`
 * joint graphs: :func:`is_tangent`, :func:`is_primal`, :func:`has_tangents`
-* rollback and dumps: :func:`snapshot_graph`, :func:`restore_graph`, :func:`runnable_source`
+* rollback and dumps: :func:`snapshot_graph`, :func:`restore_graph`, :func:`copy_graph_into`, :func:`runnable_source`
 * module paths: :func:`normalize_module_path`, :func:`module_stack_of_node`, :func:`module_path_of_node`,
   :func:`source_path` (the parameter or buffer a torch-IR placeholder stands for), :func:`is_buffer_source`
 * nodes a pass creates: :func:`copy_provenance`, :func:`infer_fake_values` (the one fake-value updater),
-  :func:`erase_dead` (the one dead-node eraser)
+  :func:`annotate_new_nodes` (both, for a rewrite's new nodes), :func:`erase_dead` (the one dead-node eraser)
+* sites: :func:`ancestors`, :func:`site_name` (how reports name a site)
 * matching torch-IR nodes: :func:`is_fn`, :func:`is_method`, :func:`val`, :func:`shape_of`, :func:`is_number`,
   :class:`Skip` (a site left alone, with its reason), :data:`MASK_FILL_THRESHOLD`
 * autocast: :class:`AutocastRegions` / :func:`autocast_dtype_at` (the one reader of autocast regions, including
@@ -23,10 +24,12 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.fx as fx
 
-__all__ = ["op_name", "op_histogram", "snapshot_graph", "restore_graph", "runnable_source", "tensor_meta",
+__all__ = ["op_name", "op_histogram", "snapshot_graph", "restore_graph", "copy_graph_into", "runnable_source",
+           "tensor_meta",
            "placeholder_values", "is_tangent", "is_primal", "has_tangents", "transformer_blocks",
            "normalize_module_path", "module_stack_of_node", "module_path_of_node", "source_path", "is_buffer_source",
-           "PROVENANCE_KEYS", "copy_provenance", "infer_fake_values", "erase_dead",
+           "PROVENANCE_KEYS", "copy_provenance", "infer_fake_values", "annotate_new_nodes", "erase_dead",
+           "ancestors", "site_name",
            "is_fn", "is_method", "is_random_op", "is_softmax", "val", "shape_of", "is_number", "Skip", "MASK_FILL_THRESHOLD",
            "AutocastRegions", "autocast_dtype_at", "is_autocast_enter", "is_autocast_exit",
            "ENTER_AUTOCAST", "EXIT_AUTOCAST"]
@@ -69,14 +72,19 @@ def op_histogram(graph: fx.Graph) -> dict[str, int]:
 def snapshot_graph(graph: fx.Graph) -> fx.Graph:
     """A structural copy of ``graph`` (node meta dicts are shallow-copied) for rollback."""
     g = fx.Graph(tracer_cls=graph._tracer_cls)
-    val_map: dict[fx.Node, fx.Node] = {}
-    out = g.graph_copy(graph, val_map, return_output_node=True)
-    out_val, out_node = out if isinstance(out, tuple) else (out, None)
-    new_out = g.output(out_val)
-    if out_node is not None:
-        new_out.meta = dict(out_node.meta)
+    copy_graph_into(g, graph, {})
     g._codegen = graph._codegen
     return g
+
+
+def copy_graph_into(dst: fx.Graph, src: fx.Graph, val_map: dict[fx.Node, fx.Node]) -> None:
+    """Append ``src``'s nodes and its output (with the output's meta) to ``dst``; ``val_map`` maps ``src``'s
+    nodes to ``dst``'s (pre-filled entries are used for those nodes, e.g. placeholders kept)."""
+    out = dst.graph_copy(src, val_map, return_output_node=True)
+    out_val, out_node = out if isinstance(out, tuple) else (out, None)
+    new_out = dst.output(out_val)
+    if out_node is not None:
+        new_out.meta = dict(out_node.meta)
 
 
 def restore_graph(graph: fx.Graph, snapshot: fx.Graph) -> None:
@@ -94,12 +102,7 @@ def restore_graph(graph: fx.Graph, snapshot: fx.Graph) -> None:
             graph.erase_node(n)
     for n in [n for n in graph.nodes if n not in keep]:
         graph.erase_node(n)
-    val_map = {p: by_name[p.name] for p in snap_ph}
-    out = graph.graph_copy(snapshot, val_map, return_output_node=True)
-    out_val, out_node = out if isinstance(out, tuple) else (out, None)
-    new_out = graph.output(out_val)
-    if out_node is not None:
-        new_out.meta = dict(out_node.meta)
+    copy_graph_into(graph, snapshot, {p: by_name[p.name] for p in snap_ph})
 
 
 def tensor_meta(node: fx.Node) -> Any:
@@ -299,6 +302,33 @@ def infer_fake_values(nodes: Iterable[torch.fx.Node], *, strict: bool = False) -
             n.meta["example_value"] = env[n]
     return True
 
+
+
+def annotate_new_nodes(nodes: Iterable[fx.Node], like: fx.Node | None = None) -> None:
+    """Nodes a rewrite inserted: the provenance of the node they replace (``like``, if given) and fake example
+    values, node by node in the order given (best effort: a node whose op fails on fake tensors stays
+    without one; AOTAutograd re-traces the graph anyway)."""
+    for n in nodes:
+        if like is not None:
+            copy_provenance(n, like)
+        infer_fake_values([n])
+
+
+def ancestors(node: fx.Node, *, include_self: bool = True) -> set[fx.Node]:
+    """Every node ``node`` is computed from (and ``node`` itself, unless ``include_self=False``)."""
+    seen: set[fx.Node] = set()
+    stack = [node] if include_self else list(node.all_input_nodes)
+    while stack:
+        x = stack.pop()
+        if x not in seen:
+            seen.add(x)
+            stack.extend(x.all_input_nodes)
+    return seen
+
+
+def site_name(node: fx.Node) -> str:
+    """How a report names a site: ``module.path:node_name`` (``<root>`` outside any module)."""
+    return f"{module_path_of_node(node) or '<root>'}:{node.name}"
 
 
 def erase_dead(graph: fx.Graph, nodes: Iterable[fx.Node], *, producers: bool = False) -> None:

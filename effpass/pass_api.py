@@ -213,6 +213,12 @@ class Pass:
         """Config patches applied around lowering, as ``{"inductor.<key>": v, "functorch.<key>": v}``."""
         return {}
 
+    def lowering_context(self, ctx):
+        """A context manager entered around lowering (AOTAutograd's trace, partition and compiles), or None.
+        ``ctx`` is the dict ``compile_config`` receives (``device``, ``lowering``, ``model``). Used for state
+        torch reads at compile time only, e.g. saved-tensor hooks that AOTAutograd inlines into the graphs."""
+        return None
+
     # ---- introspection -----------------------------------------------------------------------------
     @classmethod
     def phases(cls) -> tuple[Phase, ...]:

@@ -20,6 +20,8 @@ _BUILTINS = {
     "shard_sequence": ("ShardSequence",),
     "tile_sequence": ("TileSequence",),
     "step_in_backward": ("StepInBackward",),
+    "compress_activations": ("CompressActivations",),
+    "offload_activations": ("OffloadActivations",),
 }
 
 __all__ = []

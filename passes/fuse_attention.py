@@ -17,7 +17,13 @@ Phase: torch IR (``transform_torch_ir``), and why
     layout-specific ``bmm``/``expand``/``clone`` patterns (Inductor needs ~30 fixed patterns there and
     still misses the Llama causal form); the forward+backward would also have to be rewritten together.
 
-Recognised forms (the matcher walks back from each ``softmax``):
+Matching (``passes/_attention_match.py``): torch's pattern matcher (``torch._inductor.pattern_matcher``) matches
+the spine ``softmax(scores) [-> cast | view | dropout] -> weights @ v`` and the score root ``q @ k^T`` (or
+``baddbmm``); the pattern's extra check walks the variable-length scale and mask chain between them and
+checks what each op is; constant evaluation (``passes/_attention_proofs.py``) proves causality, non-empty
+rows and GQA index tensors. The graph is canonical (:mod:`effpass.canonicalize`), so one spelling per op.
+
+Recognised forms:
     * scores ``q @ k^T`` (``k^T`` by ``transpose``/``permute``, or any ``(…, D, S)`` tensor), scaled by
       any chain of ``*``/``/`` by Python numbers (or pre-scaled q, which is simply part of q), in place
       too (``/=``, ``*=``, ``+=``, ``masked_fill_``: Falcon), through same-shape ``view``/``reshape``;
@@ -78,593 +84,20 @@ skipped sites, flag ``unfused``).
 """
 from __future__ import annotations
 
-import math
-import operator
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from torch._inductor import pattern_matcher as pm
-
 import effpass
 from effpass.attention import masked_sdpa
-from effpass.graph import (MASK_FILL_THRESHOLD, AutocastRegions, Skip, copy_provenance, erase_dead,
-                           infer_fake_values, is_buffer_source, is_fn, is_softmax, is_method, is_number, module_path_of_node,
-                           is_random_op, op_name, shape_of, val)
+from effpass.graph import AutocastRegions, Skip, annotate_new_nodes, erase_dead, is_softmax, shape_of, site_name, val
 
+from ._attention_match import Site, match_site, strip_transpose, unrepeat
+from ._attention_proofs import ConstEval, is_causal, rows_nonempty
 
 __all__ = ["FuseAttention"]
-
-# NOTE(canonical): the manager canonicalizes torch-IR graphs first (effpass.canonicalize): one function per op
-# (torch.matmul, torch.mul, torch.div, torch.add, torch.masked_fill, torch.transpose, torch.softmax) and in-place
-# forms out of place where no alias sees the difference. In-place forms below are the ones it had to keep.
-_MATMUL_FNS = {torch.matmul, torch.bmm}
-_MUL_FNS = {torch.mul, operator.imul}
-_DIV_FNS = {torch.div, operator.itruediv}
-_ADD_FNS = {torch.add, operator.iadd}
-#: in-place spellings (Falcon scales its scores with ``/=`` and ``*=``): same value, the input is updated
-_INPLACE = {operator.imul, operator.itruediv, operator.iadd, "mul_", "div_", "add_", "masked_fill_", "__imul__",
-            "__itruediv__", "__iadd__"}
-#: shape-only ops that keep every element in place when the shape does not change
-_SAME_SHAPE_VIEWS = {"view", "reshape", "contiguous", "flatten", "unflatten"}
-_CAST_METHODS = {"to", "type", "float", "half", "bfloat16", "double", "type_as"}
-_DROPOUT_FNS = {F.dropout, torch.dropout}
-
-
-# ------------------------------------------------------------------------------------------------------
-# small predicates on torch-IR nodes
-# ------------------------------------------------------------------------------------------------------
-def _arg(n: fx.Node, i: int, name: str, default=None):
-    if len(n.args) > i:
-        return n.args[i]
-    return n.kwargs.get(name, default)
-
-
-def _static(shape) -> bool:
-    return shape is not None and all(isinstance(s, int) for s in shape)
-
-
-def _is_matmul(n: Any) -> bool:
-    return is_fn(n, _MATMUL_FNS)
-
-
-def _is_baddbmm(n: Any) -> bool:
-    """``bias.baddbmm(q, k^T, beta=, alpha=)`` / ``torch.baddbmm``: ``beta * bias + alpha * (q @ k^T)`` (BLOOM)."""
-    return is_fn(n, {torch.baddbmm}) or is_method(n, {"baddbmm"})
-
-
-def _baddbmm_parts(n: fx.Node):
-    """(bias, batch1, batch2, beta, alpha) of a baddbmm node."""
-    return (_arg(n, 0, "input"), _arg(n, 1, "batch1"), _arg(n, 2, "batch2"), n.kwargs.get("beta", 1),
-            n.kwargs.get("alpha", 1))
-
-
-def _merge_view_heads(n: Any) -> tuple | None:
-    """(B, H) when ``n`` views a (B, H, S, T) tensor as (B*H, S, T) (BLOOM's weights before ``bmm`` with v)."""
-    if not (is_method(n, {"view", "reshape"}) or is_fn(n, {torch.reshape})):
-        return None
-    src = n.args[0] if n.args else None
-    a, b = shape_of(src), shape_of(n)
-    if _static(a) and _static(b) and len(a) == 4 and len(b) == 3 and a[0] * a[1] == b[0] and a[2:] == b[1:]:
-        return a[0], a[1]
-    return None
-
-
-def _is_cast(n: Any) -> bool:
-    """A dtype-only cast: same shape and device, floating in and out."""
-    if not (is_method(n, _CAST_METHODS) or (is_fn(n, {torch.Tensor.to}))):
-        return False
-    src, out = val(n.args[0]), val(n)
-    return (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and src.shape == out.shape
-            and src.device == out.device and src.dtype.is_floating_point and out.dtype.is_floating_point)
-
-
-def _dropout_of(n: Any) -> float | None:
-    """The dropout probability of a dropout node (0.0 when inactive), or None if ``n`` is not one."""
-    if is_fn(n, {F.dropout}):
-        p, training = _arg(n, 1, "p", 0.5), _arg(n, 2, "training", True)
-        inplace = _arg(n, 3, "inplace", False)
-    elif is_fn(n, {torch.dropout}):
-        p, training, inplace = _arg(n, 1, "p", 0.5), _arg(n, 2, "train", True), False
-    else:
-        return None
-    if not is_number(p) or not isinstance(training, bool) or inplace:
-        raise Skip("dropout probability or training flag is not a constant")
-    return float(p) if training else 0.0
-
-
-def _single_user(n: fx.Node, what: str) -> fx.Node:
-    users = list(n.users)
-    if len(users) != 1:
-        raise Skip(f"{what} ({n.name}) is used elsewhere (e.g. attention weights returned to the caller)")
-    return users[0]
-
-
-def _ancestors(n: fx.Node) -> set[fx.Node]:
-    seen, stack = set(), [n]
-    while stack:
-        x = stack.pop()
-        if x in seen:
-            continue
-        seen.add(x)
-        stack.extend(x.all_input_nodes)
-    return seen
-
-
-# ------------------------------------------------------------------------------------------------------
-# compile-time evaluation of constant subgraphs (masks, GQA index tensors)
-# ------------------------------------------------------------------------------------------------------
-class _ConstEval:
-    """Evaluates subgraphs that depend on no graph input (optionally treating buffers as constants)."""
-
-    def __init__(self, gm: fx.GraphModule, ctx, trust_buffers: bool, max_elements: int):
-        self.max_elements = max_elements
-        self.known: dict[fx.Node, Any] = {}
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        examples = list(ctx.example_inputs or [])
-        if trust_buffers and len(examples) == len(placeholders):
-            for n, x in zip(placeholders, examples):
-                if isinstance(x, torch.Tensor) and is_buffer_source(n) and not x.requires_grad:
-                    self.known[n] = x
-
-    def __call__(self, node: Any) -> Any:
-        if not isinstance(node, fx.Node):
-            return node
-        if node in self.known:
-            return self.known[node]
-        order = [n for n in _ancestors(node) if n not in self.known]
-        total = 0
-        for n in order:
-            if n.op != "call_function" and n.op != "call_method":
-                return None
-            if is_random_op(n) or n.target is torch._C._set_grad_enabled:
-                return None
-            shape = shape_of(n)
-            if shape is not None:
-                if not _static(shape):
-                    return None
-                total += math.prod(shape)
-            elif not isinstance(val(n), (int, float, bool, type(None), torch.Size, tuple, list)):
-                return None
-        if total > self.max_elements:
-            return None
-        index = {n: i for i, n in enumerate(node.graph.nodes)}
-        try:
-            for n in sorted(order, key=index.__getitem__):
-                args = fx.node.map_arg(n.args, self.known.__getitem__)
-                kwargs = fx.node.map_arg(n.kwargs, self.known.__getitem__)
-                if n.target in _INPLACE and args and isinstance(args[0], torch.Tensor):
-                    args = (args[0].clone(), *args[1:])  # never mutate a value another node was given
-                if n.op == "call_function":
-                    self.known[n] = n.target(*args, **kwargs)
-                else:
-                    self.known[n] = getattr(args[0], n.target)(*args[1:], **kwargs)
-        except Exception:  # anything unexpected: the value is simply not known
-            return None
-        return self.known[node]
-
-
-# ------------------------------------------------------------------------------------------------------
-# the match
-# ------------------------------------------------------------------------------------------------------
-@dataclass
-class _Site:
-    softmax: fx.Node
-    qk: fx.Node = None
-    pv: fx.Node = None
-    q: fx.Node = None
-    k: fx.Node = None                 # (…, Sk, D); None: k^T must be transposed back
-    k_t: fx.Node = None
-    v: fx.Node = None
-    scale: float = 1.0
-    additive: list = field(default_factory=list)   # [(node, factor)]
-    allowed: list = field(default_factory=list)    # [(node, negate)]: bool masks, True = attend
-    dropout_p: float = 0.0
-    chain: list = field(default_factory=list)      # nodes replaced by the fused call
-    causal: bool = False
-    gqa: bool = False
-    #: (B, H) when q, k, v and the scores' matmul are laid out as (B*H, S, D) and the scores/weights are viewed
-    #: as (B, H, Sq, Sk) around the softmax (BLOOM); mask terms in ``split_terms`` are in the (B*H, ...) layout
-    heads: tuple | None = None
-    split_terms: set = field(default_factory=set)
-
-
-def _fill_value_ok(value: Any, const: _ConstEval) -> bool:
-    if is_number(value):
-        return value <= MASK_FILL_THRESHOLD
-    t = const(value)
-    return isinstance(t, torch.Tensor) and t.numel() > 0 and bool((t <= MASK_FILL_THRESHOLD).all())
-
-
-def _match(sm: fx.Node, const: _ConstEval) -> _Site:
-    site = _Site(softmax=sm)
-    x = sm.args[0] if sm.args else sm.kwargs.get("input")
-    if not isinstance(x, fx.Node) or shape_of(x) is None:
-        raise Skip("softmax input is not a tensor")
-    ndim = len(shape_of(x))
-    dim = _arg(sm, 1, "dim", None)
-    if not isinstance(dim, int) or dim % ndim != ndim - 1:
-        raise Skip(f"softmax over a different dim ({dim}), not the last one")
-    if ndim < 3:
-        raise Skip("scores are not batched (fewer than 3 dims)")
-
-    # -- forward from softmax: casts, dropout, then probs @ v ------------------------------------------
-    site.chain.append(sm)
-    y = _single_user(sm, "the softmax output")
-    while True:
-        if _is_cast(y):
-            site.chain.append(y)
-            y = _single_user(y, "the attention weights")
-            continue
-        if _is_same_shape_view(y):
-            site.chain.append(y)
-            y = _single_user(y, "the attention weights")
-            continue
-        hm = _merge_view_heads(y)
-        if hm is not None and site.heads is None:
-            site.heads = hm
-            site.chain.append(y)
-            y = _single_user(y, "the attention weights")
-            continue
-        p = _dropout_of(y)
-        if p is not None:
-            if site.dropout_p:
-                raise Skip("two dropouts on the attention weights")
-            site.dropout_p = p
-            site.chain.append(y)
-            y = _single_user(y, "the attention weights")
-            continue
-        break
-    if not _is_matmul(y) or y.args[0] is not site.chain[-1] or len(y.args) < 2:
-        raise Skip(f"the attention weights feed {op_name(y)}, not weights @ v")
-    site.pv, site.v = y, y.args[1]
-
-    # -- backward from softmax: scale, masks, casts, down to q @ k^T -----------------------------------
-    x_shape = shape_of(x)
-    chain_back = []
-    split_seen = False
-    order = {n: i for i, n in enumerate(sm.graph.nodes)}
-    consumer, done_inplace = sm, set()
-    while True:
-        # an in-place op on the scores before they are read (``att.masked_fill_(m, -inf); softmax(att)``):
-        # Dynamo keeps the read on the original node, so the mutation is only visible as another user
-        inplace = [u for u in x.users if u is not consumer and u not in done_inplace and _is_inplace(u)
-                   and u.args and u.args[0] is x and order[u] < order[consumer]]
-        if inplace:
-            if len(inplace) > 1:
-                raise Skip("the scores are mutated in place by several ops between the matmul and the softmax")
-            cur = inplace[0]
-            done_inplace.add(cur)
-        elif _is_matmul(x) or _is_baddbmm(x):
-            break
-        else:
-            cur = x
-        if cur is x and site.heads is not None and not split_seen and _split_view_of(cur, site.heads):
-            # BLOOM: (B*H, Sq, Sk) scores viewed as (B, H, Sq, Sk); below this point terms are in the 3-D layout
-            chain_back.append(cur)
-            split_seen, nxt = True, cur.args[0]
-            others = [u for u in nxt.users if u is not cur]
-            if others:
-                raise Skip(f"the attention scores ({nxt.name}) are used elsewhere")
-            consumer, x, x_shape = x, nxt, shape_of(nxt)
-            continue
-        if any(_is_inplace(u) and u.args and u.args[0] is x and order[u] > order[consumer] for u in x.users):
-            raise Skip("the scores are mutated in place after the softmax reads them")
-        if shape_of(cur) != x_shape:
-            raise Skip(f"{op_name(cur)} broadcasts the scores to another shape")
-        chain_back.append(cur)
-        args = cur.args
-        if _is_cast(cur):
-            nxt = args[0]
-        elif _is_same_shape_view(cur):
-            nxt = args[0]
-        elif is_fn(cur, _MUL_FNS) or is_method(cur, {"mul_", "__imul__"}):
-            a, b = args[0], args[1]
-            nxt, c = (a, b) if isinstance(a, fx.Node) and not isinstance(b, fx.Node) else (b, a)
-            if not is_number(c):
-                raise Skip("scale not constant (multiplied by a tensor)")
-            if c <= 0:
-                raise Skip(f"scale not constant positive ({c})")
-            site.scale *= c
-        elif is_fn(cur, _DIV_FNS) or is_method(cur, {"div_", "__itruediv__"}):
-            nxt, c = args[0], args[1]
-            if cur.kwargs.get("rounding_mode") is not None:
-                raise Skip("scores divided with a rounding mode")
-            if not is_number(c):
-                raise Skip("scale not constant (divided by a tensor)")
-            if c <= 0:
-                raise Skip(f"scale not constant positive (1/{c})")
-            site.scale /= c
-        elif is_fn(cur, _ADD_FNS) or is_method(cur, {"add_", "__iadd__"}):
-            if cur.kwargs.get("alpha", 1) != 1:
-                raise Skip("scores added with alpha")
-            a, b = args[0], args[1]
-            a_chain = isinstance(a, fx.Node) and shape_of(a) == x_shape
-            nxt, m = (a, b) if a_chain and (not isinstance(b, fx.Node) or shape_of(b) != x_shape
-                                            or not _depends_on_matmul(b)) else (b, a)
-            if is_number(m):
-                pass  # a constant shift: softmax is invariant to it
-            elif isinstance(m, fx.Node):
-                # walking back: softmax input = scale * node + terms, so a term added here is scaled by
-                # every multiplication that comes after it in the program (those seen so far)
-                site.additive.append((m, site.scale))
-                if split_seen:
-                    site.split_terms.add(m)
-            else:
-                raise Skip(f"scores added to {type(m).__name__}")
-        elif is_method(cur, {"masked_fill_"}) or is_fn(cur, {torch.masked_fill}):
-            nxt, mask, value = args[0], _arg(cur, 1, "mask"), _arg(cur, 2, "value")
-            if not _fill_value_ok(value, const):
-                raise Skip(f"masked_fill with {value!r} is not a mask (needs -inf or <= {MASK_FILL_THRESHOLD:g})")
-            site.allowed.append((mask, True))
-            if split_seen:
-                site.split_terms.add(mask)
-        elif is_fn(cur, {torch.where}) and len(args) == 3:
-            cond, a, b = args
-            if a is not None and isinstance(a, fx.Node) and shape_of(a) == x_shape and _fill_value_ok(b, const):
-                nxt, negate = a, False
-            elif isinstance(b, fx.Node) and shape_of(b) == x_shape and _fill_value_ok(a, const):
-                nxt, negate = b, True
-            else:
-                raise Skip("where() on the scores does not fill with -inf or a large negative value")
-            site.allowed.append((cond, negate))
-            if split_seen:
-                site.split_terms.add(cond)
-        else:
-            raise Skip(f"unrecognised op {op_name(cur)} between q @ k^T and softmax")
-        if not isinstance(nxt, fx.Node):
-            raise Skip("scores chain is broken")
-        if cur is not x:
-            continue  # the in-place op was applied to x itself: x is processed next, for the same consumer
-        others = [u for u in nxt.users if u is not cur and not (_is_inplace(u) and u.args and u.args[0] is nxt)]
-        if others:
-            if any(nxt in _ancestors(m) for m, _ in site.additive + site.allowed if isinstance(m, fx.Node)):
-                raise Skip("mask depends on data (it is computed from the attention scores)")
-            raise Skip(f"the attention scores ({nxt.name}) are used elsewhere")
-        consumer, x = x, nxt
-    if site.heads is not None and not split_seen:
-        raise Skip("the attention weights are viewed as (batch*heads, q, k) but the scores were not split the same way")
-    site.qk = x
-    site.chain.extend(chain_back)
-    site.chain.append(x)
-    if _is_baddbmm(x):
-        # beta * bias + alpha * (q @ k^T): the bias is one more additive term (scaled like the scores after it)
-        bias, b1, b2, beta, alpha = _baddbmm_parts(x)
-        if not (is_number(beta) and is_number(alpha)) or alpha <= 0:
-            raise Skip(f"baddbmm with beta={beta!r}, alpha={alpha!r} (needs constant numbers, alpha > 0)")
-        if isinstance(bias, fx.Node) and beta != 0:
-            site.additive.append((bias, site.scale * beta))
-            if split_seen:
-                site.split_terms.add(bias)
-        elif not (is_number(bias) or beta == 0):
-            raise Skip("baddbmm bias is not a tensor")
-        site.scale *= alpha
-        site.q, site.k_t = b1, b2
-    else:
-        site.q, site.k_t = x.args[0], x.args[1]
-    if not all(isinstance(n, fx.Node) for n in (site.q, site.k_t, site.v)):
-        raise Skip("q, k or v is not a tensor")
-
-    # masks must not be computed from the scores themselves
-    for m, _ in site.additive + site.allowed:
-        if not isinstance(m, fx.Node):
-            raise Skip("mask is not a tensor")
-        anc = _ancestors(m)
-        if any(n in anc for n in site.chain) or site.pv in anc:
-            raise Skip("mask depends on data (it is computed from the attention scores)")
-    for m, _ in site.additive:
-        mv = val(m)
-        if not isinstance(mv, torch.Tensor) or not mv.dtype.is_floating_point:
-            raise Skip("additive term is not a float tensor")
-        if mv.requires_grad:
-            raise Skip("bias is not a mask: it requires grad (a learned bias such as T5's relative bias)")
-    for m, _ in site.allowed:
-        mv = val(m)
-        if not isinstance(mv, torch.Tensor) or mv.dtype != torch.bool:
-            raise Skip("mask is not a boolean tensor")
-    return site
-
-
-def _is_inplace(n: Any) -> bool:
-    """An in-place arithmetic op (``/=``, ``*=``, ``+=``, ``masked_fill_``, ``add_``...)."""
-    return isinstance(n, fx.Node) and ((n.op == "call_function" and n.target in _INPLACE)
-                                       or (n.op == "call_method" and n.target in _INPLACE))
-
-
-def _is_same_shape_view(n: Any) -> bool:
-    """A view/reshape/contiguous that keeps the shape (Falcon's ``scores.view(b, h, q, kv)``)."""
-    if not (is_method(n, _SAME_SHAPE_VIEWS) or is_fn(n, {torch.reshape, torch.flatten})):
-        return False
-    src = n.args[0] if n.args else None
-    return isinstance(src, fx.Node) and shape_of(src) is not None and shape_of(src) == shape_of(n)
-
-
-def _depends_on_matmul(n: fx.Node) -> bool:
-    return any(_is_matmul(a) or _is_baddbmm(a) for a in _ancestors(n))
-
-
-def _split_view_of(n: Any, heads: tuple) -> bool:
-    """``n`` views a (B*H, S, T) tensor as (B, H, S, T) with ``heads == (B, H)`` (BLOOM's scores)."""
-    if not (is_method(n, {"view", "reshape"}) or is_fn(n, {torch.reshape})):
-        return False
-    src = n.args[0] if n.args else None
-    a, b = shape_of(src), shape_of(n)
-    return (_static(a) and _static(b) and len(a) == 3 and len(b) == 4 and tuple(b[:2]) == tuple(heads)
-            and a[0] == b[0] * b[1] and a[1:] == b[2:])
-
-
-def _term_4d(t: torch.Tensor, site: _Site, node: fx.Node) -> torch.Tensor | None:
-    """A mask term's value in the (B, H, Sq, Sk) layout of the scores (terms of BLOOM's (B*H, ...) layout are
-    split), or None when it cannot be."""
-    if site.heads is None or node not in site.split_terms or t.dim() < 3:
-        return t
-    B, H = site.heads
-    if t.shape[0] == B * H:
-        return t.reshape(B, H, *t.shape[1:])
-    if t.shape[0] == 1:
-        return t.unsqueeze(0)
-    return None
-
-
-def _strip_transpose(kt: fx.Node) -> fx.Node | None:
-    """k when ``kt`` is ``k.transpose(-2, -1)`` (any spelling), else None."""
-    shape = shape_of(kt)
-    if shape is None:
-        return None
-    nd = len(shape)
-    if is_fn(kt, {torch.transpose}):
-        d0, d1 = kt.args[1], kt.args[2]
-        if isinstance(d0, int) and isinstance(d1, int) and {d0 % nd, d1 % nd} == {nd - 2, nd - 1}:
-            return kt.args[0]
-    if is_method(kt, {"permute"}) or is_fn(kt, {torch.permute}):
-        dims = kt.args[1:] if is_method(kt, {"permute"}) else kt.args[1]
-        if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
-            dims = dims[0]
-        dims = [d % nd for d in dims] if all(isinstance(d, int) for d in dims) else None
-        if dims == list(range(nd - 2)) + [nd - 1, nd - 2]:
-            return kt.args[0]
-    return None
-
-
-def _repeat_kv_patterns() -> list:
-    """HF ``repeat_kv``: ``kv[:, :, None].expand(B, Hkv, r, S, D).reshape(B, H, S, D)`` and its spellings
-    (``unsqueeze(kv, 2)``; ``expand`` with a size tuple; ``view``/``torch.reshape``; sizes as a tuple)."""
-    def sizes(n):  # NOTE: one Ignored per position: a pattern object met twice must match one node
-        return [pm.Ignored() for _ in range(n)]
-
-    kv = pm.KeywordArg("kv")
-    inserts = [pm.CallMethod("unsqueeze", kv, pm.KeywordArg("dim"), _users=pm.MULTIPLE),
-               pm.CallFunction(torch.unsqueeze, kv, pm.KeywordArg("dim"), _users=pm.MULTIPLE),
-               pm.CallFunction(operator.getitem, kv, pm.KeywordArg("index"), _users=pm.MULTIPLE)]
-    expands = [pm.CallMethod("expand", ins, *sizes(k), _users=pm.MULTIPLE) for ins in inserts for k in (5, 1)]
-    return [p for e in expands for p in (
-        pm.CallMethod(["reshape", "view"], e, *sizes(4), _users=pm.MULTIPLE),
-        pm.CallMethod(["reshape", "view"], e, *sizes(1), _users=pm.MULTIPLE),
-        pm.CallFunction(torch.reshape, e, *sizes(1), _users=pm.MULTIPLE))]
-
-
-_REPEAT_KV = _repeat_kv_patterns()
-
-
-def _match_repeat_kv(n: fx.Node) -> "pm.Match | None":
-    for pattern in _REPEAT_KV:
-        m = pattern.match(n)
-        if m:
-            return m
-    return None
-
-
-def _unrepeat(n: fx.Node, const: _ConstEval) -> tuple[fx.Node, int] | None:
-    """(un-repeated K or V, repeat factor) when ``n`` repeats KV heads as ``repeat_interleave`` does."""
-    shape = shape_of(n)
-    if shape is None or len(shape) != 4:
-        return None
-    B, H, S, D = shape
-    # expand + reshape (HF repeat_kv), with the new axis right after the heads: the fixed shape of the
-    # pattern by torch's pattern matcher, the axis and shapes as its extra check
-    m = _match_repeat_kv(n)
-    if m is not None:
-        z, x, y = m.kwargs["kv"], n.args[0], n.args[0].args[0]
-        xs, ys = shape_of(x), shape_of(y)
-        if xs is None or ys is None or len(xs) != 5 or len(ys) != 5:
-            return None
-        if ys[2] != 1 or ys[:2] + ys[3:] != xs[:2] + xs[3:]:
-            return None
-        if xs[0] != B or xs[1] * xs[2] != H or xs[3:] != (S, D):
-            return None
-        if "dim" in m.kwargs:
-            if not (isinstance(m.kwargs["dim"], int) and m.kwargs["dim"] % 5 == 2):
-                return None
-        else:
-            idx = m.kwargs["index"]
-            idx = idx if isinstance(idx, tuple) else (idx,)
-            full = all(i is None or i is Ellipsis or i == slice(None) for i in idx)
-            if not (full and sum(i is None for i in idx) == 1 and Ellipsis not in idx and idx.index(None) == 2):
-                return None
-        if shape_of(z) == (B, xs[1], S, D):
-            return z, xs[2]
-        return None
-    if is_method(n, {"reshape", "view"}) or is_fn(n, {torch.reshape}):
-        return None
-    # repeat_interleave(r, dim=1)
-    if is_method(n, {"repeat_interleave"}) or is_fn(n, {torch.repeat_interleave}):
-        r = _arg(n, 1, "repeats")
-        d = _arg(n, 2, "dim")
-        z = n.args[0]
-        if is_number(r) and isinstance(d, int) and d % 4 == 1 and shape_of(z) == (B, H // int(r), S, D):
-            return z, int(r)
-        return None
-    # indexing with arange(H) // r along the head dim
-    idx, z = None, None
-    if is_fn(n, {operator.getitem}) and isinstance(n.args[1], tuple) and len(n.args[1]) >= 2:
-        sel = n.args[1]
-        if sel[0] == slice(None) and isinstance(sel[1], fx.Node) and all(s == slice(None) for s in sel[2:]):
-            idx, z = sel[1], n.args[0]
-    elif is_fn(n, {torch.index_select}) or is_method(n, {"index_select"}):
-        if _arg(n, 1, "dim") in (1, -3):
-            idx, z = _arg(n, 2, "index"), n.args[0]
-    if idx is not None and shape_of(z) is not None and len(shape_of(z)) == 4:
-        hkv = shape_of(z)[1]
-        t = const(idx)
-        if isinstance(t, torch.Tensor) and hkv and H % hkv == 0 and t.shape == (H,):
-            r = H // hkv
-            if torch.equal(t.cpu().long(), torch.arange(H) // r):
-                return z, r
-    return None
-
-
-def _allowed(site: _Site, const: _ConstEval, keep_of) -> torch.Tensor | None:
-    """The combined "attend" mask when every mask term is a known constant, else None; ``keep_of(t)`` reads
-    an additive term as "attend" (None: the term is not a mask)."""
-    allowed = None
-    terms = [(m, negate, False) for m, negate in site.allowed] + [(m, False, True) for m, _ in site.additive]
-    for m, negate, additive in terms:
-        t = _const_term(m, site, const)
-        if not isinstance(t, torch.Tensor):
-            return None
-        t = keep_of(t) if additive else (~t if negate else t)
-        if t is None:
-            return None
-        allowed = t if allowed is None else allowed & t
-    return allowed
-
-
-def _causal_allowed(site: _Site, const: _ConstEval) -> torch.Tensor | None:
-    """The "attend" mask when the terms are constant 0 / -inf masks (a real bias is not), else None."""
-    def keep_of(t):
-        keep, drop = t == 0, t <= MASK_FILL_THRESHOLD
-        return keep if bool((keep | drop).all()) else None
-
-    return _allowed(site, const, keep_of)
-
-
-def _const_term(m: fx.Node, site: _Site, const: _ConstEval) -> torch.Tensor | None:
-    t = const(m)
-    return _term_4d(t, site, m) if isinstance(t, torch.Tensor) else None
-
-
-def _is_causal(site: _Site, const: _ConstEval) -> bool:
-    if not site.additive and not site.allowed:
-        return False
-    shape = shape_of(site.qk)
-    sq, sk = shape[-2], shape[-1]
-    if sq != sk:
-        return False
-    allowed = _causal_allowed(site, const)
-    if allowed is None or allowed.dim() < 2 or tuple(allowed.shape[-2:]) != (sq, sk):
-        return False
-    tril = torch.ones(sq, sk, dtype=torch.bool, device=allowed.device).tril()
-    return bool((allowed == tril).all())
-
-
-def _rows_nonempty(site: _Site, const: _ConstEval) -> bool:
-    """True when the mask is a known constant in which every query row attends to at least one key
-    (additive terms: a value above the mask threshold, e.g. an ALiBi bias, counts as attending)."""
-    allowed = _allowed(site, const, lambda t: t > MASK_FILL_THRESHOLD)
-    return isinstance(allowed, torch.Tensor) and allowed.dim() >= 1 and bool(allowed.any(-1).all())
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -712,7 +145,7 @@ class FuseAttention(effpass.Pass):
     # -- the hook -----------------------------------------------------------------------------------------
     def transform_torch_ir(self, gm: fx.GraphModule, ctx) -> effpass.PassResult:
         graph = gm.graph
-        const = _ConstEval(gm, ctx, self.assume_constant_buffers, self.max_mask_eval_elements)
+        const = ConstEval(gm, ctx, self.assume_constant_buffers, self.max_mask_eval_elements)
         regions = AutocastRegions(graph)
         stats = {"rewritten": 0, "fused": 0, "unfused": 0, "causal": 0, "attn_mask": 0, "gqa": 0, "dropout": 0,
                  "empty_row_guard": 0, "skipped": 0}
@@ -720,9 +153,9 @@ class FuseAttention(effpass.Pass):
         skipped = []
         # the scope keeps the softmaxes in targets/exclude (and warns, naming the pass, when it keeps none)
         for sm in ctx.scope.select_nodes(gm, [n for n in graph.nodes if is_softmax(n)], what="attention softmax"):
-            where = f"{module_path_of_node(sm) or '<root>'}:{sm.name}"
+            where = site_name(sm)
             try:
-                site = _match(sm, const)
+                site = match_site(sm, const)
                 self._rewrite(graph, site, const, stats, unfused, where, regions)
             except Skip as e:
                 stats["skipped"] += 1
@@ -734,10 +167,10 @@ class FuseAttention(effpass.Pass):
         # (flag "unfused"), so the dump and report show every site that does not get a fused kernel, and why
         return effpass.PassResult(changed=changed, stats=stats, skipped=skipped + unfused)
 
-    def _rewrite(self, graph: fx.Graph, site: _Site, const: _ConstEval, stats: dict, unfused: list,
+    def _rewrite(self, graph: fx.Graph, site: Site, const: ConstEval, stats: dict, unfused: list,
                  where: str, autocast: AutocastRegions) -> None:
         qv, vv = val(site.q), val(site.v)
-        k = _strip_transpose(site.k_t)
+        k = strip_transpose(site.k_t)
         kv_ = val(k) if k is not None else None
         if k is not None and (kv_ is None or kv_.dim() != qv.dim()):
             k = None
@@ -769,10 +202,10 @@ class FuseAttention(effpass.Pass):
         elif tuple(qv.shape[:-2]) != tuple(kt_shape[:-2]) or tuple(qv.shape[:-2]) != tuple(vv.shape[:-2]):
             raise Skip("q, k, v batch dims differ (broadcast matmul)")
         if self.gqa and k is not None and not mqa:
-            ku, vu = _unrepeat(k, const), _unrepeat(site.v, const)
+            ku, vu = unrepeat(k, const), unrepeat(site.v, const)
             if ku and vu and ku[1] == vu[1] and shape_of(ku[0])[1] == shape_of(vu[0])[1] and ku[1] > 1:
                 k_base, v_base, rep = ku[0], vu[0], ku[1]
-        causal = self.prove_causal and _is_causal(site, const)
+        causal = self.prove_causal and is_causal(site, const)
 
         with graph.inserting_before(site.pv):
             new_nodes = []
@@ -833,7 +266,7 @@ class FuseAttention(effpass.Pass):
             # all masked with a finite fill (HF's finfo.min; left-padded batches), and -inf fills give NaN. Where
             # such rows cannot be ruled out at compile time (a mask from the inputs), masked_sdpa gives them every
             # key and a zero query (uniform weights: eager's result) so the fused kernel never sees an empty row.
-            rows_safe = attn_mask is None or _rows_nonempty(site, const)
+            rows_safe = attn_mask is None or rows_nonempty(site, const)
             kwargs = dict(attn_mask=attn_mask, dropout_p=site.dropout_p, is_causal=causal, scale=site.scale)
             if rep > 1:
                 kwargs["enable_gqa"] = True
@@ -841,7 +274,7 @@ class FuseAttention(effpass.Pass):
             fused = call(fn, q_in, k_base, v_base, **kwargs)
             if site.heads is not None:
                 fused = call(torch.reshape, fused, shape_of(site.pv))
-        _set_meta(new_nodes, site.pv)
+        annotate_new_nodes(new_nodes, site.pv)
         site.pv.replace_all_uses_with(fused)
         dead = [site.pv, *site.chain]
         if k is not None:
@@ -863,7 +296,7 @@ class FuseAttention(effpass.Pass):
                             "reason": f"rewritten to SDPA, but SDPA runs its unfused math op: {why}"})
 
 
-def _why_unfused(qv, kv, vv, attn_mask, site: _Site, gqa: bool) -> str | None:
+def _why_unfused(qv, kv, vv, attn_mask, site: Site, gqa: bool) -> str | None:
     """None when SDPA will pick a fused kernel for this call, else the reason it runs its math op.
 
     Asks SDPA's own dispatcher (``torch._fused_sdp_choice``) on tiny real tensors with the site's dtype,
@@ -891,10 +324,3 @@ def _why_unfused(qv, kv, vv, attn_mask, site: _Site, gqa: bool) -> str | None:
                 f"{'a ' + str(mv.dtype if isinstance(mv, torch.Tensor) else 'mask') + ' mask' if attn_mask is not None else 'no mask'}"
                 f"{', GQA' if gqa else ''}{f', dropout {site.dropout_p}' if site.dropout_p else ''} on {qv.device.type}")
     return None
-
-
-def _set_meta(nodes: list[fx.Node], like: fx.Node) -> None:
-    """Copy provenance from the replaced node and compute fake example values for the new nodes."""
-    for n in nodes:
-        copy_provenance(n, like)
-    infer_fake_values(nodes)

@@ -62,7 +62,8 @@ import torch.nn as nn
 import effpass
 from effpass.graph import transformer_blocks
 
-__all__ = ["ShardSequence", "build_sequence_mesh", "sequence_parallel_sampler", "state_of"]
+__all__ = ["ShardSequence", "build_sequence_mesh", "sequence_parallel_sampler", "sequence_parallel_trainer",
+           "shard_batches_for_group", "state_of"]
 
 IGNORE_INDEX = -100
 #: sequence mixers an all-to-all around attention cannot serve
@@ -94,6 +95,8 @@ class _State:
         self.rank = dist.get_rank(self.group)
         self.reduce_gradients = reduce_gradients
         self.full_len: int | None = None
+        #: the current call has no attention_mask and no position_ids: one unpadded, unpacked sequence per row
+        self.plain_causal = False
 
     def local(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
         s = t.shape[dim] // self.size
@@ -134,15 +137,52 @@ def _sp_attention(module, query, key, value, attention_mask, **kwargs):
     sp = getattr(module, "_effpass_sp_attn", None)
     if sp is None:
         raise RuntimeError(f"shard_sequence: attention module {type(module).__name__} was not prepared by the pass")
-    state, inner, kv_rep = sp
+    state, inner, kv_rep, pad = sp
     n, group = state.size, state.group
     if kv_rep > 1:
         key, value = key.repeat_interleave(kv_rep, dim=1), value.repeat_interleave(kv_rep, dim=1)
+    heads = query.shape[1]
+    if pad:   # uneven_heads="pad": zero heads up to a multiple of n; their outputs are dropped below
+        zeros = (0, 0, 0, 0, 0, pad)
+        query, key, value = (torch.nn.functional.pad(t, zeros) for t in (query, key, value))
     q = heads_from_tokens(query, n, group)
     k = heads_from_tokens(key, n, group)
     v = heads_from_tokens(value, n, group)
     out, weights = inner(module, q, k, v, attention_mask, **kwargs)
-    return tokens_from_heads(out, n, group), None
+    out = tokens_from_heads(out, n, group)
+    return (out[:, :, :heads] if pad else out), None
+
+
+# -- the causal mask --------------------------------------------------------------------------------------
+#: state of each prepared model, by id of its config (the mask interface gets the config, not the module)
+_STATES: dict[int, _State] = {}
+#: call arguments that leave the model's causal mask plain causal (any other argument, e.g. token_type_ids or
+#: mm_token_type_ids, may add mask functions: the mask is then built as Hugging Face builds it)
+_PLAIN_CALL_KWARGS = frozenset({"input_ids", "inputs_embeds", "labels", "shift_labels", "num_items_in_batch",
+                                "use_cache", "return_dict", "output_attentions", "output_hidden_states",
+                                "logits_to_keep"})
+
+
+def _sp_sdpa_mask(*args, **kwargs):
+    """Hugging Face's ``sdpa_mask``, except for calls that are plain causal: then no mask (SDPA's ``is_causal``).
+
+    Under Dynamo Hugging Face cannot rule out packing (it reads ``position_ids`` values), so it never skips the
+    causal mask and builds a whole ``S x S`` one, which sequence parallelism cannot shrink (attention sees
+    whole sequences). The root pre-hook knows the call had no ``attention_mask`` and no ``position_ids``
+    (positions are the model's own ``arange``: nothing packed, nothing padded) and nothing else that could
+    add to the mask (:data:`_PLAIN_CALL_KWARGS`). Mask calls that add anything (sliding or chunked windows
+    pass ``local_size``, extra or/and mask functions set ``use_vmap``, bidirectional masks pass
+    ``allow_is_bidirectional_skip``) build the mask as Hugging Face does."""
+    from transformers.masking_utils import sdpa_mask
+
+    cfg = kwargs.get("config")
+    state = _STATES.get(id(cfg)) if cfg is not None else None
+    if (state is not None and state.plain_causal and not args and kwargs.get("attention_mask") is None
+            and kwargs.get("q_length") == kwargs.get("kv_length") and not kwargs.get("q_offset")
+            and not kwargs.get("kv_offset") and kwargs.get("local_size") is None and not kwargs.get("use_vmap")
+            and "allow_is_bidirectional_skip" not in kwargs):
+        return None
+    return sdpa_mask(*args, **kwargs)
 
 
 # -- the hooks -----------------------------------------------------------------------------------------
@@ -162,6 +202,10 @@ def _root_pre_hook(state: _State):
                 f"{state.size}; pad it to {length + pad} (a multiple of {state.size}: e.g. the collator's "
                 f"pad_to_multiple_of={state.size}, with labels -100 and attention_mask 0 on the padding)")
         state.full_len = length
+        # NOTE(memory): without attention_mask and position_ids the model makes arange positions itself: no
+        # padding, no packing, so its causal mask is plain causal (see _sp_sdpa_mask)
+        state.plain_causal = len(args) <= 1 and all(k in _PLAIN_CALL_KWARGS for k, v in kwargs.items()
+                                                     if v is not None)
         labels = kwargs.get("labels")
         if labels is not None:
             if kwargs.get("shift_labels") is None:
@@ -225,9 +269,9 @@ def _block_pre_hook(state: _State):
     return hook
 
 
-def _grad_hook(group):
+def _grad_hook(group, state: _State):
     def hook(param):
-        if param.grad is not None:
+        if param.grad is not None and state.reduce_gradients:
             dist.all_reduce(param.grad, op=dist.ReduceOp.AVG if _has_avg() else dist.ReduceOp.SUM, group=group)
             if not _has_avg():
                 param.grad.div_(dist.get_world_size(group))
@@ -271,6 +315,17 @@ def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module, Any]]:
     return out
 
 
+def _ring_note() -> str:
+    """What torch's ring attention (``context_parallel``) could do here (feature-tested)."""
+    try:
+        from torch.distributed.tensor.experimental import context_parallel  # noqa: F401
+    except ImportError:
+        return "this torch has no torch.distributed.tensor.experimental.context_parallel"
+    return ("this torch has torch.distributed.tensor.experimental.context_parallel, but it shards only CUDA SDPA "
+            "flash/efficient/cuDNN calls (no CPU, no custom masks such as packed or sliding-window ones) and "
+            "needs the buffers sharded outside the model; it is not wired into this pass")
+
+
 def _kv_replication(heads: int, kv_heads: int, n: int) -> int:
     """The smallest factor r (dividing heads/kv_heads) with kv_heads * r divisible by n."""
     groups = heads // kv_heads
@@ -307,9 +362,15 @@ class ShardSequence(effpass.Pass):
         "doc": "average each gradient over the mesh after backward (default: unless wrap_fsdp is in the "
                "pipeline, whose reduce-scatter over all ranks does it)"})
 
+    uneven_heads: str = field(default="error", metadata={
+        "doc": "heads the group size does not divide: 'error' (names the valid sizes) or 'pad' (zero heads up to a "
+               "multiple of the group; exact, more attention compute)"})
+
     summary = "Ulysses sequence parallelism: each rank keeps 1/n of the tokens, all-to-all around attention"
 
     def validate(self) -> None:
+        if self.uneven_heads not in ("error", "pad"):
+            raise ValueError(f"shard_sequence: uneven_heads={self.uneven_heads!r}; valid: 'error', 'pad'")
         if self.size < 0:
             raise ValueError(f"shard_sequence: size must be >= 1 (or 0 for the whole world), got {self.size}")
 
@@ -361,14 +422,21 @@ class ShardSequence(effpass.Pass):
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         if heads is None:
             raise ValueError(f"shard_sequence: the config {type(cfg).__name__} has no num_attention_heads")
-        if heads % n:
-            raise ValueError(
-                f"shard_sequence: {heads} attention heads cannot be split over {n} ranks; valid sequence-parallel "
-                f"sizes for this model: {[d for d in range(1, heads + 1) if heads % d == 0]} (torch's ring "
-                "context_parallel is not used as a fallback: it needs CUDA SDPA kernels)")
         if heads % kv_heads:
             raise ValueError(f"shard_sequence: {heads} heads are not a multiple of {kv_heads} key/value heads")
-        kv_rep = _kv_replication(heads, kv_heads, n)
+        pad = 0
+        if heads % n:
+            if self.uneven_heads != "pad":
+                raise ValueError(
+                    f"shard_sequence: {heads} attention heads ({kv_heads} key/value heads) cannot be split over {n} "
+                    f"ranks; valid sequence-parallel sizes for this model: "
+                    f"{[d for d in range(1, heads + 1) if heads % d == 0]}, or ShardSequence(uneven_heads='pad') "
+                    f"(zero heads up to {-(-heads // n) * n}: exact, {(-(-heads // n) * n) / heads:.2f}x the attention "
+                    f"compute). torch's ring context_parallel is not a fallback here: {_ring_note()}")
+            pad = -heads % n
+            kv_rep = heads // kv_heads          # key/value expanded to one per query head, then padded too
+        else:
+            kv_rep = _kv_replication(heads, kv_heads, n)
 
         from transformers import AttentionInterface
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
@@ -377,13 +445,15 @@ class ShardSequence(effpass.Pass):
         base = impl.removeprefix("effpass_sp_")
         name = f"effpass_sp_{base}"
         AttentionInterface.register(name, _sp_attention)
-        if base in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+        if base == "sdpa":
             # NOTE(memory): under Dynamo Hugging Face never skips the causal mask (it cannot rule out packing
-            # there), so a compiled model builds a whole S x S mask, which does not shrink with the group.
+            # there); a whole S x S mask per rank would not shrink with the group: skipped for plain calls
+            AttentionMaskInterface.register(name, _sp_sdpa_mask)
+        elif base in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
             AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[base])
         for _, mod, eager in attns:
             inner = eager if base == "eager" else ALL_ATTENTION_FUNCTIONS[base]
-            mod._effpass_sp_attn = (state, inner, kv_rep)
+            mod._effpass_sp_attn = (state, inner, kv_rep, pad)
             if kv_rep > 1 and hasattr(mod, "num_key_value_groups"):
                 mod.num_key_value_groups = mod.num_key_value_groups // kv_rep
         for c in {id(c): c for c in (model.config, cfg)}.values():
@@ -401,13 +471,34 @@ class ShardSequence(effpass.Pass):
             world_group = dist.group.WORLD if mesh.ndim == 1 or mesh.size() == dist.get_world_size() else None
             for p in model.parameters():
                 if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(_grad_hook(world_group))
+                    p.register_post_accumulate_grad_hook(_grad_hook(world_group, state))
                     grad_hooks += 1
         model._effpass_sp = state
+        for c in {id(c): c for c in (model.config, cfg)}.values():
+            _STATES[id(c)] = state
         return effpass.PassResult(changed=True, stats={
             "size": n, "rank": state.rank, "data_parallel": mesh.size() // n, "attention_modules": len(attns),
-            "blocks": len(blocks), "kv_replication": kv_rep, "attn_implementation": name,
+            "blocks": len(blocks), "kv_replication": kv_rep, "padded_heads": pad, "attn_implementation": name,
             "gradient_hooks": grad_hooks})
+
+
+def _data_rank(model_or_mesh, mesh_dim: str, who: str) -> tuple[int, int]:
+    """(this rank's index over the mesh's dimensions other than ``mesh_dim``, their number)."""
+    state = state_of(model_or_mesh) if isinstance(model_or_mesh, nn.Module) else None
+    mesh = state.mesh if state is not None else model_or_mesh
+    if mesh is None or isinstance(mesh, nn.Module):
+        raise ValueError(f"{who}: pass the model prepared by shard_sequence (ShardSequence in its passes) or its "
+                         "DeviceMesh")
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh_dim not in names:
+        raise ValueError(f"{who}: the mesh has no dimension {mesh_dim!r}; it has {list(names)}")
+    coord, shape = mesh.get_coordinate(), mesh.shape
+    dim = names.index(mesh_dim)
+    index, replicas = 0, 1
+    for i, (c, s) in enumerate(zip(coord, shape)):   # the rank's index over the mesh's other dimensions
+        if i != dim:
+            index, replicas = index * s + c, replicas * s
+    return index, replicas
 
 
 def sequence_parallel_sampler(dataset, model_or_mesh=None, *, mesh_dim: str = "sequence", shuffle: bool = True,
@@ -416,19 +507,83 @@ def sequence_parallel_sampler(dataset, model_or_mesh=None, *, mesh_dim: str = "s
     same examples (what ``shard_sequence`` expects), different groups draw different ones."""
     from torch.utils.data.distributed import DistributedSampler
 
-    state = state_of(model_or_mesh) if isinstance(model_or_mesh, nn.Module) else None
-    mesh = state.mesh if state is not None else model_or_mesh
-    if mesh is None:
-        raise ValueError("sequence_parallel_sampler: pass the model prepared by shard_sequence or its DeviceMesh")
-    names = tuple(mesh.mesh_dim_names or ())
-    if mesh_dim not in names:
-        raise ValueError(f"sequence_parallel_sampler: the mesh has no dimension {mesh_dim!r}; it has {list(names)}")
-    coord, shape = mesh.get_coordinate(), mesh.shape
-    dim = names.index(mesh_dim)
-    index, replicas = 0, 1
-    for i, (c, s) in enumerate(zip(coord, shape)):   # the rank's index over the mesh's other dimensions
-        if i != dim:
-            index, replicas = index * s + c, replicas * s
+    index, replicas = _data_rank(model_or_mesh, mesh_dim, "sequence_parallel_sampler")
     return DistributedSampler(dataset, num_replicas=replicas, rank=index, shuffle=shuffle, seed=seed,
                               drop_last=drop_last)
 
+
+def shard_batches_for_group(dataloader, model_or_mesh, *, mesh_dim: str = "sequence"):
+    """Re-shard a data loader that splits batches over *all* ranks so that it splits them over the data ranks
+    only: every rank of a sequence-parallel group then gets the same batches (what ``shard_sequence`` needs).
+
+    Serves accelerate's prepared loaders (what ``Trainer`` and ``accelerator.prepare`` return: the
+    ``BatchSamplerShard`` or ``IterableDatasetShard`` inside) and torch loaders with a ``DistributedSampler``;
+    changed in place and returned. Accelerate's shuffling is seeded the same on every rank, so the ranks of a
+    group draw the same batches in the same order."""
+    index, replicas = _data_rank(model_or_mesh, mesh_dim, "shard_batches_for_group")
+    from torch.utils.data.distributed import DistributedSampler
+
+    if type(dataloader).__name__ == "DataLoaderDispatcher":
+        raise ValueError("shard_batches_for_group: accelerate's dispatch_batches loader (rank 0 reads and scatters "
+                         "slices) cannot give a group the same batch; use dispatch_batches=False "
+                         "(TrainingArguments(accelerator_config={'dispatch_batches': False}))")
+    done = False
+    for obj in (getattr(dataloader, "batch_sampler", None), getattr(dataloader, "dataset", None)):
+        if obj is not None and hasattr(obj, "num_processes") and hasattr(obj, "process_index"):
+            if getattr(obj, "split_batches", False):
+                raise ValueError("shard_batches_for_group: split_batches=True splits every batch over all ranks; "
+                                 "use split_batches=False with shard_sequence")
+            obj.num_processes, obj.process_index = replicas, index
+            done = True
+    sampler = getattr(dataloader, "sampler", None)
+    if isinstance(sampler, DistributedSampler):
+        sampler.num_replicas, sampler.rank = replicas, index
+        n = len(sampler.dataset)
+        sampler.num_samples = (n // replicas if sampler.drop_last and n % replicas
+                               else -(-n // replicas))
+        sampler.total_size = sampler.num_samples * replicas
+        done = True
+    if not done:
+        raise ValueError(f"shard_batches_for_group: {type(dataloader).__name__} does not shard by rank through "
+                         "accelerate (BatchSamplerShard / IterableDatasetShard) or a DistributedSampler; build it "
+                         "with sequence_parallel_sampler(dataset, model) instead")
+    return dataloader
+
+
+def sequence_parallel_trainer(trainer):
+    """Make a Hugging Face ``Trainer`` train a model prepared by ``shard_sequence``; returns the trainer.
+
+    * its train and eval loaders give every rank of a sequence-parallel group the same batches
+      (:func:`shard_batches_for_group`: accelerate otherwise gives every rank different ones);
+    * the pass stops averaging gradients itself: the Trainer's DDP (or FSDP) averages them over all ranks.
+
+    The Trainer's own loss accounting then holds: with ``average_tokens_across_devices`` it counts every
+    group's tokens once per rank (``size`` times) and scales the loss by the number of processes, and the
+    pass's loss carries gradient ``size`` towards each rank's share, so the averaged gradient is the
+    gradient of the whole global batch's loss (``tests/test_shard_sequence.py`` compares it with one process)."""
+    model = trainer.model
+    state = state_of(getattr(model, "module", model))
+    if state is None:
+        raise ValueError("sequence_parallel_trainer: the Trainer's model was not prepared by shard_sequence; "
+                         "compile it with effpass.compile(model, passes=[ShardSequence(size=N), ...]) before "
+                         "building the Trainer")
+    args = trainer.args
+    if getattr(getattr(trainer.accelerator, "parallelism_config", None), "sp_enabled", False) or \
+            getattr(getattr(trainer.accelerator, "parallelism_config", None), "cp_enabled", False):
+        raise ValueError("sequence_parallel_trainer: TrainingArguments(parallelism_config=...) already splits "
+                         "sequences (sp_size/cp_size); use either it or shard_sequence, not both")
+    if getattr(args, "world_size", 1) != dist.get_world_size():
+        raise ValueError(f"sequence_parallel_trainer: the Trainer sees {args.world_size} processes but "
+                         f"torch.distributed has {dist.get_world_size()}; launch with torchrun")
+    state.reduce_gradients = False
+    train_loader, eval_loader = trainer.get_train_dataloader, trainer.get_eval_dataloader
+
+    def get_train_dataloader():
+        return shard_batches_for_group(train_loader(), state.mesh, mesh_dim=state.mesh_dim)
+
+    def get_eval_dataloader(eval_dataset=None):
+        return shard_batches_for_group(eval_loader(eval_dataset), state.mesh, mesh_dim=state.mesh_dim)
+
+    trainer.get_train_dataloader = get_train_dataloader
+    trainer.get_eval_dataloader = get_eval_dataloader
+    return trainer

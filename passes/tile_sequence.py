@@ -65,6 +65,13 @@ __all__ = ["TileSequence", "find_row_regions"]
 
 TAG = "effpass_tile"
 
+
+@dataclass(frozen=True)
+class TiledRegions(effpass.Note):
+    """Left by the torch-IR hook for the joint hook of the same graph: how many regions were tiled."""
+
+    count: int
+
 # ------------------------------------------------------------------------------------------------------
 # what is row-wise
 # ------------------------------------------------------------------------------------------------------
@@ -409,7 +416,8 @@ class TileSequence(effpass.Pass):
                 (keep.append(r) if ok else skipped.append({"site": where, "reason": "outside targets"}))
             regions = keep
         stats = {"regions": 0, "tiles": 0, "rows": 0, "tiled_nodes": 0}
-        base = len(ctx.notes.get(TAG, ()))
+        prev = ctx.read(TiledRegions)
+        base = prev.count if prev is not None else 0
         replaced: dict[fx.Node, fx.Node] = {}
         for i, r in enumerate(regions):
             n = tile_region(gm, r, self.tile_rows, base + i, replaced)
@@ -423,11 +431,11 @@ class TileSequence(effpass.Pass):
         if stats["regions"]:
             gm.graph.lint()
             gm.recompile()
-            ctx.notes.setdefault(TAG, []).extend(range(base, base + stats["regions"]))
+            ctx.leave(TiledRegions(count=base + stats["regions"]))
         return effpass.PassResult(changed=bool(stats["regions"]), stats=stats, skipped=skipped)
 
     def transform_joint(self, gm: fx.GraphModule, ctx) -> effpass.PassResult | None:
-        if ctx.graph_kind != "joint" or not ctx.notes.get(TAG):
+        if ctx.graph_kind != "joint" or ctx.read(TiledRegions) is None:
             return None
         from effpass.graph import is_tangent
 

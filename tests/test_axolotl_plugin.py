@@ -1,6 +1,7 @@
-"""effpass's Axolotl plugin, driven in the order Axolotl's PluginManager calls it (Axolotl itself needs
-Python >= 3.12 and is not installed here): the YAML section turns effpass on, the Trainer trains the
-compiled model with the same losses as effpass.compile by hand, bad sections are named."""
+"""effpass's Axolotl plugin, driven in the order Axolotl's PluginManager calls it, without Axolotl (the project's
+environment has none; tests/test_axolotl_real.py runs the real Axolotl 0.19.0 where scripts/axolotl_check.sh
+installs it): the YAML section turns effpass on, the Trainer trains the compiled model with the same losses as
+effpass.compile by hand, bad sections are named."""
 import copy
 
 import pytest
@@ -78,3 +79,22 @@ def test_bad_sections_are_named(section, match):
 def test_axolotl_torch_compile_is_refused():
     with pytest.raises(ValueError, match="torch_compile: true"):
         parse_effpass_config(DictDefault(effpass={}, torch_compile=True))
+
+
+def test_axolotl_lora_kernels_are_turned_off_before_validation_or_refused():
+    # register() gets the raw config: Axolotl would switch its fused LoRA kernels on for adapter: lora when none is
+    # set; the plugin sets them to false (Dynamo cannot trace the QKV kernel, tests/test_axolotl_real.py)
+    cfg = DictDefault(adapter="lora", effpass={"lowering": "eager"})
+    EffpassPlugin().register(cfg)
+    assert [cfg[k] for k in ("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", "lora_embedding_kernel")] == \
+        [False] * 4
+    # a user's choice stays (Axolotl then auto-enables nothing); no effpass section or another adapter: untouched
+    for cfg in (DictDefault(adapter="lora", lora_mlp_kernel=True, effpass={}), DictDefault(adapter="lora"),
+                DictDefault(adapter="full", effpass={})):
+        before = dict(cfg)
+        EffpassPlugin().register(cfg)
+        assert dict(cfg) == before
+    with pytest.raises(ValueError, match=r"lora_qkv_kernel: true.*Dynamo.*set lora_qkv_kernel: false"):
+        EffpassPlugin().register(DictDefault(adapter="lora", lora_qkv_kernel=True, effpass={}))
+    with pytest.raises(ValueError, match=r"lora_o_kernel: true.*set lora_o_kernel: false"):
+        EffpassPlugin().register(DictDefault(adapter="lora", lora_o_kernel=True, lora_qkv_kernel=False, effpass={}))

@@ -673,7 +673,7 @@ def test_bloom_form_with_operands_cast_to_the_autocast_dtype():
 def test_repeat_kv_forms_are_torch_pattern_matcher_patterns():
     """HF repeat_kv's fixed shape is matched by torch._inductor.pattern_matcher patterns; the new axis and the
     shapes are the extra check (a repeat on another axis is not an un-repeatable K/V)."""
-    from effpass.passes.fuse_attention import _match_repeat_kv, _unrepeat
+    from effpass.passes._attention_match import match_repeat_kv as _match_repeat_kv, unrepeat as _unrepeat
 
     def graph_out(f):
         gms = []
@@ -690,3 +690,41 @@ def test_repeat_kv_forms_are_torch_pattern_matcher_patterns():
     assert got["getitem"][0] and got["getitem"][1][1] == 3 and got["getitem"][1][0].op == "placeholder"
     assert got["unsqueeze"][0] and got["unsqueeze"][1][1] == 3
     assert got["wrong_axis"] == (True, None)
+
+
+def test_attention_spine_is_a_torch_pattern_matcher_pattern():
+    """softmax -> cast -> dropout -> @ v is matched by the SPINE patterns (torch._inductor.pattern_matcher); what
+    each op does and the scale/mask chain are the extra check; a softmax no pattern matches gets its reason."""
+    from torch._inductor import pattern_matcher as pm
+
+    from effpass.canonicalize import canonicalize
+    from effpass.graph import Skip, is_softmax
+    from effpass.passes._attention_match import match_site, spine_of
+    from effpass.passes._attention_proofs import ConstEval
+
+    def spine(q, k, v, mask):
+        w = torch.nn.functional.softmax(q @ k.transpose(-2, -1) * 0.5 + mask, dim=-1, dtype=torch.float32)
+        return torch.nn.functional.dropout(w.to(q.dtype), p=0.0, training=False) @ v
+
+    def weights_returned(q, k, v, mask):
+        w = (q @ k.transpose(-2, -1) + mask).softmax(-1)
+        return w @ v, w
+
+    def site_of(f):
+        gms = []
+        torch._dynamo.reset()
+        x = torch.randn(1, 2, 4, 8)
+        torch.compile(f, backend=lambda gm, ex: gms.append(gm) or gm.forward, fullgraph=True)(x, x, x, torch.zeros(4, 4))
+        canonicalize(gms[0])
+        sm = next(n for n in gms[0].graph.nodes if is_softmax(n))
+        return sm, ConstEval(gms[0], type("Ctx", (), {"example_inputs": None})(), False, 0)
+
+    sm, const = site_of(spine)
+    m = spine_of(sm)
+    assert pm.is_match(m) and [n.name for n in m.nodes][0] == sm.name and len(m.nodes) == 4
+    site = match_site(sm, const)
+    assert site.scale == 0.5 and len(site.additive) == 1 and site.dropout_p == 0.0 and site.pv is m.nodes[-1]
+    sm, const = site_of(weights_returned)
+    assert spine_of(sm) is None
+    with pytest.raises(Skip, match="the softmax output .* is used elsewhere"):
+        match_site(sm, const)

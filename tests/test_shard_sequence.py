@@ -31,7 +31,8 @@ def _free_port() -> int:
 
 
 def _worker(rank, world, port, scenario, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -155,6 +156,11 @@ def _errors(rank, world) -> dict:
     effpass.prepare(model, passes=[ShardSequence(size=2)])
     catch("length", lambda: model(**{k: v[:, :15] for k, v in batch(1).items()}))
     catch("heads", lambda: effpass.prepare(make_model("llama", heads=1, kv_heads=1), passes=[ShardSequence(size=2)]))
+    padded = make_model("llama", heads=1, kv_heads=1)      # uneven_heads="pad": 1 head over 2 ranks, exact
+    effpass.prepare(padded, passes=[ShardSequence(size=2, uneven_heads="pad")])
+    msgs["padded_heads"] = effpass.report(padded).stats("shard_sequence")["padded_heads"]
+    msgs["padded_loss"] = float(padded(**batch(5)).loss)
+    msgs["padded_ref"] = float(make_model("llama", heads=1, kv_heads=1)(**batch(5)).loss)
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "seq"))
     catch("mesh_dim", lambda: effpass.prepare(make_model("llama"), passes=[ShardSequence(mesh=mesh)]))
     cfg = tf.Qwen3NextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -174,7 +180,8 @@ def _errors(rank, world) -> dict:
 
 def _memory(rank, world) -> dict:
     """Peak bytes allocated during a forward + backward (torch.profiler's allocator events), whole sequence in
-    one process vs this rank's share at sp=2; long enough sequences that activations dominate."""
+    one eager process (Hugging Face skips the causal mask there) vs this rank's share at sp=2, compiled; long
+    enough sequences that activations dominate."""
     from effpass.testing.memory import peak_memory
 
     inputs = batch(7, b=1, s=2048)
@@ -188,28 +195,71 @@ def _memory(rank, world) -> dict:
 
     single = step(make_model("llama", attn="sdpa", layers=2))
     model = make_model("llama", attn="sdpa", layers=2)
-    effpass.prepare(model, passes=[ShardSequence(size=2)])
+    # compiled: under Dynamo Hugging Face builds a whole S x S causal mask, which the pass skips for plain calls
+    effpass.compile(model, passes=[ShardSequence(size=2)], lowering="eager")
     return {"single": single, "sp": step(model)}
 
 
+def _trainer(rank, world) -> dict:
+    """Hugging Face Trainer (DDP over the 2 ranks) trains a compiled sp=2 model for 2 steps; the reference is the
+    same 2 steps on the batches the Trainer drew, in one process, with the same optimizer (SGD)."""
+    from transformers import Trainer, TrainingArguments
+
+    from effpass.passes.shard_sequence import sequence_parallel_trainer
+
+    data = [{k: v[0] for k, v in batch(200 + i, b=1).items()} for i in range(8)]
+    model = make_model("llama", attn="sdpa")
+    effpass.compile(model, passes=[ShardSequence(size=2)], lowering="eager")
+    seen, losses = [], []
+    model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].clone()), with_kwargs=True)
+    model.register_forward_hook(lambda m, a, out: losses.append(float(out.loss)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    args = TrainingArguments(output_dir=os.environ["SP_TMP"], per_device_train_batch_size=2, max_steps=2,
+                             use_cpu=True, report_to=[], save_strategy="no", max_grad_norm=0.0, seed=0,
+                             logging_steps=1, disable_tqdm=True, dataloader_num_workers=0)
+    trainer = sequence_parallel_trainer(Trainer(model=model, args=args, train_dataset=data,
+                                                optimizers=(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))))
+    trainer.train()
+    wrapped = type(trainer.model_wrapped).__name__
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    ref = make_model("llama", attn="sdpa")
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    ref_losses = []
+    lookup = {tuple(d["input_ids"].tolist()): d for d in data}
+    for ids in seen:
+        rows = [lookup[tuple(r.tolist())] for r in ids]
+        b_ = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+        loss = ref(**b_).loss
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(float(loss))
+    diff = max(_rel(p.detach(), q.detach()) for p, q in zip(model.parameters(), ref.parameters()))
+    return {"seen": [t.tolist() for t in seen], "losses": losses, "logged": logged, "ref_losses": ref_losses,
+            "weights_rel": diff, "wrapped": wrapped}
+
+
 def scenario_sp2(rank, world):
-    out = [_compare("llama", rank, world, 2),                         # GQA 4 heads / 2 kv heads
-           _compare("qwen3", rank, world, 2, attn="sdpa"),            # q/k norms, SDPA
-           _compare("mistral", rank, world, 2, kv_heads=1),           # sliding window; 1 kv head replicated
-           _compare("llama", rank, world, 2, packed=True, attn="sdpa")]   # packed boundaries from position_ids
-    return out + scenario_compose(rank, world) + [_errors(rank, world), _memory(rank, world)]
-
-
-def scenario_compose(rank, world):
-    from effpass.passes import CheckpointActivations, FuseAttention, FuseCrossEntropy, InjectLoRA
+    """Everything sp=2 checks, in one spawn (each spawn costs imports on 2 ranks). Compiled where the graph
+    matters (the eager model computes the same: the pass installs eager code); prepared only elsewhere."""
+    from effpass.passes import CheckpointActivations, FuseAttention, FuseCrossEntropy, InjectLoRA, PackSequences
+    from effpass.passes import QuantizeLinear
 
     lora = lambda: InjectLoRA(rank=4, alpha=8, targets=["*.q_proj", "*.v_proj"])  # noqa: E731
-    out = []
-    for name, ps in [("fused", (FuseAttention(), FuseCrossEntropy(), CheckpointActivations())), ("lora", (lora(),))]:
-        r = _compare("llama", rank, world, 2, passes=ps, ref_passes=ps if name == "lora" else ())
-        r["name"] = name
-        out.append(r)
-    return out
+    qlora_pack = (QuantizeLinear(scheme="nf4"), lora(), PackSequences())
+    return {
+        "llama": _compare("llama", rank, world, 2),                                   # GQA 4 / 2, eager attention
+        "qwen3": _compare("qwen3", rank, world, 2, attn="sdpa", compile_=False),      # q/k norms, SDPA
+        "mistral": _compare("mistral", rank, world, 2, kv_heads=1, compile_=False),   # sliding window, 1 kv head x2
+        "packed": _compare("llama", rank, world, 2, packed=True, attn="sdpa", compile_=False),  # HF's own packing
+        "fused": _compare("llama", rank, world, 2, passes=(FuseAttention(), FuseCrossEntropy(), CheckpointActivations())),
+        "qlora_pack": _compare("llama", rank, world, 2, attn="sdpa", packed=True, passes=qlora_pack,
+                               ref_passes=qlora_pack),
+        "errors": _errors(rank, world),
+        "memory": _memory(rank, world),
+        "trainer": _trainer(rank, world),
+    }
 
 
 def scenario_dp2_sp2(rank, world):
@@ -218,39 +268,55 @@ def scenario_dp2_sp2(rank, world):
     from effpass.passes.shard_sequence import build_sequence_mesh, sequence_parallel_sampler
 
     sampler = sequence_parallel_sampler(list(range(8)), build_sequence_mesh(2), shuffle=False)
-    return [_compare("llama", rank, world, 2),
+    return [_compare("llama", rank, world, 2, compile_=False),   # the pass averages gradients itself
             _compare("qwen3", rank, world, 2, attn="sdpa", passes=(WrapFSDP(),)),   # FSDP2 over all 4 ranks
             {"sampler": list(sampler)}]
 
 
-def test_shard_sequence_two_ranks_equal_one_process(tmp_path):
+def test_shard_sequence_two_ranks_equal_one_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("SP_TMP", str(tmp_path / "trainer"))
     results = spawn("sp2", 2, tmp_path)
-    errors, memory = results[0][-2], results[0][-1]
+    errors, memory, trainer = results[0]["errors"], results[0]["memory"], results[0]["trainer"]
     assert "15" in errors["length"] and "16" in errors["length"] and "pad_to_multiple_of=2" in errors["length"]
-    assert "1 attention heads cannot be split over 2 ranks" in errors["heads"] and "[1]" in errors["heads"]
+    assert "1 attention heads" in errors["heads"] and "over 2 ranks" in errors["heads"] and "[1]" in errors["heads"]
+    assert "uneven_heads='pad'" in errors["heads"] and "context_parallel" in errors["heads"]
+    assert errors["padded_heads"] == 1
+    assert errors["padded_loss"] == pytest.approx(errors["padded_ref"], rel=1e-5)
     assert "'sequence'" in errors["mesh_dim"] and "['dp', 'seq']" in errors["mesh_dim"]
     assert "Qwen3NextGatedDeltaNet" in errors["mixer"] and "wrap_fsdp" in errors["mixer"]
     assert "size=3" in errors["size"] and "[1, 2]" in errors["size"]
     assert errors["named_mesh_loss"] == pytest.approx(errors["named_mesh_ref"], rel=1e-5)
-    # each rank's activation memory at sp=2 is at most 0.6x one process on the whole sequence
+    # each rank's activation memory at sp=2 (compiled: no whole S x S mask) is at most 0.6x one process
     for r in results:
-        assert r[-1]["sp"] <= 0.6 * r[-1]["single"], r[-1]
-    fused, lora = results[0][4], results[0][5]
+        assert r["memory"]["sp"] <= 0.6 * r["memory"]["single"], r["memory"]
+    fused, qp = results[0]["fused"], results[0]["qlora_pack"]
     assert fused["pass_stats"]["fuse_attention"]["fused"] == 2, fused            # the other passes acted
     assert fused["pass_stats"]["fuse_cross_entropy"]["fused"] == 1, fused
     assert fused["pass_stats"]["checkpoint_activations"]["blocks"] == 2, fused
-    assert lora["pass_stats"]["inject_lora"]["adapters"] == 4, lora
+    assert qp["pass_stats"]["inject_lora"]["adapters"] == 4, qp
+    assert qp["pass_stats"]["quantize_linear"]["quantized"] > 0, qp
+    assert qp["pass_stats"]["pack_sequences"]["sdpa_rewritten"] == 2, qp
     for per_rank in results:
-        for r in per_rank[:-2]:
-            # NOTE: torch 2.13 skips nn.Module._call_impl, so the root's two hooks are frames of their own: the
-            # label-slicing pre-hook, the model (all-to-alls inside, no graph break), the loss-summing hook
-            assert r["graphs"] == 3, r
+        for key in ("llama", "qwen3", "mistral", "packed", "fused", "qlora_pack"):
+            r = per_rank[key]
+            if key in ("llama", "fused", "qlora_pack"):
+                # NOTE: torch 2.13 skips nn.Module._call_impl, so the root's two hooks are frames of their own:
+                # label slicing, the model (all-to-alls inside, no graph break), the loss-summing hook
+                assert r["graphs"] == 3, r
             assert r["missing"] == [], r
             assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * abs(r["ref_loss"]), r
             assert r["max_grad_rel"] <= 1e-5, r
             assert r["stats"]["size"] == 2 and r["stats"]["attention_modules"] == 2
-    assert results[0][2]["stats"]["kv_replication"] == 2          # mistral: 1 kv head over 2 ranks
-    assert results[0][0]["stats"]["kv_replication"] == 1
+    assert results[0]["mistral"]["stats"]["kv_replication"] == 2          # 1 kv head over 2 ranks
+    assert results[0]["llama"]["stats"]["kv_replication"] == 1
+    # Trainer (DDP over the 2 ranks): both ranks drew the same batches; 2 SGD steps equal one process
+    t0, t1 = results[0]["trainer"], results[1]["trainer"]
+    assert t0["wrapped"] == "DistributedDataParallel"
+    assert t0["seen"] == t1["seen"] and len(t0["seen"]) == 2 and t0["seen"][0] != t0["seen"][1]
+    for got, want in zip(trainer["logged"], trainer["ref_losses"]):
+        assert got == pytest.approx(want, rel=1e-4)          # the Trainer logs 4 significant digits
+    assert len(trainer["logged"]) == 2
+    assert trainer["weights_rel"] <= 1e-5 and t1["weights_rel"] <= 1e-5
 
 
 def test_shard_sequence_data2_x_sequence2_equals_one_process(tmp_path):

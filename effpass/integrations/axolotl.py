@@ -18,15 +18,27 @@ creating the Trainer: :class:`EffpassPlugin` returns an
 arguments (Axolotl's own ``torch_compile: true`` would compile the model a second time, bypassing effpass:
 that is an error naming the option). ``effpass:`` absent or ``enabled: false``: the plugin does nothing.
 
-The plugin follows Axolotl's ``BasePlugin`` interface (``axolotl.integrations.base``); it subclasses it when
-Axolotl is importable. Tested here without Axolotl itself (its current releases need Python >= 3.12):
-tests/test_axolotl_plugin.py drives the hooks in the order Axolotl's ``PluginManager`` calls them.
+Axolotl switches its own fused LoRA kernels on for ``adapter: lora`` when the config sets none of the
+``lora_*_kernel`` options; Dynamo cannot trace its QKV and O kernels, so :meth:`EffpassPlugin.register` (which
+gets the raw config before Axolotl validates it) sets the four options to false, and ``lora_qkv_kernel: true``
+or ``lora_o_kernel: true`` is an error naming the option (:func:`disable_auto_lora_kernels`).
+
+The plugin subclasses Axolotl's ``BasePlugin`` (``axolotl.integrations.base``) when Axolotl is importable.
+Tested with the real Axolotl 0.19.0 (the last release that allows Python 3.11), torch 2.13.0 CPU,
+transformers 5.16.1, peft 0.20.0: tests/test_axolotl_real.py (run by scripts/axolotl_check.sh, which builds
+that environment) trains a tiny Llama with LoRA through Axolotl's CLI entry point for 2 steps, with and
+without the plugin: the model is compiled (attention and loss fused) and the losses match (1e-5 relative).
+Not tested: Axolotl on a GPU, ``lowering: inductor``, QLoRA, sample packing, ``memory_budget``/``verify``
+through Axolotl, Axolotl 0.20+ (Python >= 3.12). tests/test_axolotl_plugin.py (in CI, without Axolotl)
+drives the hooks in the order Axolotl's ``PluginManager`` calls them. Axolotl 0.19.0 calls ``post_train``
+twice (after ``trainer.train`` and at the end of ``train``): the report is written twice, the same.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-__all__ = ["EffpassPlugin", "EffpassArgs", "parse_effpass_config", "OPTIONS"]
+__all__ = ["EffpassPlugin", "EffpassArgs", "parse_effpass_config", "disable_auto_lora_kernels", "OPTIONS"]
 
 #: the keys of the ``effpass:`` section, with what each means
 OPTIONS = {
@@ -39,6 +51,16 @@ OPTIONS = {
     "strict": "raise when a pass fails instead of skipping it",
     "dump_dir": "write dumps there, and report.html after training",
 }
+
+
+#: Axolotl's fused LoRA kernel options (``axolotl.kernels.lora``), which it switches on by itself for LoRA
+LORA_KERNELS = ("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", "lora_embedding_kernel")
+#: those effpass refuses: Dynamo fails to trace the backward of Axolotl 0.19.0's ``LoRA_QKV`` and ``LoRA_O``
+#: (torch 2.13, checked on CPU, where these kernels need no Triton); ``lora_mlp_kernel`` (Triton SwiGLU, CUDA only)
+#: and ``lora_embedding_kernel`` were not tried under effpass: allowed when set, with a warning
+REFUSED_LORA_KERNELS = ("lora_qkv_kernel", "lora_o_kernel")
+
+LOG = logging.getLogger(__name__)
 
 
 def _base():
@@ -90,7 +112,33 @@ def parse_effpass_config(cfg) -> dict[str, Any] | None:
     if _get(cfg, "torch_compile") is True:
         raise ValueError("effpass: the Axolotl option torch_compile: true would compile the model a second time "
                          "with Inductor and bypass effpass; set torch_compile: false (effpass compiles the model)")
+    untried = [k for k in LORA_KERNELS if k not in REFUSED_LORA_KERNELS and _get(cfg, k) is True]
+    if untried:
+        LOG.warning("effpass: %s: Axolotl's fused LoRA kernels are autograd.Functions; these were not tried under "
+                    "effpass (its QKV and O kernels fail in Dynamo); set them to false if compiling fails",
+                    ", ".join(k + ": true" for k in untried))
+    on = [k for k in REFUSED_LORA_KERNELS if _get(cfg, k) is True]
+    if on:
+        raise ValueError(f"effpass: the Axolotl option(s) {', '.join(k + ': true' for k in on)} replace PEFT's LoRA "
+                         f"layers with a torch.autograd.Function that Dynamo cannot trace (torch 2.13: 'An "
+                         f"intermediate tensor ... aliases an input or output'), so effpass cannot compile the model; "
+                         f"set {', '.join(k + ': false' for k in on)} (effpass compiles PEFT's LoRA layers as they are)")
     return section
+
+
+def disable_auto_lora_kernels(cfg) -> list[str]:
+    """Axolotl (0.19) switches its fused LoRA kernels on by itself for ``adapter: lora``/``qlora`` when the config
+    sets none of the ``lora_*_kernel`` options; Dynamo cannot trace its QKV and O kernels (see
+    :data:`REFUSED_LORA_KERNELS`). Called on the raw config before Axolotl validates it: sets each unset option
+    to false, so that Axolotl leaves PEFT's LoRA layers in place, and returns the options it set."""
+    if _get(cfg, "adapter") not in ("lora", "qlora"):
+        return []
+    unset = [k for k in LORA_KERNELS if _get(cfg, k) is None]
+    if len(unset) < len(LORA_KERNELS):  # the user chose: Axolotl does not auto-enable; explicit true is refused
+        return []
+    for k in unset:
+        cfg[k] = False
+    return unset
 
 
 class EffpassPlugin(_base()):
@@ -105,7 +153,14 @@ class EffpassPlugin(_base()):
         return "effpass.integrations.axolotl.EffpassArgs"
 
     def register(self, cfg) -> None:
+        """Axolotl calls this with the raw config, before validating it."""
         self.options = parse_effpass_config(cfg)
+        if self.options is not None:
+            turned_off = disable_auto_lora_kernels(cfg)
+            if turned_off:
+                LOG.warning("effpass: set %s to false: Axolotl would switch its fused LoRA kernels on by itself, "
+                            "and Dynamo cannot trace its QKV and O kernels; effpass compiles PEFT's LoRA layers instead",
+                            ", ".join(turned_off))
 
     def pre_model_load(self, cfg) -> None:
         if self.options is None:

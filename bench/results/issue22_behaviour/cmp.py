@@ -1,5 +1,8 @@
 import json, sys
-b = json.load(open("bench/results/issue22_behaviour/before.json")); a = json.load(open("bench/results/issue22_behaviour/after.json"))
+# usage: python cmp.py [BEFORE.json AFTER.json]  (default: this folder's before.json / after.json)
+_d = "bench/results/issue22_behaviour/"
+_b, _a = sys.argv[1:3] if len(sys.argv) > 2 else (_d + "before.json", _d + "after.json")
+b = json.load(open(_b)); a = json.load(open(_a))
 common = [k for k in a if k in b]
 print("before", len(b), "after", len(a), "common", len(common))
 def norm_stats(st):
