@@ -4,7 +4,11 @@ Arms (each in a fresh subprocess, same seed and batch, interleaved over ``--repe
 
 * ``none``: no checkpointing (effpass backend, no passes)
 * ``torch_block_ckpt``: per-block ``torch.utils.checkpoint`` (HF ``gradient_checkpointing_enable``)
-* ``torch_budget``: torch's own ``activation_memory_budget=0.5``
+* ``torch_sac``: torch's selective activation checkpointing per block
+  (``torch.utils.checkpoint.create_selective_checkpoint_contexts`` as the ``context_fn`` of HF's non-reentrant
+  gradient checkpointing), policy: save the outputs of matmuls and attention, recompute everything else
+  (torchtitan's op-level SAC without its every-other-matmul rule)
+* ``torch_budget``: torch's own ``activation_memory_budget=0.5`` (the partitioner's knapsack)
 * ``effpass_ops``: ``CheckpointActivations()`` (default policy)
 * ``effpass_full``: ``CheckpointActivations(policy="full")``
 * ``effpass_budget``: ``CheckpointActivations(budget=0.5)``
@@ -38,7 +42,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import timed  # noqa: E402
 
-ARMS = ("none", "torch_block_ckpt", "torch_budget", "effpass_ops", "effpass_full", "effpass_budget")
+ARMS = ("none", "torch_block_ckpt", "torch_sac", "torch_budget", "effpass_ops", "effpass_full", "effpass_budget")
 
 
 def shape(device: str) -> dict:
@@ -79,6 +83,9 @@ def run_arm(arm: str, device: str) -> dict:
     budget = 1.0
     if arm == "torch_block_ckpt":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif arm == "torch_sac":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+            "use_reentrant": False, "context_fn": sac_context_fn()})
     elif arm == "torch_budget":
         budget = 0.5
     elif arm == "effpass_ops":
@@ -144,6 +151,24 @@ def run_arm(arm: str, device: str) -> dict:
     return result
 
 
+def sac_context_fn():
+    """torch's selective checkpointing: matmul and attention outputs saved, everything else recomputed."""
+    from functools import partial
+
+    import torch
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    save = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return partial(create_selective_checkpoint_contexts, policy)
+
+
 def analyse_budget(gm, model, budget: float, compare=(0.3, 0.5, 0.7)) -> dict:
     """torch's knapsack at ``budget`` on this joint graph, and effpass's budget mode given the bytes torch's
     knapsack reached at each fraction in ``compare`` (like for like: same graph, same byte budget)."""
@@ -178,6 +203,7 @@ def versions(device: str) -> dict:
 
     info = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "load_average": list(os.getloadavg()),
             "device": torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or platform.machine()}, "
                                                                              f"{os.cpu_count()} cores)"}
     try:
@@ -235,7 +261,8 @@ def markdown(doc: dict) -> str:
     v, s = doc["versions"], doc["shape"]
     lines = [f"# checkpoint_activations benchmark ({v['device']})", "",
              f"{v['date']}; torch {v['torch']}, transformers {v['transformers']}"
-             + (f", triton {v['triton']}" if "triton" in v else "") + ".",
+             + (f", triton {v['triton']}" if "triton" in v else "") + (f"; load average {v['load_average']}"
+                                                                      if v.get("load_average") else "") + ".",
              f"Llama-style: hidden {s['hidden']}, {s['layers']} layers, heads {s['heads']}/{s['kv_heads']}, ffn "
              f"{s['ffn']}, vocab {s['vocab']}, batch {s['batch']} x seq {s['seq']}, {s['dtype']}, lowering "
              f"{s['lowering']}.", "",

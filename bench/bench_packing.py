@@ -9,6 +9,11 @@ Arms (a training step = forward + backward + SGD-free gradient accumulation, fp3
   padded_sorted     the same after sorting by length (less padding)
   packed_plain_hf   packed rows (DataCollatorWithFlattening layout), plain HF eager model: fast but the
                     examples attend to each other; its per-example logit error is reported
+  hf_flattening     the peer as its users run it: transformers' own DataCollatorWithFlattening builds the
+                    packed rows (input_ids, position_ids, labels), plain HF eager model with SDPA attention and
+                    use_cache=False, so transformers' masking utilities find the packed sequences in the
+                    position_ids and mask across examples (with a cache object, as with use_cache=True, they
+                    do not look: that is the packed_plain_hf arm's leak)
   packed_effpass    packed rows, effpass.compile with fuse_attention + pack_sequences
 
 The padded arms and packed_effpass run effpass.compile (lowering ``--lowering``); compile time is excluded
@@ -200,6 +205,25 @@ def main():
     results.append(res)
     print(json.dumps(res), flush=True)
 
+    # the peer: Hugging Face's own flattening collator, SDPA, no cache (its packed-sequence masks)
+    from transformers import DataCollatorWithFlattening
+
+    collator = DataCollatorWithFlattening()
+
+    def flattened_inputs(tokens, idx):
+        b = collator([{"input_ids": tokens[i].tolist()} for i in idx])
+        inp = {k: b[k] for k in ("input_ids", "position_ids", "labels")}
+        return inp, inp["input_ids"].numel(), inp["input_ids"].numel()
+
+    hf = copy.deepcopy(base)
+    hf.config.use_cache = False
+    hf.set_attn_implementation("sdpa")
+    res = run_arm("hf_flattening", hf, rows, flattened_inputs, tokens, warm=rows[:1])
+    res["peak_bytes"] = peak_over(hf, rows, flattened_inputs, tokens)
+    res["per_example_rel_error"] = per_example_error(hf, base, tokens, rows[0])
+    results.append(res)
+    print(json.dumps(res), flush=True)
+
     model = copy.deepcopy(base)
     torch._dynamo.reset()
     compiled = effpass.compile(model, passes=[FuseAttention(), PackSequences()], lowering=args.lowering)
@@ -221,14 +245,15 @@ def main():
             "lengths": f"{args.examples} examples, log-normal(mu=ln 160, sigma=1.0) clipped to [16, "
                        f"{min(2048, args.budget)}]: min {min(lens)}, median {sorted(lens)[len(lens) // 2]}, "
                        f"mean {sum(lens) / len(lens):.0f}, max {max(lens)}",
-            "budget_tokens_per_step": args.budget}
+            "budget_tokens_per_step": args.budget, "load_average": list(os.getloadavg())}
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     os.makedirs(args.out, exist_ok=True)
     suffix = "_quick" if args.quick else ""
     with open(os.path.join(args.out, f"packing_{dev}{suffix}.json"), "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     lines = [f"# pack_sequences benchmark ({meta['device']})", "",
-             f"{meta['date']}; torch {meta['torch']}, transformers {meta['transformers']}.",
+             f"{meta['date']}; torch {meta['torch']}, transformers {meta['transformers']}; load average at the end "
+             f"{[round(x, 1) for x in meta['load_average']]}.",
              f"{meta['model']}.", f"Lengths: {meta['lengths']}. Token budget per step: {args.budget}.", "",
              "| arm | steps | useful tokens/s | vs padded unsorted | padding fraction | peak memory (largest steps) | "
              "per-example rel. error |", "|---|---|---|---|---|---|---|"]

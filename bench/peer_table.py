@@ -74,31 +74,41 @@ def lora(rows):
 
 def checkpointing(rows):
     d = _load("checkpoint_cpu.json")
-    if d is None:
+    sac = _load("checkpoint_cpu_sac.json")  # a run of the arms none, torch_sac, effpass_ops alone
+    if d is None and sac is None:
         return
-    a, v = d["arms"], d["versions"]
     for peer, ours, label in (("torch_budget", "effpass_budget", "torch activation_memory_budget"),
+                              ("torch_sac", "effpass_ops", "torch selective checkpointing (save matmuls/attention)"),
                               ("torch_block_ckpt", "effpass_full", "torch.utils.checkpoint per block")):
-        p, o = a.get(peer), a.get(ours)
-        if not p or not o:
+        run = next((x for x in (d, sac) if x and peer in x["arms"] and ours in x["arms"]), None)
+        if run is None:
+            rows.append(("activation checkpointing", label, "not measured yet (arm absent from the results)", "", "",
+                         "bench/bench_checkpoint.py"))
             continue
-        mem = _r(o.get("saved_bytes_after"), p.get("saved_bytes_after")) + " saved bytes" if p.get("saved_bytes_after") else \
-            f"{o.get('saved_bytes_after', 0) / 2**20:,.1f} MiB saved (peer: not measured by a hook)"
-        rows.append(("activation checkpointing", label, mem, _r(o["step_s_median"], p["step_s_median"]) + " step",
-                     f"{v['device']}, {v['date'][:10]}", "bench/bench_checkpoint.py"))
+        p, o = run["arms"][peer], run["arms"][ours]
+        mem = (f"{_r(o['saved_bytes_hook'], p['saved_bytes_hook'])} saved for backward ({o['saved_bytes_hook'] / 2**20:,.1f}"
+               f" vs {p['saved_bytes_hook'] / 2**20:,.1f} MiB, saved-tensor hook)")
+        rows.append(("activation checkpointing", label, mem, _r(o["step_s_median"], p["step_s_median"]) + " step (wall)",
+                     _where(run["versions"]), "bench/bench_checkpoint.py"))
 
 
 def packing(rows):
-    d = _load("packing_cpu_idle.json") or _load("packing_cpu.json")
+    runs = [x for x in (_load("packing_cpu.json"), _load("packing_cpu_quick.json"), _load("packing_cpu_idle.json")) if x]
+    # the run with the peer as its users run it (transformers' collator, correct masks) first
+    d = next((x for x in runs if any(r["arm"] == "hf_flattening" for r in x["results"])), runs[0] if runs else None)
     if d is None:
         return
     a = {r["arm"]: r for r in d["results"]}
-    p, o = a.get("packed_plain_hf"), a.get("packed_effpass")
+    p, o = a.get("hf_flattening"), a.get("packed_effpass")
+    label = "HF DataCollatorWithFlattening + SDPA (use_cache=False)"
+    if p is None:
+        p, label = a.get("packed_plain_hf"), "HF DataCollatorWithFlattening layout (plain HF; examples attend to each other)"
     if p and o:
-        rows.append(("padding-free packing", "HF DataCollatorWithFlattening (plain HF)",
+        rows.append(("padding-free packing", label,
                      _r(o["peak_bytes"], p["peak_bytes"]) + " peak",
                      f"{o['useful_tokens_per_s'] / p['useful_tokens_per_s']:.2f}x useful tokens/s (higher is better)",
-                     f"{d['meta']['device']}, {d['meta']['date'][:10]}", "bench/bench_packing.py"))
+                     _where(d["meta"]) + f", {d['meta']['lengths'].split(',')[0]}, {d['meta']['model'].split(', ')[-1]}",
+                     "bench/bench_packing.py"))
 
 
 def moe(rows):
@@ -122,26 +132,96 @@ def moe(rows):
                      f"{meta.get('device', '?')}, {str(meta.get('date', '?'))[:10]}", "bench/bench_moe.py"))
 
 
-def not_yet(rows):
-    """Peers named by the issue with no arm measured yet, said rather than left out."""
-    rows.append(("QLoRA", "PEFT + bitsandbytes 4-bit / torchao NF4", "not measured yet (bitsandbytes 4-bit needs a GPU; "
-                 "bench/bench_quantize.py measures effpass's NF4 against torchao's own)", "", "", "bench/bench_quantize.py"))
-    rows.append(("8-bit optimizer states", "torchao AdamW8bit, bitsandbytes AdamW8bit", "effpass uses torchao's "
-                 "AdamW8bit itself (the planner sizes it): no separate implementation to compare", "", "", "-"))
-    rows.append(("tiled layers", "ALST TiledMLP (arctic-training)", "not measured yet (arctic-training needs DeepSpeed "
-                 "and a GPU)", "", "", "bench/bench_long_sequence.py"))
+def _where(meta, load=None):
+    load = load if load is not None else (meta.get("load_average") or [None])[0]
+    return f"{meta['device']}, {meta['date'][:10]}" + (f", load {load:.0f}" if load else "")
+
+
+def _failed(p):
+    why = p["error"].strip().splitlines()[-1][:90] if p["error"].strip() else "crashed"
+    return "did not run: " + why
+
+
+def qlora(rows):
+    d = _load("qlora_peers_cpu.json")
+    script = "bench/bench_qlora_peers.py"
+    if d is None:
+        return rows.append(("QLoRA", "PEFT + torchao NF4, PEFT + bitsandbytes NF4", "not measured yet", "", "", script))
+    arms = {r["arm"]: r for r in d["results"]}
+    ours = arms.get("effpass_nf4")
+    for peer, label in (("peft_torchao_nf4", "PEFT + torchao NF4 (to_nf4)"),
+                        ("peft_bnb_nf4", "PEFT + bitsandbytes 4-bit NF4 (BitsAndBytesConfig)")):
+        p = arms.get(peer)
+        if p is None or ours is None:
+            continue
+        if "error" in p or "error" in ours:
+            rows.append(("QLoRA", label, _failed(p if "error" in p else ours), "", _where(d["meta"]), script))
+            continue
+        hw_o, hw_p = ours["live_bytes"] + ours["peak_bytes"], p["live_bytes"] + p["peak_bytes"]
+        mem = (f"{_r(hw_o, hw_p)} high-water ({hw_o / 2**20:,.0f} vs {hw_p / 2**20:,.0f} MiB; step peak "
+               f"{_r(ours['peak_bytes'], p['peak_bytes'])}), {_r(ours['base_weight_bytes'], p['base_weight_bytes'])} "
+               f"base weight bytes")
+        where = _where(d["meta"], p.get("load")) + (f"; {d['meta']['note']}" if d["meta"].get("note") else "")
+        rows.append(("QLoRA", label, mem, _r(ours["cpu_s"], p["cpu_s"]) + " CPU time", where, script))
+
+
+def optim8bit(rows):
+    d = _load("optim8bit_cpu.json")
+    script = "bench/bench_optim8bit.py"
+    if d is None:
+        return rows.append(("8-bit optimizer states", "torchao AdamW8bit, bitsandbytes AdamW8bit", "not measured yet",
+                            "", "", script))
+    arms = {r["arm"]: r for r in d["results"]}
+    ours = arms.get("effpass_adamw8bit")
+    for peer, label in (("torchao_adamw8bit", "torchao AdamW8bit"), ("bnb_adamw8bit", "bitsandbytes AdamW8bit")):
+        p = arms.get(peer)
+        if p is None or ours is None:
+            continue
+        if "error" in p or "error" in ours:
+            rows.append(("8-bit optimizer states", label, _failed(p if "error" in p else ours), "", _where(d["meta"]),
+                         script))
+            continue
+        hw_o, hw_p = ours["live_bytes"] + ours["peak_bytes"], p["live_bytes"] + p["peak_bytes"]
+        mem = (f"{_r(ours['state_bytes'], p['state_bytes'])} state bytes (effpass builds torchao's AdamW8bit), "
+               f"{_r(hw_o, hw_p)} high-water ({hw_o / 2**20:,.0f} vs {hw_p / 2**20:,.0f} MiB; + step_in_backward)")
+        rows.append(("8-bit optimizer states", label, mem, _r(ours["cpu_s"], p["cpu_s"]) + " CPU time",
+                     _where(d["meta"], p.get("load")), script))
+
+
+def tiled(rows):
+    d = _load("tiled_mlp_cpu.json")
+    script = "bench/bench_tiled_mlp.py"
+    if d is None:
+        return rows.append(("tiled MLP (long sequence)", "ALST TiledMLP (DeepSpeed)", "not measured yet", "", "", script))
+    arms = {r["arm"]: r for r in d["results"]}
+    p = arms.get("alst_tiled_mlp")
+    seq = d["shape"]["seq"]
+    for ours_arm, label in (("effpass_tiled", "ALST TiledMLP (DeepSpeed), effpass at its default tile"),
+                            ("effpass_tiled_alst_rows", "ALST TiledMLP (DeepSpeed), effpass at ALST's tile size")):
+        o = arms.get(ours_arm)
+        if p is None or o is None:
+            continue
+        if "error" in p or "error" in o:
+            rows.append(("tiled MLP (long sequence)", label, _failed(p if "error" in p else o), "",
+                         _where(d["meta"]), script))
+            continue
+        mem = (f"{_r(o['peak_bytes'], p['peak_bytes'])} step peak ({o['peak_bytes'] / 2**20:,.0f} vs "
+               f"{p['peak_bytes'] / 2**20:,.0f} MiB; T={seq:,}; losses equal: {o['loss']:.6f} vs {p['loss']:.6f})")
+        rows.append(("tiled MLP (long sequence)", label, mem, _r(o["cpu_s"], p["cpu_s"]) + " CPU time",
+                     _where(d["meta"], p.get("load")), script))
 
 
 def table() -> str:
     rows: list[tuple] = []
-    for fn in (fused_loss, lora, checkpointing, packing, moe, not_yet):
+    for fn in (fused_loss, lora, qlora, optim8bit, checkpointing, packing, tiled, moe):
         fn(rows)
     out = ["| workload | peer (as its users install it) | effpass memory vs peer | effpass time vs peer | measured on | script |",
            "|---|---|---|---|---|---|"]
     out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     out += ["", "Ratios below 1 favour effpass (except tokens/s). CPU figures come from the shared 2-core machine; "
-            "compare within a row only. GPU arms (Liger's kernels, Cut Cross-Entropy's Triton kernel, bitsandbytes) "
-            "are written and have not run: no GPU was available."]
+            "compare within a row only. GPU arms (Liger's kernels, Cut Cross-Entropy's Triton kernel, the GPU shapes of "
+            "every script) are written and have not run: no GPU was available. bitsandbytes (0.50) and DeepSpeed's "
+            "TiledMLP ran on the CPU."]
     return "\n".join(out)
 
 
