@@ -7,6 +7,9 @@ Arms (each in a fresh subprocess, same seed and batch):
   target_parameters=[experts.gate_up_proj, experts.down_proj]))``, eager
 * ``peft_compile``: the same PEFT model under ``torch.compile`` (Inductor)
 * ``effpass``:      the plain HF model through ``effpass.compile(passes=[InjectLoRA(targets=[...])])`` (Inductor)
+* ``effpass_qlora``: QLoRA on the same model: ``QuantizeLinear(scheme="nf4", experts=True)`` (NF4 with double
+  quantization on every linear but the head and on the 3-D expert tensors) + the same ``InjectLoRA``; reports
+  the expert weights' bytes before and after as storage holds them (``effpass.quantized.storage_bytes``)
 
 Shape (CPU, fp32): 8 experts, top-2, hidden 512, 4 layers, expert intermediate 256, 8/4 heads of 64,
 vocab 4096, batch 2 x 256 tokens, LoRA r=16 (alpha 32). A step is forward + backward + AdamW step.
@@ -28,7 +31,7 @@ import subprocess
 import sys
 import time
 
-ARMS = ("peft_eager", "peft_compile", "effpass")
+ARMS = ("peft_eager", "peft_compile", "effpass", "effpass_qlora")
 SHAPE = dict(vocab_size=4096, hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
              head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, intermediate_size=1024,
              decoder_sparse_step=1, seq=256, batch=2)
@@ -65,12 +68,20 @@ def worker(arm: str, steps: int, warmup: int, rank: int) -> dict:
         model = peft.get_peft_model(model, cfg)
         run = torch.compile(model) if arm == "peft_compile" else model
     else:
-        from effpass.passes import InjectLoRA
+        from effpass.passes import InjectLoRA, QuantizeLinear
+        from effpass.quantized import storage_bytes
 
-        run = effpass.compile(model, passes=[InjectLoRA(rank=rank, alpha=2 * rank,
-                                                        targets=[f"*.{t}" for t in ATTN + EXPERTS])])
+        def expert_bytes():
+            return sum(storage_bytes(p) for n, p in model.named_parameters()
+                       if n.endswith(("experts.gate_up_proj", "experts.down_proj")))
+
+        before = expert_bytes()
+        quant = [QuantizeLinear(scheme="nf4", experts=True, exclude=["lm_head"])] if arm == "effpass_qlora" else []
+        run = effpass.compile(model, passes=[*quant, InjectLoRA(rank=rank, alpha=2 * rank,
+                                                                targets=[f"*.{t}" for t in ATTN + EXPERTS])])
         st = effpass.report(model).stats("inject_lora")
         extra = {k: st[k] for k in ("expert_adapters", "expert_adapter_params", "delta_weight_bytes_avoided")}
+        extra.update(expert_bytes_before=before, expert_bytes_after=expert_bytes())
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
 
@@ -92,7 +103,7 @@ def worker(arm: str, steps: int, warmup: int, rank: int) -> dict:
             loss = step()
             times.append(time.perf_counter() - t)
         _, peak = peak_memory(step)
-    delta_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+    delta_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()  # logical (delta) size
                       if n.endswith(("experts.gate_up_proj", "experts.down_proj")))
     return {"arm": arm, "median_step_s": statistics.median(times), "steps_s": times, "warmup_s": first,
             "peak_step_bytes": peak, "loss": float(loss), "trainable_params": sum(p.numel() for p in params),
@@ -145,6 +156,8 @@ def main() -> None:
         if "error" in r:
             lines.append(f"| {r['arm']} | failed | | | | | |")
             continue
+        if not base:
+            base = r  # a run without peft_eager: ratios against the first arm
         sp = base["median_step_s"] / r["median_step_s"] if base else float("nan")
         mp = r["peak_step_bytes"] / base["peak_step_bytes"] if base else float("nan")
         lines.append(f"| {r['arm']} | {r['median_step_s'] * 1e3:.0f} ms | {sp:.2f}x speed | "
@@ -154,6 +167,11 @@ def main() -> None:
         lines += ["", f"Expert delta weights effpass never allocates: {eff['delta_weight_bytes_avoided'] / 2**20:.1f} MiB "
                   f"per forward ({eff['expert_adapters']} adapted expert tensors; PEFT's ParamWrapper forms one "
                   "expert-stack-sized W + scaling*B@A per adapted tensor on every forward)."]
+    q = next((r for r in results if r["arm"] == "effpass_qlora" and "error" not in r), None)
+    if q:
+        lines += ["", f"QLoRA (effpass_qlora): expert weights {q['expert_bytes_before'] / 2**20:.2f} MiB fp32 before, "
+                  f"{q['expert_bytes_after'] / 2**20:.2f} MiB NF4 after, as storage holds them "
+                  f"({q['expert_bytes_after'] / q['expert_bytes_before']:.3f}x; loss {q['loss']:.5f})."]
     with open(a.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
