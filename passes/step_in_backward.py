@@ -102,7 +102,8 @@ def attach(opt: torch.optim.Optimizer) -> int:
             if other is not None and other is not opt:
                 raise StepInBackwardError(
                     f"step_in_backward: a parameter of shape {tuple(p.shape)} is held by two optimizers "
-                    f"({type(other).__name__} and {type(opt).__name__}); each parameter must have one")
+                    f"({type(other).__name__} and {type(opt).__name__}); each parameter must have one: when an "
+                    f"optimizer replaces another (a resume), call effpass.passes.step_in_backward.detach(old) first")
             e.opt, e.group = weakref.ref(opt), gi
         if opt not in _OPTS:
             _OPTS.add(opt)
