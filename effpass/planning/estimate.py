@@ -558,6 +558,36 @@ def _allow_non_fake_inputs():
 
 
 @contextlib.contextmanager
+def _no_graph_strings():
+    """AOTAutograd prints every joint, forward and backward graph to a string for its logs and cache entries
+    (``print_readable``), logging on or off: 4% of a replay. Skipped while replaying unless AOTAutograd's graph
+    logs or the structured trace are on (the strings only ever reach a log or an AOTAutogradCache entry's
+    debug fields)."""
+    import logging
+
+    from torch._functorch._aot_autograd import graph_compile as gc
+
+    logs_on = any(getattr(gc, n, None) is None or getattr(gc, n).isEnabledFor(logging.INFO)
+                  for n in ("aot_joint_log", "aot_graphs_log"))
+    try:
+        from torch._logging._internal import trace_log
+
+        logs_on = logs_on or bool(trace_log.handlers)
+    except Exception:  # pragma: no cover - a torch without the structured trace log
+        pass
+    if logs_on or not hasattr(gc, "_log_joint_graph") or not hasattr(gc, "_log_fw_bw_graphs"):
+        yield
+        return
+    orig = gc._log_joint_graph, gc._log_fw_bw_graphs
+    gc._log_joint_graph = lambda *a, **k: None
+    gc._log_fw_bw_graphs = lambda *a, **k: (None, None)
+    try:
+        yield
+    finally:
+        gc._log_joint_graph, gc._log_fw_bw_graphs = orig
+
+
+@contextlib.contextmanager
 def replay_patches(device, inductor: bool):
     """Every process-wide patch a replay needs, undone on exit: Dynamo's fake modes accept real constants
     (:func:`_allow_non_fake_inputs`) and, with ``inductor``, compiled graphs run their generated wrapper with
@@ -565,6 +595,7 @@ def replay_patches(device, inductor: bool):
     torchao's, run on fake parameters)."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(_allow_non_fake_inputs())
+        stack.enter_context(_no_graph_strings())
         if inductor:
             stack.enter_context(_replay_inductor_wrappers(device))
         yield
@@ -652,9 +683,9 @@ def _prepare_replay_model(work, options, kwargs, dev):
 #: the Dynamo graph being compiled by :class:`_SharedCapture` (the key of shared joint traces)
 _JOINT_KEY: list = []
 #: share AOTAutograd's joint trace between plans with the same torch-IR graph (:func:`_shared_joint_traces`).
-#: OFF: on a test plan (checkpoint + fused loss, training mode) AOTAutograd asserted "traced_tangent_metas should
-#: be None before calling make_runtime_safe" on a reused trace and effpass fell back to the captured graph
-_SHARE_JOINT = False
+#: (It once asserted "traced_tangent_metas should be None before calling make_runtime_safe": AOTAutograd makes
+#: the trace's subclass metadata runtime-safe in place; each plan now gets its own copy, :func:`_fresh_aot_meta`.)
+_SHARE_JOINT = True
 
 
 def _joint_key(gm, args) -> tuple:
@@ -671,6 +702,34 @@ def _joint_key(gm, args) -> tuple:
     cfg = torch._functorch.config.get_config_copy()
     return (_JOINT_KEY[-1], h.hexdigest(), tuple(id(a) for a in args), repr(sorted(cfg.items(), key=str)),
             torch.is_grad_enabled(), torch.is_autocast_enabled())
+
+
+def _fresh_aot_meta(x, memo=None):
+    """A copy of AOTAutograd's tracing metadata (``SubclassMeta``, ``ViewAndMutationMeta``,
+    ``SubclassCreationMeta``, with the lists, tuples and dicts that hold them) whose objects are new, so
+    that mutating one copy (``make_runtime_safe``) leaves the others as traced; tensors, SymInts, types and
+    every other value are shared (read-only)."""
+    from torch._functorch._aot_autograd import schemas
+
+    memo = {} if memo is None else memo
+    if id(x) in memo:
+        return memo[id(x)]
+    if isinstance(x, list):
+        out = memo[id(x)] = []
+        out.extend(_fresh_aot_meta(v, memo) for v in x)
+        return out
+    if isinstance(x, tuple) and type(x) is tuple:
+        return tuple(_fresh_aot_meta(v, memo) for v in x)
+    if isinstance(x, dict) and type(x) is dict:
+        out = memo[id(x)] = {}
+        out.update((k, _fresh_aot_meta(v, memo)) for k, v in x.items())
+        return out
+    if type(x).__module__ == schemas.__name__ and hasattr(x, "__dict__") and not isinstance(x, type):
+        out = memo[id(x)] = copy.copy(x)
+        for k, v in vars(x).items():
+            object.__setattr__(out, k, _fresh_aot_meta(v, memo))
+        return out
+    return x
 
 
 @contextlib.contextmanager
@@ -708,9 +767,17 @@ def _shared_joint_traces():
         if key is None:
             return orig_trace(flat_fn, flat_args, flat_args_descs, aot_config, fw_metadata=fw_metadata)
         if key not in cache:
-            cache[key] = orig_trace(flat_fn, flat_args, flat_args_descs, aot_config, fw_metadata=fw_metadata)
+            fx_g, inputs, descs, sub_meta = orig_trace(flat_fn, flat_args, flat_args_descs, aot_config,
+                                                       fw_metadata=fw_metadata)
+            # kept pristine: AOTAutograd later makes the returned metadata "runtime safe" in place (it clears
+            # traced tangents and subclass references), which a second plan's compile must not see
+            cache[key] = (copy_joint(fx_g), inputs, descs, _fresh_aot_meta(sub_meta))
+            return fx_g, inputs, descs, sub_meta
         fx_g, inputs, descs, sub_meta = cache[key]
         fx_g = copy_joint(fx_g)
+        inputs = tuple(list(x) for x in inputs)
+        descs = tuple(list(x) for x in descs)
+        sub_meta = _fresh_aot_meta(sub_meta)
         graph_capture.populate_fw_metadata_with_stream_indices(fx_g, fw_metadata)
         graph_capture._extract_tangent_source_stack_traces(fx_g, fw_metadata)
         return fx_g, inputs, descs, sub_meta
@@ -808,7 +875,7 @@ def _replay_group(model, example_inputs, items, optimizer, dev, loss_fn, lr, req
                 tracker = _Tracker(device=dev)
                 with tracker:
                     est = _run_tracked(work, compiled, inputs, tracker, backends[i], optimizer, dev, loss_fn, lr,
-                                       replay_lowering, requested_lowering)
+                                       replay_lowering, requested_lowering, compiled_already=i > 0)
                 est.seconds = time.perf_counter() - t0
                 results.append(est)
     finally:
@@ -816,10 +883,20 @@ def _replay_group(model, example_inputs, items, optimizer, dev, loss_fn, lr, req
     return results
 
 
+#: later plans of a shared capture create their optimizer states without running a first step (:func:`_run_tracked`)
+_SKIP_WARM_STEP = True
+
+
 def _run_tracked(work, compiled, inputs, tracker, be, optimizer, dev, loss_fn, lr, replay_lowering,
-                 requested_lowering):
+                 requested_lowering, compiled_already=False):
     """Two training steps of the compiled fake copy (the first compiles and creates the optimizer states, the
-    second is tracked); the estimate of the second."""
+    second is tracked); the estimate of the second.
+
+    ``compiled_already`` (a later plan of a shared capture, whose graphs were all compiled by the first plan's
+    first call): with the eager lowering (forward and backward compiled at once) and no gradient hooks on the
+    parameters, the first step's only lasting effect is the optimizer's states, so they are made by one
+    optimizer step on empty gradients instead of running the step (what is live at the tracked step's start
+    is the same: parameters, buffers, states, inputs; gradients are None)."""
     notes: list[str] = []
     trainable = [p for p in work.parameters() if p.requires_grad]
     tracker.params = trainable
@@ -828,7 +905,15 @@ def _run_tracked(work, compiled, inputs, tracker, be, optimizer, dev, loss_fn, l
         from effpass.memory_options import build_optimizer
 
         opt = build_optimizer(optimizer, trainable, lr=lr, device=dev)
-    training_step(compiled, inputs, opt, loss_fn)          # compiles; creates optimizer states
+    if (_SKIP_WARM_STEP and compiled_already and replay_lowering == "eager"
+            and not any(getattr(p, "_post_accumulate_grad_hooks", None) for p in trainable)):
+        if opt is not None:
+            for p in trainable:
+                p.grad = torch.empty_like(p)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    else:
+        training_step(compiled, inputs, opt, loss_fn)      # compiles; creates optimizer states
     params = list(work.parameters())
     buffers = list(work.buffers())
     states = [v for s in (opt.state.values() if opt else ()) for v in s.values() if isinstance(v, torch.Tensor)]
