@@ -111,13 +111,22 @@ def test_shared_replays_equal_separate_replays(monkeypatch):
     case = model_case("llama", layers=2, seq=32, batch=1, train=True)
     pipes = [[], [CheckpointActivations(policy="ops")], [CheckpointActivations(policy="full")],
              [CheckpointActivations(policy="full"), FuseCrossEntropy()]]
-    copies = []
+    from torch._functorch._aot_autograd import graph_compile
+
+    copies, traces = [], []
     real_fake_model = est_mod._fake_model
     monkeypatch.setattr(est_mod, "_fake_model", lambda *a: copies.append(1) or real_fake_model(*a))
+    real_trace = graph_compile.aot_dispatch_autograd_graph
+    monkeypatch.setattr(graph_compile, "aot_dispatch_autograd_graph",
+                        lambda *a, **k: traces.append(1) or real_trace(*a, **k))
     shared = estimate_many(case.model, case.inputs, pipes, lowering="eager")
     assert len(copies) == 1  # one fake copy (and one capture) for the four plans
+    n_shared = len(traces)
     alone = estimate_many(case.model, case.inputs, pipes, lowering="eager", share=False)
     assert len(copies) == 5
+    # joint traces: the three plans without the fused loss have one torch-IR graph (checkpointing acts on
+    # the joint graph), the fused loss another: 2 traces per Dynamo graph shared, 4 alone
+    assert 2 * n_shared == len(traces) - n_shared > 0
 
     def counts(e):  # the timeline's categories follow storage addresses, which malloc may reuse differently
         return {k: v for k, v in e.to_dict().items() if k not in ("seconds", "timeline")}

@@ -738,15 +738,19 @@ def _shared_joint_traces():
     only in joint-graph passes or partitioning, e.g. checkpoint policies) share AOTAutograd's joint trace:
     the first plan's trace is kept and every plan gets its own copy of it (node meta copied, so the joint
     passes' marks stay per plan), with the per-call bookkeeping AOTAutograd does after tracing
-    (``fw_metadata``'s stream indices and tangent stack traces) redone on the plan's own metadata.
-    Partitioning, compiling and the runtime wrappers stay per plan."""
+    (``fw_metadata``'s stream indices and tangent stack traces) redone on the plan's own metadata. The
+    metadata pass before the trace (a functionalized run of the forward) is shared the same way. Every
+    shared object is handed out as a fresh copy (:func:`_fresh_aot_meta`). Partitioning, compiling and the
+    runtime wrappers stay per plan."""
     from torch._dynamo.backends import common
+    from torch._functorch import aot_autograd
     from torch._functorch._aot_autograd import graph_capture, graph_compile
 
     from effpass.graph import snapshot_graph
 
     orig_simplified = common.aot_module_simplified
     orig_trace = graph_compile.aot_dispatch_autograd_graph
+    orig_collect = aot_autograd.run_functionalized_fw_and_collect_metadata
     cache: dict = {}
     keys: list = []
 
@@ -782,13 +786,32 @@ def _shared_joint_traces():
         graph_capture._extract_tangent_source_stack_traces(fx_g, fw_metadata)
         return fx_g, inputs, descs, sub_meta
 
+    metas: dict = {}
+
+    def collect_metadata(*a, **kw):  # AOTAutograd's metadata pass (one functionalized run of the forward)
+        inner = orig_collect(*a, **kw)
+        key = keys[-1] if keys else None
+        if key is None:
+            return inner
+
+        def run(*args):
+            if key not in metas:
+                meta = inner(*args)
+                metas[key] = _fresh_aot_meta(meta)
+                return meta
+            return _fresh_aot_meta(metas[key])
+
+        return run
+
     common.aot_module_simplified = simplified
     graph_compile.aot_dispatch_autograd_graph = trace
+    aot_autograd.run_functionalized_fw_and_collect_metadata = collect_metadata
     try:
         yield
     finally:
         common.aot_module_simplified = orig_simplified
         graph_compile.aot_dispatch_autograd_graph = orig_trace
+        aot_autograd.run_functionalized_fw_and_collect_metadata = orig_collect
 
 
 class _SharedCapture:
