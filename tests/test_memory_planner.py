@@ -180,6 +180,10 @@ def test_adamw8bit_states_are_sized_by_the_real_optimizer():
     assert with_optimizer(a, "adamw8bit").peak_bytes == b.peak_bytes  # what the planner derives
 
 
+#: replays (planner cache) of _case("llama", attn="eager") with passes=[], lowering="eager", AdamW
+_EAGER_ATTENTION_REPLAYS: dict = {}
+
+
 def test_budget_plan_fits_and_keeps_gradients():
     """compile(memory_budget=...) picks a lossless plan whose measured peak fits; gradients equal the plain step's."""
     case = _case("llama", attn="eager")
@@ -187,10 +191,16 @@ def test_budget_plan_fits_and_keeps_gradients():
     plain = _measure(ref, case.inputs, [], keep_grads=True)
     budget = int(0.9 * plain.peak_bytes)
     torch._dynamo.reset()
-    compiled = effpass.compile(case.model, passes=[], lowering="eager", memory_budget=budget,
-                               example_inputs=case.inputs)
+    from effpass.planning import planner as planner_mod
+
+    # the replays of this model's candidates are shared with test_nothing_fits_names_the_smallest_plan (the
+    # same config, pipeline and options); whichever runs first replays them
+    real_plan = planner_mod.plan_memory
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(planner_mod, "plan_memory", lambda *a, **k: real_plan(*a, **k, _cache=_EAGER_ATTENTION_REPLAYS))
+        compiled = effpass.compile(case.model, passes=[], lowering="eager", memory_budget=budget,
+                                   example_inputs=case.inputs)
     plan = effpass.report(compiled).memory_plan
-    _CACHE["eager_attention"] = (case, plan)
     by_name = {c.name: c.estimate for c in plan.candidates}
     # checkpointing shrinks what is saved for backward and adds recompute (counted in the replay)
     assert by_name["checkpoint(full)"].activations < by_name["as given"].activations
@@ -207,7 +217,7 @@ def test_budget_plan_fits_and_keeps_gradients():
 def test_nothing_fits_names_the_smallest_plan():
     case = _case("llama", attn="eager")
     params = sum(p.numel() * p.element_size() for p in case.model.parameters())
-    cache: dict = {}
+    cache = _EAGER_ATTENTION_REPLAYS  # shared with test_budget_plan_fits_and_keeps_gradients (same model and options)
     with pytest.raises(MemoryBudgetError, match=r"smallest achievable predicted peak is .* with plan 'checkpoint") as e:
         plan_memory(case.model, case.inputs, params + 1, passes=[], lowering="eager", _cache=cache)
     # the same replays, a budget that fits the smallest: that plan is chosen
