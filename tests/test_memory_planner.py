@@ -101,6 +101,31 @@ def test_depth_extrapolation_equals_the_full_replay():
     assert _plain_llama()[1].depths == []  # 2 blocks: replayed whole
 
 
+def test_replays_spread_over_worker_processes():
+    """The extrapolation's depths are replayed by forked workers (planning speed on 2 cores): results come
+    back in order, and a worker that dies hands its jobs back to this process (same results)."""
+    import os
+    import sys
+
+    from effpass.planning.estimate import _in_workers
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("forked workers: Linux only (elsewhere everything runs in one process)")
+    here = os.getpid()
+    pids = _in_workers(lambda j: (j, os.getpid()), [2, 3, 4], [4, 5, 6], 2)
+    assert [j for j, _ in pids] == [2, 3, 4]
+    assert {p for _, p in pids} - {here}, "no job ran in a worker"
+    assert [p for _, p in pids].count(here) == 1  # by cost: the longest here, the two others in the worker
+
+    def dies_in_a_worker(j):
+        if os.getpid() != here:
+            os._exit(3)
+        return j * j
+
+    assert _in_workers(dies_in_a_worker, [2, 3, 4], [4, 5, 6], 2) == [4, 9, 16]
+    assert _in_workers(lambda j: ValueError(j), [1, 2], [1, 1], 2)[1].args == (2,)  # results may be exceptions
+
+
 def test_shared_replays_equal_separate_replays(monkeypatch):
     """estimate_many replays pipelines that share their module phase on one fake copy with one Dynamo capture
     (each compiles the captured graphs with its own graph passes); every count equals the pipeline's replay

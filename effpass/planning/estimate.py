@@ -1035,16 +1035,113 @@ def _replay_many(model, example_inputs, pipelines, optimizer, dev, loss_fn, lr, 
     return out
 
 
+def _plan_workers() -> int:
+    """Processes for a replay's independent parts: ``EFFPASS_PLAN_WORKERS`` if set, else min(2, the cores this
+    process may use); 1 where ``os.fork`` is not available (not Linux)."""
+    import os
+
+    if not sys.platform.startswith("linux") or not hasattr(os, "fork"):
+        return 1
+    env = os.environ.get("EFFPASS_PLAN_WORKERS")
+    if env:
+        try:
+            return max(1, int(env))
+        except ValueError:
+            raise ValueError(f"EFFPASS_PLAN_WORKERS={env!r}: expected a whole number of processes >= 1") from None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except Exception:  # pragma: no cover
+        cores = os.cpu_count() or 1
+    return max(1, min(2, cores))
+
+
+def _picklable(r):
+    """``r`` (a result or a list of results) with every element that cannot be pickled, an exception with
+    its own constructor, replaced by a RuntimeError that says what it was."""
+    import pickle
+
+    if isinstance(r, list):
+        return [_picklable(x) for x in r]
+    try:
+        pickle.loads(pickle.dumps(r))
+        return r
+    except Exception:
+        return RuntimeError(f"{type(r).__name__}: {r}")
+
+
+def _in_workers(fn, jobs: list, costs: list, workers: int) -> list:
+    """``[fn(j) for j in jobs]``, the jobs spread over ``workers`` processes: this one and ``workers - 1``
+    children forked from it (each job's result, or the exception it raised, pickled back). Jobs go to the
+    least loaded process by ``costs`` (longest first). A child that dies or sends nothing readable leaves its
+    jobs to this process, so the result is the same as run here. Fake-tensor replays only: a child runs no
+    kernel and touches nothing the parent keeps."""
+    import os
+    import pickle
+
+    workers = max(1, min(workers, len(jobs)))
+    if workers == 1:
+        return [fn(j) for j in jobs]
+    loads = [0.0] * workers
+    mine: list[list[int]] = [[] for _ in range(workers)]
+    for i in sorted(range(len(jobs)), key=lambda i: -costs[i]):
+        w = min(range(workers), key=lambda w: loads[w])
+        mine[w].append(i)
+        loads[w] += costs[i]
+    children = []
+    for w in range(1, workers):
+        r, wfd = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the child: its jobs, pickled to the pipe, then exit without the parent's exit handlers
+            code = 0
+            try:
+                os.close(r)
+                res = {}
+                for i in mine[w]:
+                    try:
+                        res[i] = fn(jobs[i])
+                    except Exception as e:
+                        res[i] = e
+                data = pickle.dumps({i: _picklable(v) for i, v in res.items()})
+                with os.fdopen(wfd, "wb") as f:
+                    f.write(data)
+            except BaseException:
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(wfd)
+        children.append((pid, r, w))
+    out: dict[int, Any] = {}
+    for i in mine[0]:
+        out[i] = fn(jobs[i])
+    for pid, r, w in children:
+        with os.fdopen(r, "rb") as f:
+            data = f.read()
+        os.waitpid(pid, 0)
+        try:
+            got = pickle.loads(data) if data else {}
+        except Exception:
+            got = {}
+        for i in mine[w]:
+            out[i] = got[i] if i in got else fn(jobs[i])
+    return [out[i] for i in range(len(jobs))]
+
+
 def estimate_many(model: torch.nn.Module, example_inputs, pipelines: Sequence, optimizer: str | None = "adamw", *,
                   device=None, loss_fn: Callable | None = None, lr: float = 1e-3, extrapolate: bool | None = None,
-                  share: bool = True, **compile_options) -> list:
+                  share: bool = True, workers: int | None = None, **compile_options) -> list:
     """:func:`estimate_memory` of ``model`` under each pipeline of ``pipelines`` (one rank; ``optimizer``
     ``"adamw"`` or ``None``), sharing work between them: pipelines whose module phase is the same (the same
     module-level passes, e.g. the same quantized base and adapters) are replayed on one fake copy with one
     Dynamo capture, each compiling the captured graphs with its own graph-level passes; with depth
     extrapolation each depth is replayed once for all of them. Returns, per pipeline, its
     :class:`MemoryEstimate` (the same bytes as ``estimate_memory`` alone) or the exception its replay
-    raised (not raised here)."""
+    raised (not raised here).
+
+    ``workers``: processes that replay the extrapolation's depths at once (forked from this one, Linux only;
+    default ``EFFPASS_PLAN_WORKERS`` or up to 2 where this process may use 2 cores; 1: all in this process).
+    A worker that fails hands its depths back to this process."""
     if optimizer not in ("adamw", None):
         raise ValueError(f"estimate_many: optimizer {optimizer!r}: only 'adamw' or None are replayed (other "
                          f"optimizers: with_optimizer on the AdamW replay)")
@@ -1055,11 +1152,13 @@ def estimate_many(model: torch.nn.Module, example_inputs, pipelines: Sequence, o
     todo = list(range(len(pipelines)))
     blocks = _block_list(model) if extrapolate is not False else None
     if blocks is not None and len(blocks) > max(_DEPTHS) and (extrapolate or len(blocks) >= _AUTO_MIN_BLOCKS):
-        per_depth = []
-        for k in _DEPTHS:
+        def replay_depth(k):
             with _first_blocks(blocks, k):
-                per_depth.append(_replay_many(model, example_inputs, pipelines, optimizer, dev, loss_fn, lr,
-                                              compile_options, share))
+                return _replay_many(model, example_inputs, pipelines, optimizer, dev, loss_fn, lr, compile_options,
+                                    share)
+
+        per_depth = _in_workers(replay_depth, list(_DEPTHS), [k + 2 for k in _DEPTHS],
+                                _plan_workers() if workers is None else workers)
         todo = []
         for i in range(len(pipelines)):
             ests = [d[i] for d in per_depth]
