@@ -1,12 +1,14 @@
 """Planning time of Llama-3-8B LoRA (r=16, q/k/v/o, batch 1 x 2048 tokens, bf16) over every candidate the
 registry offers with allow=['nf4', 'int8', 'adamw8bit'] (a budget nothing fits, so every tier is replayed).
 
-    .venv/bin/python bench/bench_plan_speed.py [--no-share] [--tiny]
+    .venv/bin/python bench/bench_plan_speed.py [--no-share] [--tiny] [--workers N]
 
 ``--no-share``: every candidate replayed alone (the planner before work was shared between candidates);
 ``--tiny``: the same architecture and depth at hidden size 64 (fake tensors: the replay's work is the same
-op for op, so its CPU time is a proxy of the full-size plan's). Reports wall and CPU seconds of this
-process (the machine is shared: CPU seconds are the comparable figure).
+op for op, so its CPU time is a proxy of the full-size plan's); ``--workers N``: processes replaying the
+extrapolation's depths (``EFFPASS_PLAN_WORKERS``; default up to 2). Reports wall and CPU seconds of this
+process and its worker processes (the machine is shared: CPU seconds are the comparable figure; the target is
+wall time on an idle 2-core machine).
 
 Writes bench/results/plan_speed.json and .md (device, versions, date, load before and after).
 """
@@ -38,7 +40,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-share", action="store_true")
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--workers", type=int, default=None)
     args = ap.parse_args()
+    if args.workers is not None:
+        os.environ["EFFPASS_PLAN_WORKERS"] = str(args.workers)
+    import resource
+
+    def children_cpu():
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime
     if args.no_share:  # every candidate replayed alone
         import effpass.planning.estimate as est_mod
 
@@ -56,13 +66,13 @@ def main():
     tok = torch.zeros(1, 2048, dtype=torch.long, device="meta")
     inputs = {"input_ids": tok, "labels": tok, "use_cache": False}
     lora = effpass.make_pass("inject_lora", {"rank": 16, "targets": ["*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj"]})
-    t0, c0 = time.perf_counter(), time.process_time()
+    t0, c0, k0 = time.perf_counter(), time.process_time(), children_cpu()
     try:
         plan = plan_memory(model, inputs, "6GiB", allow=["nf4", "int8", "adamw8bit"], passes=[lora], lowering="eager")
         cands = plan.candidates
     except MemoryBudgetError as e:
         cands = e.candidates
-    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    seconds, cpu, child_cpu = time.perf_counter() - t0, time.process_time() - c0, children_cpu() - k0
     load1 = os.getloadavg()
     rows = [{"plan": c.name, "peak": c.peak_bytes, "parameters": c.estimate.parameters if c.estimate else None,
              "extra_flops": c.extra_flops, "error": c.error} for c in cands]
@@ -73,7 +83,11 @@ def main():
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "load_before": load0, "load_after": load1, "shared": not args.no_share,
             "model": "Llama-3-8B shapes at hidden 64 (--tiny)" if args.tiny else "Llama-3-8B"}
-    out = {"header": head, "seconds": round(seconds, 1), "cpu_seconds": round(cpu, 1), "candidates": len(cands),
+    from effpass.planning.estimate import _plan_workers
+
+    head["workers"] = _plan_workers()
+    out = {"header": head, "seconds": round(seconds, 1), "cpu_seconds": round(cpu + child_cpu, 1),
+           "cpu_seconds_workers": round(child_cpu, 1), "candidates": len(cands),
            "rows": rows}
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     os.makedirs(here, exist_ok=True)
@@ -81,8 +95,9 @@ def main():
     with open(os.path.join(here, stem + ".json"), "w") as f:
         json.dump(out, f, indent=1)
     md = [f"# Planning time: Llama-3-8B LoRA r=16, 1 x 2048 tokens, allow nf4/int8/adamw8bit\n", f"{head}\n",
-          f"{len(cands)} candidates in {seconds:.1f} s wall, {cpu:.1f} s CPU of this process (load average before "
-          f"{load0[0]:.1f}, after {load1[0]:.1f}; shared replays: {not args.no_share})\n",
+          f"{len(cands)} candidates in {seconds:.1f} s wall, {cpu + child_cpu:.1f} s CPU ({child_cpu:.1f} s of it in "
+          f"{head['workers'] - 1} worker process(es)) (load average before {load0[0]:.1f}, after {load1[0]:.1f}; "
+          f"shared replays: {not args.no_share})\n",
           "| plan | predicted peak | parameters | error |", "|---|---|---|---|"]
     md += [f"| {r['plan']} | {format_bytes(r['peak']) if r['peak'] else '-'} | "
            f"{format_bytes(r['parameters']) if r['parameters'] else '-'} | {r['error'] or ''} |" for r in rows]
