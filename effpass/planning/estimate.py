@@ -1035,6 +1035,24 @@ def _replay_many(model, example_inputs, pipelines, optimizer, dev, loss_fn, lr, 
     return out
 
 
+def _module_groups(pipelines, dev, compile_options) -> list[list[int]]:
+    """Indices of ``pipelines`` grouped as :func:`_replay_many` shares them (the same module phase); a
+    pipeline that cannot be read is a group of its own (its replay reports the error)."""
+    opts = dict(compile_options)
+    lowering = "inductor" if opts.pop("lowering", "inductor") == "inductor" else "eager"
+    for k in ("dump_dir", "memory_budget", "allow", "example_inputs", "optimizer", "world_size"):
+        opts.pop(k, None)
+    groups: dict = {}
+    for i, passes in enumerate(pipelines):
+        try:
+            options, kwargs = _replay_options(_without_fsdp(passes, dev), lowering, opts, dev)
+            key = _module_phase_key(options, kwargs)
+        except Exception:
+            key = ("unreadable", i)
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
 def _plan_workers() -> int:
     """Processes for a replay's independent parts: ``EFFPASS_PLAN_WORKERS`` if set, else min(2, the cores this
     process may use); 1 where ``os.fork`` is not available (not Linux)."""
@@ -1152,13 +1170,22 @@ def estimate_many(model: torch.nn.Module, example_inputs, pipelines: Sequence, o
     todo = list(range(len(pipelines)))
     blocks = _block_list(model) if extrapolate is not False else None
     if blocks is not None and len(blocks) > max(_DEPTHS) and (extrapolate or len(blocks) >= _AUTO_MIN_BLOCKS):
-        def replay_depth(k):
-            with _first_blocks(blocks, k):
-                return _replay_many(model, example_inputs, pipelines, optimizer, dev, loss_fn, lr, compile_options,
-                                    share)
+        # work units for the workers: one depth of one module phase (its plans share a capture)
+        groups = _module_groups(pipelines, dev, compile_options) if share else [[i] for i in range(len(pipelines))]
+        jobs = [(k, g) for k in _DEPTHS for g in groups]
 
-        per_depth = _in_workers(replay_depth, list(_DEPTHS), [k + 2 for k in _DEPTHS],
-                                _plan_workers() if workers is None else workers)
+        def replay_job(job):
+            k, g = job
+            with _first_blocks(blocks, k):
+                return _replay_many(model, example_inputs, [pipelines[i] for i in g], optimizer, dev, loss_fn, lr,
+                                    compile_options, share)
+
+        results = _in_workers(replay_job, jobs, [(k + 2) * (len(g) + 1) for k, g in jobs],
+                              _plan_workers() if workers is None else workers)
+        per_depth = [[None] * len(pipelines) for _ in _DEPTHS]
+        for (k, g), res in zip(jobs, results):
+            for i, r in zip(g, res):
+                per_depth[_DEPTHS.index(k)][i] = r
         todo = []
         for i in range(len(pipelines)):
             ests = [d[i] for d in per_depth]
