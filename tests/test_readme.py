@@ -48,6 +48,7 @@ FORK_SERVER = textwrap.dedent('''
                 os._exit(code)
         _, status = os.waitpid(pid, 0)
         print(json.dumps({"status": os.waitstatus_to_exitcode(status)}), flush=True)
+    os._exit(0)  # stdin closed: done (no interpreter teardown of the preloaded modules)
 ''')
 
 
@@ -57,7 +58,11 @@ def fork_server():
                             text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     yield proc
     proc.stdin.close()
-    proc.wait(timeout=60)
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def test_readme_has_examples():
