@@ -3,10 +3,6 @@ import os
 # A stable Inductor cache directory keeps warm compiles warm between test runs (set before torch loads).
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
                       os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "inductor"))
-# Inductor compiles in this process instead of a pool of subprocesses (each imports torch again: seconds of CPU
-# per process that lowers with Inductor, the spawned ranks and scripts of the tests included); with 2 test
-# workers on 2 cores a pool has no idle core to use anyway. Inherited by the subprocesses the tests start.
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
