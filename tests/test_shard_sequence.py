@@ -328,7 +328,6 @@ def test_shard_sequence_two_ranks_equal_one_process_and_a_killed_rank_resumes(tm
     assert "15" in errors["length"] and "16" in errors["length"] and "pad_to_multiple_of=2" in errors["length"]
     assert "1 attention heads" in errors["heads"] and "over 2 ranks" in errors["heads"] and "[1]" in errors["heads"]
     assert "uneven_heads='pad'" in errors["heads"] and "context_parallel" in errors["heads"]
-    assert "'eager'" in errors["heads"]             # ring fallback: eager attention never reaches torch's SDPA
     # ring fallback asked for (the default) on CPU: torch's context_parallel has no CPU SDPA handler -> an error
     # naming why (feature-tested), the valid sizes and the padding alternative
     assert "'cpu'" in errors["heads_sdpa"] and "_scaled_dot_product_flash_attention_for_cpu" in errors["heads_sdpa"]

@@ -92,18 +92,56 @@ def fold_sharding(est, world_size: int, unit_bytes: int, mode: str = "zero3"):
 # ------------------------------------------------------------------------------------------------------
 # sequence parallelism (shard_sequence, Ulysses): what one rank of a group of ``sp`` holds
 # ------------------------------------------------------------------------------------------------------
-#: the attention registered for the replay of one sequence-parallel rank: SDPA with no mask (the pass gives
-#: plain causal calls SDPA's ``is_causal``), so the replay counts no ``S x S`` mask and no math-kernel scores
+#: the attention registered for the replay of one sequence-parallel rank: the pass's all-to-alls (emulated) and
+#: SDPA with no mask (the pass gives plain causal calls SDPA's ``is_causal``): no ``S x S`` mask is counted
 _SP_ATTENTION = "effpass_sp_replay"
 _SP_PLAIN_INPUTS = frozenset({"input_ids", "labels", "use_cache"})
+
+
+def _emulated_a2a(x, n: int, heads_to_tokens: bool):
+    """One rank's all-to-all around attention, as ``shard_sequence`` allocates it (the input made contiguous in
+    the exchange layout, the received buffer, the layout back), with the exchange itself a copy: the replay
+    of one rank sees the pass's buffers and attention's shapes (``heads / n`` heads over all ``n x`` tokens)
+    without a process group. Values are meaningless (fake tensors): only bytes and shapes matter."""
+    if heads_to_tokens:        # (B, H, S/n, D) -> (B, H/n, S, D)
+        b, h, s, d = x.shape
+        x = x.reshape(b, n, h // n, s, d).permute(1, 0, 2, 3, 4).contiguous().clone()
+        return x.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * s, d)
+    b, s, h, d = x.shape       # (B, S, H/n, D) -> (B, S/n, H, D)
+    x = x.reshape(b, n, s // n, h, d).permute(1, 0, 2, 3, 4).contiguous().clone()
+    return x.permute(1, 2, 0, 3, 4).reshape(b, s // n, n * h, d)
+
+
+def _replay_attention(module, query, key, value, attention_mask, **kwargs):
+    """SDPA as one rank of a ``shard_sequence`` group runs it (emulated all-to-alls, no mask: plain causal)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    cfg = getattr(module, "config", None)
+    n = getattr(cfg, "_effpass_sp_replay_size", 1)
+    heads, kv = query.shape[1], key.shape[1]
+    if n > 1 and heads % n == 0:
+        rep = next(r for r in range(1, heads // kv + 1) if (heads // kv) % r == 0 and (kv * r) % n == 0)
+        if rep > 1:   # key/value heads replicated until they split over the group, as the pass does
+            key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+        query, key, value = (_emulated_a2a(t, n, True) for t in (query, key, value))
+        groups = getattr(module, "num_key_value_groups", 1)
+        if rep > 1 and hasattr(module, "num_key_value_groups"):
+            module.num_key_value_groups = groups // rep
+        try:
+            out, weights = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, None, **kwargs)
+        finally:
+            if rep > 1 and hasattr(module, "num_key_value_groups"):
+                module.num_key_value_groups = groups
+        return _emulated_a2a(out, n, False), weights
+    # heads the group cannot split (ring attention or padding): local tokens, all heads (keys/values rotate)
+    return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, None, **kwargs)
 
 
 def _register_sp_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    AttentionInterface.register(_SP_ATTENTION, ALL_ATTENTION_FUNCTIONS["sdpa"])
+    AttentionInterface.register(_SP_ATTENTION, _replay_attention)
     AttentionMaskInterface.register(_SP_ATTENTION, lambda *a, **k: None)
 
 
@@ -112,16 +150,15 @@ def sequence_parallel_terms(config, batch: int, seq: int, sp: int, dtype_bytes: 
     tokens (what the planner replays for it): the terms the pass keeps for the whole sequence, and its
     all-to-all buffers. ``dtype_bytes``: bytes per element of the hidden states (2 for bf16).
 
-    * the embedding output, made whole by the model before the first block keeps its slice, and its gradient,
-      made whole when the backward reaches the embedding: ``2 x batch x seq x hidden``, less the local share
-      the replay already counts;
+    * the embedding output, made whole by the model before the first block keeps its slice (freed when the
+      forward returns), or its gradient, made whole when the backward reaches the embedding (never both at
+      once): ``batch x seq x hidden``, less the local share the replay already counts;
     * the rotary ``cos``/``sin`` tables, computed whole by the model and sliced per block (views: the whole
       tables stay alive while a block saves its slice): ``2 x batch x seq x head_dim``, less the local share;
-    * the labels shifted over the whole sequence (int64) and the whole ``input_ids``/``labels`` inputs;
-    * one attention's all-to-all buffers (query, key, value and the output, each copied once into the
-      exchange layout): ``2 x batch x seq/sp x (heads + 2 x kv_heads) x head_dim``, an upper bound at the peak.
-    Attention itself sees all tokens for ``heads / sp`` heads: the same bytes as ``seq / sp`` tokens of every
-    head (q/k/v/output, flash or memory-efficient log-sum-exp), which the replay counts."""
+    * the labels shifted over the whole sequence (int64) during the step, and the whole ``input_ids`` and
+      ``labels`` inputs (counted at the start: ``inputs``).
+    The all-to-all buffers are not a term: the replay runs them (:func:`_replay_attention`, emulated).
+    Attention itself (all tokens for ``heads / sp`` heads) is replayed as the rank runs it."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = cfg.hidden_size
     heads = cfg.num_attention_heads
@@ -129,10 +166,10 @@ def sequence_parallel_terms(config, batch: int, seq: int, sp: int, dtype_bytes: 
     head_dim = getattr(cfg, "head_dim", None) or hidden // heads
     other = (sp - 1) / sp
     return {
-        "embedding output and its gradient (whole sequence)": int(2 * batch * seq * hidden * dtype_bytes * other),
+        "embedding output or its gradient (whole sequence)": int(batch * seq * hidden * dtype_bytes * other),
         "rotary cos/sin (whole sequence)": int(2 * batch * seq * head_dim * dtype_bytes * other),
-        "labels and inputs (whole sequence, int64)": int(3 * batch * seq * 8 * other),
-        "all-to-all buffers (one attention)": 2 * batch * (seq // sp) * (heads + 2 * kv) * head_dim * dtype_bytes,
+        "shifted labels (whole sequence, int64)": batch * seq * 8,
+        "input_ids and labels (whole sequence, int64; at the start)": int(2 * batch * seq * 8 * other),
     }
 
 
@@ -175,10 +212,12 @@ def sequence_parallel_replay(model, example_inputs, sp: int):
     saved = [(c, c._attn_implementation) for c in configs]
     for c in configs:
         c._attn_implementation = _SP_ATTENTION
+        c._effpass_sp_replay_size = sp
 
     def restore():
         for c, v in saved:
             c._attn_implementation = v
+            c._effpass_sp_replay_size = 1
     return local, restore, terms
 
 
@@ -189,7 +228,7 @@ def fold_sequence_parallel(est, sp: int, terms: dict[str, int]):
     if sp <= 1:
         return est
     add = sum(terms.values())
-    inputs_whole = terms.get("labels and inputs (whole sequence, int64)", 0) * 2 // 3
+    inputs_whole = terms.get("input_ids and labels (whole sequence, int64; at the start)", 0)
     return dataclasses.replace(
         est, peak_bytes=est.peak_bytes + add, start_bytes=est.start_bytes + inputs_whole,
         step_peak_bytes=est.step_peak_bytes + add - inputs_whole, inputs=est.inputs + inputs_whole,
