@@ -458,3 +458,26 @@ def test_ring_fallback_two_gpus_equal_one_process(tmp_path):
         assert r["attention"] == "ring" and r["missing"] == [], r
         assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * abs(r["ref_loss"]), r
         assert r["max_grad_rel"] <= 1e-5, r
+
+
+def test_planner_sequence_parallel_bad_input():
+    """effpass plan --sequence-parallel N: what the per-rank prediction refuses (cheap: nothing is replayed)."""
+    from effpass.planning import plan_memory
+    from effpass.planning.sharding import sequence_parallel_replay
+
+    model = make_model("llama", attn="sdpa")
+    ids = torch.zeros(1, 30, dtype=torch.long)
+    with pytest.raises(ValueError, match="sequence_parallel=4 must divide world_size=2"):
+        plan_memory(model, {"input_ids": ids, "labels": ids}, "1GiB", world_size=2, sequence_parallel=4)
+    with pytest.raises(ValueError, match=r"length 30 is not divisible by sequence_parallel=4.*pad to 32"):
+        sequence_parallel_replay(model, {"input_ids": ids, "labels": ids}, 4)
+    with pytest.raises(ValueError, match=r"plain causal batches.*\['attention_mask'\]"):
+        sequence_parallel_replay(model, {"input_ids": ids, "labels": ids, "attention_mask": ids}, 2)
+    with pytest.raises(ValueError, match="attn_implementation='eager'"):
+        sequence_parallel_replay(make_model("llama"), {"input_ids": ids, "labels": ids}, 2)
+    local, restore, terms = sequence_parallel_replay(model, {"input_ids": ids, "labels": ids}, 2)
+    assert local["input_ids"].shape == (1, 15) and model.config._attn_implementation == "effpass_sp_replay"
+    restore()
+    assert model.config._attn_implementation == "sdpa"
+    # hidden 32, fp32, 30 tokens over 2 ranks: one whole (1, 30, 32) tensor less the local half
+    assert terms["embedding output or its gradient (whole sequence)"] == 30 * 32 * 4 // 2
