@@ -203,6 +203,8 @@ def longest_fitting(name: str, budget: int, known: dict[int, int], probe, grain:
         if lo is not None and hi is not None and hi - lo <= grain:
             break
         if lo is None:  # nothing fits yet: halve below the shortest tried
+            if min(pts) <= grain:
+                break  # not even the granularity fits
             nxt = max(grain, (min(pts) // 2) // grain * grain)
             if nxt in pts:
                 break
