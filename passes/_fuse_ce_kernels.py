@@ -21,7 +21,8 @@ from torch import Tensor
 
 import effpass
 
-__all__ = ["MIN_FULL_ROWS", "MIN_CHUNK_ROWS", "plan_chunks", "default_chunk_bytes", "num_chunks",
+__all__ = ["MIN_FULL_ROWS", "MIN_CHUNK_ROWS", "TILE_ROWS", "CPU_ROWS_TILE_BYTES", "plan_chunks", "default_chunk_bytes",
+           "default_rows_chunk_bytes", "num_chunks",
            "linear_cross_entropy", "OPS", "NO_IGNORE"]
 
 #: a full row block of logits is used when the budget holds at least this many rows (else 2-D tiles)
@@ -32,23 +33,43 @@ MIN_FULL_ROWS = 128
 #: byte (fp32) whatever the hidden size and vocabulary; below ~256 rows the step is bound by that traffic and
 #: by per-chunk overhead (docs/fuse_cross_entropy.md, "Choosing the chunk")
 MIN_CHUNK_ROWS = 256
+#: the per-row ops' tiles (a budget smaller than full rows) hold at most this many rows
+TILE_ROWS = 256
+#: the per-row ops' default budget on CPU: a tile of fp32 logits that stays in the cache (bench, docs/fused_losses.md)
+CPU_ROWS_TILE_BYTES = 2 << 20
 _COMPUTE = {"": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 # ------------------------------------------------------------------------------------------------------
 # the chunked kernel (plain torch, run eagerly inside the custom ops)
 # ------------------------------------------------------------------------------------------------------
-def plan_chunks(rows: int, vocab: int, chunk_bytes: int) -> tuple[int, int]:
+def plan_chunks(rows: int, vocab: int, chunk_bytes: int, max_tile_rows: int = 0) -> tuple[int, int]:
     """``(rows per chunk, vocabulary entries per chunk)`` for a fp32 logits tile of at most
     ``chunk_bytes``: full rows when at least ``MIN_FULL_ROWS`` (or a quarter of the rows) fit, else a
-    near-square tile."""
+    near-square tile (of at most ``max_tile_rows`` rows when given: the per-row ops)."""
     elems = max(1, chunk_bytes // 4)
     rows = max(1, rows)
     full = elems // vocab
     if full >= min(-(-rows // 4), MIN_FULL_ROWS):
         return max(1, min(rows, full)), vocab
-    r = max(1, min(rows, math.isqrt(elems)))
+    r = max(1, min(rows, math.isqrt(elems), max_tile_rows or rows))
     return r, max(1, min(vocab, elems // r))
+
+
+def plan_row_tiles(rows: int, vocab: int, chunk_bytes: int) -> tuple[int, int]:
+    """The per-row ops' plan: as :func:`plan_chunks`, tiles of at most ``TILE_ROWS`` rows. Cutting the vocabulary
+    costs these ops no matmul (their backward recomputes every tile whatever its shape: 4 matmul-equivalents for
+    a trained head either way), only an online log-sum-exp over the tiles' row maxima."""
+    return plan_chunks(rows, vocab, chunk_bytes, TILE_ROWS)
+
+
+def default_rows_chunk_bytes(rows: int, vocab: int, hidden_bytes: int, device_type: str) -> int:
+    """The per-row ops' default budget: on CPU a cache-sized tile (``CPU_ROWS_TILE_BYTES``: the elementwise work
+    of the log-softmax and its gradient then reads and writes the cache, not memory); elsewhere
+    :func:`default_chunk_bytes` (full row blocks: fewer, larger kernels)."""
+    if device_type == "cpu":
+        return CPU_ROWS_TILE_BYTES
+    return default_chunk_bytes(rows, vocab, hidden_bytes)
 
 
 def default_chunk_bytes(rows: int, vocab: int, hidden_bytes: int) -> int:
@@ -57,16 +78,17 @@ def default_chunk_bytes(rows: int, vocab: int, hidden_bytes: int) -> int:
     return max(int(hidden_bytes), min(-(-max(rows, 1) // 4), MIN_CHUNK_ROWS) * vocab * 4)
 
 
-def num_chunks(rows: int, vocab: int, chunk_bytes: int) -> int:
-    r, v = plan_chunks(rows, vocab, chunk_bytes)
+def num_chunks(rows: int, vocab: int, chunk_bytes: int, per_row: bool = False) -> int:
+    r, v = (plan_row_tiles if per_row else plan_chunks)(rows, vocab, chunk_bytes)
     return math.ceil(max(rows, 0) / r) * math.ceil(vocab / v) if rows > 0 else 0
 
 
 class _Spec:
     """The per-call constants of the kernel."""
 
-    def __init__(self, vocab, ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute):
+    def __init__(self, vocab, ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute, per_row=False):
         self.vocab, self.ignore_index, self.smoothing = vocab, ignore_index, smoothing
+        self.plan = plan_row_tiles if per_row else plan_chunks
         self.pre, self.softcap, self.post = pre, softcap, post
         self.chunk_bytes, self.compute = chunk_bytes, _COMPUTE[compute]
 
@@ -116,7 +138,7 @@ def _forward_pass(xs, ws, b, tgt, spec: _Spec, grads: Optional[dict], gscale: Op
     lse_all = torch.empty(n, dtype=torch.float32, device=tgt.device)
     if n == 0:
         return loss, lse_all
-    rows, vt = plan_chunks(n, vocab, spec.chunk_bytes)
+    rows, vt = spec.plan(n, vocab, spec.chunk_bytes)
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         t = tgt[r0:r1]
@@ -166,7 +188,7 @@ def _backward_pass(xs, ws, b, tgt, lse_all, gscale, spec: _Spec, grads: dict):
     n, vocab = tgt.shape[0], spec.vocab
     if n == 0:
         return
-    rows, vt = plan_chunks(n, vocab, spec.chunk_bytes)
+    rows, vt = spec.plan(n, vocab, spec.chunk_bytes)
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         for v0 in range(0, vocab, vt):
@@ -302,7 +324,7 @@ def _lce_rows(x: Tensor, w: Tensor, x2: Optional[Tensor], w2: Optional[Tensor], 
               target: Tensor, ignore_index: int, smoothing: float, pre: float, softcap: bool, post: float,
               chunk_bytes: int, compute: str) -> tuple[Tensor, Tensor]:
     """Per-row losses (0 on ignored rows, as ``reduction="none"``) and per-row log-sum-exp."""
-    spec = _Spec(w.shape[0], ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute)
+    spec = _Spec(w.shape[0], ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute, True)
     valid, tgt, xs, ws, b = _prepare(x, w, x2, w2, bias, target, spec)
     loss_v, lse_v = _forward_pass(xs, ws, b, tgt, spec, None, None)
     n = target.shape[0]
@@ -322,7 +344,7 @@ def _lce_rows_bwd(grad: Tensor, lse: Tensor, x: Tensor, w: Tensor, x2: Optional[
                   bias: Optional[Tensor], target: Tensor, ignore_index: int, smoothing: float, pre: float,
                   softcap: bool, post: float, chunk_bytes: int, compute: str, grad_mask: list[bool]
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    spec = _Spec(w.shape[0], ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute)
+    spec = _Spec(w.shape[0], ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute, True)
     valid, tgt, xs, ws, b = _prepare(x, w, x2, w2, bias, target, spec)
     acc = _accumulators(xs, ws, bias is not None, grad_mask, spec.vocab, x.device)
     _backward_pass(xs, ws, b, tgt, lse.index_select(0, valid), grad.float().index_select(0, valid), spec, acc)

@@ -156,3 +156,18 @@ def test_full_log_probs_used_elsewhere_fuse_as_a_row_function():
     st = recs[-1].stats
     assert st["logprob_sites"] == 0 and st["rowwise_sites"] == 1 and st["skipped"] == 0, st
     assert not any(k.endswith("log_softmax") for k in recs[-1].ops_after)
+
+
+def test_per_row_op_plans_cache_sized_tiles_on_cpu():
+    """The per-row op (log-prob sites, reduction="none") on CPU: a 2 MiB tile of at most 256 rows by default (its
+    backward recomputes every tile whatever the plan, so cutting the vocabulary adds no matmul); elsewhere the
+    cross-entropy default (full row blocks); an explicit budget is the user's."""
+    from effpass.passes._fuse_ce_kernels import (CPU_ROWS_TILE_BYTES, default_chunk_bytes, default_rows_chunk_bytes,
+                                                 num_chunks, plan_chunks, plan_row_tiles)
+    llama3 = 128256
+    assert default_rows_chunk_bytes(510, llama3, 510 * 64 * 4, "cpu") == CPU_ROWS_TILE_BYTES == 2 << 20
+    assert plan_row_tiles(510, llama3, CPU_ROWS_TILE_BYTES) == (256, 2048)
+    assert num_chunks(510, llama3, CPU_ROWS_TILE_BYTES, per_row=True) == 2 * 63
+    assert plan_chunks(510, llama3, CPU_ROWS_TILE_BYTES) == (510, 1028)  # the summed op's tiles: unchanged
+    assert default_rows_chunk_bytes(510, llama3, 510 * 64 * 4, "cuda") == default_chunk_bytes(510, llama3, 510 * 64 * 4)
+    assert plan_row_tiles(2048, llama3, default_chunk_bytes(2048, llama3, 2048 * 256 * 4)) == (256, llama3)
