@@ -170,7 +170,8 @@ class FuseCrossEntropy(effpass.Pass):
         stats = {"fused": 0, "logits_bytes_avoided": 0, "chunks": 0, "chunk_bytes": 0, "logits_returned": 0,
                  "logits_dropped": 0, "lora_heads": 0, "low_precision_matmuls": 0, "torch_kernel": 0,
                  "dequantized_heads": 0, "skipped": 0, "left_alone_no_grad": 0, "logprob_sites": 0,
-                 "rowwise_sites": 0, "two_head_sites": 0, "rowwise_outputs": 0, "trl_logprob_sites": 0}
+                 "rowwise_sites": 0, "two_head_sites": 0, "rowwise_outputs": 0, "trl_logprob_sites": 0,
+                 "input_grad_in_forward": 0}
         skipped: list[dict] = []
         for ce in [n for n in graph.nodes if _is_fn(n, _CE_FNS)]:
             where = f"{module_path_of_node(ce) or '<root>'}:{ce.name}"
@@ -309,6 +310,13 @@ class FuseCrossEntropy(effpass.Pass):
         return dropped
 
     @staticmethod
+    def _frozen_head(site: Site) -> bool:
+        """Only the hidden states need a gradient (a frozen or quantized head, LoRA on other layers): the per-row op
+        then computes their gradient in its forward pass (``x_grad``) instead of recomputing the logits."""
+        return (_needs_grad(site.h) and site.lora is None and not _needs_grad(site.weight)
+                and not (isinstance(site.bias, fx.Node) and _needs_grad(site.bias)))
+
+    @staticmethod
     def _count_head(stats: dict, site: Site, weight, compute: str) -> None:
         stats["lora_heads"] += int(site.lora is not None)
         stats["low_precision_matmuls"] += int(bool(compute))
@@ -354,8 +362,10 @@ class FuseCrossEntropy(effpass.Pass):
                             reduction=reduction, ignore_index=ignore,
                             options=torch.nn.LinearCrossEntropyOptions())
             elif reduction == "none":
+                xg = eps == 0.0 and self._frozen_head(site)
                 res = call(torch.ops.effpass.linear_cross_entropy_rows.default, x, weight, x2, w2, site.bias,
-                           target, ignore, eps, site.pre, site.softcap, site.post, budget, compute)
+                           target, ignore, eps, site.pre, site.softcap, site.post, budget, compute, xg)
+                stats["input_grad_in_forward"] += int(xg)
                 loss = call(operator.getitem, res, 0)
             else:
                 def needs(n):
@@ -400,8 +410,10 @@ class FuseCrossEntropy(effpass.Pass):
         with graph.inserting_before(anchor):
             x, weight, x2, w2 = self._emit_head(graph, site, call, new, vocab, width)
             target = call(torch.reshape, lp.index, (-1,))
+            xg = self._frozen_head(site)
             res = call(torch.ops.effpass.linear_cross_entropy_rows.default, x, weight, x2, w2, site.bias, target,
-                       NO_IGNORE, 0.0, site.pre, site.softcap, site.post, budget, compute)
+                       NO_IGNORE, 0.0, site.pre, site.softcap, site.post, budget, compute, xg)
+            stats["input_grad_in_forward"] += int(xg)
             out = call(torch.neg, call(operator.getitem, res, 0))
             shape = tuple(int(d) for d in iv.shape)
             out = call(torch.reshape, out, shape[:-1] if lp.squeezed else shape)

@@ -81,6 +81,9 @@ def _run(arm, family="llama", form="log_softmax"):
     if arm == "lora":
         from effpass.passes import InjectLoRA
         extra = [InjectLoRA(rank=4, init="gaussian", targets=["policy.lm_head", "policy.*.q_proj"])]
+    if arm == "lora_body":  # LoRA on the attention only: the head is frozen
+        from effpass.passes import InjectLoRA
+        extra = [InjectLoRA(rank=4, init="gaussian", targets=["policy.*.q_proj", "policy.*.v_proj"])]
     if arm == "int8":
         from effpass.passes import QuantizeLinear
         extra = [QuantizeLinear(scheme="int8", targets=["*.lm_head"])]
@@ -114,7 +117,7 @@ def _run(arm, family="llama", form="log_softmax"):
 
 @pytest.mark.parametrize("family,arm,form", [("llama", "plain", "log_softmax"), ("gemma2", "plain", "log_softmax"),
                                              ("qwen3", "plain", "logsumexp"), ("llama", "lora", "log_softmax"),
-                                             ("llama", "int8", "logsumexp")])
+                                             ("llama", "int8", "logsumexp"), ("gemma2", "lora_body", "log_softmax")])
 def test_dpo_logprobs_fused_policy_and_reference(family, arm, form):
     stats, ops, recs = _run(arm, family, form)
     # two sites: the policy's (with gradient) and the frozen reference's (no_grad), both fused
@@ -124,6 +127,9 @@ def test_dpo_logprobs_fused_policy_and_reference(family, arm, form):
     assert stats["lora_heads"] == (1 if arm == "lora" else 0)
     assert stats["dequantized_heads"] == (2 if arm == "int8" else 0)
     assert stats["logits_bytes_avoided"] == 2 * 4 * 11 * V * 4
+    # a frozen head (quantized, or LoRA on other layers): the policy's input gradient is computed in the forward
+    # (no logits recomputed in the backward); the reference needs no gradient at all
+    assert stats["input_grad_in_forward"] == (1 if arm in ("int8", "lora_body") else 0), stats
 
 
 def test_full_log_probs_used_elsewhere_fuse_as_a_row_function():
@@ -171,3 +177,32 @@ def test_per_row_op_plans_cache_sized_tiles_on_cpu():
     assert plan_chunks(510, llama3, CPU_ROWS_TILE_BYTES) == (510, 1028)  # the summed op's tiles: unchanged
     assert default_rows_chunk_bytes(510, llama3, 510 * 64 * 4, "cuda") == default_chunk_bytes(510, llama3, 510 * 64 * 4)
     assert plan_row_tiles(2048, llama3, default_chunk_bytes(2048, llama3, 2048 * 256 * 4)) == (256, llama3)
+
+
+@pytest.mark.parametrize("budget", [64 * 4 * 3, 10 ** 9])  # tiles (online softmax) and full rows
+def test_frozen_head_input_gradient_in_the_forward(budget):
+    """A frozen head (only the hidden states need a gradient): the per-row op computes d loss / d x in its forward
+    pass (``x_grad``, online softmax over the tiles) and the backward only scales it: the per-row losses and the
+    input gradient equal F.cross_entropy's within 1e-5 (scaling, soft-capping, a frozen bias, ignored rows); asking
+    for the weight's gradient from that form raises."""
+    torch.manual_seed(0)
+    n, h, vocab = 37, 16, 50
+    x = torch.randn(n, h, requires_grad=True)
+    w, b = torch.randn(vocab, h), torch.randn(vocab)
+    t = torch.randint(0, vocab, (n,))
+    t[::5] = -100
+    g = torch.randn(n)
+    op = torch.ops.effpass.linear_cross_entropy_rows.default
+    for pre, cap, post in ((1.0, False, 1.0), (0.7, False, 1.0), (1.5 / 3.0, True, 3.0)):
+        z = F.linear(x, w, b) * (pre * post if not cap else 1.0)
+        if cap:
+            z = torch.tanh(F.linear(x, w, b) * pre) * post
+        want = F.cross_entropy(z, t, reduction="none")
+        (gw,) = torch.autograd.grad((want * g).sum(), [x])
+        loss, _, gx = op(x, w, None, None, b, t, -100, 0.0, pre, cap, post, budget, "", True)
+        assert gx.shape == x.shape and _rel(loss.detach(), want.detach()) <= 1e-5
+        (gg,) = torch.autograd.grad((loss * g).sum(), [x])
+        assert _rel(gg, gw) <= 1e-5, (pre, cap, _rel(gg, gw))
+        assert not gg[::5].abs().any()  # ignored rows: no gradient
+    with pytest.raises(RuntimeError, match="only x may need a gradient"):
+        op(x, w.requires_grad_(), None, None, None, t, -100, 0.0, 1.0, False, 1.0, budget, "", True)
