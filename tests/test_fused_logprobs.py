@@ -20,10 +20,10 @@ from effpass.passes import FuseCrossEntropy
 V = 256
 
 
-def _hf(name):
+def _hf(name, vocab=V):
     import transformers as tf
 
-    common = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
     if name == "llama":
@@ -206,3 +206,86 @@ def test_frozen_head_input_gradient_in_the_forward(budget):
         assert not gg[::5].abs().any()  # ignored rows: no gradient
     with pytest.raises(RuntimeError, match="only x may need a gradient"):
         op(x, w.requires_grad_(), None, None, None, t, -100, 0.0, 1.0, False, 1.0, budget, "", True)
+
+
+@effpass.register_pass("measure_vocab_values", run_after=("fuse_cross_entropy",))
+def measure_vocab_values(gm, ctx):
+    """Test pass: the largest value computed in the graph (not an input) whose last dim is the vocabulary."""
+    largest = 0
+    for n in gm.graph.nodes:
+        v = n.meta.get("example_value")
+        if n.op in ("call_function", "call_method") and isinstance(v, torch.Tensor) and v.dim() >= 1 \
+                and v.shape[-1] == V:
+            largest = max(largest, v.numel())
+    return effpass.PassResult(stats={"largest_vocab_value": largest})
+
+
+class RefLogps(torch.nn.Module):
+    """The frozen reference's per-token log-probs (what DPO/GRPO compute for it), compiled on its own."""
+
+    def __init__(self, ref):
+        super().__init__()
+        self.ref = ref
+
+    def forward(self, ids, labels):
+        logits = self.ref(input_ids=ids, use_cache=False).logits[:, :-1]
+        t = labels[:, 1:]
+        return logits.float().log_softmax(-1).gather(-1, t.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_frozen_reference_forward_alone_is_chunked(family):
+    """A frozen reference compiled with effpass and called under torch.no_grad (issue 27, item 2): its log-probs
+    equal eager's within 1e-5 and its graph computes no vocabulary-sized value (only the head's weight, an input,
+    has the vocabulary as a dim): the per-row op computes them tile by tile."""
+    ref = _hf(family).eval().requires_grad_(False)
+    ids, labels = _batch()
+    want = RefLogps(ref)(ids, labels)
+    compiled = effpass.compile(RefLogps(copy.deepcopy(ref)).eval(), passes=[FuseCrossEntropy(), measure_vocab_values],
+                               lowering="eager", strict=True)
+    with torch.no_grad():
+        got = compiled(ids, labels)
+    assert got.shape == want.shape and _rel(got, want) <= 1e-5
+    rep = effpass.report(compiled)
+    st = rep.stats("fuse_cross_entropy")
+    assert st["logprob_sites"] == 1 and st["input_grad_in_forward"] == 0, st
+    assert rep.stats("measure_vocab_values")["largest_vocab_value"] == 0
+    # without the pass the graph holds the logits (the oracle can fail)
+    plain = effpass.compile(RefLogps(copy.deepcopy(ref)).eval(), passes=[measure_vocab_values], lowering="eager")
+    with torch.no_grad():
+        plain(ids, labels)
+    assert effpass.report(plain).stats("measure_vocab_values")["largest_vocab_value"] >= ids.shape[0] * 11 * V
+
+
+def test_planner_counts_fused_and_unfused_logprob_memory():
+    """The memory planner's replay (estimate_memory) of a DPO step, fused and unfused: the prediction drops by
+    more than the logits it no longer holds (policy and reference: 2 x rows x V x 4 bytes), and the fused step's
+    prediction is within the op's tile workspace of the measured peak. The op's internal tiles are not visible to
+    the replay (a custom op allocates its outputs only), so the measured peak may exceed the prediction by up to
+    three 2 MiB tiles."""
+    from effpass.passes._fuse_ce_kernels import CPU_ROWS_TILE_BYTES
+    from effpass.planning.estimate import estimate_memory
+    from effpass.testing.memory import peak_memory
+
+    vocab = 4096  # the logits (4 MiB per head) outweigh the model's activations
+    policy = _hf("llama", vocab).train()
+    ref = copy.deepcopy(policy).eval().requires_grad_(False)
+    ids, labels = _batch(pairs=4, seq=33)
+    logits = ids.shape[0] * 32 * vocab * 4
+    est = {}
+    for name, passes in (("fused", [FuseCrossEntropy()]), ("unfused", [])):
+        est[name] = estimate_memory(DPO(copy.deepcopy(policy), copy.deepcopy(ref)), (ids, labels), passes=passes,
+                                    optimizer=None, lowering="eager")
+    assert est["fused"].pass_stats["fuse_cross_entropy"]["logprob_sites"] == 2
+    assert est["unfused"].step_peak_bytes - est["fused"].step_peak_bytes >= 2 * logits, est
+    compiled = effpass.compile(DPO(copy.deepcopy(policy), copy.deepcopy(ref)), passes=[FuseCrossEntropy()],
+                               lowering="eager")
+
+    def step():
+        compiled(ids, labels).backward()
+        compiled.zero_grad(set_to_none=True)
+
+    step()
+    _, measured = peak_memory(step)
+    pred = est["fused"].step_peak_bytes
+    assert pred <= measured + 64 * 1024 and measured - pred <= 3 * CPU_ROWS_TILE_BYTES, (pred, measured)
