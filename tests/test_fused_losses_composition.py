@@ -171,3 +171,80 @@ def test_fused_sites_compose_with_lora_quantized_heads_and_checkpointing(case):
     if ckpt:
         # the joint hook marks the fused ops never-recompute (checkpointing must not run them twice)
         assert merged.get("marked_save", 0) >= 1, merged
+
+
+def test_outer_autocast_runs_the_fused_matmuls_in_bf16():
+    """Autocast entered around the compiled call (TRL's/accelerate's bf16): the DPO log-prob sites run their matmuls
+    in bf16 inside the op (fp32 log-sum-exp), as eager under the same autocast does (bf16 logits, fp32 log-softmax):
+    loss and gradients within bf16 rounding of the eager step."""
+    model = _model("llama", "dpo")
+    compiled = effpass.compile(model, passes=[FuseCrossEntropy()], lowering="eager", strict=True)
+    eager = copy.deepcopy(model)
+    rec, _ = _check(model, compiled, eager, _batch(), tol=3e-2, autocast=True)
+    _assert_fused(rec, "dpo", low_precision=2)
+
+
+def test_packed_sequences_with_a_dynamic_length_are_left_alone_with_a_reason():
+    """pack_sequences (one packed row, position_ids restarting per example) marks the packed length dynamic: the
+    two-head KL site then has symbolic sizes, which the row-wise rewrite does not take (NOT fused: the site is
+    skipped with the reason, the step stays the unfused graph's); loss and gradients equal the unfused graph
+    (fuse_attention + pack_sequences without fuse_cross_entropy) within 1e-5, on two lengths, no recompile."""
+    from effpass.passes import FuseAttention, PackSequences
+    from effpass.testing import dynamo_counters
+
+    model = _model("llama", "kl")
+    unfused_model = copy.deepcopy(model)
+    torch._dynamo.reset()
+    compiled = effpass.compile(model, passes=[FuseAttention(), PackSequences(), FuseCrossEntropy()], lowering="eager",
+                               strict=True)
+    unfused = effpass.compile(unfused_model, passes=[FuseAttention(), PackSequences()], lowering="eager", strict=True)
+    with dynamo_counters() as counters:
+        for lens in ((5, 9, 6), (7, 11)):
+            g = torch.Generator().manual_seed(sum(lens))
+            ids = torch.randint(1, V, (1, sum(lens)), generator=g)
+            labels = ids.clone()
+            labels[0, 0] = -100
+            pos = torch.cat([torch.arange(n) for n in lens])[None]
+            model.zero_grad(set_to_none=True)
+            unfused_model.zero_grad(set_to_none=True)
+            rec, _ = _check(model, compiled, unfused, (ids, labels), {"position_ids": pos})
+    assert counters["recompiles"] == 0 and counters["graph_breaks"] == 0, counters
+    assert rec.stats["rowwise_sites"] == 0 and rec.stats["skipped"] == 1, rec.stats
+    assert "symbolic sizes" in rec.skipped[0]["reason"], rec.skipped
+    assert effpass.report(compiled).stats("pack_sequences")["sdpa_rewritten"] >= 1
+
+
+def test_wrap_fsdp_world_size_1_dpo_step_matches_eager(tmp_path):
+    """wrap_fsdp (FSDP2, gloo, world size 1 in this process) around a DPO loss module (policy + frozen reference):
+    loss and gradients equal the unwrapped eager model's within 1e-5. The log-prob sites are NOT fused there
+    (logprob_sites == 0): wrap_fsdp compiles each model's decoder blocks but finds no root boundary in the wrapper
+    (compiled_root == 0), so the heads and log-probs run eagerly, outside every compiled graph."""
+    import torch.distributed as dist
+
+    from effpass.passes import WrapFSDP
+
+    model = _model("llama", "dpo")
+    eager = copy.deepcopy(model)
+    args = _batch()
+    want = eager(*args)
+    want.backward()
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        torch._dynamo.reset()
+        compiled = effpass.compile(model, passes=[FuseCrossEntropy(), WrapFSDP()], lowering="eager", dump_dir=None)
+        loss = compiled(*args)
+        loss.backward()
+        grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+                 for n, p in model.named_parameters() if p.grad is not None}
+        rep = effpass.report(compiled)
+    finally:
+        dist.destroy_process_group()
+    assert _rel(loss.detach(), want.detach()) <= 1e-5
+    ref = {n: p.grad for n, p in eager.named_parameters() if p.grad is not None}
+    assert grads.keys() == ref.keys()
+    for n, g in ref.items():
+        assert _rel(grads[n], g) <= 1e-5, n
+    st, ws = rep.stats("fuse_cross_entropy"), rep.stats("wrap_fsdp")
+    assert ws["world_size"] == 1 and ws["units"] == 2 and ws["compiled_root"] == 0, ws
+    assert st.get("logprob_sites", 0) == 0, st
