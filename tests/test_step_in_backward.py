@@ -244,7 +244,7 @@ def record_backward():
     effpass.registered_passes()
     saved = dict(_REGISTRY)
     effpass.register_pass("record_backward", run_after=("step_in_backward",))(
-        dataclasses.dataclass(frozen=True, kw_only=True)(_RecordBackward))
+        dataclasses.dataclass(frozen=True, kw_only=True)(type("_RecordBackward", (_RecordBackward,), {})))
     _BACKWARDS.clear()
     yield _REGISTRY["record_backward"]
     _REGISTRY.clear()
