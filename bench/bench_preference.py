@@ -19,7 +19,7 @@ beta x k3-KL to the reference, masked mean), ``distill`` (forward KL between the
 distributions: fused by effpass as one row-wise op over both heads).
 
 CPU shape (shared 2-core machine with 23 GB; the issue's 2 x 2,048 tokens at vocabulary 128,256 hold over
-8 GB eager, more than this machine can spare): fp32, hidden 64, 1 layer, vocabulary 128,256, 2 x 512 tokens.
+8 GB eager, more than this machine can spare): fp32, hidden 64, 1 layer, vocabulary 128,256, 2 x 256 tokens.
 
     python bench/bench_preference.py                 # all losses and arms -> bench/results/preference_cpu.{json,md}
     python bench/bench_preference.py --arm effpass --loss dpo --json

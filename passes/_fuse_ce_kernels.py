@@ -21,7 +21,8 @@ from torch import Tensor
 
 import effpass
 
-__all__ = ["MIN_FULL_ROWS", "MIN_CHUNK_ROWS", "plan_chunks", "default_chunk_bytes", "num_chunks",
+__all__ = ["MIN_FULL_ROWS", "MIN_CHUNK_ROWS", "TILE_ROWS", "CPU_ROWS_TILE_BYTES", "plan_chunks", "default_chunk_bytes",
+           "default_rows_chunk_bytes", "num_chunks",
            "linear_cross_entropy", "OPS", "NO_IGNORE"]
 
 #: a full row block of logits is used when the budget holds at least this many rows (else 2-D tiles)
@@ -32,23 +33,43 @@ MIN_FULL_ROWS = 128
 #: byte (fp32) whatever the hidden size and vocabulary; below ~256 rows the step is bound by that traffic and
 #: by per-chunk overhead (docs/fuse_cross_entropy.md, "Choosing the chunk")
 MIN_CHUNK_ROWS = 256
+#: the per-row ops' tiles (a budget smaller than full rows) hold at most this many rows
+TILE_ROWS = 256
+#: the per-row ops' default budget on CPU: a tile of fp32 logits that stays in the cache (bench, docs/fused_losses.md)
+CPU_ROWS_TILE_BYTES = 2 << 20
 _COMPUTE = {"": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 # ------------------------------------------------------------------------------------------------------
 # the chunked kernel (plain torch, run eagerly inside the custom ops)
 # ------------------------------------------------------------------------------------------------------
-def plan_chunks(rows: int, vocab: int, chunk_bytes: int) -> tuple[int, int]:
+def plan_chunks(rows: int, vocab: int, chunk_bytes: int, max_tile_rows: int = 0) -> tuple[int, int]:
     """``(rows per chunk, vocabulary entries per chunk)`` for a fp32 logits tile of at most
     ``chunk_bytes``: full rows when at least ``MIN_FULL_ROWS`` (or a quarter of the rows) fit, else a
-    near-square tile."""
+    near-square tile (of at most ``max_tile_rows`` rows when given: the per-row ops)."""
     elems = max(1, chunk_bytes // 4)
     rows = max(1, rows)
     full = elems // vocab
     if full >= min(-(-rows // 4), MIN_FULL_ROWS):
         return max(1, min(rows, full)), vocab
-    r = max(1, min(rows, math.isqrt(elems)))
+    r = max(1, min(rows, math.isqrt(elems), max_tile_rows or rows))
     return r, max(1, min(vocab, elems // r))
+
+
+def plan_row_tiles(rows: int, vocab: int, chunk_bytes: int) -> tuple[int, int]:
+    """The per-row ops' plan: as :func:`plan_chunks`, tiles of at most ``TILE_ROWS`` rows. Cutting the vocabulary
+    costs these ops no matmul (their backward recomputes every tile whatever its shape: 4 matmul-equivalents for
+    a trained head either way), only an online log-sum-exp over the tiles' row maxima."""
+    return plan_chunks(rows, vocab, chunk_bytes, TILE_ROWS)
+
+
+def default_rows_chunk_bytes(rows: int, vocab: int, hidden_bytes: int, device_type: str) -> int:
+    """The per-row ops' default budget: on CPU a cache-sized tile (``CPU_ROWS_TILE_BYTES``: the elementwise work
+    of the log-softmax and its gradient then reads and writes the cache, not memory); elsewhere
+    :func:`default_chunk_bytes` (full row blocks: fewer, larger kernels)."""
+    if device_type == "cpu":
+        return CPU_ROWS_TILE_BYTES
+    return default_chunk_bytes(rows, vocab, hidden_bytes)
 
 
 def default_chunk_bytes(rows: int, vocab: int, hidden_bytes: int) -> int:
@@ -57,16 +78,17 @@ def default_chunk_bytes(rows: int, vocab: int, hidden_bytes: int) -> int:
     return max(int(hidden_bytes), min(-(-max(rows, 1) // 4), MIN_CHUNK_ROWS) * vocab * 4)
 
 
-def num_chunks(rows: int, vocab: int, chunk_bytes: int) -> int:
-    r, v = plan_chunks(rows, vocab, chunk_bytes)
+def num_chunks(rows: int, vocab: int, chunk_bytes: int, per_row: bool = False) -> int:
+    r, v = (plan_row_tiles if per_row else plan_chunks)(rows, vocab, chunk_bytes)
     return math.ceil(max(rows, 0) / r) * math.ceil(vocab / v) if rows > 0 else 0
 
 
 class _Spec:
     """The per-call constants of the kernel."""
 
-    def __init__(self, vocab, ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute):
+    def __init__(self, vocab, ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute, per_row=False):
         self.vocab, self.ignore_index, self.smoothing = vocab, ignore_index, smoothing
+        self.plan = plan_row_tiles if per_row else plan_chunks
         self.pre, self.softcap, self.post = pre, softcap, post
         self.chunk_bytes, self.compute = chunk_bytes, _COMPUTE[compute]
 
@@ -116,7 +138,7 @@ def _forward_pass(xs, ws, b, tgt, spec: _Spec, grads: Optional[dict], gscale: Op
     lse_all = torch.empty(n, dtype=torch.float32, device=tgt.device)
     if n == 0:
         return loss, lse_all
-    rows, vt = plan_chunks(n, vocab, spec.chunk_bytes)
+    rows, vt = spec.plan(n, vocab, spec.chunk_bytes)
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         t = tgt[r0:r1]
@@ -162,11 +184,61 @@ def _forward_pass(xs, ws, b, tgt, spec: _Spec, grads: Optional[dict], gscale: Op
     return loss, lse_all
 
 
+def _x_grad_pass(xs, ws, b, tgt, spec: _Spec):
+    """Per-row loss, log-sum-exp and ``d loss / d x`` of a frozen head (only ``x`` needs a gradient), in the
+    forward's one pass over the tiles (online softmax, rescaled as the row maxima grow):
+    ``gx = sum_v (p_v - [v == t]) c_v W_v`` with ``c_v`` the transform's derivative. The backward then only
+    scales ``gx`` by the incoming per-row gradient: 2 matmul-equivalents in all, as unfused (logits, input
+    gradient), where recomputing in the backward costs 3."""
+    (x,), (w,) = xs, ws
+    n, vocab = tgt.shape[0], spec.vocab
+    f32, dev = torch.float32, tgt.device
+    loss = torch.empty(n, dtype=f32, device=dev)
+    lse_all = torch.empty(n, dtype=f32, device=dev)
+    gx = torch.zeros(n, x.shape[1], dtype=f32, device=dev)
+    if n == 0:
+        return loss, lse_all, gx
+    rows, vt = spec.plan(n, vocab, spec.chunk_bytes)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        t = tgt[r0:r1]
+        m = torch.full((r1 - r0,), -math.inf, device=dev)
+        ssum = torch.zeros(r1 - r0, device=dev)
+        zt = torch.zeros(r1 - r0, device=dev)
+        ct = torch.full((r1 - r0,), spec.pre, device=dev)
+        u = gx[r0:r1]
+        for v0 in range(0, vocab, vt):
+            v1 = min(vocab, v0 + vt)
+            z, th = spec.logits(xs, ws, b, r0, r1, v0, v1)
+            inside = (t >= v0) & (t < v1)
+            local = (t - v0).clamp(0, v1 - v0 - 1)[:, None]
+            zt = torch.where(inside, z.gather(1, local).squeeze(1), zt)
+            m_new = torch.maximum(m, z.amax(1))
+            scale = torch.exp(m - m_new)
+            e = z.sub_(m_new[:, None]).exp_()
+            ssum = ssum * scale + e.sum(1)
+            if th is not None:  # d softcap(z)/dz = pre * post * (1 - tanh^2)
+                deriv = th.mul_(th).neg_().add_(1.0).mul_(spec.pre * spec.post)
+                ct = torch.where(inside, deriv.gather(1, local).squeeze(1), ct)
+                e.mul_(deriv)
+            elif spec.pre != 1.0:
+                e.mul_(spec.pre)
+            u.mul_(scale[:, None])
+            _acc_mm(u, e.to(x.dtype), w[v0:v1])
+            m = m_new
+        lse = m + ssum.log()
+        u.div_(ssum[:, None])
+        u.sub_(ct[:, None] * w.index_select(0, t).float())
+        lse_all[r0:r1] = lse
+        loss[r0:r1] = lse - zt
+    return loss, lse_all, gx
+
+
 def _backward_pass(xs, ws, b, tgt, lse_all, gscale, spec: _Spec, grads: dict):
     n, vocab = tgt.shape[0], spec.vocab
     if n == 0:
         return
-    rows, vt = plan_chunks(n, vocab, spec.chunk_bytes)
+    rows, vt = spec.plan(n, vocab, spec.chunk_bytes)
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         for v0 in range(0, vocab, vt):
@@ -300,21 +372,31 @@ _lce_reduced.register_autograd(_reduced_backward, setup_context=_reduced_setup)
 @torch.library.custom_op("effpass::linear_cross_entropy_rows", mutates_args=())
 def _lce_rows(x: Tensor, w: Tensor, x2: Optional[Tensor], w2: Optional[Tensor], bias: Optional[Tensor],
               target: Tensor, ignore_index: int, smoothing: float, pre: float, softcap: bool, post: float,
-              chunk_bytes: int, compute: str) -> tuple[Tensor, Tensor]:
-    """Per-row losses (0 on ignored rows, as ``reduction="none"``) and per-row log-sum-exp."""
-    spec = _Spec(w.shape[0], ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute)
+              chunk_bytes: int, compute: str, x_grad: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-row losses (0 on ignored rows, as ``reduction="none"``), per-row log-sum-exp, and with ``x_grad``
+    (a frozen head: only ``x`` needs a gradient; no second projection, no smoothing) ``d loss_i / d x_i``
+    computed in the same pass (else an empty tensor)."""
+    spec = _Spec(w.shape[0], ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute, True)
     valid, tgt, xs, ws, b = _prepare(x, w, x2, w2, bias, target, spec)
-    loss_v, lse_v = _forward_pass(xs, ws, b, tgt, spec, None, None)
     n = target.shape[0]
+    if x_grad:
+        if x2 is not None or smoothing:
+            raise ValueError("linear_cross_entropy_rows(x_grad=True) takes one projection without label smoothing")
+        loss_v, lse_v, gx_v = _x_grad_pass(xs, ws, b, tgt, spec)
+        gx = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_copy_(0, valid, gx_v).to(x.dtype)
+    else:
+        loss_v, lse_v = _forward_pass(xs, ws, b, tgt, spec, None, None)
+        gx = x.new_empty(0)
     loss = torch.zeros(n, dtype=torch.float32, device=x.device).index_copy_(0, valid, loss_v)
     lse = torch.zeros(n, dtype=torch.float32, device=x.device).index_copy_(0, valid, lse_v)
-    return loss, lse
+    return loss, lse, gx
 
 
 @_lce_rows.register_fake
-def _(x, w, x2, w2, bias, target, ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute):
+def _(x, w, x2, w2, bias, target, ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute, x_grad=False):
     n = target.shape[0]
-    return x.new_empty((n,), dtype=torch.float32), x.new_empty((n,), dtype=torch.float32)
+    return (x.new_empty((n,), dtype=torch.float32), x.new_empty((n,), dtype=torch.float32),
+            torch.empty_like(x) if x_grad else x.new_empty(0))
 
 
 @torch.library.custom_op("effpass::linear_cross_entropy_rows_backward", mutates_args=())
@@ -322,7 +404,7 @@ def _lce_rows_bwd(grad: Tensor, lse: Tensor, x: Tensor, w: Tensor, x2: Optional[
                   bias: Optional[Tensor], target: Tensor, ignore_index: int, smoothing: float, pre: float,
                   softcap: bool, post: float, chunk_bytes: int, compute: str, grad_mask: list[bool]
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    spec = _Spec(w.shape[0], ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute)
+    spec = _Spec(w.shape[0], ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute, True)
     valid, tgt, xs, ws, b = _prepare(x, w, x2, w2, bias, target, spec)
     acc = _accumulators(xs, ws, bias is not None, grad_mask, spec.vocab, x.device)
     _backward_pass(xs, ws, b, tgt, lse.index_select(0, valid), grad.float().index_select(0, valid), spec, acc)
@@ -350,8 +432,9 @@ def _head_flops(x, w, x2, w2, grad_mask=None) -> int:
 # for the memory planner (effpass.memory_options): the per-row op also serves the log-probability sites
 effpass.register_flop_formula(torch.ops.effpass.linear_cross_entropy, lambda x, w, x2, w2, bias, target, *a, out_val=None, **k:
                               _head_flops(x, w, x2, w2, list(a[8]) if len(a) > 8 else k.get("grad_mask")))
-effpass.register_flop_formula(torch.ops.effpass.linear_cross_entropy_rows,
-                              lambda x, w, x2, w2, *a, out_val=None, **k: _head_flops(x, w, x2, w2))
+effpass.register_flop_formula(torch.ops.effpass.linear_cross_entropy_rows,  # x_grad: the input gradient too
+                              lambda x, w, x2, w2, *a, out_val=None, **k: _head_flops(x, w, x2, w2) * (
+                                  2 if (a[9] if len(a) > 9 else k.get("x_grad", False)) else 1))
 effpass.register_flop_formula(torch.ops.effpass.linear_cross_entropy_rows_backward,
                               lambda grad, lse, x, w, x2, w2, bias, target, *a, out_val=None, **k: _head_flops(
                                   x, w, x2, w2, list(a[7]) if len(a) > 7 else k.get("grad_mask")))
@@ -359,19 +442,30 @@ effpass.register_flop_formula(torch.ops.effpass.linear_cross_entropy_rows_backwa
 
 def _rows_setup(ctx, inputs, output):
     x, w, x2, w2, bias, target = inputs[:6]
-    ctx.consts = inputs[6:]
+    ctx.consts = inputs[6:13]
+    ctx.x_grad = bool(inputs[13]) if len(inputs) > 13 else False
     ctx.present = [t is not None for t in (x, w, x2, w2, bias)]
     ctx.mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[1],
                 ctx.needs_input_grad[3], ctx.needs_input_grad[4]]
-    ctx.save_for_backward(x, w, x2, w2, bias, target, output[1])
+    if ctx.x_grad:
+        if any(ctx.mask[1:]):  # NOTE: a gradient the forward did not compute would silently be None
+            raise RuntimeError("linear_cross_entropy_rows(x_grad=True): only x may need a gradient (the head's "
+                               "weight, bias and second projection must be frozen)")
+        ctx.save_for_backward(output[2])
+    else:
+        ctx.save_for_backward(x, w, x2, w2, bias, target, output[1])
 
 
-def _rows_backward(ctx, g, _glse):
+def _rows_backward(ctx, g, _glse, _ggx):
+    if ctx.x_grad:
+        (gx,) = ctx.saved_tensors
+        dx = gx * g[:, None].to(gx.dtype) if ctx.mask[0] else None
+        return (dx, None, None, None, None, None, None, None, None, None, None, None, None, None)
     x, w, x2, w2, bias, target, lse = ctx.saved_tensors
     grads = _lce_rows_bwd(g, lse, x, w, x2, w2, bias, target, *ctx.consts, ctx.mask)
     dx, dw, dx2, dw2, db = grads
     out = [d if (p and d.numel()) else None for p, d in zip(ctx.present, (dx, dw, dx2, dw2, db))]
-    return (*out, None, None, None, None, None, None, None, None)
+    return (*out, None, None, None, None, None, None, None, None, None)
 
 
 _lce_rows.register_autograd(_rows_backward, setup_context=_rows_setup)

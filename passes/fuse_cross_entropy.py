@@ -82,7 +82,7 @@ from effpass.quantized import dequantize, is_quantized
 from effpass.scope import module_path_of_node
 
 from ._fuse_ce_kernels import (MIN_CHUNK_ROWS, MIN_FULL_ROWS, NO_IGNORE, OPS, default_chunk_bytes,  # noqa: F401 (re-exported)
-                               linear_cross_entropy, num_chunks, plan_chunks)
+                               default_rows_chunk_bytes, linear_cross_entropy, num_chunks, plan_chunks)
 from ._fuse_ce_region import Region, build_row_fn, find_regions
 from ._fuse_ce_kernels import register_row_fn, rowwise_rows
 from ._fuse_ce_match import (LogProbSite, Site, Skip, _CE_FNS, _is_fn, _val, autocast_dtype_at, ce_args, erase_unused,
@@ -170,7 +170,8 @@ class FuseCrossEntropy(effpass.Pass):
         stats = {"fused": 0, "logits_bytes_avoided": 0, "chunks": 0, "chunk_bytes": 0, "logits_returned": 0,
                  "logits_dropped": 0, "lora_heads": 0, "low_precision_matmuls": 0, "torch_kernel": 0,
                  "dequantized_heads": 0, "skipped": 0, "left_alone_no_grad": 0, "logprob_sites": 0,
-                 "rowwise_sites": 0, "two_head_sites": 0, "rowwise_outputs": 0, "trl_logprob_sites": 0}
+                 "rowwise_sites": 0, "two_head_sites": 0, "rowwise_outputs": 0, "trl_logprob_sites": 0,
+                 "input_grad_in_forward": 0}
         skipped: list[dict] = []
         for ce in [n for n in graph.nodes if _is_fn(n, _CE_FNS)]:
             where = f"{module_path_of_node(ce) or '<root>'}:{ce.name}"
@@ -309,17 +310,27 @@ class FuseCrossEntropy(effpass.Pass):
         return dropped
 
     @staticmethod
+    def _frozen_head(site: Site) -> bool:
+        """Only the hidden states need a gradient (a frozen or quantized head, LoRA on other layers): the per-row op
+        then computes their gradient in its forward pass (``x_grad``) instead of recomputing the logits."""
+        return (_needs_grad(site.h) and site.lora is None and not _needs_grad(site.weight)
+                and not (isinstance(site.bias, fx.Node) and _needs_grad(site.bias)))
+
+    @staticmethod
     def _count_head(stats: dict, site: Site, weight, compute: str) -> None:
         stats["lora_heads"] += int(site.lora is not None)
         stats["low_precision_matmuls"] += int(bool(compute))
         stats["dequantized_heads"] += int(weight is not site.weight)
 
-    def _plan(self, graph: fx.Graph, site: Site, consumers, n_rows: int, vocab: int):
+    def _plan(self, graph: fx.Graph, site: Site, consumers, n_rows: int, vocab: int, per_row: bool = False):
         """``(chain_set, returned, keep, compute, budget)`` of a one-head site: who reads its logits, whether
-        they are kept, the matmul dtype and the chunk budget."""
+        they are kept, the matmul dtype and the chunk budget (``per_row``: the per-row op's default, a
+        cache-sized tile on CPU)."""
         chain_set, returned, used_elsewhere = self._readers(site, consumers)
         hv = _val(site.h)
-        budget = self.chunk_bytes or default_chunk_bytes(n_rows, vocab, hv.numel() * hv.element_size())
+        hb = hv.numel() * hv.element_size()
+        budget = self.chunk_bytes or (default_rows_chunk_bytes(n_rows, vocab, hb, hv.device.type) if per_row
+                                      else default_chunk_bytes(n_rows, vocab, hb))
         return (chain_set, returned, bool(used_elsewhere) or self.keep_logits, self._compute(graph, site),
                 budget)
 
@@ -336,7 +347,8 @@ class FuseCrossEntropy(effpass.Pass):
         a = ce_args(ce)
         vocab, width = self._check_head(site)
         n_rows = int(_val(a["input"]).shape[0])
-        chain_set, returned, keep, compute, budget = self._plan(graph, site, {ce}, n_rows, vocab)
+        per_row = a["reduction"] == "none"
+        chain_set, returned, keep, compute, budget = self._plan(graph, site, {ce}, n_rows, vocab, per_row)
         new: list[fx.Node] = []
         call = self._caller(graph, new)
         with graph.inserting_before(ce):
@@ -350,8 +362,10 @@ class FuseCrossEntropy(effpass.Pass):
                             reduction=reduction, ignore_index=ignore,
                             options=torch.nn.LinearCrossEntropyOptions())
             elif reduction == "none":
+                xg = eps == 0.0 and self._frozen_head(site)
                 res = call(torch.ops.effpass.linear_cross_entropy_rows.default, x, weight, x2, w2, site.bias,
-                           target, ignore, eps, site.pre, site.softcap, site.post, budget, compute)
+                           target, ignore, eps, site.pre, site.softcap, site.post, budget, compute, xg)
+                stats["input_grad_in_forward"] += int(xg)
                 loss = call(operator.getitem, res, 0)
             else:
                 def needs(n):
@@ -373,7 +387,7 @@ class FuseCrossEntropy(effpass.Pass):
         dropped = self._drop_logits(graph, site, chain_set, returned, keep)
         stats["fused"] += 1
         stats["logits_bytes_avoided"] += n_rows * vocab * 4
-        stats["chunks"] += 1 if use_torch else num_chunks(n_rows, vocab, budget)
+        stats["chunks"] += 1 if use_torch else num_chunks(n_rows, vocab, budget, per_row)
         stats["chunk_bytes"] = budget
         stats["logits_returned"] += int(bool(returned) and keep)
         stats["logits_dropped"] += int(dropped)
@@ -390,14 +404,16 @@ class FuseCrossEntropy(effpass.Pass):
         if not isinstance(iv, torch.Tensor):
             raise Skip("the index has no static example value")
         n_rows = int(iv.numel())
-        chain_set, returned, keep, compute, budget = self._plan(graph, site, set(lp.nodes), n_rows, vocab)
+        chain_set, returned, keep, compute, budget = self._plan(graph, site, set(lp.nodes), n_rows, vocab, True)
         new: list[fx.Node] = []
         call = self._caller(graph, new)
         with graph.inserting_before(anchor):
             x, weight, x2, w2 = self._emit_head(graph, site, call, new, vocab, width)
             target = call(torch.reshape, lp.index, (-1,))
+            xg = self._frozen_head(site)
             res = call(torch.ops.effpass.linear_cross_entropy_rows.default, x, weight, x2, w2, site.bias, target,
-                       NO_IGNORE, 0.0, site.pre, site.softcap, site.post, budget, compute)
+                       NO_IGNORE, 0.0, site.pre, site.softcap, site.post, budget, compute, xg)
+            stats["input_grad_in_forward"] += int(xg)
             out = call(torch.neg, call(operator.getitem, res, 0))
             shape = tuple(int(d) for d in iv.shape)
             out = call(torch.reshape, out, shape[:-1] if lp.squeezed else shape)
@@ -409,7 +425,7 @@ class FuseCrossEntropy(effpass.Pass):
         dropped = self._drop_logits(graph, site, chain_set, returned, keep)
         stats["logprob_sites"] += 1
         stats["logits_bytes_avoided"] += 0 if keep else n_rows * vocab * 4
-        stats["chunks"] += num_chunks(n_rows, vocab, budget)
+        stats["chunks"] += num_chunks(n_rows, vocab, budget, True)
         stats["chunk_bytes"] = budget
         stats["logits_returned"] += int(bool(returned) and keep)
         stats["logits_dropped"] += int(dropped)

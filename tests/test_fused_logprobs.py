@@ -20,10 +20,10 @@ from effpass.passes import FuseCrossEntropy
 V = 256
 
 
-def _hf(name):
+def _hf(name, vocab=V):
     import transformers as tf
 
-    common = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
     if name == "llama":
@@ -81,6 +81,9 @@ def _run(arm, family="llama", form="log_softmax"):
     if arm == "lora":
         from effpass.passes import InjectLoRA
         extra = [InjectLoRA(rank=4, init="gaussian", targets=["policy.lm_head", "policy.*.q_proj"])]
+    if arm == "lora_body":  # LoRA on the attention only: the head is frozen
+        from effpass.passes import InjectLoRA
+        extra = [InjectLoRA(rank=4, init="gaussian", targets=["policy.*.q_proj", "policy.*.v_proj"])]
     if arm == "int8":
         from effpass.passes import QuantizeLinear
         extra = [QuantizeLinear(scheme="int8", targets=["*.lm_head"])]
@@ -114,7 +117,7 @@ def _run(arm, family="llama", form="log_softmax"):
 
 @pytest.mark.parametrize("family,arm,form", [("llama", "plain", "log_softmax"), ("gemma2", "plain", "log_softmax"),
                                              ("qwen3", "plain", "logsumexp"), ("llama", "lora", "log_softmax"),
-                                             ("llama", "int8", "logsumexp")])
+                                             ("llama", "int8", "logsumexp"), ("gemma2", "lora_body", "log_softmax")])
 def test_dpo_logprobs_fused_policy_and_reference(family, arm, form):
     stats, ops, recs = _run(arm, family, form)
     # two sites: the policy's (with gradient) and the frozen reference's (no_grad), both fused
@@ -124,6 +127,9 @@ def test_dpo_logprobs_fused_policy_and_reference(family, arm, form):
     assert stats["lora_heads"] == (1 if arm == "lora" else 0)
     assert stats["dequantized_heads"] == (2 if arm == "int8" else 0)
     assert stats["logits_bytes_avoided"] == 2 * 4 * 11 * V * 4
+    # a frozen head (quantized, or LoRA on other layers): the policy's input gradient is computed in the forward
+    # (no logits recomputed in the backward); the reference needs no gradient at all
+    assert stats["input_grad_in_forward"] == (1 if arm in ("int8", "lora_body") else 0), stats
 
 
 def test_full_log_probs_used_elsewhere_fuse_as_a_row_function():
@@ -156,3 +162,130 @@ def test_full_log_probs_used_elsewhere_fuse_as_a_row_function():
     st = recs[-1].stats
     assert st["logprob_sites"] == 0 and st["rowwise_sites"] == 1 and st["skipped"] == 0, st
     assert not any(k.endswith("log_softmax") for k in recs[-1].ops_after)
+
+
+def test_per_row_op_plans_cache_sized_tiles_on_cpu():
+    """The per-row op (log-prob sites, reduction="none") on CPU: a 2 MiB tile of at most 256 rows by default (its
+    backward recomputes every tile whatever the plan, so cutting the vocabulary adds no matmul); elsewhere the
+    cross-entropy default (full row blocks); an explicit budget is the user's."""
+    from effpass.passes._fuse_ce_kernels import (CPU_ROWS_TILE_BYTES, default_chunk_bytes, default_rows_chunk_bytes,
+                                                 num_chunks, plan_chunks, plan_row_tiles)
+    llama3 = 128256
+    assert default_rows_chunk_bytes(510, llama3, 510 * 64 * 4, "cpu") == CPU_ROWS_TILE_BYTES == 2 << 20
+    assert plan_row_tiles(510, llama3, CPU_ROWS_TILE_BYTES) == (256, 2048)
+    assert num_chunks(510, llama3, CPU_ROWS_TILE_BYTES, per_row=True) == 2 * 63
+    assert plan_chunks(510, llama3, CPU_ROWS_TILE_BYTES) == (510, 1028)  # the summed op's tiles: unchanged
+    assert default_rows_chunk_bytes(510, llama3, 510 * 64 * 4, "cuda") == default_chunk_bytes(510, llama3, 510 * 64 * 4)
+    assert plan_row_tiles(2048, llama3, default_chunk_bytes(2048, llama3, 2048 * 256 * 4)) == (256, llama3)
+
+
+@pytest.mark.parametrize("budget", [64 * 4 * 3, 10 ** 9])  # tiles (online softmax) and full rows
+def test_frozen_head_input_gradient_in_the_forward(budget):
+    """A frozen head (only the hidden states need a gradient): the per-row op computes d loss / d x in its forward
+    pass (``x_grad``, online softmax over the tiles) and the backward only scales it: the per-row losses and the
+    input gradient equal F.cross_entropy's within 1e-5 (scaling, soft-capping, a frozen bias, ignored rows); asking
+    for the weight's gradient from that form raises."""
+    torch.manual_seed(0)
+    n, h, vocab = 37, 16, 50
+    x = torch.randn(n, h, requires_grad=True)
+    w, b = torch.randn(vocab, h), torch.randn(vocab)
+    t = torch.randint(0, vocab, (n,))
+    t[::5] = -100
+    g = torch.randn(n)
+    op = torch.ops.effpass.linear_cross_entropy_rows.default
+    for pre, cap, post in ((1.0, False, 1.0), (0.7, False, 1.0), (1.5 / 3.0, True, 3.0)):
+        z = F.linear(x, w, b) * (pre * post if not cap else 1.0)
+        if cap:
+            z = torch.tanh(F.linear(x, w, b) * pre) * post
+        want = F.cross_entropy(z, t, reduction="none")
+        (gw,) = torch.autograd.grad((want * g).sum(), [x])
+        loss, _, gx = op(x, w, None, None, b, t, -100, 0.0, pre, cap, post, budget, "", True)
+        assert gx.shape == x.shape and _rel(loss.detach(), want.detach()) <= 1e-5
+        (gg,) = torch.autograd.grad((loss * g).sum(), [x])
+        assert _rel(gg, gw) <= 1e-5, (pre, cap, _rel(gg, gw))
+        assert not gg[::5].abs().any()  # ignored rows: no gradient
+    with pytest.raises(RuntimeError, match="only x may need a gradient"):
+        op(x, w.requires_grad_(), None, None, None, t, -100, 0.0, 1.0, False, 1.0, budget, "", True)
+
+
+@effpass.register_pass("measure_vocab_values", run_after=("fuse_cross_entropy",))
+def measure_vocab_values(gm, ctx):
+    """Test pass: the largest value computed in the graph (not an input) whose last dim is the vocabulary."""
+    largest = 0
+    for n in gm.graph.nodes:
+        v = n.meta.get("example_value")
+        if n.op in ("call_function", "call_method") and isinstance(v, torch.Tensor) and v.dim() >= 1 \
+                and v.shape[-1] == V:
+            largest = max(largest, v.numel())
+    return effpass.PassResult(stats={"largest_vocab_value": largest})
+
+
+class RefLogps(torch.nn.Module):
+    """The frozen reference's per-token log-probs (what DPO/GRPO compute for it), compiled on its own."""
+
+    def __init__(self, ref):
+        super().__init__()
+        self.ref = ref
+
+    def forward(self, ids, labels):
+        logits = self.ref(input_ids=ids, use_cache=False).logits[:, :-1]
+        t = labels[:, 1:]
+        return logits.float().log_softmax(-1).gather(-1, t.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_frozen_reference_forward_alone_is_chunked(family):
+    """A frozen reference compiled with effpass and called under torch.no_grad (issue 27, item 2): its log-probs
+    equal eager's within 1e-5 and its graph computes no vocabulary-sized value (only the head's weight, an input,
+    has the vocabulary as a dim): the per-row op computes them tile by tile."""
+    ref = _hf(family).eval().requires_grad_(False)
+    ids, labels = _batch()
+    want = RefLogps(ref)(ids, labels)
+    compiled = effpass.compile(RefLogps(copy.deepcopy(ref)).eval(), passes=[FuseCrossEntropy(), measure_vocab_values],
+                               lowering="eager", strict=True)
+    with torch.no_grad():
+        got = compiled(ids, labels)
+    assert got.shape == want.shape and _rel(got, want) <= 1e-5
+    rep = effpass.report(compiled)
+    st = rep.stats("fuse_cross_entropy")
+    assert st["logprob_sites"] == 1 and st["input_grad_in_forward"] == 0, st
+    assert rep.stats("measure_vocab_values")["largest_vocab_value"] == 0
+    # without the pass the graph holds the logits (the oracle can fail)
+    plain = effpass.compile(RefLogps(copy.deepcopy(ref)).eval(), passes=[measure_vocab_values], lowering="eager")
+    with torch.no_grad():
+        plain(ids, labels)
+    assert effpass.report(plain).stats("measure_vocab_values")["largest_vocab_value"] >= ids.shape[0] * 11 * V
+
+
+def test_planner_counts_fused_and_unfused_logprob_memory():
+    """The memory planner's replay (estimate_memory) of a DPO step, fused and unfused: the prediction drops by
+    more than the logits it no longer holds (policy and reference: 2 x rows x V x 4 bytes), and the fused step's
+    prediction is within the op's tile workspace of the measured peak. The op's internal tiles are not visible to
+    the replay (a custom op allocates its outputs only), so the measured peak may exceed the prediction by up to
+    three 2 MiB tiles."""
+    from effpass.passes._fuse_ce_kernels import CPU_ROWS_TILE_BYTES
+    from effpass.planning.estimate import estimate_memory
+    from effpass.testing.memory import peak_memory
+
+    vocab = 4096  # the logits (4 MiB per head) outweigh the model's activations
+    policy = _hf("llama", vocab).train()
+    ref = copy.deepcopy(policy).eval().requires_grad_(False)
+    ids, labels = _batch(pairs=4, seq=33)
+    logits = ids.shape[0] * 32 * vocab * 4
+    est = {}
+    for name, passes in (("fused", [FuseCrossEntropy()]), ("unfused", [])):
+        est[name] = estimate_memory(DPO(copy.deepcopy(policy), copy.deepcopy(ref)), (ids, labels), passes=passes,
+                                    optimizer=None, lowering="eager")
+    assert est["fused"].pass_stats["fuse_cross_entropy"]["logprob_sites"] == 2
+    assert est["unfused"].step_peak_bytes - est["fused"].step_peak_bytes >= 2 * logits, est
+    compiled = effpass.compile(DPO(copy.deepcopy(policy), copy.deepcopy(ref)), passes=[FuseCrossEntropy()],
+                               lowering="eager")
+
+    def step():
+        compiled(ids, labels).backward()
+        compiled.zero_grad(set_to_none=True)
+
+    step()
+    _, measured = peak_memory(step)
+    pred = est["fused"].step_peak_bytes
+    assert pred <= measured + 64 * 1024 and measured - pred <= 3 * CPU_ROWS_TILE_BYTES, (pred, measured)
