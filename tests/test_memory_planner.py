@@ -101,9 +101,9 @@ def test_depth_extrapolation_equals_the_full_replay():
     assert _plain_llama()[1].depths == []  # 2 blocks: replayed whole
 
 
-def test_replays_spread_over_worker_processes():
+def test_replays_spread_over_worker_processes(monkeypatch):
     """The extrapolation's depths are replayed by forked workers (planning speed on 2 cores): results come
-    back in order, and a worker that dies hands its jobs back to this process (same results)."""
+    back in order, and a worker that dies or hangs hands its jobs back to this process (same results)."""
     import os
     import sys
 
@@ -123,6 +123,17 @@ def test_replays_spread_over_worker_processes():
         return j * j
 
     assert _in_workers(dies_in_a_worker, [2, 3, 4], [4, 5, 6], 2) == [4, 9, 16]
+
+    def hangs_in_a_worker(j):  # a child stuck on a lock another thread held at the fork
+        if os.getpid() != here:
+            import time
+            time.sleep(3600)
+        return j + 1
+
+    from effpass.planning import estimate as est_mod
+
+    monkeypatch.setattr(est_mod, "_CHILD_GRACE_S", 1.0)
+    assert _in_workers(hangs_in_a_worker, [2, 3, 4], [4, 5, 6], 2) == [3, 4, 5]  # given up, its jobs run here
     assert _in_workers(lambda j: ValueError(j), [1, 2], [1, 1], 2)[1].args == (2,)  # results may be exceptions
 
 

@@ -39,7 +39,6 @@ import contextlib
 import copy
 import dataclasses
 import linecache
-import math
 import re
 import sys
 import time
@@ -1127,6 +1126,27 @@ def _picklable(r):
         return RuntimeError(f"{type(r).__name__}: {r}")
 
 
+#: seconds a forked replay worker may take beyond twice this process's own share before it is given up
+_CHILD_GRACE_S = 120.0
+
+
+def _read_until(fd: int, deadline: float) -> bytes | None:
+    """Everything written to pipe ``fd`` until its writer closes it, or None if that has not happened by
+    ``deadline`` (``time.monotonic()``)."""
+    import os
+    import select
+
+    chunks = []
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return None
+        chunk = os.read(fd, 1 << 20)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
 def _in_workers(fn, jobs: list, costs: list, workers: int) -> list:
     """``[fn(j) for j in jobs]``, the jobs spread over ``workers`` processes: this one and ``workers - 1``
     children forked from it (each job's result, or the exception it raised, pickled back). Jobs go to the
@@ -1171,11 +1191,22 @@ def _in_workers(fn, jobs: list, costs: list, workers: int) -> list:
         os.close(wfd)
         children.append((pid, r, w))
     out: dict[int, Any] = {}
+    t0 = time.monotonic()
     for i in mine[0]:
         out[i] = fn(jobs[i])
+    # NOTE(hang): a child forked from a process with other threads (a test runner's, a compile pool's) could
+    # block on a lock one of them held at the fork; one that has not answered by the deadline is killed and
+    # its jobs are run here, so the result stays the same and the planner never waits forever.
+    deadline = time.monotonic() + max(_CHILD_GRACE_S, 2.0 * (time.monotonic() - t0))
     for pid, r, w in children:
-        with os.fdopen(r, "rb") as f:
-            data = f.read()
+        data = _read_until(r, deadline)
+        if data is None:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+            data = b""
+        os.close(r)
         os.waitpid(pid, 0)
         try:
             got = pickle.loads(data) if data else {}
