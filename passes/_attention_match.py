@@ -5,7 +5,7 @@ Patterns (``torch._inductor.pattern_matcher``, on canonical torch-IR graphs, :mo
 
 * the spine :data:`SPINE`: ``softmax(scores, dim) [-> cast | view | dropout]{0..4} -> (weights @ v)``
   (``torch.matmul``/``torch.bmm``; the canonical ``torch.softmax(x, dim)``, its ``dtype`` keyword free; every
-  node before ``@ v`` with one user), one pattern per number of ops between the softmax and ``@ v``;
+  node before ``@ v`` with one user; the ops between, :class:`effpass.patterns.Calls`);
 * the score root :data:`QK_ROOTS`: ``q @ k^T`` (``matmul``/``bmm``) or BLOOM's ``bias.baddbmm(q, k^T)``;
 * HF ``repeat_kv`` (:func:`unrepeat`): ``kv[:, :, None].expand(...).reshape(...)`` and its spellings.
 
@@ -35,6 +35,7 @@ from torch._inductor import pattern_matcher as pm
 
 from effpass.canonicalize import INPLACE_FORMS
 from effpass.graph import MASK_FILL_THRESHOLD, Skip, ancestors, is_fn, is_method, is_number, op_name, shape_of, val
+from effpass.patterns import Calls, first_match
 
 from ._attention_proofs import ConstEval, fill_value_ok, static_shape
 
@@ -61,42 +62,13 @@ MAX_WEIGHTS_OPS = 4
 # ------------------------------------------------------------------------------------------------------
 # the patterns
 # ------------------------------------------------------------------------------------------------------
-class _WeightsOp(pm.PatternExpr):
-    """One op on the attention weights between the softmax and ``@ v``: a cast, a view or a dropout with any
-    argument list (``.to(dtype)``, ``.float()``, ``F.dropout(x, p, training)``, ``.view(b, h, q, k)``), applied to
-    what ``inner`` matches, with one user. A ``CallMethod``/``CallFunction`` pattern fixes the argument count,
-    which these ops do not have."""
-
-    def __init__(self, inner: pm.PatternExpr):
-        super().__init__()
-        self.inner = inner
-
-    def _match(self, node: Any, ctx: pm.MatchContext) -> pm.MatchResult:
-        if not ((is_method(node, _WEIGHTS_METHODS) or is_fn(node, _WEIGHTS_FNS)) and node.args):
-            return pm.FailedMatch("not a cast, view or dropout: {}", node)
-        if len(node.users) != 1:
-            return pm.FailedMatch("multiple users: {}", node)
-        child = ctx.match(self.inner, node.args[0])
-        if not pm.is_match(child):
-            return child
-        m = pm.Match(ctx, self)
-        m.extend(child)
-        m.nodes.append(node)
-        return m
-
-    def pattern_eq(self, other: Any) -> bool:
-        return super().pattern_eq(other) and self.inner.pattern_eq(other.inner)
-
-
 def _spine_patterns() -> list[pm.PatternExpr]:
-    out = []
-    for ops in range(MAX_WEIGHTS_OPS + 1):
-        # canonical softmax: torch.softmax(x, dim), dtype by keyword (a keyword the pattern does not name is free)
-        w = pm.CallFunction(torch.softmax, pm.KeywordArg("scores"), pm.KeywordArg("dim"))
-        for _ in range(ops):
-            w = _WeightsOp(w)
-        out.append(pm.CallFunction(list(_MATMUL_FNS), w, pm.KeywordArg("v")))
-    return out
+    # canonical softmax: torch.softmax(x, dim), dtype by keyword (a keyword the pattern does not name is free); then
+    # up to MAX_WEIGHTS_OPS casts, views and dropouts with any argument list, each with one user (what each does is
+    # the extra check's)
+    sm = pm.CallFunction(torch.softmax, pm.KeywordArg("scores"), pm.KeywordArg("dim"))
+    weights = Calls(sm, methods=_WEIGHTS_METHODS, fns=_WEIGHTS_FNS, max_len=MAX_WEIGHTS_OPS, single_user=True)
+    return [pm.CallFunction(list(_MATMUL_FNS), weights, pm.KeywordArg("v"))]
 
 
 #: softmax(scores) [-> cast | view | dropout]{0..4} -> weights @ v
@@ -110,19 +82,6 @@ QK_ROOTS = [pm.CallFunction(list(_MATMUL_FNS), pm.KeywordArg("q"), pm.KeywordArg
             fn, pm.KeywordArg("bias"), batch1=pm.KeywordArg("q"), batch2=pm.KeywordArg("k_t"), _users=pm.MULTIPLE))]
 
 
-def _first_match(patterns, node: Any) -> pm.Match | None:
-    if not isinstance(node, fx.Node):
-        return None
-    for p in patterns:
-        try:
-            m = p.match(node)
-        except AssertionError:  # torch's argument normalisation of a call_method node
-            continue
-        if pm.is_match(m):
-            return m
-    return None
-
-
 def spine_of(sm: fx.Node) -> pm.Match | None:
     """The match of :data:`SPINE` that ``sm`` (a softmax) is part of, or None: tried at the ``matmul``/``bmm``
     its single users lead to (the pattern's anchor), at most ``MAX_WEIGHTS_OPS + 1`` nodes on. Looked up when
@@ -133,7 +92,7 @@ def spine_of(sm: fx.Node) -> pm.Match | None:
             return None
         y = next(iter(y.users))
         if is_fn(y, _MATMUL_FNS):
-            m = _first_match(SPINE, y)
+            m = first_match(SPINE, y)
             return m if m is not None and m.nodes[0] is sm else None  # depth first: the softmax comes first
     return None
 
@@ -343,7 +302,7 @@ def match_site(sm: fx.Node, const: ConstEval) -> Site:
                 raise Skip("the scores are mutated in place by several ops between the matmul and the softmax")
             cur = inplace[0]
             done_inplace.add(cur)
-        elif (root := _first_match(QK_ROOTS, x)) is not None:
+        elif (root := first_match(QK_ROOTS, x)) is not None:
             break
         else:
             cur = x
@@ -495,7 +454,7 @@ _REPEAT_KV = _repeat_kv_patterns()
 
 
 def match_repeat_kv(n: fx.Node) -> pm.Match | None:
-    return _first_match(_REPEAT_KV, n)
+    return first_match(_REPEAT_KV, n)
 
 
 def unrepeat(n: fx.Node, const: ConstEval) -> tuple[fx.Node, int] | None:
