@@ -29,7 +29,7 @@ __all__ = ["op_name", "op_histogram", "snapshot_graph", "forward_nodes", "restor
            "placeholder_values", "is_tangent", "is_primal", "has_tangents", "transformer_blocks",
            "normalize_module_path", "module_stack_of_node", "module_path_of_node", "source_path", "is_buffer_source",
            "PROVENANCE_KEYS", "copy_provenance", "infer_fake_values", "annotate_new_nodes", "erase_dead",
-           "ancestors", "site_name",
+           "ancestors", "site_name", "arg",
            "is_fn", "is_method", "is_random_op", "is_softmax", "val", "shape_of", "is_number", "Skip", "MASK_FILL_THRESHOLD",
            "AutocastRegions", "autocast_dtype_at", "is_autocast_enter", "is_autocast_exit",
            "ENTER_AUTOCAST", "EXIT_AUTOCAST"]
@@ -421,6 +421,13 @@ _SOFTMAX_FNS = frozenset({torch.softmax, torch.nn.functional.softmax, torch.spec
 def is_softmax(n: Any) -> bool:
     """A softmax in any of its torch-IR spellings (``torch.softmax``, ``F.softmax``, ``.softmax``)."""
     return is_fn(n, _SOFTMAX_FNS) or is_method(n, {"softmax"})
+
+
+def arg(n: fx.Node, i: int, name: str, default: Any = None) -> Any:
+    """Argument ``i`` of a call, positional or by keyword ``name`` (``default`` when absent)."""
+    if len(n.args) > i:
+        return n.args[i]
+    return n.kwargs.get(name, default)
 
 
 def val(n: Any) -> Any:
