@@ -56,7 +56,7 @@ from effpass.graph import forward_nodes, is_primal, is_tangent, tensor_meta
 
 from ._checkpoint_budget import TorchBudget, plan_budget, refine_free_saves
 from ._checkpoint_measure import _storage_key, activation_bytes, node_flops, partition_stats  # noqa: F401
-from ._checkpoint_plan import (MUST_SAVE, RECOMPUTE, _packet_of_name, find_blocks, mark_graph,  # noqa: F401
+from ._checkpoint_plan import (MUST_RECOMPUTE, MUST_SAVE, RECOMPUTE, _packet_of_name, find_blocks, mark_graph,  # noqa: F401
                                num_forward_outputs, plan_policy)
 
 __all__ = ["CheckpointActivations", "parse_bytes", "partition_stats", "mark_graph", "find_blocks"]
