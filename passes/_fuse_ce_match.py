@@ -119,6 +119,7 @@ _BRANCH = Calls(_KW("scaled"), methods={"type_as", "to"}, name="casts")
 LORA_HEAD = (_add(linear(_KW("h"), _KW("weight")), _BRANCH), _add(_BRANCH, linear(_KW("h"), _KW("weight"))))
 #: the adapter's low-rank product ``linear(linear(x, A), B)`` (biases: the extra check's)
 LOW_RANK = linear(linear(_KW("x"), _KW("a")), _KW("b"))
+_ANY_ADD = _add(pm.Arg(), pm.Arg())
 
 
 def _adapter_head(n: fx.Node, model):
@@ -126,7 +127,7 @@ def _adapter_head(n: fx.Node, model):
     ``(base linear, u0, B, scale, nodes)``. The patterns :data:`LORA_HEAD` and :data:`LOW_RANK` say the graph is
     ``linear(h, W, b) + (linear(u0, B) * scale).cast`` with ``u0 = linear(x, A)``; the extra check, that the
     contract's tensors (base weight, A, B, scale) are the ones the graph uses and that the adapter has no bias."""
-    if model is None or n.kwargs or first_match([_add(pm.Arg(), pm.Arg())], n) is None:
+    if model is None or n.kwargs or first_match([_ANY_ADD], n) is None:
         return None
     path = module_path_of_node(n)
     try:
