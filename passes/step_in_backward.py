@@ -26,6 +26,7 @@ gradients are gone when ``clip_grad_norm_`` runs; the Hugging Face integration r
 """
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from dataclasses import dataclass
@@ -43,18 +44,26 @@ class StepInBackwardError(RuntimeError):
     """A use of step_in_backward that cannot give the same parameters as the usual step."""
 
 
+@functools.lru_cache(maxsize=None)
 def _supported_classes() -> tuple[type, ...]:
     out: list[type] = [torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD]
     try:  # optional: torchao's low-bit optimizers step one parameter at a time
-        from torchao.optim.adam import _AdamBase
+        from effpass.quantized import quiet_torchao_import
+
+        with quiet_torchao_import():
+            from torchao.optim.adam import _AdamBase
         out.append(_AdamBase)
     except Exception:  # noqa: BLE001 - torchao absent or broken: its optimizers are simply not supported
         pass
     return tuple(out)
 
 
-#: Optimizer classes whose update of a parameter depends on that parameter's gradient and state only.
-SUPPORTED: tuple[type, ...] = _supported_classes()
+def __getattr__(name: str):
+    """``SUPPORTED``: optimizer classes whose update of a parameter depends on that parameter's gradient and
+    state only. Computed on first use (torchao is imported only when an optimizer is checked)."""
+    if name == "SUPPORTED":
+        return _supported_classes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 _LOCK = threading.RLock()
 # keyed by tensor identity (a plain WeakKeyDictionary would compare tensors with ==)
@@ -76,10 +85,11 @@ class _ParamEntry:
 
 
 def _check_optimizer(opt: torch.optim.Optimizer) -> None:
-    if not isinstance(opt, SUPPORTED):
+    supported = _supported_classes()
+    if not isinstance(opt, supported):
         raise StepInBackwardError(
             f"step_in_backward: optimizer {type(opt).__name__} is not supported; supported: "
-            f"{[c.__name__ for c in SUPPORTED]} (their update of one parameter depends on its own gradient "
+            f"{[c.__name__ for c in supported]} (their update of one parameter depends on its own gradient "
             f"and state only). Remove the step_in_backward pass to use {type(opt).__name__}.")
     for g in opt.param_groups:
         if g.get("differentiable"):
@@ -227,7 +237,22 @@ def step_parameter(param: torch.Tensor, grad: torch.Tensor, after: list[torch.Te
                 "left from before: call opt.zero_grad()): stepping now would not use the whole gradient."
                 + _OUTSIDE)
         param.grad = grad
-        _step_one(param, e, opt)
+        with _autograd_keys_restored():
+            _step_one(param, e, opt)
+
+
+def _autograd_keys_restored():
+    """The dispatch keys of a plain eager call, for the optimizer's step inside this op's kernel.
+
+    NOTE(subclass states): a custom op's kernel runs with the autograd keys excluded, where composite ops such
+    as ``Tensor.to`` are not decomposed before a tensor subclass's ``__torch_dispatch__`` sees them;
+    torchao's 8-bit optimizer states (``OptimState8bit``) implement ``_to_copy`` only, so AdamW8bit's first
+    step (``out.to(p.device)``) failed inside the compiled backward. Grad mode stays off (``_step_one``)."""
+    k = torch._C.DispatchKey
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    for key in (k.AutogradFunctionality, k.AutogradOther, k.AutogradNestedTensor):
+        excluded = excluded.remove(key)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded)
 
 
 @step_parameter.register_fake
