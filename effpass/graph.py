@@ -24,12 +24,12 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.fx as fx
 
-__all__ = ["op_name", "op_histogram", "snapshot_graph", "restore_graph", "copy_graph_into", "runnable_source",
+__all__ = ["op_name", "op_histogram", "snapshot_graph", "forward_nodes", "restore_graph", "copy_graph_into", "runnable_source",
            "tensor_meta",
            "placeholder_values", "is_tangent", "is_primal", "has_tangents", "transformer_blocks",
            "normalize_module_path", "module_stack_of_node", "module_path_of_node", "source_path", "is_buffer_source",
            "PROVENANCE_KEYS", "copy_provenance", "infer_fake_values", "annotate_new_nodes", "erase_dead",
-           "ancestors", "site_name",
+           "ancestors", "site_name", "arg",
            "is_fn", "is_method", "is_random_op", "is_softmax", "val", "shape_of", "is_number", "Skip", "MASK_FILL_THRESHOLD",
            "AutocastRegions", "autocast_dtype_at", "is_autocast_enter", "is_autocast_exit",
            "ENTER_AUTOCAST", "EXIT_AUTOCAST"]
@@ -69,10 +69,11 @@ def op_histogram(graph: fx.Graph) -> dict[str, int]:
     return dict(sorted(c.items()))
 
 
-def snapshot_graph(graph: fx.Graph) -> fx.Graph:
-    """A structural copy of ``graph`` (node meta dicts are shallow-copied) for rollback."""
+def snapshot_graph(graph: fx.Graph, val_map: dict[fx.Node, fx.Node] | None = None) -> fx.Graph:
+    """A structural copy of ``graph`` (node meta dicts are shallow-copied) for rollback; ``val_map``, when given,
+    is filled with each node's copy."""
     g = fx.Graph(tracer_cls=graph._tracer_cls)
-    copy_graph_into(g, graph, {})
+    copy_graph_into(g, graph, {} if val_map is None else val_map)
     g._codegen = graph._codegen
     return g
 
@@ -159,6 +160,27 @@ def parameter_only_nodes(graph: fx.Graph, flags: Sequence[bool] | None
         if all(i in params or i in derived for i in n.all_input_nodes):
             derived.add(n)
     return derived, params
+
+
+def forward_nodes(graph: fx.Graph) -> list[fx.Node]:
+    """Nodes of a joint forward+backward graph that do not depend on a tangent (and are not tagged backward by
+    the partitioner), in graph order: its non-tangent placeholders and forward ops."""
+    backward: set[fx.Node] = set()
+    out = []
+    for n in graph.nodes:
+        if n.op == "output":
+            continue
+        if n.op == "placeholder":
+            if is_tangent(n):
+                backward.add(n)
+            else:
+                out.append(n)
+            continue
+        if n.meta.get("partitioner_tag") == "is_backward" or any(a in backward for a in n.all_input_nodes):
+            backward.add(n)
+        else:
+            out.append(n)
+    return out
 
 
 def has_tangents(graph: fx.Graph) -> bool:
@@ -399,6 +421,13 @@ _SOFTMAX_FNS = frozenset({torch.softmax, torch.nn.functional.softmax, torch.spec
 def is_softmax(n: Any) -> bool:
     """A softmax in any of its torch-IR spellings (``torch.softmax``, ``F.softmax``, ``.softmax``)."""
     return is_fn(n, _SOFTMAX_FNS) or is_method(n, {"softmax"})
+
+
+def arg(n: fx.Node, i: int, name: str, default: Any = None) -> Any:
+    """Argument ``i`` of a call, positional or by keyword ``name`` (``default`` when absent)."""
+    if len(n.args) > i:
+        return n.args[i]
+    return n.kwargs.get(name, default)
 
 
 def val(n: Any) -> Any:

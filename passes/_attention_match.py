@@ -5,9 +5,10 @@ Patterns (``torch._inductor.pattern_matcher``, on canonical torch-IR graphs, :mo
 
 * the spine :data:`SPINE`: ``softmax(scores, dim) [-> cast | view | dropout]{0..4} -> (weights @ v)``
   (``torch.matmul``/``torch.bmm``; the canonical ``torch.softmax(x, dim)``, its ``dtype`` keyword free; every
-  node before ``@ v`` with one user), one pattern per number of ops between the softmax and ``@ v``;
+  node before ``@ v`` with one user; the ops between, :class:`effpass.patterns.Calls`);
 * the score root :data:`QK_ROOTS`: ``q @ k^T`` (``matmul``/``bmm``) or BLOOM's ``bias.baddbmm(q, k^T)``;
-* HF ``repeat_kv`` (:func:`unrepeat`): ``kv[:, :, None].expand(...).reshape(...)`` and its spellings.
+* HF ``repeat_kv`` (:func:`unrepeat`, in :mod:`._attention_kv` with ``k^T -> k``): ``kv[:, :, None].expand(...)
+  .reshape(...)`` and its spellings.
 
 The extra check (:func:`match_site`), where a fixed pattern cannot say it: what each op between the softmax
 and ``@ v`` is (a dtype-only cast, a same-shape view, BLOOM's ``(B*H, S, S)`` view once, one dropout with a
@@ -34,8 +35,10 @@ import torch.nn.functional as F
 from torch._inductor import pattern_matcher as pm
 
 from effpass.canonicalize import INPLACE_FORMS
-from effpass.graph import MASK_FILL_THRESHOLD, Skip, ancestors, is_fn, is_method, is_number, op_name, shape_of, val
+from effpass.graph import MASK_FILL_THRESHOLD, Skip, ancestors, arg, is_fn, is_method, is_number, op_name, shape_of, val
+from effpass.patterns import Calls, first_match
 
+from ._attention_kv import match_repeat_kv, strip_transpose, unrepeat  # noqa: F401  (the K/V forms)
 from ._attention_proofs import ConstEval, fill_value_ok, static_shape
 
 __all__ = ["Site", "SPINE", "QK_ROOTS", "spine_of", "match_site", "strip_transpose", "unrepeat", "match_repeat_kv"]
@@ -61,42 +64,13 @@ MAX_WEIGHTS_OPS = 4
 # ------------------------------------------------------------------------------------------------------
 # the patterns
 # ------------------------------------------------------------------------------------------------------
-class _WeightsOp(pm.PatternExpr):
-    """One op on the attention weights between the softmax and ``@ v``: a cast, a view or a dropout with any
-    argument list (``.to(dtype)``, ``.float()``, ``F.dropout(x, p, training)``, ``.view(b, h, q, k)``), applied to
-    what ``inner`` matches, with one user. A ``CallMethod``/``CallFunction`` pattern fixes the argument count,
-    which these ops do not have."""
-
-    def __init__(self, inner: pm.PatternExpr):
-        super().__init__()
-        self.inner = inner
-
-    def _match(self, node: Any, ctx: pm.MatchContext) -> pm.MatchResult:
-        if not ((is_method(node, _WEIGHTS_METHODS) or is_fn(node, _WEIGHTS_FNS)) and node.args):
-            return pm.FailedMatch("not a cast, view or dropout: {}", node)
-        if len(node.users) != 1:
-            return pm.FailedMatch("multiple users: {}", node)
-        child = ctx.match(self.inner, node.args[0])
-        if not pm.is_match(child):
-            return child
-        m = pm.Match(ctx, self)
-        m.extend(child)
-        m.nodes.append(node)
-        return m
-
-    def pattern_eq(self, other: Any) -> bool:
-        return super().pattern_eq(other) and self.inner.pattern_eq(other.inner)
-
-
 def _spine_patterns() -> list[pm.PatternExpr]:
-    out = []
-    for ops in range(MAX_WEIGHTS_OPS + 1):
-        # canonical softmax: torch.softmax(x, dim), dtype by keyword (a keyword the pattern does not name is free)
-        w = pm.CallFunction(torch.softmax, pm.KeywordArg("scores"), pm.KeywordArg("dim"))
-        for _ in range(ops):
-            w = _WeightsOp(w)
-        out.append(pm.CallFunction(list(_MATMUL_FNS), w, pm.KeywordArg("v")))
-    return out
+    # canonical softmax: torch.softmax(x, dim), dtype by keyword (a keyword the pattern does not name is free); then
+    # up to MAX_WEIGHTS_OPS casts, views and dropouts with any argument list, each with one user (what each does is
+    # the extra check's)
+    sm = pm.CallFunction(torch.softmax, pm.KeywordArg("scores"), pm.KeywordArg("dim"))
+    weights = Calls(sm, methods=_WEIGHTS_METHODS, fns=_WEIGHTS_FNS, max_len=MAX_WEIGHTS_OPS, single_user=True)
+    return [pm.CallFunction(list(_MATMUL_FNS), weights, pm.KeywordArg("v"))]
 
 
 #: softmax(scores) [-> cast | view | dropout]{0..4} -> weights @ v
@@ -110,19 +84,6 @@ QK_ROOTS = [pm.CallFunction(list(_MATMUL_FNS), pm.KeywordArg("q"), pm.KeywordArg
             fn, pm.KeywordArg("bias"), batch1=pm.KeywordArg("q"), batch2=pm.KeywordArg("k_t"), _users=pm.MULTIPLE))]
 
 
-def _first_match(patterns, node: Any) -> pm.Match | None:
-    if not isinstance(node, fx.Node):
-        return None
-    for p in patterns:
-        try:
-            m = p.match(node)
-        except AssertionError:  # torch's argument normalisation of a call_method node
-            continue
-        if pm.is_match(m):
-            return m
-    return None
-
-
 def spine_of(sm: fx.Node) -> pm.Match | None:
     """The match of :data:`SPINE` that ``sm`` (a softmax) is part of, or None: tried at the ``matmul``/``bmm``
     its single users lead to (the pattern's anchor), at most ``MAX_WEIGHTS_OPS + 1`` nodes on. Looked up when
@@ -133,7 +94,7 @@ def spine_of(sm: fx.Node) -> pm.Match | None:
             return None
         y = next(iter(y.users))
         if is_fn(y, _MATMUL_FNS):
-            m = _first_match(SPINE, y)
+            m = first_match(SPINE, y)
             return m if m is not None and m.nodes[0] is sm else None  # depth first: the softmax comes first
     return None
 
@@ -141,12 +102,6 @@ def spine_of(sm: fx.Node) -> pm.Match | None:
 # ------------------------------------------------------------------------------------------------------
 # predicates of the extra check
 # ------------------------------------------------------------------------------------------------------
-def _arg(n: fx.Node, i: int, name: str, default=None):
-    if len(n.args) > i:
-        return n.args[i]
-    return n.kwargs.get(name, default)
-
-
 def _is_matmul(n: Any) -> bool:
     return is_fn(n, _MATMUL_FNS)
 
@@ -179,10 +134,10 @@ def _is_cast(n: Any) -> bool:
 def _dropout_of(n: Any) -> float | None:
     """The dropout probability of a dropout node (0.0 when inactive), or None if ``n`` is not one."""
     if is_fn(n, {F.dropout}):
-        p, training = _arg(n, 1, "p", 0.5), _arg(n, 2, "training", True)
-        inplace = _arg(n, 3, "inplace", False)
+        p, training = arg(n, 1, "p", 0.5), arg(n, 2, "training", True)
+        inplace = arg(n, 3, "inplace", False)
     elif is_fn(n, {torch.dropout}):
-        p, training, inplace = _arg(n, 1, "p", 0.5), _arg(n, 2, "train", True), False
+        p, training, inplace = arg(n, 1, "p", 0.5), arg(n, 2, "train", True), False
     else:
         return None
     if not is_number(p) or not isinstance(training, bool) or inplace:
@@ -223,26 +178,6 @@ def _split_view_of(n: Any, heads: tuple) -> bool:
     a, b = shape_of(src), shape_of(n)
     return (static_shape(a) and static_shape(b) and len(a) == 3 and len(b) == 4 and tuple(b[:2]) == tuple(heads)
             and a[0] == b[0] * b[1] and a[1:] == b[2:])
-
-
-def strip_transpose(kt: fx.Node) -> fx.Node | None:
-    """k when ``kt`` is ``k.transpose(-2, -1)`` (any spelling), else None."""
-    shape = shape_of(kt)
-    if shape is None:
-        return None
-    nd = len(shape)
-    if is_fn(kt, {torch.transpose}):
-        d0, d1 = kt.args[1], kt.args[2]
-        if isinstance(d0, int) and isinstance(d1, int) and {d0 % nd, d1 % nd} == {nd - 2, nd - 1}:
-            return kt.args[0]
-    if is_method(kt, {"permute"}) or is_fn(kt, {torch.permute}):
-        dims = kt.args[1:] if is_method(kt, {"permute"}) else kt.args[1]
-        if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
-            dims = dims[0]
-        dims = [d % nd for d in dims] if all(isinstance(d, int) for d in dims) else None
-        if dims == list(range(nd - 2)) + [nd - 1, nd - 2]:
-            return kt.args[0]
-    return None
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -310,7 +245,7 @@ def match_site(sm: fx.Node, const: ConstEval) -> Site:
     if not isinstance(x, fx.Node) or shape_of(x) is None:
         raise Skip("softmax input is not a tensor")
     ndim = len(shape_of(x))
-    dim = _arg(sm, 1, "dim", None)
+    dim = arg(sm, 1, "dim", None)
     if not isinstance(dim, int) or dim % ndim != ndim - 1:
         raise Skip(f"softmax over a different dim ({dim}), not the last one")
     if ndim < 3:
@@ -343,7 +278,7 @@ def match_site(sm: fx.Node, const: ConstEval) -> Site:
                 raise Skip("the scores are mutated in place by several ops between the matmul and the softmax")
             cur = inplace[0]
             done_inplace.add(cur)
-        elif (root := _first_match(QK_ROOTS, x)) is not None:
+        elif (root := first_match(QK_ROOTS, x)) is not None:
             break
         else:
             cur = x
@@ -401,7 +336,7 @@ def match_site(sm: fx.Node, const: ConstEval) -> Site:
             else:
                 raise Skip(f"scores added to {type(m).__name__}")
         elif is_method(cur, {"masked_fill_"}) or is_fn(cur, {torch.masked_fill}):
-            nxt, mask, value = args[0], _arg(cur, 1, "mask"), _arg(cur, 2, "value")
+            nxt, mask, value = args[0], arg(cur, 1, "mask"), arg(cur, 2, "value")
             if not fill_value_ok(value, const):
                 raise Skip(f"masked_fill with {value!r} is not a mask (needs -inf or <= {MASK_FILL_THRESHOLD:g})")
             site.allowed.append((mask, True))
@@ -469,90 +404,3 @@ def match_site(sm: fx.Node, const: ConstEval) -> Site:
         if not isinstance(mv, torch.Tensor) or mv.dtype != torch.bool:
             raise Skip("mask is not a boolean tensor")
     return site
-
-
-# ------------------------------------------------------------------------------------------------------
-# K/V repeated for GQA/MQA: pattern, then the extra check
-# ------------------------------------------------------------------------------------------------------
-def _repeat_kv_patterns() -> list:
-    """HF ``repeat_kv``: ``kv[:, :, None].expand(B, Hkv, r, S, D).reshape(B, H, S, D)`` and its spellings
-    (``unsqueeze(kv, 2)``; ``expand`` with a size tuple; ``view``/``torch.reshape``; sizes as a tuple)."""
-    def sizes(n):  # NOTE: one Ignored per position: a pattern object met twice must match one node
-        return [pm.Ignored() for _ in range(n)]
-
-    kv = pm.KeywordArg("kv")
-    inserts = [pm.CallMethod("unsqueeze", kv, pm.KeywordArg("dim"), _users=pm.MULTIPLE),
-               pm.CallFunction(torch.unsqueeze, kv, pm.KeywordArg("dim"), _users=pm.MULTIPLE),
-               pm.CallFunction(operator.getitem, kv, pm.KeywordArg("index"), _users=pm.MULTIPLE)]
-    expands = [pm.CallMethod("expand", ins, *sizes(k), _users=pm.MULTIPLE) for ins in inserts for k in (5, 1)]
-    return [p for e in expands for p in (
-        pm.CallMethod(["reshape", "view"], e, *sizes(4), _users=pm.MULTIPLE),
-        pm.CallMethod(["reshape", "view"], e, *sizes(1), _users=pm.MULTIPLE),
-        pm.CallFunction(torch.reshape, e, *sizes(1), _users=pm.MULTIPLE))]
-
-
-_REPEAT_KV = _repeat_kv_patterns()
-
-
-def match_repeat_kv(n: fx.Node) -> pm.Match | None:
-    return _first_match(_REPEAT_KV, n)
-
-
-def unrepeat(n: fx.Node, const: ConstEval) -> tuple[fx.Node, int] | None:
-    """(un-repeated K or V, repeat factor) when ``n`` repeats KV heads as ``repeat_interleave`` does."""
-    shape = shape_of(n)
-    if shape is None or len(shape) != 4:
-        return None
-    B, H, S, D = shape
-    # expand + reshape (HF repeat_kv), with the new axis right after the heads: the fixed shape of the
-    # pattern by torch's pattern matcher, the axis and shapes as its extra check
-    m = match_repeat_kv(n)
-    if m is not None:
-        z, x, y = m.kwargs["kv"], n.args[0], n.args[0].args[0]
-        xs, ys = shape_of(x), shape_of(y)
-        if xs is None or ys is None or len(xs) != 5 or len(ys) != 5:
-            return None
-        if ys[2] != 1 or ys[:2] + ys[3:] != xs[:2] + xs[3:]:
-            return None
-        if xs[0] != B or xs[1] * xs[2] != H or xs[3:] != (S, D):
-            return None
-        if "dim" in m.kwargs:
-            if not (isinstance(m.kwargs["dim"], int) and m.kwargs["dim"] % 5 == 2):
-                return None
-        else:
-            idx = m.kwargs["index"]
-            idx = idx if isinstance(idx, tuple) else (idx,)
-            full = all(i is None or i is Ellipsis or i == slice(None) for i in idx)
-            if not (full and sum(i is None for i in idx) == 1 and Ellipsis not in idx and idx.index(None) == 2):
-                return None
-        if shape_of(z) == (B, xs[1], S, D):
-            return z, xs[2]
-        return None
-    if is_method(n, {"reshape", "view"}) or is_fn(n, {torch.reshape}):
-        return None
-    # repeat_interleave(r, dim=1)
-    if is_method(n, {"repeat_interleave"}) or is_fn(n, {torch.repeat_interleave}):
-        r = _arg(n, 1, "repeats")
-        d = _arg(n, 2, "dim")
-        z = n.args[0]
-        if is_number(r) and isinstance(d, int) and d % 4 == 1 and shape_of(z) == (B, H // int(r), S, D):
-            return z, int(r)
-        return None
-    # indexing with arange(H) // r along the head dim
-    idx, z = None, None
-    if is_fn(n, {operator.getitem}) and isinstance(n.args[1], tuple) and len(n.args[1]) >= 2:
-        sel = n.args[1]
-        if sel[0] == slice(None) and isinstance(sel[1], fx.Node) and all(s == slice(None) for s in sel[2:]):
-            idx, z = sel[1], n.args[0]
-    elif is_fn(n, {torch.index_select}) or is_method(n, {"index_select"}):
-        if _arg(n, 1, "dim") in (1, -3):
-            idx, z = _arg(n, 2, "index"), n.args[0]
-    if idx is not None and shape_of(z) is not None and len(shape_of(z)) == 4:
-        hkv = shape_of(z)[1]
-        t = const(idx)
-        if isinstance(t, torch.Tensor) and hkv and H % hkv == 0 and t.shape == (H,):
-            r = H // hkv
-            if torch.equal(t.cpu().long(), torch.arange(H) // r):
-                return z, r
-    return None
-

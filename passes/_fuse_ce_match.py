@@ -1,7 +1,12 @@
 """The sites ``fuse_cross_entropy`` rewrites: output projection -> (casts, reshapes, slices, scaling,
-soft-capping) -> ``F.cross_entropy``, found by walking back from each cross-entropy (the chain between the
-two is variadic), with the projection a plain ``F.linear`` or the output of a linear-like module with an
-adapter (``effpass.linear_like``: a LoRA head, known by its module, not by the graph its forward traces to).
+soft-capping) -> ``F.cross_entropy``.
+
+The head is matched with torch's pattern matcher (``torch._inductor.pattern_matcher``, building blocks in
+:mod:`effpass.patterns`): :data:`PROJECTION` (``F.linear(h, W[, b])``) or :data:`LORA_HEAD` + :data:`LOW_RANK`
+(``linear(h, W) + (linear(linear(x, A), B) * s).cast``), the output of a linear-like module with an adapter
+(``effpass.linear_like``: a LoRA head, known by its module; the extra check is that the module's tensors are
+the ones in the graph). The chain between the head and the loss is variadic: :func:`walk` goes back from each
+cross-entropy through it (the hand-written part) and asks the head patterns at each node.
 """
 from __future__ import annotations
 
@@ -14,14 +19,15 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor
+from torch._inductor import pattern_matcher as pm
 
 from effpass.graph import Skip, autocast_dtype_at, copy_provenance, erase_dead, infer_fake_values, source_path  # noqa: F401
 from effpass.graph import is_fn as _is_fn, is_method as _is_method, is_number as _is_number, val as _val  # noqa: F401
 from effpass.linear_like import linear_parts
+from effpass.patterns import Calls, OneOf, first_match, linear
 from effpass.scope import module_path_of_node
 
 # ------------------------------------------------------------------------------------------------------
-_LINEAR_FNS = {torch._C._nn.linear, F.linear}
 _CE_FNS = {F.cross_entropy}
 _MUL_FNS = {operator.mul, torch.mul, torch.multiply}
 _DIV_FNS = {operator.truediv, torch.div, torch.true_divide, torch.divide}
@@ -93,13 +99,35 @@ def _tensor_of(node: Any, model) -> Optional[Tensor]:
     return None
 
 
+# ------------------------------------------------------------------------------------------------------
+# the head: torch pattern-matcher patterns (effpass.patterns), the module contract as their extra check
+# ------------------------------------------------------------------------------------------------------
+_KW = pm.KeywordArg
+
+
+def _add(a: pm.PatternExpr, b: pm.PatternExpr) -> pm.PatternExpr:
+    """``a + b`` in its torch-IR spellings (function, operator, method; canonical or not)."""
+    return OneOf(pm.CallFunction([torch.add, operator.add], a, b, _users=pm.MULTIPLE),
+                 pm.CallMethod(["add", "__add__"], a, b, _users=pm.MULTIPLE))
+
+
+#: the plain projection: ``F.linear(h, W[, b])``
+PROJECTION = linear(_KW("h"), _KW("weight"))
+#: a LoRA head: ``linear(h, W[, b]) + casts(scaled)`` in either order (``scaled``: the adapter's scaled low-rank
+#: product; the casts are ``.type_as(result)`` / ``.to(dtype)``, any number)
+_BRANCH = Calls(_KW("scaled"), methods={"type_as", "to"}, name="casts")
+LORA_HEAD = (_add(linear(_KW("h"), _KW("weight")), _BRANCH), _add(_BRANCH, linear(_KW("h"), _KW("weight"))))
+#: the adapter's low-rank product ``linear(linear(x, A), B)`` (biases: the extra check's)
+LOW_RANK = linear(linear(_KW("x"), _KW("a")), _KW("b"))
+_ANY_ADD = _add(pm.Arg(), pm.Arg())
+
+
 def _adapter_head(n: fx.Node, model):
     """The output of a linear-like module with one adapter (``effpass.linear_like``: a LoRA head) ->
-    ``(base linear, u0, B, scale, nodes)``: the contract says which tensors are the base weight, A, B and the
-    scale; the graph check below proves ``n == linear(h, W, b) + (linear(u0, B) * scale).cast`` with
-    ``u0 = linear(dropout(h), A)`` on exactly those tensors."""
-    if model is None or not (_is_fn(n, _ADD_FNS) or _is_method(n, {"add", "__add__"})) or len(n.args) != 2 \
-            or n.kwargs:
+    ``(base linear, u0, B, scale, nodes)``. The patterns :data:`LORA_HEAD` and :data:`LOW_RANK` say the graph is
+    ``linear(h, W, b) + (linear(u0, B) * scale).cast`` with ``u0 = linear(x, A)``; the extra check, that the
+    contract's tensors (base weight, A, B, scale) are the ones the graph uses and that the adapter has no bias."""
+    if model is None or n.kwargs or first_match([_ANY_ADD], n) is None:
         return None
     path = module_path_of_node(n)
     try:
@@ -112,30 +140,24 @@ def _adapter_head(n: fx.Node, model):
     if len(parts.adapters) != 1:
         raise Skip(f"the head {path} has {len(parts.adapters)} adapters (one is supported)")
     ad = parts.adapters[0]
-    for base, other in (n.args, n.args[::-1]):
-        if not _is_fn(base, _LINEAR_FNS) or not isinstance(other, fx.Node) \
-                or _tensor_of(_linear_parts(base)[1], model) is not parts.weight:
+    for base, pattern in zip(n.args, LORA_HEAD):
+        m = first_match([pattern], n)
+        if m is None or not isinstance(m.kwargs["scaled"], fx.Node) or _tensor_of(m.kwargs["weight"], model) \
+                is not parts.weight:
             continue
-        nodes = [n]
-        x = other
-        while _is_method(x, {"type_as", "to"}) and x.args and isinstance(x.args[0], fx.Node):
-            nodes.append(x)
-            x = x.args[0]
-        scale = 1.0
-        sc = _scale_of(x) if isinstance(x, fx.Node) else None
-        if sc is not None:
+        nodes = [n, *m.kwargs["casts"]]
+        x, scale = m.kwargs["scaled"], 1.0
+        if (sc := _scale_of(x)) is not None:
             nodes.append(x)
             x, scale = sc
         if not math.isclose(scale, ad.scale, rel_tol=1e-12):
             raise Skip(f"the head {path}'s adapter is scaled by {scale} in the graph, {ad.scale} by its module")
-        if not _is_fn(x, _LINEAR_FNS):
-            continue
-        u0, b_w, b_bias = _linear_parts(x)
-        if b_bias is not None or _tensor_of(b_w, model) is not ad.b or not _is_fn(u0, _LINEAR_FNS) \
-                or _linear_parts(u0)[2] is not None or _tensor_of(_linear_parts(u0)[1], model) is not ad.a:
+        low = first_match([LOW_RANK], x)
+        if low is None or _linear_parts(x)[2] is not None or _tensor_of(low.kwargs["b"], model) is not ad.b \
+                or _linear_parts(x.args[0])[2] is not None or _tensor_of(low.kwargs["a"], model) is not ad.a:
             continue
         nodes.append(x)
-        return base, u0, b_w, scale, nodes
+        return base, x.args[0], low.kwargs["b"], scale, nodes
     raise Skip(f"the head {path} is linear-like with an adapter, but its graph is not "
                 "linear(h, W) + scale * linear(linear(h, A), B) on its tensors")
 
@@ -171,9 +193,8 @@ def walk(logits: fx.Node, anchor: fx.Node, model=None) -> Site:
                         "None, such as GPT2LMHeadModel, breaks there; effpass.compile sets it, or call "
                         "effpass.integrations.huggingface.set_hf_loss_type(model) or "
                         "model.loss_type = 'ForCausalLM' before compiling)")
-        if _is_fn(n, _LINEAR_FNS):
-            h, w, b = _linear_parts(n)
-            site = Site(anchor, n, h, w, b, None, [], [])
+        if (proj := first_match([PROJECTION], n)) is not None:
+            site = Site(anchor, n, proj.kwargs["h"], proj.kwargs["weight"], _linear_parts(n)[2], None, [], [])
             break
         lora = _adapter_head(n, model)
         if lora is not None:

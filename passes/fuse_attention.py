@@ -94,7 +94,8 @@ import effpass
 from effpass.attention import masked_sdpa
 from effpass.graph import AutocastRegions, Skip, annotate_new_nodes, erase_dead, is_softmax, shape_of, site_name, val
 
-from ._attention_match import Site, match_site, strip_transpose, unrepeat
+from ._attention_kv import strip_transpose, unrepeat
+from ._attention_match import Site, match_site
 from ._attention_proofs import ConstEval, is_causal, rows_nonempty
 
 __all__ = ["FuseAttention"]

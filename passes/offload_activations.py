@@ -43,7 +43,7 @@ import torch
 import torch.fx as fx
 
 import effpass
-from effpass.graph import is_tangent, tensor_meta
+from effpass.graph import forward_nodes, tensor_meta
 
 __all__ = ["OffloadActivations", "offload_supported"]
 
@@ -59,20 +59,7 @@ def offload_supported() -> bool:
 
 def _forward_nodes(graph: fx.Graph) -> list[fx.Node]:
     """call_function nodes of the joint graph that do not depend on a tangent."""
-    backward: set[fx.Node] = set()
-    out = []
-    for n in graph.nodes:
-        if n.op == "placeholder":
-            if is_tangent(n):
-                backward.add(n)
-            continue
-        if n.op != "call_function":
-            continue
-        if n.meta.get("partitioner_tag") == "is_backward" or any(a in backward for a in n.all_input_nodes):
-            backward.add(n)
-        else:
-            out.append(n)
-    return out
+    return [n for n in forward_nodes(graph) if n.op == "call_function"]
 
 
 def _is_offload(n: fx.Node) -> bool:

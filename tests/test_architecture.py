@@ -172,3 +172,38 @@ def test_a_detector_that_can_fail(tmp_path):
     known = {"pkg.a", "pkg.b"}
     assert _imports("pkg.a", a, known) == {"pkg.b"}
     assert _imports("pkg.b", b, known) == {"pkg.a"}
+
+
+#: the longest a module of ``passes/`` may be (lines); longer ones are named below with the reason
+MODULE_LINES = 500
+LONG_MODULES = {
+    "quantize_linear.py": "the pass plus its weight formats' selection and the experts path (issue 22 leftover)",
+    "_fuse_ce_kernels.py": "the chunked linear+cross-entropy, log-prob and row-wise kernels with their autograd",
+    "fuse_cross_entropy.py": "three rewrites (loss, log-prob, row-wise region) sharing the head helpers",
+    "shard_sequence.py": "the pass plus its all-to-all autograd functions and the mesh checks",
+}
+
+
+def test_pass_modules_stay_a_few_hundred_lines():
+    """A module of passes/ longer than MODULE_LINES is split by responsibility (kernels, autograd functions,
+    matching, rewriting, reporting) or named in LONG_MODULES with the reason; a named one that got short is
+    taken off the list."""
+    lines = {p.name: len(p.read_text().splitlines()) for p in PASSES.glob("*.py")}
+    too_long = sorted(f"{n} ({k} lines)" for n, k in lines.items() if k > MODULE_LINES and n not in LONG_MODULES)
+    assert not too_long, f"split these by responsibility or name them in LONG_MODULES: {too_long}"
+    short = sorted(n for n in LONG_MODULES if lines.get(n, 0) <= MODULE_LINES)
+    assert not short, f"no longer long, remove from LONG_MODULES: {short}"
+
+
+def test_fixed_sub_patterns_use_torch_pattern_matcher():
+    """The attention spine, repeat_kv and the linear/LoRA heads are torch pattern-matcher patterns (issue 22.1):
+    their matcher modules build on torch._inductor.pattern_matcher (through effpass.patterns)."""
+    from torch._inductor import pattern_matcher as pm
+
+    from effpass.passes import _attention_kv, _attention_match, _fuse_ce_match
+
+    for mod in (_attention_kv, _attention_match, _fuse_ce_match):
+        assert _imports(mod.__name__, pathlib.Path(mod.__file__), {"effpass.patterns"}) >= {"effpass.patterns"}
+    heads = (*_fuse_ce_match.LORA_HEAD, _fuse_ce_match.LOW_RANK, _fuse_ce_match.PROJECTION, *_attention_match.SPINE,
+             *_attention_match.QK_ROOTS)
+    assert all(isinstance(p, pm.PatternExpr) for p in heads)
