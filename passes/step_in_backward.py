@@ -396,6 +396,16 @@ class StepInBackward(effpass.Pass):
 
     requires_module_phase = True
 
+    @classmethod
+    def memory_options(cls, model=None, *, world_size=1):
+        """For the memory planner: lossless; each gradient freed once its parameter is stepped (full
+        fine-tuning: the gradients of all parameters never exist at once)."""
+        return [effpass.MemoryOption(
+            technique="step_in_backward", lossless=True, group="optimizer_step", changes="gradients",
+            phase="module", optimizers=("adamw", "adamw8bit"), label="step in backward",
+            restricts="one backward per opt.step() (no gradient accumulation) and no clipping by the global norm",
+            cost="the optimizer steps each parameter inside backward; no extra compute")]
+
     def prepare_module(self, model: torch.nn.Module, ctx) -> effpass.PassResult:
         from fnmatch import fnmatch
 

@@ -326,6 +326,8 @@ class _Tracker(TorchDispatchMode):
             key = st._cdata
             if key in ins or key in self.sizes:
                 continue
+            if t.device.type != self.device.type and t.device.type != "meta":
+                continue  # NOTE(offload): host memory (offloaded activations, CPU step counters) is not device memory
             n = _alloc_bytes(st.nbytes(), self.device)
             self.sizes[key] = n
             weakref.finalize(st, self._free, key)

@@ -82,6 +82,11 @@ class Candidate:
         return tuple(o.technique for o in self.options)
 
     @property
+    def restricted(self) -> bool:
+        """The plan restricts the training loop (an option with ``restricts``, e.g. no gradient accumulation)."""
+        return any(o.restricts for o in self.options)
+
+    @property
     def sharded(self) -> bool:
         return any(o.sharding for o in self.options)
 
@@ -201,12 +206,12 @@ def _pipeline(base: list, cand: Candidate) -> list:
 
 
 def _usable_options(model, base_names: set, allow: tuple, optimizer, world_size: int, notes: list,
-                    graph_only: bool = False) -> dict[str, list]:
+                    graph_only: bool = False, device=None) -> dict[str, list]:
     """group -> the declared options the planner may add, in preference order."""
     from effpass.memory_options import declared_memory_options
 
     groups: dict[str, list] = {}
-    for o in declared_memory_options(model, world_size=world_size):
+    for o in declared_memory_options(model, world_size=world_size, device=device):
         if o.sharding and world_size <= 1:
             continue
         if not o.lossless and o.technique not in allow:
@@ -223,7 +228,13 @@ def _usable_options(model, base_names: set, allow: tuple, optimizer, world_size:
             notes.append(f"{o.technique!r} replaces the optimizer {o.replaces_optimizer!r} but the optimizer is "
                          f"{optimizer!r}: not tried")
             continue
+        if o.optimizers and optimizer not in o.optimizers and not (o.optimizer and o.optimizer in o.optimizers):
+            notes.append(f"{o.technique!r} works with the optimizers {list(o.optimizers)}, not {optimizer!r}: not tried")
+            continue
         if graph_only and o.phase == "module":
+            if o.lossless:
+                notes.append(f"{o.technique!r} changes the eager model before the optimizer exists: not tried on "
+                             f"the first call (pass example_inputs= to plan it)")
             continue
         groups.setdefault(o.group, []).append(o)
     for g in groups.values():
@@ -231,12 +242,29 @@ def _usable_options(model, base_names: set, allow: tuple, optimizer, world_size:
     return groups
 
 
+def _conflict(opts) -> bool:
+    """Two options whose passes the registry declares conflicting (``conflicts_with``)."""
+    from effpass.pass_api import registered_passes
+
+    names = {o.pass_name for o in opts if o.pass_name}
+    reg = registered_passes()
+    return any(set(getattr(reg.get(n), "conflicts_with", ())) & names for n in names)
+
+
 def _candidates(groups: dict, optimizer):
     keys = sorted(groups)
     lossless, lossy = [], []
     for combo in itertools.product(*[[None] + groups[k] for k in keys]):
         opts = tuple(o for o in combo if o is not None)
+        if _conflict(opts):
+            continue
         opt_o = next((o for o in opts if o.optimizer), None)
+        if any(o.optimizers and (opt_o.optimizer if opt_o else optimizer) not in o.optimizers for o in opts):
+            continue
+        if opt_o is not None and any(o.optimizers for o in opts):
+            # NOTE(replay): a replaced optimizer is replayed alone on the AdamW twin's forward and backward,
+            # which cannot model an option that runs the optimizer inside the backward
+            continue
         c = Candidate(options=opts, optimizer=opt_o.optimizer if opt_o else optimizer)
         (lossy if c.lossy else lossless).append(c)
     # lossy plans: those with fewer lossy options first (a stable order for reports)
@@ -271,7 +299,8 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
     base = _build_passes(passes) if passes is not None else default_pipeline(dev)
     base_names = {p.name for p in base}
     notes: list[str] = []
-    groups = _usable_options(model, base_names, allow_t, optimizer, world_size, notes, graph_only=_graph_only)
+    groups = _usable_options(model, base_names, allow_t, optimizer, world_size, notes, graph_only=_graph_only,
+                             device=dev)
     p_bytes, floor = _parameter_floor(model, groups, world_size)
     if budget < floor:
         raise ValueError(f"memory_budget {memory_budget!r} ({format_bytes(budget)}) is below the parameters' own "
@@ -382,7 +411,7 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
             c.extra_flops = c.estimate.flops - base_flops
         fitting = [c for c in tier if c.fits]
         if fitting:
-            chosen = min(fitting, key=lambda c: (c.extra_flops, c.sharded, c.peak_bytes))
+            chosen = min(fitting, key=lambda c: (c.restricted, c.extra_flops, c.sharded, c.peak_bytes))
             break
     done = [c for c in considered if c.estimate is not None]
     if chosen is None:
@@ -409,9 +438,13 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
                   f"{sum(c.fits for c in considered)} fitting {'lossy' if chosen.lossy else 'lossless'} plans")
         if chosen.lossy:
             reason += "; no lossless plan fits"
+    if chosen.restricted:  # plans without restrictions are preferred: none of them fits
+        reason += "; no plan without a restriction on the training loop fits"
     for o in chosen.options:
         if o.optimizer:
             notes.append(f"build the optimizer as {o.optimizer!r} for this plan ({o.cost})")
+        if o.restricts:
+            notes.append(f"{o.name}: {o.restricts}")
     pipeline = _pipeline(base, chosen)
     return MemoryPlan(budget=budget, chosen=chosen, candidates=considered, passes=pipeline,
                       optimizer=chosen.optimizer, world_size=world_size, reason=reason, notes=notes)
@@ -443,8 +476,11 @@ def module_phase_techniques(model, passes, allow, optimizer="adamw", world_size=
 
     base = _build_passes(passes) if passes is not None else default_pipeline(_target_device(model, None))
     groups = _usable_options(model, {p.name for p in base}, _check_allow(allow, world_size), optimizer, world_size,
-                             [])
-    return sorted({o.technique for g in groups.values() for o in g if o.phase == "module"})
+                             [], device=_target_device(model, None))
+    # lossless module-phase options (step_in_backward) are simply not tried on the first call (noted); only
+    # those the user asked for (lossy ones named in allow, sharding over world_size ranks) need example_inputs
+    return sorted({o.technique for g in groups.values() for o in g if o.phase == "module"
+                   and (not o.lossless or o.sharding)})
 
 
 def check_plan_without_inputs(model, passes, allow, optimizer="adamw", world_size=1) -> None:
