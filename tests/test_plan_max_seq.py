@@ -70,53 +70,127 @@ def test_step_in_backward_predicted_as_measured():
     assert est.peak_bytes == pytest.approx(m.peak_bytes, rel=0.01)
 
 
-def _tiny_llama(seq=16):
-    return model_case("llama", seq=seq)
+def _est(peak, flops=0):
+    from effpass.planning import MemoryEstimate
+
+    return MemoryEstimate(peak_bytes=int(peak), start_bytes=0, step_peak_bytes=int(peak), parameters=0,
+                          trainable_parameters=0, buffers=0, inputs=0, gradients=0, optimizer_states=0,
+                          activations=0, largest_transient=0, largest_transient_op="-", peak_phase="backward",
+                          peak_graph="-", peak_node="-", flops=flops)
 
 
-def _max_seq(budget, passes=None, optimizer="adamw", **kw):
-    case = _tiny_llama()
-    model = case.model
+@pytest.fixture
+def analytic(monkeypatch):
+    """The planner's replays replaced by an analytic peak per plan, a function of (plan's passes, seq): the
+    search logic (fit, bracket, choice, errors) tested without replay time. Records every replayed seq."""
+    import effpass.planning.planner as planner
 
-    def make_inputs(seq):
-        ids = torch.zeros(1, seq, dtype=torch.long)
-        return {"input_ids": ids, "labels": ids}
+    calls = []
 
-    passes = passes if passes is not None else [CheckpointActivations(policy="full"), FuseCrossEntropy(),
-                                                TileSequence(tile_rows=64)]
-    return model, make_inputs, plan_max_seq(model, make_inputs, budget, passes=passes, optimizer=optimizer,
-                                            step=32, probes=(128, 256, 512), lowering="eager", **kw)
+    def fake_many(model, inputs, pipelines, optimizer, **kw):
+        seq = next(v for v in inputs.values() if isinstance(v, torch.Tensor)).shape[-1]
+        out = []
+        for pipe in pipelines:
+            names = {p.name for p in pipe}
+            calls.append((seq, tuple(sorted(names))))
+            per_token = 1000 - 300 * ("tile_sequence" in names) - 200 * ("checkpoint_activations" in names)
+            quad = 0.0 if "fuse_attention" in names else 0.01  # "eager attention": scores grow with seq^2
+            start = 1_000_000 - 100_000 * ("step_in_backward" in names)
+            out.append(_est(start + per_token * seq + quad * seq * seq, flops=seq * (1 + len(names))))
+        return out
+
+    monkeypatch.setattr(planner, "estimate_many", fake_many)
+    return calls
 
 
-def test_max_seq_answer_fits_and_one_step_more_does_not():
-    budget = 3 << 20
-    model, make_inputs, res = _max_seq(budget)
-    assert res.seq % 32 == 0 and res.seq >= 32
+def _inputs(seq):
+    ids = torch.zeros(1, seq, dtype=torch.long)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _peak(seq, per_token, quad=0.01, start=900_000):
+    return start + per_token * seq + quad * seq * seq
+
+
+def test_max_seq_search_brackets_the_answer(analytic):
+    model = model_case("llama", seq=16).model
+    budget = 5_000_000
+    res = plan_max_seq(model, _inputs, budget, passes=[], step=64, probes=(512, 1024, 2048))
+    # the leanest neighbourhood plan: every lossless option (per token 500, start 900,000), quadratic term kept
+    assert {"tile_sequence", "checkpoint_activations", "step_in_backward"} <= {p.name for p in res.plan.passes}
+    want = max(s for s in range(64, 1 << 16, 64) if _peak(s, 500) <= budget)
+    assert res.seq == want  # the quadratic fit through three probes is exact here
     assert res.plan.peak_bytes <= budget < res.next_peak
-    names = [n for n, *_ in res.fits]
-    assert set(names) == {"as given", "step in backward"}  # the only option the pipeline leaves to add
-    # an independent replay of the plan at the answer + one step agrees
-    nxt = estimate_memory(model, make_inputs(res.seq + 32), passes=res.plan.passes, lowering="eager")
-    assert nxt.peak_bytes == res.next_peak and nxt.peak_bytes > budget
-    assert "longest sequence that fits" in res.summary() and f"{res.seq:,} tokens" in res.summary()
+    answer_replays = [s for s, *_ in res.replays]
+    assert res.seq in answer_replays and res.seq + 64 in answer_replays and len(answer_replays) <= 4
+    # every candidate was probed at the three lengths, the answer then replayed for the chosen plan only
+    assert {s for s, _ in analytic[:len(res.fits) * 3]} == {512, 1024, 2048}
+    assert "step in backward" in res.plan.chosen.name and any("no gradient accumulation" in n for n in
+                                                              res.plan.notes + res.notes)
 
 
-def test_max_seq_nothing_fits():
-    with pytest.raises(MemoryBudgetError, match="even at 32 tokens"):
-        _max_seq(900_000, optimizer=None)
+def test_max_seq_prefers_unrestricted_on_a_tie(analytic, monkeypatch):
+    """A plan restricting the training loop is chosen only when it fits a longer sequence."""
+    import effpass.planning.planner as planner
+
+    real = planner.estimate_many
+
+    def no_gain(model, inputs, pipelines, optimizer, **kw):  # step_in_backward saves nothing here
+        return [_est(e.peak_bytes + 100_000 * ("step_in_backward" in {p.name for p in pipe}), e.flops)
+                for e, pipe in zip(real(model, inputs, pipelines, optimizer, **kw), pipelines)]
+
+    monkeypatch.setattr(planner, "estimate_many", no_gain)
+    res = plan_max_seq(model_case("llama", seq=16).model, _inputs, 5_000_000, passes=[], step=64,
+                       probes=(512, 1024, 2048))
+    assert "step in backward" not in res.plan.chosen.name and not res.plan.chosen.restricted
 
 
-def test_cli_max_seq(tmp_path, capsys):
+def test_max_seq_nothing_fits_analytic(analytic):
+    with pytest.raises(MemoryBudgetError, match="even at 64 tokens") as e:
+        plan_max_seq(model_case("llama", seq=16).model, _inputs, 900_000, passes=[], step=64, probes=(512, 1024))
+    assert e.value.smallest > 900_000 and e.value.plan is not None
+
+
+def test_max_seq_lossy_only_when_allowed(analytic):
+    model = model_case("llama", seq=16).model
+    res = plan_max_seq(model, _inputs, 5_000_000, passes=[], step=64, probes=(512, 1024, 2048))
+    assert not any("compress" in n for n, *_ in res.fits)
+    res = plan_max_seq(model, _inputs, 5_000_000, passes=[], step=64, probes=(512, 1024, 2048),
+                       allow=["compress_activations"])
+    assert any("compress" in n for n, *_ in res.fits)
+    assert not res.plan.chosen.lossy  # the analytic peak gains nothing from it: lossless kept
+
+
+def test_cli_max_seq(tmp_path, capsys, analytic):
     from effpass.cli import main
 
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(TINY))
-    passes = json.dumps({"checkpoint_activations": {"policy": "full"}, "fuse_cross_entropy": {}})
-    rc = main(["plan", str(cfg), "--batch", "1", "--budget", "2MiB", "--max-seq", "--step", "64", "--probes", "128",
-               "256", "512", "--optimizer", "none", "--passes", passes, "--json"])
-    out = json.loads(capsys.readouterr().out)
+    rc = main(["plan", str(cfg), "--batch", "1", "--budget", "5000000", "--max-seq", "--step", "64", "--probes",
+               "512", "1024", "2048"])
+    out = capsys.readouterr().out
     assert rc in (0, None)
-    assert out["seq"] % 64 == 0 and out["seq"] >= 64
-    assert out["plan"]["peak_bytes"] <= out["budget"] < out["next_peak"]
+    assert "longest sequence that fits" in out and "predictions, not measurements" in out
+    assert f"{max(s for s in range(64, 1 << 16, 64) if _peak(s, 500) <= 5_000_000):,} tokens" in out
+    rc = main(["plan", str(cfg), "--batch", "1", "--budget", "5000000", "--max-seq", "--step", "64", "--probes",
+               "512", "1024", "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert d["plan"]["peak_bytes"] <= d["budget"] < d["next_peak"]
+    assert main(["plan", str(cfg), "--batch", "1", "--budget", "800000", "--max-seq", "--step", "64"]) == 2
+    assert "even at 64 tokens" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="--seq is required"):
         main(["plan", str(cfg), "--batch", "1", "--budget", "2MiB"])
+
+
+def test_max_seq_answer_fits_by_real_replays():
+    """Real replays (tiny Llama, one plan: the pipeline leaves nothing to add without an optimizer): the
+    answer's peak fits, one step more does not, and an independent replay at the answer + step agrees."""
+    case = model_case("llama", seq=16, layers=1)
+    passes = [CheckpointActivations(policy="full"), FuseCrossEntropy(), TileSequence()]  # tiles: none below 8k
+    budget = 1_400_000
+    res = plan_max_seq(case.model, _inputs, budget, passes=passes, optimizer=None, step=64, probes=(256, 512),
+                       max_len=4096, lowering="eager")
+    assert [n for n, *_ in res.fits] == ["as given"]
+    assert res.seq >= 64 and res.plan.peak_bytes <= budget < res.next_peak
+    nxt = estimate_memory(case.model, _inputs(res.seq + 64), passes=passes, optimizer=None, lowering="eager")
+    assert nxt.peak_bytes == res.next_peak

@@ -708,11 +708,14 @@ def plan_max_seq(model: torch.nn.Module, make_inputs, memory_budget, allow: Iter
     combos = _neighbourhood(lossless_groups, False)
     if allow_t:
         combos += [c for c in _neighbourhood(groups, True) if any(not o.lossless for o in c)]
+    # the forward and backward are replayed with AdamW (or none); another optimizer is built alone on fake
+    # parameters of the trainable shapes (with_optimizer), which cannot model a step inside the backward
+    replay_opt = optimizer if optimizer in ("adamw", None) else "adamw"
     cands = []
     for opts in combos:
         opt_o = next((o for o in opts if o.optimizer), None)
         opt = opt_o.optimizer if opt_o else optimizer
-        if any(o.optimizers and opt not in o.optimizers for o in opts) or (opt_o and any(o.optimizers for o in opts)):
+        if any(o.optimizers and (opt not in o.optimizers or opt != replay_opt) for o in opts):
             continue
         cands.append(Candidate(options=opts, optimizer=opt))
     base_sharding = next((o for o in declared_memory_options(model, world_size=world_size)
@@ -724,9 +727,8 @@ def plan_max_seq(model: torch.nn.Module, make_inputs, memory_budget, allow: Iter
         return [p for p in pipeline if not _is_sharding(p.name, model, world_size)]
 
     def finish(c, est):
-        opt_o = next((o for o in c.options if o.optimizer), None)
-        if opt_o is not None and opt_o.optimizer != optimizer:
-            est = with_optimizer(est, opt_o.optimizer, device=dev)
+        if c.optimizer is not None and c.optimizer != replay_opt:
+            est = with_optimizer(est, c.optimizer, device=dev)
         sharding = next((o.sharding for o in c.options if o.sharding), None) or (
             base_sharding.sharding if base_sharding else None)
         if world_size > 1:
@@ -738,12 +740,12 @@ def plan_max_seq(model: torch.nn.Module, make_inputs, memory_budget, allow: Iter
 
     def replay_many(cs, seq):
         """Estimates (or exceptions) of the candidates ``cs`` at ``seq``: one shared replay."""
-        twins = [c.without_optimizer_option(optimizer) if any(o.optimizer for o in c.options) else c for c in cs]
+        twins = [c.without_optimizer_option(replay_opt) if c.optimizer != replay_opt else c for c in cs]
         keys = list(dict.fromkeys(t.replay_key() for t in twins))
         by_key = {t.replay_key(): t for t in twins}
         todo = [k for k in keys if (seq, k) not in cache]
         if todo:
-            res = estimate_many(model, make_inputs(seq), [pipeline_of(by_key[k]) for k in todo], optimizer,
+            res = estimate_many(model, make_inputs(seq), [pipeline_of(by_key[k]) for k in todo], replay_opt,
                                 device=dev, loss_fn=loss_fn, **compile_options)
             cache.update({(seq, k): r for k, r in zip(todo, res)})
         got = {k: cache[(seq, k)] for k in keys}
@@ -763,6 +765,7 @@ def plan_max_seq(model: torch.nn.Module, make_inputs, memory_budget, allow: Iter
     for s in probes:
         peaks[s] = replay_many(cands, s)
     fits = []
+    fit_fn: dict = {}
     for i, c in enumerate(cands):
         pts = [(s, peaks[s][i].peak_bytes) for s in probes if not isinstance(peaks[s][i], BaseException)]
         errs = [peaks[s][i] for s in probes if isinstance(peaks[s][i], BaseException)]
@@ -771,12 +774,14 @@ def plan_max_seq(model: torch.nn.Module, make_inputs, memory_budget, allow: Iter
             fits.append((c, None, [c.error]))
             continue
         f = _fit(pts)
+        fit_fn[id(c)] = f
         fits.append((c, _solve(f, budget, step, min_len, max_len), [p for _, p in pts]))
     ok = [(c, L, pk) for c, L, pk in fits if L is not None]
     if not ok:
         errors = "; ".join(f"{c.name}: {c.error}" for c, _, _ in fits[:3])
         raise RuntimeError(f"plan_max_seq: no plan could be replayed ({errors})")
-    flops = {id(c): peaks[probes[-1]][i].flops for i, (c, L, _) in enumerate(fits) if L is not None}
+    flops = {id(c): next(peaks[s][i].flops for s in reversed(probes) if not isinstance(peaks[s][i], BaseException))
+             for i, (c, L, _) in enumerate(fits) if L is not None}
 
     def rank(item):
         c, L, _ = item
@@ -820,12 +825,12 @@ def plan_max_seq(model: torch.nn.Module, make_inputs, memory_budget, allow: Iter
         # next: a secant step from the nearest replays, kept inside the bracket
         pts = sorted((k, v.peak_bytes) for k, v in known.items())
         slope = None
-        if len(pts) >= 2:
+        if len(pts) >= 2:  # a secant through the two replays nearest to s
             near = sorted(pts, key=lambda p: abs(p[0] - s))[:2]
-            if near[0][0] != near[1][0]:
-                slope = (near[0][1] - near[1][1]) / (near[0][0] - near[1][0])
-        if slope is None or slope <= 0:
-            slope = max((r.peak_bytes - min(v for _, v in pts)) / max(s, 1), 1.0)
+            slope = (near[0][1] - near[1][1]) / (near[0][0] - near[1][0])
+        if slope is None or slope <= 0:  # the fit's slope at s
+            f = fit_fn[id(chosen)]
+            slope = max((f(s + step) - f(s)) / step, 1e-9)
         nxt = int((s + (budget - r.peak_bytes) / slope) // step * step)
         if r.peak_bytes <= budget:
             nxt = max(nxt, s + step)
