@@ -28,15 +28,12 @@ Shapes: hidden = ffn = 512, 8 heads / 8 KV heads, vocabulary 4,096 (embedding an
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import meta, run_arm_subprocess, timed  # noqa: E402
+from _common import arm_main, llama, time_steps, timed, token_batches  # noqa: E402
 
 ARMS = ("adamw", "torchao_adamw8bit", "bnb_adamw8bit", "effpass_adamw8bit")
 CPU_SHAPE = dict(vocab=4096, hidden=512, ffn=512, layers=4, heads=8, kv_heads=8, seq=256, batch=1,
@@ -46,20 +43,9 @@ GPU_SHAPE = dict(vocab=32768, hidden=2048, ffn=2048, layers=16, heads=16, kv_hea
 
 
 def build(cfg: dict, device: str):
-    import torch
-    import transformers as tf
-
-    torch.manual_seed(0)
-    conf = tf.LlamaConfig(vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["ffn"],
-                          num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
-                          num_key_value_heads=cfg["kv_heads"], max_position_embeddings=cfg["seq"],
-                          bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
-    conf._attn_implementation = "sdpa"
-    model = tf.LlamaForCausalLM(conf).to(device=device, dtype=getattr(torch, cfg["dtype"])).train()
-    g = torch.Generator().manual_seed(1)
-    n = 1 + cfg["warmup"] + cfg["steps"] + 1
-    batches = [torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g).to(device) for _ in range(4)]
-    return model, [batches[i % 4] for i in range(n)]
+    """The model and one batch per call: the first, the warm-up, the timed steps and the peak's (4 distinct)."""
+    batches = token_batches(cfg, device, 4)
+    return llama(cfg, device, tie=False), [batches[i % 4] for i in range(1 + cfg["warmup"] + cfg["steps"] + 1)]
 
 
 def worker(arm: str, cfg: dict, device: str) -> dict:
@@ -105,17 +91,8 @@ def worker(arm: str, cfg: dict, device: str) -> dict:
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
 
-    t0 = time.perf_counter()
-    step()
-    first = time.perf_counter() - t0
-    for _ in range(cfg["warmup"]):
-        step()
-    opt_times.clear()
-    times, cpu = [], []
-    for _ in range(cfg["steps"]):
-        c0 = time.process_time()
-        times.append(timed(step, cuda))
-        cpu.append(time.process_time() - c0)
+    timing = time_steps(step, cfg, cuda)
+    del opt_times[:1 + cfg["warmup"]]  # the optimizer steps of the timed steps only
     states = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     state_bytes = storage_bytes(states)
     live = storage_bytes(list(model.parameters()) + list(model.buffers()) + states)
@@ -124,9 +101,9 @@ def worker(arm: str, cfg: dict, device: str) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     out = {"arm": arm, "optimizer": f"{type(opt).__module__}.{type(opt).__name__}", "state_bytes": state_bytes,
            "state_bytes_per_param": state_bytes / n_params, "params": n_params, "live_bytes": live,
-           "peak_bytes": peak, "step_s": statistics.median(times), "cpu_s": statistics.median(cpu),
+           "peak_bytes": peak, **timing,
            "opt_step_s": statistics.median(opt_times) if arm != "effpass_adamw8bit" else None,
-           "first_call_s": first, "losses": losses[:-1], "loss_end": loss_end, "load": os.getloadavg()[0]}
+           "losses": losses[:-1], "loss_end": loss_end, "load": os.getloadavg()[0]}
     if arm == "effpass_adamw8bit":
         out["effpass_stats"] = {k: v for k, v in effpass.report(run).stats("step_in_backward").items()
                                 if isinstance(v, (int, float))}
@@ -178,38 +155,9 @@ def markdown(doc: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--arms", default=",".join(ARMS))
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--cfg", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    import torch
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.worker:
-        print(json.dumps(worker(args.worker, json.loads(args.cfg), device)))
-        return
-    cfg = dict(GPU_SHAPE if device == "cuda" else CPU_SHAPE)
-    if args.steps:
-        cfg["steps"] = args.steps
-    arms = [a for a in args.arms.split(",") if a]
-    bad = [a for a in arms if a not in ARMS]
-    if bad:
-        raise SystemExit(f"unknown arm(s) {bad}; choose from {list(ARMS)}")
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"optim8bit_{device}")
-    results = []
-    for arm in arms:
-        r = run_arm_subprocess(os.path.abspath(__file__), arm, ["--cfg", json.dumps(cfg)])
-        print(json.dumps({k: v for k, v in r.items() if k != "losses"}), flush=True)
-        results.append(r)
-        doc = {"meta": meta(device, ("torchao", "bitsandbytes")), "shape": cfg, "results": results}
-        with open(out + ".json", "w") as f:
-            json.dump(doc, f, indent=1)
-        with open(out + ".md", "w") as f:
-            f.write(markdown(doc))
-    print(markdown(doc))
+    arm_main(__file__, arms=ARMS, cpu_shape=CPU_SHAPE, gpu_shape=GPU_SHAPE, worker=worker, markdown=markdown,
+             name="optim8bit", packages=("torchao", "bitsandbytes"),
+             log=lambda r: {k: v for k, v in r.items() if k != "losses"})
 
 
 if __name__ == "__main__":

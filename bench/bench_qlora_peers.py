@@ -27,16 +27,12 @@ relative difference from ``peft_lora``'s (NF4 is lossy), trainable parameters.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import meta, run_arm_subprocess, timed  # noqa: E402
+from _common import arm_main, llama, time_steps, token_batches  # noqa: E402
 
 ARMS = ("peft_lora", "peft_torchao_nf4", "peft_bnb_nf4", "effpass_nf4")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -48,19 +44,8 @@ GPU_SHAPE = dict(vocab=128256, hidden=2048, ffn=8192, layers=16, heads=32, kv_he
 
 
 def build(cfg: dict, device: str):
-    import torch
-    import transformers as tf
-
-    torch.manual_seed(0)
-    conf = tf.LlamaConfig(vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["ffn"],
-                          num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
-                          num_key_value_heads=cfg["kv_heads"], max_position_embeddings=cfg["seq"],
-                          bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
-    conf._attn_implementation = "sdpa"
-    model = tf.LlamaForCausalLM(conf).to(dtype=getattr(torch, cfg["dtype"]))
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g)
-    return model, ids
+    """The model on the CPU (the bitsandbytes arm reloads it onto ``device``) and one batch."""
+    return llama(cfg, "cpu", tie=False, train=False), token_batches(cfg, "cpu")[0]
 
 
 def _bnb_state_tensors(model) -> list:
@@ -127,17 +112,7 @@ def worker(arm: str, cfg: dict, device: str) -> dict:
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
 
-    cuda = device == "cuda"
-    t0 = time.perf_counter()
-    step()
-    first = time.perf_counter() - t0
-    for _ in range(cfg["warmup"]):
-        step()
-    times, cpu = [], []
-    for _ in range(cfg["steps"]):
-        c0 = time.process_time()
-        times.append(timed(step, cuda))
-        cpu.append(time.process_time() - c0)
+    timing = time_steps(step, cfg, device == "cuda")
     named = dict(model.named_parameters())
     base = [p for n, p in named.items() if "_proj" in n and "lora_" not in n]
     qstate = _bnb_state_tensors(model)
@@ -147,7 +122,7 @@ def worker(arm: str, cfg: dict, device: str) -> dict:
     _, peak = peak_memory(step, device)
     out = {"arm": arm, "base_weight_bytes": base_bytes, "base_weights": len(base),
            "base_weight_types": sorted({type(p).__name__ for p in base}), "live_bytes": live, "peak_bytes": peak,
-           "step_s": statistics.median(times), "cpu_s": statistics.median(cpu), "first_call_s": first,
+           **timing,
            "loss_first": losses[0], "loss_last": losses[-1], "trainable_params": sum(p.numel() for p in params),
            "load": os.getloadavg()[0]}
     if arm == "effpass_nf4":
@@ -200,41 +175,8 @@ def markdown(doc: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--arms", default=",".join(ARMS))
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--lowering", default=None)
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--cfg", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    import torch
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.worker:
-        print(json.dumps(worker(args.worker, json.loads(args.cfg), device)))
-        return
-    cfg = dict(GPU_SHAPE if device == "cuda" else CPU_SHAPE)
-    if args.steps:
-        cfg["steps"] = args.steps
-    if args.lowering:
-        cfg["lowering"] = args.lowering
-    arms = [a for a in args.arms.split(",") if a]
-    bad = [a for a in arms if a not in ARMS]
-    if bad:
-        raise SystemExit(f"unknown arm(s) {bad}; choose from {list(ARMS)}")
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"qlora_peers_{device}")
-    results = []
-    for arm in arms:
-        r = run_arm_subprocess(os.path.abspath(__file__), arm, ["--cfg", json.dumps(cfg)])
-        print(json.dumps(r), flush=True)
-        results.append(r)
-        doc = {"meta": meta(device, ("peft", "torchao", "bitsandbytes")), "shape": cfg, "results": results}
-        with open(out + ".json", "w") as f:
-            json.dump(doc, f, indent=1)
-        with open(out + ".md", "w") as f:
-            f.write(markdown(doc))
-    print(markdown(doc))
+    arm_main(__file__, arms=ARMS, cpu_shape=CPU_SHAPE, gpu_shape=GPU_SHAPE, worker=worker, markdown=markdown,
+             name="qlora_peers", packages=("peft", "torchao", "bitsandbytes"), overrides=("steps", "lowering"))
 
 
 if __name__ == "__main__":

@@ -27,16 +27,12 @@ summation order of the weight gradients changes).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import meta, run_arm_subprocess, timed  # noqa: E402
+from _common import arm_main, llama, time_steps, token_batches  # noqa: E402
 
 ARMS = ("hf_eager", "alst_tiled_mlp", "effpass_untiled", "effpass_tiled", "effpass_tiled_alst_rows")
 CPU_SHAPE = dict(vocab=2048, hidden=256, ffn=1024, layers=2, heads=4, kv_heads=2, seq=8192, batch=1,
@@ -46,19 +42,7 @@ GPU_SHAPE = dict(vocab=32000, hidden=2048, ffn=8192, layers=4, heads=16, kv_head
 
 
 def build(cfg: dict, device: str):
-    import torch
-    import transformers as tf
-
-    torch.manual_seed(0)
-    conf = tf.LlamaConfig(vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["ffn"],
-                          num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
-                          num_key_value_heads=cfg["kv_heads"], max_position_embeddings=cfg["seq"],
-                          bos_token_id=0, eos_token_id=0, use_cache=False)
-    conf._attn_implementation = "sdpa"
-    model = tf.LlamaForCausalLM(conf).to(device=device, dtype=getattr(torch, cfg["dtype"])).train()
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g).to(device)
-    return model, ids
+    return llama(cfg, device), token_batches(cfg, device)[0]
 
 
 def alst_shards(cfg: dict) -> int:
@@ -115,22 +99,12 @@ def worker(arm: str, cfg: dict, device: str) -> dict:
         loss.backward()
         losses.append(float(loss.detach()))
 
-    cuda = device == "cuda"
-    t0 = time.perf_counter()
-    step()
-    first = time.perf_counter() - t0
-    for _ in range(cfg["warmup"]):
-        step()
-    times, cpu = [], []
-    for _ in range(cfg["steps"]):
-        c0 = time.process_time()
-        times.append(timed(step, cuda))
-        cpu.append(time.process_time() - c0)
+    timing = time_steps(step, cfg, device == "cuda")
     model.zero_grad(set_to_none=True)
     _, peak = peak_memory(step, device)
     grads = {n: p.grad.detach().double().cpu() for n, p in model.named_parameters() if p.grad is not None}
-    out = {"arm": arm, "peak_bytes": peak, "step_s": statistics.median(times), "cpu_s": statistics.median(cpu),
-           "first_call_s": first, "loss": losses[0], "load": os.getloadavg()[0], **extra}
+    out = {"arm": arm, "peak_bytes": peak, **timing,
+           "loss": losses[0], "load": os.getloadavg()[0], **extra}
     if arm.startswith("effpass_tiled"):
         import effpass
 
@@ -190,48 +164,17 @@ def markdown(doc: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--arms", default=",".join(ARMS))
-    ap.add_argument("--seq", type=int, default=None)
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--lowering", default=None)
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--cfg", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
     import tempfile
 
-    import torch
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.worker:
-        print(json.dumps(worker(args.worker, json.loads(args.cfg), device)))
-        return
-    cfg = dict(GPU_SHAPE if device == "cuda" else CPU_SHAPE)
-    for k in ("seq", "steps", "lowering"):
-        if getattr(args, k):
-            cfg[k] = getattr(args, k)
-    arms = [a for a in args.arms.split(",") if a]
-    bad = [a for a in arms if a not in ARMS]
-    if bad:
-        raise SystemExit(f"unknown arm(s) {bad}; choose from {list(ARMS)}")
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"tiled_mlp_{device}")
-    results = []
     with tempfile.TemporaryDirectory() as tmp:
         gpath = os.path.join(tmp, "grads")
-        for arm in arms:
-            r = run_arm_subprocess(os.path.abspath(__file__), arm, ["--cfg", json.dumps(cfg)],
-                                   env={"TILED_MLP_GRADS": gpath})
-            if "error" not in r:
-                r["grad_rel_diff"] = grad_diff(gpath, arm)
-            print(json.dumps(r), flush=True)
-            results.append(r)
-            doc = {"meta": meta(device, ("deepspeed",)), "shape": cfg, "results": results}
-            with open(out + ".json", "w") as f:
-                json.dump(doc, f, indent=1)
-            with open(out + ".md", "w") as f:
-                f.write(markdown(doc))
-    print(markdown(doc))
+
+        def diff(r: dict) -> None:
+            r["grad_rel_diff"] = grad_diff(gpath, r["arm"])
+
+        arm_main(__file__, arms=ARMS, cpu_shape=CPU_SHAPE, gpu_shape=GPU_SHAPE, worker=worker, markdown=markdown,
+                 name="tiled_mlp", packages=("deepspeed",), overrides=("seq", "steps", "lowering"),
+                 env={"TILED_MLP_GRADS": gpath}, after_arm=diff)
 
 
 if __name__ == "__main__":

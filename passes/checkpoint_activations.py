@@ -62,6 +62,7 @@ from effpass.graph import is_primal, is_tangent, module_path_of_node, module_sta
 __all__ = ["CheckpointActivations", "parse_bytes", "partition_stats", "mark_graph", "find_blocks"]
 
 MUST_SAVE = CheckpointPolicy.MUST_SAVE
+MUST_RECOMPUTE = CheckpointPolicy.MUST_RECOMPUTE
 RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
 
 _aten = torch.ops.aten
@@ -426,6 +427,10 @@ def _copy_to_getitems(nodes: list[fx.Node], plan: Plan) -> None:
 
 def mark_graph(plan: Plan) -> None:
     for n, (policy, gid) in plan.items():
+        if n.meta.get("recompute") is MUST_RECOMPUTE:
+            # another pass's hard constraint (quantize_linear: a dequantized weight is recomputed from the
+            # quantized parameter, never saved) wins over this plan, whichever joint hook ran first
+            continue
         n.meta["recompute"] = policy
         n.meta["ac_graph_id"] = gid
 

@@ -231,7 +231,22 @@ def _step_parameter_impl(param: torch.Tensor, grad: torch.Tensor, after) -> None
                 "left from before: call opt.zero_grad()): stepping now would not use the whole gradient."
                 + _OUTSIDE)
         param.grad = grad
-        _step_one(param, e, opt)
+        with _autograd_keys_restored():
+            _step_one(param, e, opt)
+
+
+def _autograd_keys_restored():
+    """The dispatch keys of a plain eager call, for the optimizer's step inside this op's kernel.
+
+    NOTE(subclass states): a custom op's kernel runs with the autograd keys excluded, where composite ops such
+    as ``Tensor.to`` are not decomposed before a tensor subclass's ``__torch_dispatch__`` sees them;
+    torchao's 8-bit optimizer states (``OptimState8bit``) implement ``_to_copy`` only, so AdamW8bit's first
+    step (``out.to(p.device)``) failed inside the compiled backward. Grad mode stays off (``_step_one``)."""
+    k = torch._C.DispatchKey
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    for key in (k.AutogradFunctionality, k.AutogradOther, k.AutogradNestedTensor):
+        excluded = excluded.remove(key)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded)
 
 
 @step_parameter.register_fake

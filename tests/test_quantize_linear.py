@@ -717,3 +717,39 @@ def test_qlora_backward_recomputes_dequantized_weights_instead_of_saving_them(mo
     assert activations(q_saved) <= activations(fp_saved) * 1.01, (activations(q_saved), activations(fp_saved))
     assert effpass.report(m).stats("quantize_linear")["dequant_recompute_nodes"] > 0
     assert torch.isfinite(loss)
+
+
+def test_qlora_dequantized_weights_stay_recomputed_under_a_checkpoint_plan_that_saves_their_ops(monkeypatch):
+    """checkpoint_activations' plan marks whole blocks (here every ``mul`` and ``t`` MUST_SAVE); it must not
+    override quantize_linear's MUST_RECOMPUTE on the dequantization when quantize_linear's joint hook runs
+    first, so the joint graph the partitioner gets still has every node the report counts as recomputed."""
+    import torch._functorch.partitioners as P
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from effpass.passes import CheckpointActivations, InjectLoRA, QuantizeLinear
+
+    orig, marks = P.min_cut_rematerialization_partition, []
+
+    def spy(joint, inputs, **kw):
+        marks.append(sum(n.meta.get("recompute") is CheckpointPolicy.MUST_RECOMPUTE for n in joint.graph.nodes))
+        return orig(joint, inputs, **kw)
+
+    monkeypatch.setattr(P, "min_cut_rematerialization_partition", spy)
+    case = model_case("llama", layers=2, seq=32)
+    ref = copy.deepcopy(case.model)
+    passes = lambda: [QuantizeLinear(scheme="nf4"), InjectLoRA(rank=4, targets=["*.q_proj", "*.v_proj"]),  # noqa: E731
+                      CheckpointActivations(save_ops=("aten.mul", "aten.t"))]
+    torch.manual_seed(0)
+    m = effpass.compile(case.model, passes=passes(), lowering="eager")
+    loss = m(**case.inputs).loss
+    loss.backward()
+    torch.manual_seed(0)
+    effpass.prepare(ref, passes=passes())
+    ref_loss = ref(**case.inputs).loss
+    ref_loss.backward()
+    assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    grads = [(a.grad, b.grad) for a, b in zip(m.parameters(), ref.parameters()) if a.requires_grad]
+    assert grads and all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in grads)
+    stats = effpass.report(m).stats("quantize_linear")
+    assert stats["dequant_recompute_nodes"] > 0
+    assert marks == [stats["dequant_recompute_nodes"]], (marks, stats["dequant_recompute_nodes"])

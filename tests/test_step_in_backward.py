@@ -308,6 +308,36 @@ def test_inductor_backward_steps_bit_identical():
     assert all(torch.equal(s0["state"][k]["exp_avg_sq"], s1["state"][k]["exp_avg_sq"]) for k in s0["state"])
 
 
+def test_torchao_adamw8bit_steps_in_graph_bit_identical(record_backward):
+    """torchao's AdamW8bit (uint8 states, a tensor subclass) steps inside the compiled backward: its first step
+    creates the states there (``Tensor.to`` on the subclass, which needs the autograd keys a custom op's kernel
+    lacks), and parameters and states equal the usual step after 2 steps."""
+    AdamW8bit = pytest.importorskip("torchao.optim").AdamW8bit
+    torch.manual_seed(0)
+    base, x = _Stack(depth=2), torch.randn(2, 256)
+    runs = {}
+    for use in (False, True):
+        _BACKWARDS.clear()
+        m = effpass.compile(copy.deepcopy(base), passes=[record_backward(), *([StepInBackward()] if use else [])],
+                            lowering="eager")
+        opt = AdamW8bit(m.parameters(), lr=1e-2, weight_decay=0.01)
+        attach(opt)
+        for _ in range(2):
+            m(x).backward()
+            assert not use or all(p.grad is None for p in m.parameters())
+            opt.step()
+            opt.zero_grad()
+        states = {(name, k): (v.dequantize() if hasattr(v, "dequantize") else v)
+                  for name, p in m.named_parameters() for k, v in opt.state[p].items()}
+        runs[use] = (_params(m), states, [dict(b) for b in _BACKWARDS])
+    (p0, s0, b0), (p1, s1, b1) = runs[False], runs[True]
+    n = len(list(base.parameters()))
+    assert b1 == [{"gradients": 0, "steps": n}] and b0 == [{"gradients": n, "steps": 0}]  # one backward graph each
+    assert type(next(iter(s1.values()))).__name__ != "OptimState8bit"  # compared dequantized
+    assert all(torch.equal(p0[k], p1[k]) for k in p0)
+    assert s0.keys() == s1.keys() and all(torch.equal(torch.as_tensor(s0[k]), torch.as_tensor(s1[k])) for k in s0)
+
+
 class _Shared(torch.nn.Module):
     """A linear used on both sides of a graph break: each compiled graph sees only part of its gradient."""
 
