@@ -64,6 +64,7 @@ class MemoryOption:
     label: str = ""                      #: how plans name it (default: technique)
     order: int = 0                       #: preference among the options of a group (lower first)
     optimizers: tuple = ()               #: the optimizers (register_optimizer names) it works with; () any
+    min_rows: int = 0                    #: it changes nothing on a batch of fewer tokens (not tried there)
     restricts: str = ""                  #: what the training loop must not do with it (e.g. "no clipping by the
     #: global norm"); the planner prefers plans without such options and states the restriction in the plan
 

@@ -419,6 +419,7 @@ class TileSequence(effpass.Pass):
         the graph, and the planner's replay, small)."""
         return [effpass.MemoryOption(technique="tile_sequence", options={"tile_rows": 4096}, lossless=True,
                                      group="sequence_tiling", changes="activations", label="tiles(4096)",
+                                     min_rows=2 * 4096,  # regions of fewer than two tiles are left alone
                                      cost="position-wise regions recomputed tile by tile in backward (their "
                                           "forward once more where checkpointing does not recompute them)")]
 

@@ -206,13 +206,24 @@ def _pipeline(base: list, cand: Candidate) -> list:
                          if o.pass_name and o.pass_name not in names]
 
 
+def _rows(example_inputs) -> int | None:
+    """Tokens in the step's batch: the element count of the largest integer input (token ids); None if none."""
+    from torch.utils._pytree import tree_flatten
+
+    n = [x.numel() for x in tree_flatten(example_inputs)[0]
+         if isinstance(x, torch.Tensor) and not x.is_floating_point() and not x.is_complex() and x.dim() >= 1]
+    return max(n) if n else None
+
+
 def _usable_options(model, base_names: set, allow: tuple, optimizer, world_size: int, notes: list,
-                    graph_only: bool = False, device=None) -> dict[str, list]:
+                    graph_only: bool = False, device=None, rows: int | None = None) -> dict[str, list]:
     """group -> the declared options the planner may add, in preference order."""
     from effpass.memory_options import declared_memory_options
 
     groups: dict[str, list] = {}
     for o in declared_memory_options(model, world_size=world_size, device=device):
+        if o.min_rows and rows is not None and rows < o.min_rows:
+            continue  # it changes nothing on a batch this small: a replay would repeat another's
         if o.sharding and world_size <= 1:
             continue
         if not o.lossless and o.technique not in allow:
@@ -301,7 +312,7 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
     base_names = {p.name for p in base}
     notes: list[str] = []
     groups = _usable_options(model, base_names, allow_t, optimizer, world_size, notes, graph_only=_graph_only,
-                             device=dev)
+                             device=dev, rows=_rows(example_inputs))
     p_bytes, floor = _parameter_floor(model, groups, world_size)
     if budget < floor:
         raise ValueError(f"memory_budget {memory_budget!r} ({format_bytes(budget)}) is below the parameters' own "
@@ -387,7 +398,9 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
 
     considered: list[Candidate] = []
     chosen = None
-    for tier in (lossless, lossy):
+    # plans that restrict the training loop (step_in_backward) form their own tier after the free lossless ones
+    free = [c for c in lossless if not c.restricted]
+    for tier in (free, [c for c in lossless if c.restricted], lossy):
         if not tier:
             continue
         from ..progress import progress
