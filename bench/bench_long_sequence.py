@@ -42,7 +42,11 @@ import effpass  # noqa: E402
 from effpass.testing.memory import live_tensor_bytes, peak_memory  # noqa: E402
 
 RESULTS = os.environ.get("EFFPASS_BENCH_RESULTS") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-ARMS = ("hf_eager", "hand_built", "hand_built_compiled", "effpass_ckpt", "effpass_tiled", "effpass_step")
+ARMS = ("hf_eager", "hand_built", "hand_built_compiled", "effpass_planned", "effpass_ckpt", "effpass_tiled",
+        "effpass_step")
+#: hf_eager keeps every layer's attention probabilities (heads x seq^2 fp32): past this length one layer's
+#: alone is 2 GiB and more, beyond what this shared machine can lend (23 GiB for ~8 agents)
+HF_EAGER_MAX_SEQ = 8192
 
 
 def build(attn: str, hidden=512, inter=1408, layers=4, vocab=32000, seq=8192):
@@ -75,40 +79,70 @@ class HandBuilt(torch.nn.Module):
                                       options=torch.nn.LinearCrossEntropyOptions())
 
 
+def _planned_passes(m, seq: int):
+    """The planner's smallest-peak lossless plan for this model and length (its candidates as declared by the
+    passes on this branch), as a pass list, and its name; the planner is asked for a budget nothing meets,
+    so its MemoryBudgetError carries the smallest plan (``plan_memory`` otherwise picks the cheapest fitting
+    one)."""
+    from effpass.planning import MemoryBudgetError, plan_memory
+    from effpass.planning.planner import _pipeline
+
+    ids = torch.zeros(1, seq, dtype=torch.long)
+    floor = sum(p.numel() * p.element_size() for p in m.parameters())
+    try:
+        plan = plan_memory(m, {"input_ids": ids, "labels": ids}, floor + 1, lowering=os.environ.get("LOWERING", "inductor"))
+        return plan.passes, plan.chosen.name, plan.chosen.peak_bytes
+    except MemoryBudgetError as e:
+        base = list(effpass.default_pipeline("cpu", torch.float32))
+        return _pipeline(base, e.plan), e.plan.name, e.plan.peak_bytes
+
+
 def make_arm(name: str, seq: int):
-    """(module to call, the model whose parameters train, loss_of(out))."""
+    """(module to call, the model whose parameters train, loss_of(out), notes)."""
     if name == "hf_eager":
         m = build("eager", seq=seq)
-        return m, m, lambda out: out.loss
+        return m, m, lambda out: out.loss, {}
     if name in ("hand_built", "hand_built_compiled"):
         m = build("sdpa", seq=seq)
         hb = HandBuilt(m)
         if name == "hand_built_compiled":
             hb = torch.compile(hb)
-        return hb, m, lambda out: out
+        return hb, m, lambda out: out, {}
     m = build("sdpa", seq=seq)
     from effpass.passes import CheckpointActivations
 
+    notes = {}
     passes = list(effpass.default_pipeline("cpu", torch.float32))
-    extra = [CheckpointActivations(policy="full")]
+    if name == "effpass_planned":
+        t = time.perf_counter()
+        passes, plan_name, predicted = _planned_passes(m, seq)
+        notes = {"plan": plan_name, "predicted_peak": predicted, "plan_s": time.perf_counter() - t,
+                 "passes": [p.name for p in passes]}
+        extra = []
+    else:
+        extra = [CheckpointActivations(policy="full")]
     if name in ("effpass_tiled", "effpass_step"):
         from effpass.passes import TileSequence
 
         extra.append(TileSequence())
-    if name == "effpass_step":
+    if name == "effpass_step" or (name == "effpass_planned" and any(p.name == "step_in_backward" for p in passes)):
         from effpass.passes import StepInBackward
 
-        extra.append(StepInBackward())
+        if name == "effpass_step":
+            extra.append(StepInBackward())
+        notes["step_in_backward"] = True
     effpass.compile(m, passes=passes + extra, lowering=os.environ.get("LOWERING", "inductor"))
-    return m, m, lambda out: out.loss
+    return m, m, lambda out: out.loss, notes
 
 
-def run_arm(name: str, seq: int, steps: int, prefill: bool = False):
-    model_in, model, loss_of = make_arm(name, seq)
+def run_arm(name: str, seq: int, steps: int, prefill: bool = True):
+    torch._dynamo.reset()  # NOTE: else a new length recompiles with a symbolic one (automatic dynamic shapes)
+    load = os.getloadavg()
+    model_in, model, loss_of, notes = make_arm(name, seq)
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, 32000, (1, seq), generator=g) for _ in range(steps)]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    if name == "effpass_step":
+    if notes.get("step_in_backward"):
         from effpass.passes.step_in_backward import attach
 
         attach(opt)  # what the unchanged loop's first opt.step() does (see the module docstring)
@@ -140,50 +174,180 @@ def run_arm(name: str, seq: int, steps: int, prefill: bool = False):
             loss = step(ids)
             times.append(time.perf_counter() - t)
         losses.append(loss)
-        print(f"  {name} step {i}: loss {loss:.6f} {times[-1]:.1f}s", flush=True)
+        print(f"  {name} @ {seq} step {i}: loss {loss:.6f} {times[-1]:.1f}s", flush=True)
     row = dict(arm=name, seq=seq, peak=start + peak, start=start, step_peak=peak, losses=losses,
-               step_s=min(times[1:]) if len(times) > 1 else times[0], compiled_in_timed_step=len(times) == 1, first_step_s=times[0])
+               step_s=min(times[1:]) if len(times) > 1 else None, first_step_s=times[0],
+               load=[round(x, 1) for x in load], **notes)
     del model_in, model, opt
     gc.collect()
     return row
 
 
+def longest_fitting(name: str, budget: int, known: dict[int, int], probe, grain: int = 1024, max_probes: int = 6):
+    """The longest sequence (a multiple of ``grain``) whose measured peak fits ``budget``: a bracketing search
+    (regula falsi on the measured peaks, doubling/halving until a bracket exists, then bisection's guarantee:
+    each probe lies strictly inside the bracket) over ``probe(seq) -> peak bytes``; ``known`` holds peaks
+    measured already. Returns (longest fitting, shortest not fitting or None, probes run, points)."""
+    pts = dict(known)
+    probes = 0
+
+    def bracket():
+        fit = [s for s, p in pts.items() if p <= budget]
+        over = [s for s, p in pts.items() if p > budget]
+        lo = max(fit) if fit else None
+        hi = min([s for s in over if lo is None or s > lo], default=None)
+        return lo, hi
+
+    while probes < max_probes:
+        lo, hi = bracket()
+        if lo is not None and hi is not None and hi - lo <= grain:
+            break
+        if lo is None:  # nothing fits yet: halve below the shortest tried
+            if min(pts) <= grain:
+                break  # not even the granularity fits
+            nxt = max(grain, (min(pts) // 2) // grain * grain)
+            if nxt in pts:
+                break
+        elif hi is None:  # everything fits: extrapolate from the two longest points, at least double
+            a, b = sorted(pts)[-2:] if len(pts) > 1 else (None, lo)
+            guess = 2 * lo
+            if a is not None and pts[b] > pts[a]:
+                guess = int(b + (budget - pts[b]) * (b - a) / (pts[b] - pts[a]))
+            nxt = max(lo + grain, min(guess // grain * grain + grain, 2 * lo))
+        else:  # interpolate inside the bracket
+            guess = lo + (budget - pts[lo]) * (hi - lo) / (pts[hi] - pts[lo])
+            nxt = int(guess) // grain * grain
+            nxt = min(max(nxt, lo + grain), hi - grain)
+        print(f"  fit {name}: probe {nxt} (bracket {lo}..{hi})", flush=True)
+        pts[nxt] = probe(nxt)
+        probes += 1
+    lo, hi = bracket()
+    return lo, hi, probes, {str(k): v for k, v in sorted(pts.items())}
+
+
 def main():
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _common import meta
+
     ap = argparse.ArgumentParser()
-    ap.add_argument("--seq", type=int, nargs="+", default=[8192])
+    ap.add_argument("--seq", type=int, nargs="+", default=[8192, 16384])
     ap.add_argument("--arms", default=",".join(ARMS))
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=2, help="steps per arm; the first (AdamW states created before "
+                    "it, so already the steady state) is measured for memory, the later ones for time")
+    ap.add_argument("--budget", default=None, help="e.g. 1GiB: also search the longest sequence each arm fits")
+    ap.add_argument("--fit-arms", default=None, help="arms for the budget search (default: --arms)")
+    ap.add_argument("--max-probes", type=int, default=4)
     ap.add_argument("--tag", default="")
-    ap.add_argument("--prefill", action="store_true", help="create AdamW's states before the first step and "
-                    "measure that step (one step per arm is then enough; the first step includes compiling)")
+    ap.add_argument("--steps-at", default="", help="per-length steps, e.g. 16384:1 (else --steps)")
+    ap.add_argument("--arms-at", default="", help="per-length arms, e.g. 16384:hand_built+effpass_tiled (else --arms)")
+    ap.add_argument("--parallel", type=int, default=0, help="at most this many (arm, length) processes at once, "
+                    "hf_eager started last (the most memory), each in its own process (same code, weights and batches; on a CPU shared with other jobs one arm after another "
+                    "takes hours); memory peaks are allocator bytes, independent of this")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(2)
-    rows = []
-    load = os.getloadavg()
+    steps_at = {int(k): int(v) for k, v in (x.split(":") for x in args.steps_at.split(",") if x)}
+    arms_at = {int(k): v.replace("+", ",") for k, v in (x.split(":") for x in args.arms_at.split(";") if x)}
+    if args.worker:
+        print(json.dumps(run_arm(args.worker, args.seq[0], args.steps)), flush=True)
+        return
+    head = meta("cpu")
+    head["lowering_effpass"] = os.environ.get("LOWERING", "inductor")
+    head["lowering_hand_built_compiled"] = "inductor"
+    t_start = time.perf_counter()
+    rows, skipped, jobs = [], [], []
     for seq in args.seq:
-        for arm in args.arms.split(","):
-            print(f"{arm} @ {seq}", flush=True)
-            rows.append(run_arm(arm, seq, args.steps, args.prefill))
-            print(f"  peak {rows[-1]['peak'] / 2**20:.0f} MiB (start {rows[-1]['start'] / 2**20:.0f})", flush=True)
-    import transformers
+        for arm in arms_at.get(seq, args.arms).split(","):
+            if arm == "hf_eager" and seq > HF_EAGER_MAX_SEQ:
+                skipped.append({"arm": arm, "seq": seq, "reason": f"not run: its saved attention probabilities alone "
+                                f"are {4 * 8 * seq * seq * 4 / 2**30:.0f} GiB (4 layers x 8 heads x seq^2 x 4 B), "
+                                "more than this shared machine holds"})
+                continue
+            jobs.append((arm, seq, steps_at.get(seq, args.steps)))
+    if args.parallel > 1:
+        import subprocess
+        import tempfile
 
-    head = {"device": f"CPU ({platform.machine()}, {os.cpu_count()} cores, shared with other jobs)",
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "load_before": load, "load_after": os.getloadavg(), "lowering": os.environ.get("LOWERING", "inductor")}
+        jobs.sort(key=lambda j: j[0] == "hf_eager")
+        todo, running = list(jobs), []
+
+        def start(a, s_, n):
+            log = open(os.path.join(tempfile.gettempdir(), f"long_sequence_{a}_{s_}.log"), "w+")
+            return (a, s_, log, subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", a, "--seq",
+                                                  str(s_), "--steps", str(n)], stdout=subprocess.PIPE, stderr=log,
+                                                 text=True))
+        os.makedirs(RESULTS, exist_ok=True)
+        while todo or running:
+            while todo and len(running) < args.parallel:
+                running.append(start(*todo.pop(0)))
+            done = next((r for r in running if r[3].poll() is not None), None)
+            if done is None:
+                time.sleep(5)
+                continue
+            running.remove(done)
+            a, s_, log, p = done
+            out = p.stdout.read()
+            log.seek(0)
+            err = log.read()
+            line = next((ln for ln in reversed(out.splitlines()) if ln.startswith("{")), None)
+            if line is None:
+                skipped.append({"arm": a, "seq": s_, "reason": "failed: " + " | ".join(err.strip().splitlines()[-3:])})
+                print(f"{a} @ {s_} failed:", err[-2000:], flush=True)
+                continue
+            rows.append(json.loads(line))
+            print(f"{a} @ {s_}: peak {rows[-1]['peak'] / 2**20:.0f} MiB (start {rows[-1]['start'] / 2**20:.0f})", flush=True)
+    else:
+        for arm, seq, n in jobs:
+            print(f"{arm} @ {seq}", flush=True)
+            rows.append(run_arm(arm, seq, n))
+            print(f"  peak {rows[-1]['peak'] / 2**20:.0f} MiB (start {rows[-1]['start'] / 2**20:.0f})", flush=True)
+    fits = []
+    if args.budget:
+        from effpass.config import parse_size
+
+        budget = parse_size(args.budget)
+        for arm in (args.fit_arms or args.arms).split(","):
+            known = {r["seq"]: r["peak"] for r in rows if r["arm"] == arm}
+            lo, hi, n, pts = longest_fitting(arm, budget, known, lambda s: run_arm(arm, s, 1)["peak"],
+                                             max_probes=args.max_probes)
+            fits.append(dict(arm=arm, budget=budget, longest_fitting=lo, shortest_over=hi, probes=n, points=pts))
+            print(f"  {arm}: fits {lo}, not {hi} ({n} probes)", flush=True)
+    head["load_after"] = list(os.getloadavg())
+    head["minutes"] = round((time.perf_counter() - t_start) / 60, 1)
+    # the same loss history: every arm against the hand-built stack's, per length
+    for r in rows:
+        ref = next((x for x in rows if x["seq"] == r["seq"] and x["arm"] == "hand_built"), None)
+        if ref is not None:
+            n = min(len(ref["losses"]), len(r["losses"]))
+            r["loss_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"][:n], ref["losses"][:n]))
+            r["x_hand_built"] = r["peak"] / ref["peak"]
     os.makedirs(RESULTS, exist_ok=True)
     base = os.path.join(RESULTS, f"long_sequence_cpu{args.tag}")
     with open(base + ".json", "w") as f:
-        json.dump({"header": head, "rows": rows}, f, indent=1)
-    md = ["# Long sequences: whole-step peak of full fine-tuning with AdamW (CPU)\n", f"{head}\n",
-          "Llama-shaped (hidden 512, intermediate 1408, 4 layers, vocabulary 32,000), fp32, batch 1, AdamW. "
-          "Peak = live at the step's start + profiler peak of one steady-state step.\n",
-          "| seq | arm | peak | x hand-built | start | step time (s) | losses |", "|---|---|---|---|---|---|---|"]
+        json.dump({"header": head, "args": vars(args), "rows": rows, "not_run": skipped, "fits": fits}, f, indent=1)
+    md = ["# Long sequences: whole-step peak of full fine-tuning with AdamW (CPU)\n",
+          f"Run: `{' '.join(['LOWERING=' + head['lowering_effpass'], 'python'] + sys.argv)}`\n",
+          f"{json.dumps(head)}\n",
+          "Llama-shaped (hidden 512, intermediate 1408, 4 layers, 8 heads / 2 KV heads, vocabulary 32,000), fp32, "
+          "batch 1, AdamW(lr=1e-4). Peak = bytes live at the step's start (weights, AdamW states, batch) + the "
+          "profiler's peak of one steady-state step (forward, backward, opt.step(), zero_grad). Step time: the "
+          "second step (no compile, no profiler); the machine is shared, see the load per arm.\n",
+          "| seq | arm | peak | x hand-built | start | step time (s) | load (1 min) | losses | max rel. diff to hand-built |",
+          "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ref = next((x for x in rows if x["seq"] == r["seq"] and x["arm"] == "hand_built"), None)
-        ratio = f"{r['peak'] / ref['peak']:.2f}x" if ref else "-"
-        md.append(f"| {r['seq']} | {r['arm']} | {r['peak'] / 2**20:.0f} MiB | {ratio} | {r['start'] / 2**20:.0f} MiB | "
-                  f"{r['step_s']:.1f} | {', '.join(f'{x:.6f}' for x in r['losses'])} |")
+        ratio = f"{r['x_hand_built']:.3f}x" if "x_hand_built" in r else "-"
+        st = f"{r['step_s']:.1f}" if r["step_s"] is not None else f"{r['first_step_s']:.1f} (incl. compile)"
+        name = r["arm"] + (f" ({r['plan']})" if r.get("plan") else "")
+        md.append(f"| {r['seq']} | {name} | {r['peak'] / 2**20:.0f} MiB | {ratio} | {r['start'] / 2**20:.0f} MiB | "
+                  f"{st} | {r['load'][0]} | {', '.join(f'{x:.6f}' for x in r['losses'])} | {r.get('loss_rel_diff', 0):.1e} |")
+    for s in skipped:
+        md.append(f"| {s['seq']} | {s['arm']} | - | - | - | - | - | {s['reason']} | - |")
+    if fits:
+        md += ["", f"Longest sequence fitting {args.budget} (measured peaks; multiples of 1,024):", "",
+               "| arm | fits | does not fit | probes | measured points (seq: MiB) |", "|---|---|---|---|---|"]
+        for f_ in fits:
+            pts = ", ".join(f"{k}: {v / 2**20:.0f}" for k, v in f_["points"].items())
+            md.append(f"| {f_['arm']} | {f_['longest_fitting']} | {f_['shortest_over']} | {f_['probes']} | {pts} |")
     with open(base + ".md", "w") as f:
         f.write("\n".join(md) + "\n")
     print("\n".join(md))

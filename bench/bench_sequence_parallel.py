@@ -9,12 +9,16 @@ after the other, in one invocation, so the ratios are measured under one load.
   (``effpass.testing.memory.peak_memory``: torch.profiler's allocator events), plus the bytes of the
   tensors live at its start (parameters); the largest over ranks. Step time: median over ``--steps``.
 * GPU (NCCL; written, not run here: no GPU in this session): the Llama-3.2-1B shape, bf16 autocast,
-  Inductor, ``--seq`` tokens per sequence (default 32768), sp = 1, 2, 4, 8 (as many as there are GPUs);
-  per-GPU ``torch.cuda.max_memory_allocated``, tokens/s and MFU (6 x params x tokens + attention
-  12 x layers x hidden x seq^2 (causal: halved) per step, over the GPU's peak bf16 FLOP/s, ``--peak-tflops``).
+  fused cross-entropy, Inductor, ``--seq`` tokens per sequence (default 32768), arms sp = 1n, 1, 2, 4, 8 (those
+  with at most as many ranks as GPUs), each its own ``torchrun`` job; per-GPU ``torch.cuda.max_memory_allocated``
+  during a warm forward + backward, tokens/s (one sequence per step, shared by the group) and MFU per GPU
+  (6 x params x tokens + attention 12 x layers x hidden x seq^2 (causal: halved) per step, over the world and
+  the GPU's peak bf16 FLOP/s, ``--peak-tflops``, H100 SXM 989 by default). ``--fsdp`` adds FSDP2 over all
+  ranks, ``--attn flash_attention_2`` the flash kernels.
 
     python bench/bench_sequence_parallel.py                     # CPU: writes bench/results/sequence_parallel_cpu.{json,md}
-    python bench/bench_sequence_parallel.py --device cuda       # GPU arm
+    python bench/bench_sequence_parallel.py --device cuda       # GPU arm: launches torchrun per arm itself
+    python bench/bench_sequence_parallel.py --device cuda --seq 131072 --fsdp --sp 1,2,4,8
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def _model(device: str, vocab: int | None = None):
+def _model(device: str, vocab: int | None = None, attn: str = "sdpa"):
     import transformers as tf
 
     if device == "cuda":   # the Llama-3.2-1B shape
@@ -44,7 +48,7 @@ def _model(device: str, vocab: int | None = None):
         cfg = tf.LlamaConfig(vocab_size=vocab or 8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=65536)
     cfg.use_cache = False
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = attn
     return tf.LlamaForCausalLM(cfg), cfg
 
 
@@ -62,7 +66,7 @@ def worker(args) -> None:
     if cuda:
         torch.cuda.set_device(dev)
     torch.manual_seed(0)
-    model, cfg = _model(args.device, args.vocab)
+    model, cfg = _model(args.device, args.vocab, args.attn)
     model.to(dev).train()
     # NOTE: arm "1" runs the pass as a group of one: the same mask handling as the split runs (the pass skips
     # the plain causal S x S mask that Hugging Face materialises under Dynamo), so its ratio is the split's;
@@ -72,6 +76,10 @@ def worker(args) -> None:
         from effpass.passes import ApplyAutocast, FuseCrossEntropy
 
         passes += [ApplyAutocast(dtype=torch.bfloat16), FuseCrossEntropy()]
+    if args.fsdp:
+        from effpass.passes import WrapFSDP
+
+        passes.append(WrapFSDP())
     effpass.compile(model, passes=passes, lowering="inductor" if cuda else "eager")
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (1, args.seq), generator=g).to(dev)
@@ -137,49 +145,46 @@ PREDICT_ROWS = [("8b", 131072, 8, 8), ("8b", 524288, 8, 8), ("70b", 131072, 16, 
 def predict(args) -> None:
     """Per-rank peak predictions (not measurements) for Llama-3-8B/70B shapes at long sequences under
     ``shard_sequence`` + FSDP2 (ZeRO-3 over all ranks), bf16 parameters, AdamW, full activation checkpointing
-    and the fused cross-entropy.
-
-    The planner's sharding fold has no sequence-parallel mode, so one rank is predicted as the planner's
-    one-rank replay (``effpass.planning.estimate_memory``, fake tensors, depth extrapolation) of one sequence of
-    ``tokens / sp`` tokens, SDPA with ``is_causal`` and no mask (what the pass gives plain causal calls) with the zero3 fold over all ranks, plus what a sequence-parallel rank holds whole:
-    the embedding output and its gradient (``2 x tokens x hidden x 2 bytes``, bf16) and the rotary tables.
-    Attention under Ulysses sees all tokens for ``heads / sp`` heads: the same bytes of q/k/v/output and of
-    flash attention's log-sum-exp as ``tokens / sp`` tokens of all heads (what the replay counts); the
-    all-to-all buffers (one q/k/v-sized copy at a time) are not modelled."""
+    and the fused cross-entropy: the planner's own sequence-parallel path
+    (``effpass.planning.sharding.sequence_parallel_replay`` / ``fold_sequence_parallel``, what ``effpass plan
+    --sequence-parallel N`` runs): one rank's step replayed on ``tokens / sp`` tokens with mask-less causal SDPA
+    (what the pass gives plain causal calls), the zero3 fold over all ranks, plus what a rank holds for the whole
+    sequence (embedding output and its gradient, rotary tables, labels) and one attention's all-to-all buffers."""
     import torch
     import transformers as tf
 
     from effpass.passes import CheckpointActivations, FuseCrossEntropy
     from effpass.planning import estimate_memory
+    from effpass.planning.sharding import fold_sequence_parallel, sequence_parallel_replay
 
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    # NOTE: the replay runs one process without the pass; the pass skips the whole causal mask of these plain
-    # calls (SDPA's is_causal), so the replay's SDPA gets no mask either (else Dynamo's S x S mask and the
-    # math kernel's scores would be counted)
-    AttentionInterface.register("effpass_sp_predict", ALL_ATTENTION_FUNCTIONS["sdpa"])
-    AttentionMaskInterface.register("effpass_sp_predict", lambda *a, **k: None)
     rows = []
     for shape, tokens, ranks, sp in PREDICT_ROWS:
         cfg = tf.LlamaConfig(**PREDICT_SHAPES[shape], max_position_embeddings=max(tokens, 8192), use_cache=False,
                              tie_word_embeddings=False)
-        cfg._attn_implementation = "effpass_sp_predict"
+        cfg._attn_implementation = "sdpa"
         with torch.device("meta"):
             model = tf.LlamaForCausalLM(cfg).to(torch.bfloat16)
-        ids = torch.empty((1, tokens // sp), dtype=torch.long, device="meta")
+        ids = torch.empty((1, tokens), dtype=torch.long, device="meta")
         t0 = time.perf_counter()
-        est = estimate_memory(model, {"input_ids": ids, "labels": ids},
-                              passes=[CheckpointActivations(policy="full"), FuseCrossEntropy()], world_size=ranks,
-                              lowering="eager", extrapolate=True)
-        whole = 2 * tokens * cfg.hidden_size * 2 + 2 * tokens * (cfg.hidden_size // cfg.num_attention_heads) * 2
-        per_rank = est.peak_bytes + whole
+        local, restore, terms = sequence_parallel_replay(model, {"input_ids": ids, "labels": ids}, sp)
+        try:
+            one = estimate_memory(model, local, passes=[CheckpointActivations(policy="full"), FuseCrossEntropy()],
+                                  lowering="eager", extrapolate=True)
+        finally:
+            restore()
+        from effpass.planning.estimate import fold_fsdp
+
+        est = fold_sequence_parallel(fold_fsdp(one, ranks, one.largest_unit_bytes), sp, terms)
+        per_rank = est.peak_bytes
         row = {"shape": shape, "tokens": tokens, "ranks": ranks, "sp": sp, "data_parallel": ranks // sp,
-               "replay_peak_bytes": est.peak_bytes, "whole_sequence_bytes": whole, "per_rank_bytes": per_rank,
-               "per_rank_gib": per_rank / 2**30, "fits_80gb": per_rank <= 80e9, "peak_phase": est.peak_phase,
+               "per_rank_bytes": per_rank, "per_rank_gib": per_rank / 2**30, "fits_80gb": per_rank <= 80e9,
+               "start_bytes": est.start_bytes, "peak_phase": one.peak_phase,
                "parameters_per_rank": est.parameters, "optimizer_per_rank": est.optimizer_states,
-               "activations": est.activations, "seconds": time.perf_counter() - t0}
+               "gradients_per_rank": est.gradients, "activations": one.activations,
+               "one_rank_step_peak": one.step_peak_bytes, "one_rank_gradients_at_peak": one.gradients_at_peak,
+               "one_rank_non_gradient_peak": one.non_gradient_peak, "one_rank_phase_peaks": one.phase_peaks,
+               "largest_unit_bytes": one.largest_unit_bytes, "sp_terms": terms,
+               "seconds": time.perf_counter() - t0}
         print(json.dumps(row), flush=True)
         rows.append(row)
         del model
@@ -198,11 +203,14 @@ def predict(args) -> None:
     lines = ["# shard_sequence: per-rank peak PREDICTIONS (planner replay, not measured)", "",
              f"{result['date']}, torch {torch.__version__}, transformers {transformers.__version__}; bf16, AdamW, "
              "FSDP2 over all ranks, full checkpointing, fused cross-entropy, one sequence per data group", "",
-             "| model | tokens | GPUs | sp | data | predicted peak / GPU | fits 80 GB | replay s |", "|---|---|---|---|---|---|---|---|"]
+             "| model | tokens | GPUs | sp | data | predicted peak / GPU | params + AdamW / GPU | gradients / GPU | "
+             "saved activations | fits 80 GB | replay s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| Llama-3-{r['shape'].upper()} shape | {r['tokens']:,} | {r['ranks']} | {r['sp']} | "
-                     f"{r['data_parallel']} | {r['per_rank_gib']:.1f} GiB | {'yes' if r['fits_80gb'] else 'no'} | "
-                     f"{r['seconds']:.0f} |")
+                     f"{r['data_parallel']} | {r['per_rank_gib']:.1f} GiB | "
+                     f"{(r['parameters_per_rank'] + r['optimizer_per_rank']) / 2**30:.1f} GiB | "
+                     f"{r['gradients_per_rank'] / 2**30:.1f} GiB | {r['activations'] / 2**30:.1f} GiB | "
+                     f"{'yes' if r['fits_80gb'] else 'no'} | {r['seconds']:.0f} |")
     with open(os.path.join(HERE, "results", "sequence_parallel_predict.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -219,6 +227,8 @@ def main():
     ap.add_argument("--tag", default="")
     ap.add_argument("--no-pass-at-1", action="store_true", help="sp=1 without the pass (Hugging Face's own masks)")
     ap.add_argument("--vocab", type=int, default=None, help="CPU model's vocabulary (default 8192)")
+    ap.add_argument("--fsdp", action="store_true", help="also shard parameters with FSDP2 (wrap_fsdp) over all ranks")
+    ap.add_argument("--attn", default="sdpa", help="attn_implementation (sdpa, flash_attention_2, eager)")
     ap.add_argument("--predict", action="store_true", help="per-rank predictions for 8B/70B shapes (planner replay)")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--out", default=None)
@@ -247,6 +257,7 @@ def main():
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(sp).rstrip("n"),
                os.path.abspath(__file__), "--worker", "--device", args.device, "--seq", str(args.seq),
                "--steps", str(args.steps), *(["--vocab", str(args.vocab)] if args.vocab else []),
+               *(["--fsdp"] if args.fsdp else []), "--attn", args.attn,
                *(["--no-pass-at-1"] if nopass else []), "--peak-tflops", str(args.peak_tflops), "--out", out]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": ROOT}
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)

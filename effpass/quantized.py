@@ -15,12 +15,14 @@ functions and never imports the pass that made the weight:
 """
 from __future__ import annotations
 
+import contextlib as _contextlib
+import logging as _logging
 from typing import Callable, Iterable, Optional
 
 import torch
 
 __all__ = ["register_quantized_format", "is_quantized", "dequantize", "storage_bytes", "inner_tensors",
-           "quantized_formats"]
+           "quantized_formats", "quiet_torchao_import"]
 
 _FORMATS: dict[type, Callable[[torch.Tensor, Optional[torch.dtype]], torch.Tensor]] = {}
 
@@ -113,3 +115,32 @@ def storage_bytes(tensors: torch.Tensor | Iterable, seen: Optional[set] = None) 
             seen.add(key)
             total += n
     return total
+
+
+# ------------------------------------------------------------------------------------------------------
+# importing torchao quietly (passes import it lazily, when they need it)
+# ------------------------------------------------------------------------------------------------------
+class _KnownImportNoise(_logging.Filter):
+    """Drops the two known messages torchao's import logs on a CPU build: its CUDA-only extension
+    libraries failing to load (``Failed to load .../_C_*.so``) and torch's deprecation of pytree
+    ``register_constant`` on Enum classes, which torchao calls. Everything else passes."""
+
+    def filter(self, record: _logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        if msg.startswith("Failed to load") and "_C" in msg and ".so" in msg:
+            return False
+        return "is an Enum subclass and is now natively supported" not in msg
+
+
+@_contextlib.contextmanager
+def quiet_torchao_import():
+    """Import torchao inside this context to keep its known import-time noise off stderr."""
+    f = _KnownImportNoise()
+    loggers = [_logging.getLogger("torchao"), _logging.getLogger("torch.utils._pytree")]
+    for lg in loggers:
+        lg.addFilter(f)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(f)

@@ -6,7 +6,10 @@ import effpass
 
 
 def _adamw8bit(params, lr=1e-3, device=None):
-    from torchao.optim import AdamW8bit
+    from effpass.quantized import quiet_torchao_import
+
+    with quiet_torchao_import():
+        from torchao.optim import AdamW8bit
 
     return AdamW8bit(params, lr=lr)
 

@@ -24,39 +24,15 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-import contextlib
+
 import hashlib
-import logging
+
 
 import torch
 import torch.nn.functional as F
 
 
-class _KnownImportNoise(logging.Filter):
-    """Drops the two known messages torchao's import logs on a CPU build: its CUDA-only extension
-    libraries failing to load (``Failed to load .../_C_*.so``) and torch's deprecation of pytree
-    ``register_constant`` on Enum classes, which torchao calls. Everything else passes."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = str(record.msg)
-        if msg.startswith("Failed to load") and "_C" in msg and ".so" in msg:
-            return False
-        return "is an Enum subclass and is now natively supported" not in msg
-
-
-@contextlib.contextmanager
-def quiet_torchao_import():
-    """Import torchao inside this context to keep its known import-time noise off stderr."""
-    f = _KnownImportNoise()
-    loggers = [logging.getLogger("torchao"), logging.getLogger("torch.utils._pytree")]
-    for lg in loggers:
-        lg.addFilter(f)
-    try:
-        yield
-    finally:
-        for lg in loggers:
-            lg.removeFilter(f)
-
+from effpass.quantized import quiet_torchao_import  # noqa: E402
 
 with quiet_torchao_import():
     from torchao.quantization.granularity import PerRow

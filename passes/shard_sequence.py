@@ -43,8 +43,10 @@ Invariants and limits
     * Causal-LM losses (``...ForCausalLM`` whose ``forward`` hands ``**kwargs`` to ``self.loss_function``);
       other heads are refused when called with labels.
     * The returned ``logits`` are this rank's tokens only ``(B, S/n, V)``.
-    * Heads must split evenly over the group; torch's ring ``context_parallel`` is not used as a fallback
-      (it needs CUDA SDPA kernels), so uneven heads raise naming the valid sizes.
+    * Heads the group does not split: torch's ring ``context_parallel`` (its DTensor SDPA handlers) where the
+      installed torch serves the attention (feature-tested: CUDA SDPA kernels, ``sdpa``, plain causal calls;
+      keys and values rotate, no all-to-all); else an error naming why and the valid sizes, or
+      ``uneven_heads="pad"``.
     * Models with sequence mixers other than attention (convolutions or recurrences over the sequence:
       Mamba, linear attention, gated DeltaNet) are refused: an all-to-all around attention cannot serve them.
 """
@@ -138,6 +140,8 @@ def _sp_attention(module, query, key, value, attention_mask, **kwargs):
     if sp is None:
         raise RuntimeError(f"shard_sequence: attention module {type(module).__name__} was not prepared by the pass")
     state, inner, kv_rep, pad = sp
+    if inner is None:                     # ring fallback (heads the group cannot split)
+        return _ring_attention(module, query, key, value, attention_mask, **kwargs)
     n, group = state.size, state.group
     if kv_rep > 1:
         key, value = key.repeat_interleave(kv_rep, dim=1), value.repeat_interleave(kv_rep, dim=1)
@@ -315,15 +319,118 @@ def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module, Any]]:
     return out
 
 
-def _ring_note() -> str:
-    """What torch's ring attention (``context_parallel``) could do here (feature-tested)."""
-    try:
-        from torch.distributed.tensor.experimental import context_parallel  # noqa: F401
-    except ImportError:
-        return "this torch has no torch.distributed.tensor.experimental.context_parallel"
-    return ("this torch has torch.distributed.tensor.experimental.context_parallel, but it shards only CUDA SDPA "
-            "flash/efficient/cuDNN calls (no CPU, no custom masks such as packed or sliding-window ones) and "
-            "needs the buffers sharded outside the model; it is not wired into this pass")
+#: modules of torch's ring attention (context parallelism), newest first; feature-tested, not version-tested
+_RING_MODULES = ("torch.distributed.tensor.experimental._context_parallel._attention",
+                 "torch.distributed.tensor.experimental._attention")
+#: the SDPA kernels torch's ring handlers must serve for a device type (forward and backward)
+_RING_KERNELS = {"cuda": (("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"),
+                          ("_scaled_dot_product_efficient_attention",
+                           "_scaled_dot_product_efficient_attention_backward"),
+                          ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward")),
+                 "cpu": (("_scaled_dot_product_flash_attention_for_cpu",
+                          "_scaled_dot_product_flash_attention_for_cpu_backward"),)}
+
+
+def _ring_machinery():
+    """torch's ring attention dispatcher, if this torch has one: ``(module, served aten op names)`` or
+    ``(None, why not)``. What is tested is what the pass uses: the DTensor SDPA handlers (``custom_ops``), the
+    switch that installs them (``_enable_context_parallel_dispatcher``) and the load-balance option."""
+    import importlib
+
+    for name in _RING_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        handlers = getattr(mod, "custom_ops", None)
+        opts = getattr(mod, "_cp_options", None)
+        if (isinstance(handlers, dict) and callable(getattr(mod, "_enable_context_parallel_dispatcher", None))
+                and hasattr(opts, "enable_load_balance")):
+            return mod, {str(getattr(op, "__name__", op)).split(".")[0] for op in handlers}
+    return None, ("this torch has no ring-attention dispatcher (torch.distributed.tensor.experimental context "
+                  "parallelism with DTensor SDPA handlers)")
+
+
+def ring_support(device_type: str, attn_implementation: str, config=None) -> str | None:
+    """Why torch's ring ``context_parallel`` cannot serve this attention here, or None when it can.
+
+    Feature-tested on the installed torch: its DTensor SDPA handlers must cover the SDPA kernels of
+    ``device_type`` (forward and backward); the attention must be torch's ``scaled_dot_product_attention``
+    (``attn_implementation="sdpa"``: flash_attention_2 and eager attention never reach those handlers), and
+    plain causal (ring attention shards keys and values by position: no sliding windows, no chunked layers)."""
+    mod, served = _ring_machinery()
+    if mod is None:
+        return served
+    kernels = _RING_KERNELS.get(device_type, ())
+    if not any(all(k in served for k in pair) for pair in kernels):
+        have = sorted(k for k in served if not k.endswith("_backward"))
+        return (f"torch's context_parallel (ring) serves SDPA only through the kernels {have}; the sequence group is "
+                f"on {device_type!r}, whose SDPA kernel ({', '.join(p[0] for p in kernels) or 'none known'}) it has "
+                f"no handler for" + (" (on CPU it raises NotImplementedError: no sharding strategy for "
+                                     "aten._scaled_dot_product_flash_attention_for_cpu)" if device_type == "cpu" else ""))
+    base = attn_implementation.removeprefix("effpass_sp_")
+    if base != "sdpa":
+        return (f"torch's context_parallel (ring) intercepts torch's scaled_dot_product_attention only; the model's "
+                f"attn_implementation is {base!r} (load it with attn_implementation='sdpa')")
+    if config is not None:
+        kinds = {k for k in (getattr(config, "layer_types", None) or []) if isinstance(k, str)}
+        window = getattr(config, "sliding_window", None)
+        if kinds - {"full_attention"} or (not kinds and window and getattr(config, "use_sliding_window", True)):
+            return (f"torch's context_parallel (ring) serves plain causal attention only; this model has "
+                    f"{'layer types ' + str(sorted(kinds)) if kinds - {'full_attention'} else f'sliding_window={window}'}")
+    return None
+
+
+def _ring_note(device_type: str, impl: str, cfg) -> str:
+    why = ring_support(device_type, impl, cfg)
+    return why or "torch's context_parallel (ring) could serve it: ShardSequence(uneven_heads='ring')"
+
+
+def _enable_ring() -> None:
+    """Install torch's ring SDPA handlers for DTensors (what its context_parallel module-wrapper mode does),
+    with load balancing off: the pass keeps contiguous token chunks (rank r holds tokens r*S/n .. (r+1)*S/n)."""
+    mod, _ = _ring_machinery()
+    mod._enable_context_parallel_dispatcher()
+    mod._cp_options.enable_load_balance = False
+
+
+#: keyword arguments of the attention call the ring fallback cannot honour when not None/False
+_RING_REFUSED_KWARGS = ("sliding_window", "softcap", "s_aux", "sinks", "position_bias")
+
+
+@torch.compiler.disable
+def _ring_sdpa(query, key, value, mesh, dropout: float, scale):
+    """torch's ring attention over the sequence group: q/k/v are this rank's contiguous token chunk
+    ``(B, H, S/n, D)``, wrapped as DTensors sharded on the sequence; SDPA on them dispatches to torch's ring
+    handlers (forward, and backward through autograd). Runs eagerly (a graph break under Dynamo): tracing
+    DTensor's context-parallel handlers is not verified here."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    q, k, v = (DTensor.from_local(t.contiguous(), mesh, [Shard(2)], run_check=False) for t in (query, key, value))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scale)
+    return out.to_local()
+
+
+def _ring_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """The registered attention function in ring mode: no all-to-all; each rank keeps its tokens and all heads,
+    torch's ring attention rotates keys and values around the group."""
+    state = module._effpass_sp_attn[0]
+    if attention_mask is not None or not state.plain_causal:
+        raise ValueError(
+            "shard_sequence (ring fallback for heads the group cannot split): torch's context_parallel serves plain "
+            "causal attention only, and this call has "
+            + ("an attention mask" if attention_mask is not None else "attention_mask or position_ids (padding or "
+               "packing)") + "; call the model with input_ids and labels only, or use a group size that divides "
+            "the heads, or ShardSequence(uneven_heads='pad')")
+    bad = [k for k in _RING_REFUSED_KWARGS if kwargs.get(k) not in (None, False)]
+    if bad:
+        raise ValueError(f"shard_sequence (ring fallback): the attention call passes {bad}, which torch's "
+                         "context_parallel SDPA does not serve")
+    if key.shape[1] != query.shape[1]:          # GQA: one key/value head per query head (no enable_gqa in the ring)
+        rep = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    out = _ring_sdpa(query, key, value, state.mesh[state.mesh_dim], dropout, scaling)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _kv_replication(heads: int, kv_heads: int, n: int) -> int:
@@ -362,15 +469,17 @@ class ShardSequence(effpass.Pass):
         "doc": "average each gradient over the mesh after backward (default: unless wrap_fsdp is in the "
                "pipeline, whose reduce-scatter over all ranks does it)"})
 
-    uneven_heads: str = field(default="error", metadata={
-        "doc": "heads the group size does not divide: 'error' (names the valid sizes) or 'pad' (zero heads up to a "
-               "multiple of the group; exact, more attention compute)"})
+    uneven_heads: str = field(default="ring", metadata={
+        "doc": "heads the group size does not divide: 'ring' (torch's ring context_parallel where the installed "
+               "torch serves the attention: CUDA SDPA, plain causal; else an error naming why and the valid sizes), "
+               "'error' (names the valid sizes) or 'pad' (zero heads up to a multiple of the group; exact, more "
+               "attention compute)"})
 
     summary = "Ulysses sequence parallelism: each rank keeps 1/n of the tokens, all-to-all around attention"
 
     def validate(self) -> None:
-        if self.uneven_heads not in ("error", "pad"):
-            raise ValueError(f"shard_sequence: uneven_heads={self.uneven_heads!r}; valid: 'error', 'pad'")
+        if self.uneven_heads not in ("ring", "error", "pad"):
+            raise ValueError(f"shard_sequence: uneven_heads={self.uneven_heads!r}; valid: 'ring', 'error', 'pad'")
         if self.size < 0:
             raise ValueError(f"shard_sequence: size must be >= 1 (or 0 for the whole world), got {self.size}")
 
@@ -424,17 +533,23 @@ class ShardSequence(effpass.Pass):
             raise ValueError(f"shard_sequence: the config {type(cfg).__name__} has no num_attention_heads")
         if heads % kv_heads:
             raise ValueError(f"shard_sequence: {heads} heads are not a multiple of {kv_heads} key/value heads")
-        pad = 0
+        pad, ring = 0, False
         if heads % n:
-            if self.uneven_heads != "pad":
+            why_not_ring = ring_support(mesh.device_type, impl, cfg) if self.uneven_heads == "ring" else None
+            if self.uneven_heads == "error" or (self.uneven_heads == "ring" and why_not_ring):
                 raise ValueError(
                     f"shard_sequence: {heads} attention heads ({kv_heads} key/value heads) cannot be split over {n} "
                     f"ranks; valid sequence-parallel sizes for this model: "
                     f"{[d for d in range(1, heads + 1) if heads % d == 0]}, or ShardSequence(uneven_heads='pad') "
                     f"(zero heads up to {-(-heads // n) * n}: exact, {(-(-heads // n) * n) / heads:.2f}x the attention "
-                    f"compute). torch's ring context_parallel is not a fallback here: {_ring_note()}")
-            pad = -heads % n
-            kv_rep = heads // kv_heads          # key/value expanded to one per query head, then padded too
+                    f"compute). Ring fallback (uneven_heads='ring'): "
+                    f"{why_not_ring or _ring_note(mesh.device_type, impl, cfg)}")
+            if self.uneven_heads == "ring":
+                ring, kv_rep = True, 1
+                _enable_ring()
+            else:
+                pad = -heads % n
+                kv_rep = heads // kv_heads          # key/value expanded to one per query head, then padded too
         else:
             kv_rep = _kv_replication(heads, kv_heads, n)
 
@@ -452,7 +567,7 @@ class ShardSequence(effpass.Pass):
         elif base in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
             AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[base])
         for _, mod, eager in attns:
-            inner = eager if base == "eager" else ALL_ATTENTION_FUNCTIONS[base]
+            inner = None if ring else eager if base == "eager" else ALL_ATTENTION_FUNCTIONS[base]
             mod._effpass_sp_attn = (state, inner, kv_rep, pad)
             if kv_rep > 1 and hasattr(mod, "num_key_value_groups"):
                 mod.num_key_value_groups = mod.num_key_value_groups // kv_rep
@@ -479,6 +594,7 @@ class ShardSequence(effpass.Pass):
         return effpass.PassResult(changed=True, stats={
             "size": n, "rank": state.rank, "data_parallel": mesh.size() // n, "attention_modules": len(attns),
             "blocks": len(blocks), "kv_replication": kv_rep, "padded_heads": pad, "attn_implementation": name,
+            "attention": "ring" if ring else "ulysses",
             "gradient_hooks": grad_hooks})
 
 

@@ -41,6 +41,9 @@ case "$cmd" in
         echo "effpass: chromium not found (apt-get install chromium); the HTML report's browser checks will skip" >&2
       fi
     fi
-    exec "$VENV/bin/python" -m pytest -q -rs -n "${EFFPASS_TEST_WORKERS:-2}" -p no:cacheprovider "$@" tests ;;
+    # --dist loadgroup: tests marked xdist_group(NAME) share one worker (and its module fixtures: one launch of
+    # ranks or one preloaded process serves several tests); the rest go one at a time to whichever worker is
+    # free, the longest first (tests/conftest.py LONG_FIRST).
+    exec "$VENV/bin/python" -m pytest -q -rs -n "${EFFPASS_TEST_WORKERS:-2}" --dist loadgroup -p no:cacheprovider "$@" tests ;;
   *) echo "usage: bash scripts/dev.sh demo|test [args]" >&2; exit 2 ;;
 esac

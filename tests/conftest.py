@@ -12,7 +12,26 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+# The longest tests (multi-process launches, mostly; see a CI run's --durations) start first, so that the two
+# workers do not end on one of them while the other idles (xdist hands out work in collection order).
+LONG_FIRST = (
+    "test_shard_sequence.py::test_shard_sequence_two_ranks_equal_one_process",
+    "test_wrap_fsdp.py::test_wrap_fsdp_killed_rank_relaunch_reaches_uninterrupted_weights",
+    "test_shard_sequence.py::test_shard_sequence_with_fsdp_killed_rank_resumes_to_the_same_weights",
+    "test_accelerate_fsdp2.py::",
+    "test_backend.py::test_second_process_hits_the_caches_with_identical_results_and_stats",
+    "test_wrap_fsdp.py::test_wrap_fsdp_four_ranks_hybrid_mesh",
+    "test_shard_sequence.py::test_shard_sequence_data2_x_sequence2_equals_one_process",
+    "test_memory_options.py::test_llama_3_8b_qlora_parameter_bytes_equal_the_analytic_count",
+    "test_memory_timeline.py::test_plan_command_writes_html_and_snapshot",
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        return next((i for i, key in enumerate(LONG_FIRST) if key in item.nodeid), len(LONG_FIRST))
+
+    items.sort(key=rank)  # stable: the rest keeps its order
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -24,6 +24,26 @@ def test_import_effpass_is_silent_and_loads_no_torchao():
     assert r.stdout == "" and r.stderr == ""
 
 
+def test_import_of_the_passes_is_silent_and_loads_no_torchao_or_trainer_stack():
+    """The built-in passes import torchao (quietly) and the Trainer stack only when a pass or the Trainer
+    callback needs them; the callback still subclasses ``transformers.TrainerCallback``."""
+    r = _run("import sys, effpass, effpass.passes\n"
+             "from effpass.passes import QuantizeLinear, InjectLoRA, StepInBackward, FuseCrossEntropy\n"
+             "heavy = [m for m in ('torchao', 'transformers', 'peft', 'trl') if m in sys.modules]\n"
+             "assert not heavy, f'loaded at import: {heavy}'\n"
+             "from effpass.passes.step_in_backward import SUPPORTED\n"
+             "assert 'torchao' in sys.modules and any(c.__name__ == '_AdamBase' for c in SUPPORTED), SUPPORTED\n"
+             "import torch\n"
+             "assert effpass.quantized.storage_bytes([torch.zeros(2)]) == 8\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "" and r.stderr == "", r.stderr  # torchao's import noise on a CPU build is filtered
+    r = _run("import sys, effpass.integrations.huggingface as hf\n"
+             "assert 'transformers' not in sys.modules\n"
+             "import transformers\n"
+             "assert issubclass(hf.EffpassCallback, transformers.TrainerCallback)\n")
+    assert r.returncode == 0, r.stderr
+
+
 def test_public_names_resolve_lazily_and_report_stays_the_function():
     r = _run("import effpass, effpass.report\n"
              "import effpass.passes  # noqa\n"

@@ -33,17 +33,30 @@ def test_normalize_dynamo_module_paths():
 
 
 def test_globs_select_modules_on_llama():
+    # five scopes of the same counting pass, registered under five names, in one compile (each pass is scoped
+    # by its own targets/exclude; one Dynamo trace of the 3-layer Llama instead of five)
+    from _helpers import CountLinears
+
+    scopes = {"count_linears": {}, "count_linears_q": {"targets": ["*.q_proj"]},
+              "count_linears_ranged": {"targets": ["model.layers.[0-1].*"]},
+              "count_linears_block": {"targets": ["model.layers.2"]},
+              "count_linears_excl": {"exclude": ["lm_head", "*.mlp.*"]}}
+    for name in scopes:
+        if name != "count_linears":
+            effpass.register_pass(name)(type(f"CountLinears_{name}", (CountLinears,), {}))
     case = model_case("llama", layers=3)
-    all_paths = _linear_paths(case)
+    res = compile_and_compare(case, [effpass.make_pass(n, o) for n, o in scopes.items()], backward=False)
+    paths = {n: res.report.stats(n)["paths"] for n in scopes}
+    all_paths = paths["count_linears"]
     assert len(all_paths) == 7 * 3 + 1
-    q = _linear_paths(model_case("llama", layers=3), targets=["*.q_proj"])
+    q = paths["count_linears_q"]
     assert q == [f"model.layers.{i}.self_attn.q_proj" for i in range(3)]
-    ranged = _linear_paths(model_case("llama", layers=3), targets=["model.layers.[0-1].*"])
+    ranged = paths["count_linears_ranged"]
     assert {p.split(".")[2] for p in ranged} == {"0", "1"} and len(ranged) == 14
     # a glob on an enclosing module covers everything inside it
-    block = _linear_paths(model_case("llama", layers=3), targets=["model.layers.2"])
+    block = paths["count_linears_block"]
     assert len(block) == 7 and all(p.startswith("model.layers.2.") for p in block)
-    excl = _linear_paths(model_case("llama", layers=3), exclude=["lm_head", "*.mlp.*"])
+    excl = paths["count_linears_excl"]
     assert len(excl) == 4 * 3 and "lm_head" not in excl
 
 

@@ -244,7 +244,7 @@ def record_backward():
     effpass.registered_passes()
     saved = dict(_REGISTRY)
     effpass.register_pass("record_backward", run_after=("step_in_backward",))(
-        dataclasses.dataclass(frozen=True, kw_only=True)(_RecordBackward))
+        dataclasses.dataclass(frozen=True, kw_only=True)(type("_RecordBackward", (_RecordBackward,), {})))
     _BACKWARDS.clear()
     yield _REGISTRY["record_backward"]
     _REGISTRY.clear()
@@ -370,3 +370,58 @@ def test_parameter_in_two_graphs_stepped_by_the_usual_step():
         if use:
             assert effpass.report(m).stats("step_in_backward", "torch_ir")["shared_parameters"] == 2
     assert all(torch.equal(runs[False][k], runs[True][k]) for k in runs[False])
+
+
+_STEPS: list = []
+
+
+class _RecordSteps(effpass.Pass):
+    """Test pass: the step ops of each backward graph."""
+
+    def transform_post_grad(self, gm, ctx):
+        if ctx.graph_kind == "backward":
+            _STEPS.extend(n for n in gm.graph.nodes if n.target is torch.ops.effpass.step_parameter.default)
+        return effpass.PassResult(False, {})
+
+
+def test_with_tiles_the_step_holds_no_value_of_the_backward():
+    """tile_sequence + step_in_backward: the step op waits for empty tokens of the parameter's backward reads,
+    not for the reads themselves (which would keep every tile's reads of a weight alive until its whole gradient
+    is complete: measured 844 against 826 MiB at 8,192 tokens before). Oracles: structural (every operand of a
+    step op other than the parameter and its gradient holds 0 elements; tiles exist) and numerical (parameters
+    bit-identical to the usual step after two steps, eager lowering)."""
+    import dataclasses
+
+    from effpass.pass_api import _REGISTRY
+    from effpass.passes import TileSequence
+
+    case = model_case("llama", batch=1, seq=32)
+    case.model.train()
+    effpass.registered_passes()
+    saved = dict(_REGISTRY)
+    record = effpass.register_pass("record_steps", run_after=("step_in_backward",))(
+        dataclasses.dataclass(frozen=True, kw_only=True)(_RecordSteps))
+    _STEPS.clear()
+    params = {}
+    try:
+        for use in (False, True):
+            torch.manual_seed(0)
+            passes = [TileSequence(tile_rows=8), record()] + ([StepInBackward()] if use else [])
+            m = effpass.compile(copy.deepcopy(case.model), passes=passes, lowering="eager")
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False)
+            attach(opt)
+            for _ in range(2):
+                case.loss(m(**case.inputs)).backward()
+                opt.step()
+                opt.zero_grad()
+            assert effpass.report(m).stats("tile_sequence")["regions"] >= 1
+            params[use] = _params(m)
+    finally:
+        _REGISTRY.clear()
+        _REGISTRY.update(saved)
+    seen = list(_STEPS)
+    assert seen and all(isinstance(a, torch.fx.Node) for s in seen for a in s.args[2])
+    after = [a for s in seen for a in s.args[2]]
+    assert after, "no step op waits for a read of its parameter (the oracle could not fail)"
+    assert all(a.meta["val"].numel() == 0 for a in after), [(a.name, tuple(a.meta["val"].shape)) for a in after]
+    assert all(torch.equal(params[False][k], params[True][k]) for k in params[False])

@@ -180,3 +180,42 @@ def test_quantized_base_with_lora_composes():
     assert abs(l0 - l1) <= 1e-6 * abs(l0)
     assert max(_rel(g1[n], g0[n]) for n in g0) <= 1e-6
     assert effpass.report(tiled).stats("tile_sequence")["regions"] == case.num_layers
+
+
+def test_packed_rows_with_a_symbolic_length_are_left_alone_with_the_reason():
+    """pack_sequences marks the packed length dynamic: tiles cut at fixed offsets would need a fixed length, so
+    the pass leaves those regions alone and says why. Oracles: numerical (loss and gradients equal the same
+    pipeline without tile_sequence, over two packed lengths, one compiled graph) and structural (no region tiled,
+    the skip reason names the symbolic rows; the same model with a fixed length is tiled: the oracle can fail)."""
+    import transformers as tf
+
+    from effpass.passes import PackSequences
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg._attn_implementation = "sdpa"
+    model = tf.LlamaForCausalLM(cfg).train()
+
+    def packed(lens, seed):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(1, 128, (1, sum(lens)), generator=g)
+        return dict(input_ids=ids, position_ids=torch.cat([torch.arange(n) for n in lens])[None], labels=ids)
+
+    base = [FuseAttention(), PackSequences()]
+    torch._dynamo.reset()
+    ref = effpass.compile(copy.deepcopy(model), passes=base, lowering="eager")
+    tiled = effpass.compile(copy.deepcopy(model), passes=base + [TileSequence(tile_rows=8)], lowering="eager")
+    for lens, seed in (([9, 13, 10], 1),):  # 32 packed rows: 4 tiles of 8 if the length were static
+        l0, g0 = _grads(ref, packed(lens, seed), lambda o: o.loss)
+        l1, g1 = _grads(tiled, packed(lens, seed), lambda o: o.loss)
+        assert abs(l0 - l1) <= 1e-6 * abs(l0) and g0.keys() == g1.keys()
+        assert max(_rel(g1[n], g0[n]) for n in g0) <= 1e-6
+    recs = [r for r in effpass.report(tiled).records("tile_sequence") if r.phase == "torch_ir"]
+    assert recs and not any(r.stats.get("regions") for r in recs), [r.stats for r in recs]
+    assert any("symbolic rows" in s["reason"] for r in recs for s in r.skipped), [r.skipped for r in recs]
+    assert effpass.report(tiled).stats("pack_sequences")["length_marked_dynamic"] == 1
+    # control: a fixed length (no packing) is tiled
+    static = effpass.compile(copy.deepcopy(model), passes=[FuseAttention(), TileSequence(tile_rows=8)], lowering="eager")
+    static(**packed([32], 3)).loss.backward()
+    assert effpass.report(static).stats("tile_sequence")["regions"] >= cfg.num_hidden_layers

@@ -271,6 +271,59 @@ def scenario_fused_head(rank, world, out_dir):
 
 SCENARIOS = {"fused_head": scenario_fused_head, "train": scenario_train, "passes": scenario_passes, "inductor": scenario_inductor,
              "hsdp": scenario_hsdp}
+#: the 2-rank scenarios and the tests that read them: one spawn runs all that the session selected (process
+#: start, imports and the process group cost more than most scenarios), each writing its own result files
+TWO_RANK_TESTS = {"test_wrap_fsdp_two_ranks_match_one_process_and_resume_exactly": "train",
+                  "test_wrap_fsdp_other_passes_act_inside_sharded_units": "passes",
+                  "test_wrap_fsdp_fuses_the_sharded_head_and_loss": "fused_head",
+                  "test_wrap_fsdp_inductor_lowering_matches_one_process": "inductor"}
+
+
+def scenario_many(rank, world, out_dir):
+    """Runs the scenarios named in ``out_dir/scenarios`` one after the other, each from a reset Dynamo."""
+    with open(os.path.join(out_dir, "scenarios")) as f:
+        names = f.read().split()
+    for name in names:
+        torch._dynamo.reset()
+        sub = os.path.join(out_dir, name)
+        os.makedirs(sub, exist_ok=True)
+        result = SCENARIOS[name](rank, world, sub)
+        torch.save(result, os.path.join(sub, f"rank{rank}.pt"))
+        dist.barrier()
+    return {"ran": names}
+
+
+SCENARIOS["many"] = scenario_many
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(request, tmp_path_factory):
+    """Spawns 2 ranks once for every selected 2-rank test; returns ``scenario -> [rank results]`` (a scenario
+    that raised, or never ran because an earlier one raised, maps to the exception)."""
+    selected = {item.originalname for item in request.session.items if item.module is request.module}
+    names = [s for t, s in TWO_RANK_TESTS.items() if t in selected]
+    tmp = tmp_path_factory.mktemp("fsdp2ranks")
+    (tmp / "scenarios").write_text(" ".join(names))
+    error = None
+    try:
+        spawn("many", 2, tmp)
+    except Exception as e:  # noqa: BLE001  (reported by each test whose scenario has no result)
+        error = e
+    runs = {}
+    for name in names:
+        files = [tmp / name / f"rank{r}.pt" for r in range(2)]
+        if all(f.exists() for f in files):
+            runs[name] = [torch.load(f, weights_only=False) for f in files]
+        else:
+            runs[name] = error or RuntimeError(f"scenario {name!r} wrote no results")
+    return runs
+
+
+def _two_rank_results(runs, name):
+    r = runs[name]
+    if isinstance(r, BaseException):
+        raise r
+    return r
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -281,8 +334,9 @@ def _assert_matches_reference(res, atol=1e-6):
         torch.testing.assert_close(res["final"][n], ref, atol=atol, rtol=1e-5, msg=lambda m: f"{n}: {m}")
 
 
-def test_wrap_fsdp_two_ranks_match_one_process_and_resume_exactly(tmp_path):
-    results = spawn("train", 2, tmp_path)
+@pytest.mark.xdist_group("wrap_fsdp_2ranks")
+def test_wrap_fsdp_two_ranks_match_one_process_and_resume_exactly(two_rank_runs):
+    results = _two_rank_results(two_rank_runs, "train")
     for r in results:
         # numerical oracle: 2 ranks on half batches == 1 process on the full batch (fp32)
         _assert_matches_reference(r, atol=1e-6)
@@ -311,9 +365,10 @@ def test_wrap_fsdp_two_ranks_match_one_process_and_resume_exactly(tmp_path):
     assert max(abs(a - b) for a, b in zip(mean, results[0]["ref_losses"])) < 1e-6, (mean, results[0]["ref_losses"])
 
 
-def test_wrap_fsdp_other_passes_act_inside_sharded_units(tmp_path):
+@pytest.mark.xdist_group("wrap_fsdp_2ranks")
+def test_wrap_fsdp_other_passes_act_inside_sharded_units(two_rank_runs):
     others = [p.name for p in _other_passes()]
-    results = spawn("passes", 2, tmp_path)
+    results = _two_rank_results(two_rank_runs, "passes")
     for r in results:
         assert not r["failures"], r["failures"]
         assert set(others) <= set(r["passes"]), (others, r["passes"])  # every other pass was in the pipeline
@@ -338,8 +393,9 @@ def test_wrap_fsdp_other_passes_act_inside_sharded_units(tmp_path):
         assert all(math.isfinite(x) for x in r["losses"]), r["losses"]  # no NaN and no inf
 
 
-def test_wrap_fsdp_fuses_the_sharded_head_and_loss(tmp_path):
-    results = spawn("fused_head", 2, tmp_path)
+@pytest.mark.xdist_group("wrap_fsdp_2ranks")
+def test_wrap_fsdp_fuses_the_sharded_head_and_loss(two_rank_runs):
+    results = _two_rank_results(two_rank_runs, "fused_head")
     for r in results:
         # numerical oracle: the mean of the 2 ranks' gradients (FSDP's reduce-scatter) equals one process's
         # unfused eager gradients on the full batch; the ranks' mean loss its loss
@@ -402,10 +458,11 @@ def test_wrap_fsdp_fuses_a_tied_sharded_head_at_world_size_1(tmp_path):
     assert s["compiled_root"] == 1 and s["root_boundary"] == "transformer" and s["world_size"] == 1, s
 
 
+@pytest.mark.xdist_group("wrap_fsdp_2ranks")
 @pytest.mark.inductor
 @pytest.mark.slow
-def test_wrap_fsdp_inductor_lowering_matches_one_process(tmp_path):
-    for r in spawn("inductor", 2, tmp_path):
+def test_wrap_fsdp_inductor_lowering_matches_one_process(two_rank_runs):
+    for r in _two_rank_results(two_rank_runs, "inductor"):
         _assert_matches_reference(r, atol=1e-5)
         assert r["fsdp_stats"]["compiled_units"] == 2 and r["fsdp_stats"]["reshard_after_forward"] is False
 

@@ -322,15 +322,7 @@ def _check_calling_trainer(model) -> None:
 # ------------------------------------------------------------------------------------------------------
 # a Trainer callback: compile the Trainer's model with effpass (one line)
 # ------------------------------------------------------------------------------------------------------
-def _callback_base():
-    try:
-        from transformers import TrainerCallback
-    except Exception:  # pragma: no cover - transformers is optional
-        return object
-    return TrainerCallback
-
-
-class EffpassCallback(_callback_base()):
+class _EffpassCallbackMethods:
     """``Trainer(..., callbacks=[EffpassCallback(passes=[...], **compile_options)])``: compiles the
     Trainer's model with ``effpass.compile`` when the Trainer is built (before its optimizer exists, so
     module-level passes such as ``inject_lora`` can add parameters), checks the arguments, and keeps the
@@ -360,3 +352,19 @@ class EffpassCallback(_callback_base()):
         if model is not None and is_effpass_compiled(model):
             self.report = effpass.report(model)
         return control
+
+
+def __getattr__(name: str):
+    """``EffpassCallback`` subclasses ``transformers.TrainerCallback``, built on first use: importing the
+    Trainer stack (transformers' trainer utilities, peft) costs seconds, and this module is imported by
+    passes that only need :func:`set_hf_loss_type`."""
+    if name != "EffpassCallback":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        from transformers import TrainerCallback
+    except Exception:  # pragma: no cover - transformers is optional
+        TrainerCallback = object
+    cls = type("EffpassCallback", (_EffpassCallbackMethods, TrainerCallback),
+               {"__doc__": _EffpassCallbackMethods.__doc__, "__module__": __name__})
+    globals()["EffpassCallback"] = cls
+    return cls

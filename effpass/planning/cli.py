@@ -52,7 +52,7 @@ def model_from_config(config, dtype: str | None = None):
 
 def plan_config(config, batch: int, seq: int, budget, allow=(), world_size: int = 1, passes=None,
                 lora: int | None = None, optimizer: str | None = "adamw", dtype: str | None = None,
-                device: str = "cpu"):
+                device: str = "cpu", sequence_parallel: int = 1):
     """(model, plan) for a config at ``batch`` x ``seq`` under ``budget``."""
     import torch
 
@@ -65,7 +65,7 @@ def plan_config(config, batch: int, seq: int, budget, allow=(), world_size: int 
     inputs = {"input_ids": tokens, "labels": tokens, "use_cache": False}
     pipeline = _pipeline_of(passes, lora)
     plan = plan_memory(model, inputs, budget, allow=allow, passes=pipeline, optimizer=optimizer,
-                       world_size=world_size, device=device, lowering="eager")
+                       world_size=world_size, device=device, lowering="eager", sequence_parallel=sequence_parallel)
     return model, plan
 
 
@@ -114,6 +114,9 @@ def _add_arguments(p) -> None:
     p.add_argument("--budget", required=True, help="memory per device, e.g. 24GiB")
     p.add_argument("--allow", nargs="*", default=[], help="lossy techniques the plan may use (the memory options registered passes declare, e.g. a quantized base or 8-bit optimizer states; docs/memory_planner.md)")
     p.add_argument("--world-size", dest="world_size", type=int, default=1, help="ranks (FSDP is tried when > 1)")
+    p.add_argument("--sequence-parallel", "--sp", dest="sequence_parallel", type=int, default=1, metavar="N",
+                   help="ranks per sequence (shard_sequence): per-rank prediction of seq/N tokens plus what a rank "
+                        "holds whole; --world-size counts all ranks (data x N)")
     p.add_argument("--lora", type=int, default=None, metavar="RANK", help="train LoRA adapters of this rank")
     p.add_argument("--passes", default=None, help='the pipeline as JSON, e.g. \'{"fuse_attention": {}}\'')
     p.add_argument("--optimizer", default="adamw", help="an optimizer registered with effpass.register_optimizer "
@@ -139,7 +142,7 @@ def _run(args) -> int:
         model, plan = plan_config(args.config, args.batch, args.seq, args.budget, allow=args.allow,
                                   world_size=args.world_size, passes=passes, lora=args.lora,
                                   optimizer=None if args.optimizer == "none" else args.optimizer, dtype=args.dtype,
-                                  device=args.device)
+                                  device=args.device, sequence_parallel=args.sequence_parallel)
     except MemoryBudgetError as e:
         print(f"effpass plan: {e}", file=sys.stderr)
         if e.candidates:
@@ -158,7 +161,9 @@ def _run(args) -> int:
         return 0
     n = sum(p.numel() for p in model.parameters())
     print(f"{type(model).__name__}: {n / 1e9:.3g}B parameters, batch {args.batch} x seq {args.seq}"
-          + (f", {args.world_size} ranks" if args.world_size > 1 else "") + " (predictions, not measurements)")
+          + (f", {args.world_size} ranks" if args.world_size > 1 else "")
+          + (f", sequence parallel {args.sequence_parallel} (seq/{args.sequence_parallel} tokens per rank)"
+             if args.sequence_parallel > 1 else "") + " (predictions, not measurements)")
     print(plan.summary())
     return 0
 

@@ -119,7 +119,11 @@ class MemoryEstimate:
     peak_phase: str                 # "forward", "backward" or "optimizer"
     peak_graph: str                 # e.g. "backward graph 1 of 1" or "eager code"
     peak_node: str                  # the FX node (or aten op) that allocated at the peak
-    gradients_at_peak: int = 0
+    gradients_at_peak: int = 0      # gradient bytes live at the peak (inside compiled backward graphs too)
+    #: max over the forward and backward of (live - live gradients) above the start, and the gradient bytes live
+    #: then: with the peak's split, what folding sharded gradients needs (``planning.sharding.fold_sharding``)
+    non_gradient_peak: int = 0
+    gradients_at_non_gradient_peak: int = 0
     phase_peaks: dict = field(default_factory=dict)  # peak above the start within each phase
     trainable_numels: list = field(default_factory=list)
     trainable_shapes: list = field(default_factory=list)  # (shape, dtype name) of each trainable parameter
@@ -365,6 +369,40 @@ def replay_kernel():
 
 
 TIMELINE_CATEGORIES = ("parameters", "optimizer states", "inputs", "saved activations", "gradients", "transients")
+
+
+def _gradient_split(events, grads_at_peak: int) -> tuple[int, int, int]:
+    """(gradient bytes live at the step's peak, max over the forward and backward of live bytes minus live
+    gradient bytes, the gradient bytes live at that moment).
+
+    Gradients are what the backward makes and keeps past its end (as :func:`step_timeline` classifies them).
+    A compiled backward graph holds the gradients it computes as its own tensors until it returns (``p.grad``
+    is set after), so counting ``p.grad`` at the peak (``grads_at_peak``, the tracker's) misses them: the
+    events see them."""
+    open_alloc: dict[int, int] = {}          # storage key -> index of its live allocation event
+    freed_in: dict[int, str | None] = {}     # allocation event index -> phase of its free
+    for i, (delta, key, phase, _) in enumerate(events):
+        if delta > 0:
+            open_alloc[key] = i
+        elif key in open_alloc:
+            freed_in[open_alloc.pop(key)] = phase
+    live = grads = peak = g_peak = other = g_other = 0
+    sizes: dict[int, tuple[bool, int]] = {}
+    for i, (delta, key, phase, _) in enumerate(events):
+        if delta > 0:
+            is_grad = phase == "backward" and freed_in.get(i, "end") != "backward"
+            sizes[key] = (is_grad, delta)
+            live += delta
+            grads += delta if is_grad else 0
+        else:
+            is_grad, n = sizes.pop(key, (False, 0))
+            live -= n
+            grads -= n if is_grad else 0
+        if live > peak:
+            peak, g_peak = live, grads
+        if phase in ("forward", "backward") and live - grads > other:
+            other, g_other = live - grads, grads
+    return max(g_peak, grads_at_peak), other, g_other
 
 
 def step_timeline(events, est: "MemoryEstimate", max_points: int = 600) -> dict:
@@ -894,6 +932,8 @@ def _run_tracked(work, compiled, inputs, tracker, be, optimizer, dev, loss_fn, l
         requested_lowering=requested_lowering, passes=[p.name for p in be.options.passes],
         pass_stats=stats, notes=notes, trainable_numels=[p.numel() for p in trainable],
         trainable_shapes=[(tuple(p.shape), str(p.dtype).removeprefix("torch.")) for p in trainable])
+    est.gradients_at_peak, est.non_gradient_peak, est.gradients_at_non_gradient_peak = _gradient_split(
+        tracker.events, tracker.grads_at_peak)
     est.timeline = step_timeline(tracker.events, est)
     if requested_lowering not in ("inductor", "eager"):
         est.notes.append(f"lowering={requested_lowering!r} is predicted by the eager lowering's replay of the same "
@@ -1142,6 +1182,7 @@ _AUTO_MIN_BLOCKS = 12
 #: MemoryEstimate fields that are byte or FLOP counts (extrapolated, and checked to be affine)
 _AFFINE = ("peak_bytes", "start_bytes", "step_peak_bytes", "parameters", "trainable_parameters", "buffers",
            "inputs", "gradients", "optimizer_states", "activations", "largest_transient", "gradients_at_peak",
+           "non_gradient_peak", "gradients_at_non_gradient_peak",
            "flops", "largest_unit_bytes")
 
 

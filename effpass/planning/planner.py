@@ -29,7 +29,7 @@ from effpass.quantized import storage_bytes
 
 from .estimate import MemoryEstimate, _largest_unit_bytes, _target_device, estimate_many, estimate_memory, format_bytes, \
     parse_size, with_optimizer
-from .sharding import fold_sharding
+from .sharding import fold_sequence_parallel, fold_sharding
 
 __all__ = ["MemoryPlan", "Candidate", "MemoryBudgetError", "plan_memory", "plan_for_compile", "techniques", "plan_max_seq",
            "MaxSeqResult"]
@@ -295,7 +295,8 @@ def _parameter_floor(model, groups, world_size) -> tuple[int, int]:
 
 def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: Iterable[str] = (), passes=None,
                 optimizer: str | None = "adamw", world_size: int = 1, *, device=None, loss_fn=None,
-                _cache: dict | None = None, _graph_only: bool = False, **compile_options) -> MemoryPlan:
+                sequence_parallel: int = 1, _cache: dict | None = None, _graph_only: bool = False,
+                _sp_terms=None, **compile_options) -> MemoryPlan:
     """Choose a pipeline for ``model`` whose predicted training-step peak fits ``memory_budget``
     (``"24GiB"``, bytes; per rank when ``world_size > 1``). See the module docstring for the order.
 
@@ -305,6 +306,18 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
     """
     from effpass.config import _build_passes, default_pipeline
 
+    if sequence_parallel != 1:  # one rank of a shard_sequence group: seq/sp tokens replayed (planning.sharding)
+        from .sharding import sequence_parallel_replay
+
+        if world_size % sequence_parallel:
+            raise ValueError(f"sequence_parallel={sequence_parallel} must divide world_size={world_size}")
+        local, restore_sp, terms = sequence_parallel_replay(model, example_inputs, sequence_parallel)
+        try:
+            return plan_memory(model, local, memory_budget, allow, passes, optimizer, world_size, device=device,
+                               loss_fn=loss_fn, _cache=_cache, _graph_only=_graph_only,
+                               _sp_terms=(sequence_parallel, terms), **compile_options)
+        finally:
+            restore_sp()
     budget = parse_size(memory_budget, "memory_budget")
     allow_t = _check_allow(allow, world_size)
     dev = _target_device(model, device)
@@ -393,6 +406,8 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
         if world_size > 1:
             est = fold_sharding(est, world_size, unit_bytes, sharding) if sharding else dataclasses.replace(
                 est, world_size=world_size)
+        if _sp_terms:
+            est = fold_sequence_parallel(est, *_sp_terms)
         c.estimate = est
         c.fits = est.peak_bytes <= budget
 
