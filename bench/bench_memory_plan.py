@@ -252,6 +252,83 @@ def _write_table(rows, batch, seq, lora):
     _write("table" + (f"_lora{lora}" if lora else ""), {"header": header(), "rows": rows}, "\n".join(md) + "\n")
 
 
+LLAMA_31_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                   num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+                   rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                   max_position_embeddings=131072, tie_word_embeddings=False, torch_dtype="bfloat16")
+
+#: published long-context figures on one 80 GB GPU (docs: /work/shared/design/anchors.md, issue 25)
+PUBLISHED = {
+    "full": "ALST (Snowflake, arXiv 2506.13996): Llama-3-8B at 500K tokens on one 80 GB H100 (tiled MLP and loss, "
+            "checkpoints offloaded to host; DeepSpeed); Hugging Face out of memory past 32K",
+    "lora": "-",
+    "qlora": "Unsloth: 342K-token QLoRA of Llama-3.1-8B on 80 GB (offloaded checkpoints)",
+}
+
+
+def maxseq(modes=("full", "lora", "qlora"), budgets=(24, 48, 80), step=1024, probes=(16384, 32768),
+           lossless_pipeline=True):
+    """The longest sequence (batch 1) of Llama-3.1-8B that the planner predicts fits each budget, per mode."""
+    from effpass.planning.cli import LORA_TARGETS, model_from_config
+    from effpass.planning.planner import MemoryBudgetError, plan_max_seq
+
+    rows = []
+    for mode in modes:
+        model = model_from_config(dict(LLAMA_31_8B))
+        pipeline = []
+        if lossless_pipeline:  # the lossless long-sequence passes fixed: the planner varies what is left
+            pipeline = [effpass.make_pass("checkpoint_activations", {"policy": "full"}),
+                        effpass.make_pass("fuse_cross_entropy", {}),
+                        effpass.make_pass("tile_sequence", {"tile_rows": 4096})]
+        if mode in ("lora", "qlora"):
+            pipeline.append(effpass.make_pass("inject_lora", {"rank": 16, "targets": LORA_TARGETS}))
+        if mode == "qlora":
+            pipeline.append(effpass.make_pass("quantize_linear", {"scheme": "nf4", "exclude": ["lm_head"]}))
+
+        def make_inputs(seq):
+            tok = torch.zeros(1, seq, dtype=torch.long, device="meta")
+            return {"input_ids": tok, "labels": tok, "use_cache": False}
+
+        cache: dict = {}
+        for gib in budgets:
+            t0 = time.perf_counter()
+            try:
+                res = plan_max_seq(model, make_inputs, f"{gib}GiB", passes=pipeline, step=step, probes=probes,
+                                   lowering="eager", _cache=cache)
+                row = dict(mode=mode, budget_gib=gib, seq=res.seq, plan=res.plan.chosen.name,
+                           pipeline=[p.name for p in res.plan.passes], peak=res.plan.peak_bytes,
+                           next_peak=res.next_peak, replays=res.replays, fits=[list(f[:4]) for f in res.fits],
+                           notes=res.notes)
+            except MemoryBudgetError as e:
+                row = dict(mode=mode, budget_gib=gib, seq=0, plan=f"nothing fits (smallest {format_bytes(e.smallest)}"
+                           f" at {step} tokens with {e.plan.name})", pipeline=[], peak=e.smallest, next_peak=None,
+                           replays=[], fits=[], notes=[])
+            row["seconds"] = round(time.perf_counter() - t0, 1)
+            row["load"] = os.getloadavg()[0]
+            print(row, flush=True)
+            rows.append(row)
+            _write_maxseq(rows, step, probes)
+    return rows
+
+
+def _write_maxseq(rows, step, probes):
+    md = ["# Longest sequence that fits, Llama-3.1-8B, one device (predictions, not measured)\n", f"{header()}\n",
+          f"`effpass.planning.plan_max_seq` (what `effpass plan CONFIG --max-seq` runs), batch 1, bf16 parameters, "
+          f"AdamW (torch's, bf16 states as for bf16 parameters), SDPA, eager lowering replayed on fake CPU tensors "
+          f"(no CUDA caching-allocator rounding; activation offload, a CUDA-only option, is not among the "
+          f"candidates of a CPU plan), answer in steps of {step} tokens, probes {list(probes)}. Pipeline given: "
+          f"checkpoint_activations(full) + fuse_cross_entropy + tile_sequence(4096) (+ LoRA r=16 on all 7 "
+          f"projections; + NF4 base for QLoRA, head in bf16); the planner adds step_in_backward where it helps.\n",
+          "| mode | budget | longest sequence (predicted) | plan added | predicted peak | at +1 step | published (80 GB) | seconds (load) |",
+          "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        md.append(f"| {r['mode']} | {r['budget_gib']} GiB | {r['seq']:,} | {r['plan']} | {format_bytes(r['peak'])} | "
+                  f"{format_bytes(r['next_peak']) if r['next_peak'] else '-'} | "
+                  f"{PUBLISHED[r['mode']] if r['budget_gib'] == 80 else ''} | {r['seconds']} ({r['load']:.0f}) |")
+    _write("maxseq_llama31_8b", {"header": header(), "rows": rows}, "\n".join(md) + "\n")
+
+
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "accuracy"
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.getcwd(), ".cache", "inductor"))
@@ -262,5 +339,8 @@ if __name__ == "__main__":
         budget()
     elif what == "table":
         table()
+    elif what == "maxseq":
+        modes = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--modes=")), None)
+        maxseq(modes=modes or ("full", "lora", "qlora"))
     else:
         raise SystemExit(f"unknown section {what!r}; choose accuracy, budget or table")

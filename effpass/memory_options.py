@@ -63,6 +63,10 @@ class MemoryOption:
     cost: str = ""                       #: a line for people (extra compute and peak are measured)
     label: str = ""                      #: how plans name it (default: technique)
     order: int = 0                       #: preference among the options of a group (lower first)
+    optimizers: tuple = ()               #: the optimizers (register_optimizer names) it works with; () any
+    min_rows: int = 0                    #: it changes nothing on a batch of fewer tokens (not tried there)
+    restricts: str = ""                  #: what the training loop must not do with it (e.g. "no clipping by the
+    #: global norm"); the planner prefers plans without such options and states the restriction in the plan
 
     def __post_init__(self):
         changes = (self.changes,) if isinstance(self.changes, str) else tuple(self.changes)
@@ -73,6 +77,7 @@ class MemoryOption:
             raise ValueError(f"MemoryOption {self.technique!r}: phase {self.phase!r} is not 'module' or 'graph'")
         object.__setattr__(self, "changes", changes)
         object.__setattr__(self, "requires", tuple(self.requires))
+        object.__setattr__(self, "optimizers", tuple(self.optimizers))
         object.__setattr__(self, "options", dict(self.options))
 
     @property
@@ -98,19 +103,34 @@ def register_memory_option(fn_or_option: MemoryOption | Callable[..., Sequence[M
     return fn_or_option
 
 
-def declared_memory_options(model: torch.nn.Module | None = None, *, world_size: int = 1) -> list[MemoryOption]:
+def _accepts_device(fn) -> bool:
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        return False
+    return "device" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def declared_memory_options(model: torch.nn.Module | None = None, *, world_size: int = 1,
+                            device=None) -> list[MemoryOption]:
     """Every option the registered passes (``Pass.memory_options``) and :func:`register_memory_option`
-    declare for ``model`` (``None``: every technique that could apply, for validation of ``allow``)."""
+    declare for ``model`` (``None``: every technique that could apply, for validation of ``allow``).
+    ``device``: the device the plan is for (a declaration that takes a ``device`` keyword gets it, e.g. to
+    offer a CUDA-only technique only for CUDA; ``None``: unknown, list what could apply)."""
     from effpass.pass_api import registered_passes
 
     out: list[MemoryOption] = []
     for name, klass in sorted(registered_passes().items()):
-        for opt in klass.memory_options(model, world_size=world_size) or ():
+        kw = {"device": device} if device is not None and _accepts_device(klass.memory_options) else {}
+        for opt in klass.memory_options(model, world_size=world_size, **kw) or ():
             if not isinstance(opt, MemoryOption):
                 raise TypeError(f"pass {name!r}: memory_options returned {opt!r}, not a MemoryOption")
             out.append(dataclasses.replace(opt, pass_name=name))
     for fn in _EXTRA:
-        out.extend(fn(model, world_size=world_size) or ())
+        kw = {"device": device} if device is not None and _accepts_device(fn) else {}
+        out.extend(fn(model, world_size=world_size, **kw) or ())
     return out
 
 

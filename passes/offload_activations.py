@@ -99,10 +99,12 @@ class OffloadActivations(effpass.Pass):
                "CPU to CPU)"})
 
     @classmethod
-    def memory_options(cls, model=None, *, world_size=1):
-        """For the memory planner: lossless, host memory for device memory (CUDA only: none for a model whose
-        parameters are on the CPU)."""
-        if model is not None and any(p.device.type == "cpu" for p in model.parameters()):
+    def memory_options(cls, model=None, *, world_size=1, device=None):
+        """For the memory planner: lossless, host memory for device memory (CUDA only: none for a plan on
+        another device, or for a model whose parameters are on the CPU when the device is not given)."""
+        if device is not None and torch.device(device).type != "cuda":
+            return []
+        if device is None and model is not None and any(p.device.type == "cpu" for p in model.parameters()):
             return []
         return [effpass.MemoryOption(technique="offload_activations", options={}, lossless=True,
                                      group="activation_offload", changes="activations", label="offload",

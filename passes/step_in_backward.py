@@ -215,6 +215,10 @@ def step_parameter(param: torch.Tensor, grad: torch.Tensor, after: list[torch.Te
     from ``param`` is passed in ``after`` (unused here), so a compiler computes them all, reading the old
     ``param``, before this op (Inductor would otherwise compute a pointwise read lazily in a later kernel),
     and the pass places the op after every read of ``param`` in the graph."""
+    _step_parameter_impl(param, grad, after)
+
+
+def _step_parameter_impl(param: torch.Tensor, grad: torch.Tensor, after) -> None:
     e = _HOOKED.get(param)
     if e is None:
         raise StepInBackwardError(f"step_in_backward: a compiled graph steps a parameter of shape {tuple(param.shape)} "
@@ -257,7 +261,29 @@ def _autograd_keys_restored():
 
 @step_parameter.register_fake
 def _step_parameter_fake(param, grad, after) -> None:
+    # NOTE(planner): the memory planner's replay runs the compiled graphs on fake tensors, so this kernel
+    # runs where the real one would. On the replay's own (hooked) fake parameters, outside any tracing, it
+    # does what the real op does (the optimizer's step on fake tensors: its states are created, its
+    # transients and the freed gradient are seen by the replay). While a compiler traces, or on parameters
+    # the pass did not hook (a compiler's own fake copies), it does nothing.
+    if _HOOKED.get(param) is None or _tracing():
+        return None
+    from effpass.planning.estimate import replay_kernel
+
+    with replay_kernel():
+        _step_parameter_impl(param, grad, after)
     return None
+
+
+def _tracing() -> bool:
+    """A compiler is tracing (a proxy or functionalization mode, or a tracing context, is active)."""
+    from torch._C import _get_dispatch_mode, _TorchDispatchModeKey
+
+    if _get_dispatch_mode(_TorchDispatchModeKey.PROXY) is not None:
+        return True
+    if _get_dispatch_mode(_TorchDispatchModeKey.FUNCTIONAL) is not None:
+        return True
+    return torch._guards.TracingContext.try_get() is not None
 
 
 @torch.library.custom_op("effpass::step_after", mutates_args=())
@@ -425,6 +451,16 @@ class StepInBackward(effpass.Pass):
     arithmetic). Works with the optimizer the user builds after ``effpass.compile``."""
 
     requires_module_phase = True
+
+    @classmethod
+    def memory_options(cls, model=None, *, world_size=1):
+        """For the memory planner: lossless; each gradient freed once its parameter is stepped (full
+        fine-tuning: the gradients of all parameters never exist at once)."""
+        return [effpass.MemoryOption(
+            technique="step_in_backward", lossless=True, group="optimizer_step", changes="gradients",
+            phase="module", optimizers=("adamw", "adamw8bit"), label="step in backward",
+            restricts="one backward per opt.step() (no gradient accumulation) and no clipping by the global norm",
+            cost="the optimizer steps each parameter inside backward; no extra compute")]
 
     def prepare_module(self, model: torch.nn.Module, ctx) -> effpass.PassResult:
         from fnmatch import fnmatch

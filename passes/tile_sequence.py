@@ -412,6 +412,17 @@ class TileSequence(effpass.Pass):
     tile_rows: int = field(default=1024, metadata={
         "doc": "rows (batch x positions) per tile; regions with fewer than two tiles' rows are left alone"})
 
+    @classmethod
+    def memory_options(cls, model=None, *, world_size=1):
+        """For the memory planner: lossless; position-wise regions (the MLP) in tiles of 4,096 rows (for
+        a long sequence one tile's intermediates are small beside the hidden states, and fewer tiles keep
+        the graph, and the planner's replay, small)."""
+        return [effpass.MemoryOption(technique="tile_sequence", options={"tile_rows": 4096}, lossless=True,
+                                     group="sequence_tiling", changes="activations", label="tiles(4096)",
+                                     min_rows=2 * 4096,  # regions of fewer than two tiles are left alone
+                                     cost="position-wise regions recomputed tile by tile in backward (their "
+                                          "forward once more where checkpointing does not recompute them)")]
+
     def validate(self) -> None:
         if self.tile_rows < 1:
             raise ValueError(f"tile_sequence.tile_rows: {self.tile_rows!r} must be a positive number of rows")

@@ -12,7 +12,7 @@ import sys
 import effpass
 
 
-__all__ = ["model_from_config", "plan_config"]
+__all__ = ["model_from_config", "plan_config", "max_seq_config"]
 
 LORA_TARGETS = ["*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj", "*.gate_proj", "*.up_proj", "*.down_proj"]
 
@@ -63,20 +63,54 @@ def plan_config(config, batch: int, seq: int, budget, allow=(), world_size: int 
     model = model_from_config(config, dtype)
     tokens = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     inputs = {"input_ids": tokens, "labels": tokens, "use_cache": False}
-    pipeline = list(passes or [])
-    if isinstance(passes, dict):
-        pipeline = [effpass.make_pass(n, o or {}) for n, o in passes.items()]
-    if lora:
-        pipeline.append(effpass.make_pass("inject_lora", {"rank": int(lora), "targets": LORA_TARGETS}))
+    pipeline = _pipeline_of(passes, lora)
     plan = plan_memory(model, inputs, budget, allow=allow, passes=pipeline, optimizer=optimizer,
                        world_size=world_size, device=device, lowering="eager", sequence_parallel=sequence_parallel)
     return model, plan
 
 
+def _pipeline_of(passes, lora):
+    pipeline = list(passes or [])
+    if isinstance(passes, dict):
+        pipeline = [effpass.make_pass(n, o or {}) for n, o in passes.items()]
+    if lora:
+        pipeline.append(effpass.make_pass("inject_lora", {"rank": int(lora), "targets": LORA_TARGETS}))
+    return pipeline
+
+
+def max_seq_config(config, batch: int, budget, allow=(), world_size: int = 1, passes=None, lora: int | None = None,
+                   optimizer: str | None = "adamw", dtype: str | None = None, device: str = "cpu", step: int = 1024,
+                   probes=(8192, 16384, 32768), max_len: int = 1 << 24):
+    """(model, :class:`~effpass.planning.planner.MaxSeqResult`): the longest sequence of ``batch`` rows of a
+    config that fits ``budget``, and its plan."""
+    import torch
+
+    from .planner import plan_max_seq
+
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got batch={batch}")
+    model = model_from_config(config, dtype)
+
+    def make_inputs(seq):
+        tokens = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+        return {"input_ids": tokens, "labels": tokens, "use_cache": False}
+
+    res = plan_max_seq(model, make_inputs, budget, allow=allow, passes=_pipeline_of(passes, lora),
+                       optimizer=optimizer, world_size=world_size, device=device, step=step, probes=tuple(probes),
+                       max_len=max_len, lowering="eager")
+    return model, res
+
+
 def _add_arguments(p) -> None:
     p.add_argument("config", help="a Hugging Face config.json")
     p.add_argument("--batch", type=int, required=True, help="micro-batch (per rank)")
-    p.add_argument("--seq", type=int, required=True, help="sequence length")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (required unless --max-seq)")
+    p.add_argument("--max-seq", dest="max_seq", action="store_true",
+                   help="print the longest sequence that fits the budget, with its plan (predicted)")
+    p.add_argument("--step", type=int, default=1024, help="--max-seq: the answer is a multiple of this")
+    p.add_argument("--probes", type=int, nargs="+", default=[8192, 16384, 32768],
+                   help="--max-seq: lengths every candidate plan is replayed at, to fit its peak against the length")
+    p.add_argument("--max-len", dest="max_len", type=int, default=1 << 24, help="--max-seq: the longest length tried")
     p.add_argument("--budget", required=True, help="memory per device, e.g. 24GiB")
     p.add_argument("--allow", nargs="*", default=[], help="lossy techniques the plan may use (the memory options registered passes declare, e.g. a quantized base or 8-bit optimizer states; docs/memory_planner.md)")
     p.add_argument("--world-size", dest="world_size", type=int, default=1, help="ranks (FSDP is tried when > 1)")
@@ -100,6 +134,10 @@ def _run(args) -> int:
     from .planner import MemoryBudgetError
 
     passes = json.loads(args.passes) if args.passes else None
+    if args.max_seq:
+        return _run_max_seq(args, passes)
+    if args.seq is None:
+        raise SystemExit("effpass plan: --seq is required (or --max-seq for the longest sequence that fits)")
     try:
         model, plan = plan_config(args.config, args.batch, args.seq, args.budget, allow=args.allow,
                                   world_size=args.world_size, passes=passes, lora=args.lora,
@@ -127,6 +165,31 @@ def _run(args) -> int:
           + (f", sequence parallel {args.sequence_parallel} (seq/{args.sequence_parallel} tokens per rank)"
              if args.sequence_parallel > 1 else "") + " (predictions, not measurements)")
     print(plan.summary())
+    return 0
+
+
+def _run_max_seq(args, passes) -> int:
+    from .planner import MemoryBudgetError
+
+    if args.seq is not None:
+        raise SystemExit("effpass plan: --seq and --max-seq exclude each other (--max-seq finds the length)")
+    try:
+        model, res = max_seq_config(args.config, args.batch, args.budget, allow=args.allow,
+                                    world_size=args.world_size, passes=passes, lora=args.lora,
+                                    optimizer=None if args.optimizer == "none" else args.optimizer, dtype=args.dtype,
+                                    device=args.device, step=args.step, probes=args.probes, max_len=args.max_len)
+    except MemoryBudgetError as e:
+        print(f"effpass plan: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"effpass plan: {e}") from None
+    if args.json:
+        print(json.dumps(res.to_dict(), indent=1))
+        return 0
+    n = sum(p.numel() for p in model.parameters())
+    print(f"{type(model).__name__}: {n / 1e9:.3g}B parameters, batch {args.batch}"
+          + (f", {args.world_size} ranks" if args.world_size > 1 else "") + " (predictions, not measurements)")
+    print(res.summary())
     return 0
 
 

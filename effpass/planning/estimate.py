@@ -292,7 +292,11 @@ class _Tracker(TorchDispatchMode):
             a = args[0]  # .item() on a fake tensor (the optimizer's step count)
             if isinstance(a, torch._subclasses.FakeTensor) or a.device.type == "meta":
                 return 1.0 if a.is_floating_point() else (True if a.dtype == torch.bool else 1)
-        out = func(*args, **kwargs)
+        _DISPATCHING.append(self)
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            _DISPATCHING.pop()
         if not self.enabled:
             return out
         packet = getattr(func, "_overloadpacket", None)
@@ -325,6 +329,8 @@ class _Tracker(TorchDispatchMode):
             key = st._cdata
             if key in ins or key in self.sizes:
                 continue
+            if t.device.type != self.device.type and t.device.type != "meta":
+                continue  # NOTE(offload): host memory (offloaded activations, CPU step counters) is not device memory
             n = _alloc_bytes(st.nbytes(), self.device)
             self.sizes[key] = n
             weakref.finalize(st, self._free, key)
@@ -342,6 +348,23 @@ class _Tracker(TorchDispatchMode):
                     self.grads_at_peak = _bytes([p.grad for p in self.params if p.grad is not None],
                                                 self.device)
         return out
+
+
+#: the trackers whose ``__torch_dispatch__`` is running an op (innermost last), for :func:`replay_kernel`
+_DISPATCHING: list = []
+
+
+@contextlib.contextmanager
+def replay_kernel():
+    """For a fake kernel that does the real op's work on fake tensors during a replay (step_in_backward's
+    optimizer step inside backward): re-enters the replay's tracker, which a dispatch mode leaves while it
+    runs an op, so that the kernel's own allocations and frees are counted. Outside a replay: nothing."""
+    tracker = _DISPATCHING[-1] if _DISPATCHING else None
+    if tracker is None:
+        yield
+        return
+    with tracker:
+        yield
 
 
 TIMELINE_CATEGORIES = ("parameters", "optimizer states", "inputs", "saved activations", "gradients", "transients")

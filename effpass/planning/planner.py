@@ -31,7 +31,8 @@ from .estimate import MemoryEstimate, _largest_unit_bytes, _target_device, estim
     parse_size, with_optimizer
 from .sharding import fold_sequence_parallel, fold_sharding
 
-__all__ = ["MemoryPlan", "Candidate", "MemoryBudgetError", "plan_memory", "plan_for_compile", "techniques"]
+__all__ = ["MemoryPlan", "Candidate", "MemoryBudgetError", "plan_memory", "plan_for_compile", "techniques", "plan_max_seq",
+           "MaxSeqResult"]
 
 
 def techniques(world_size: int = 2) -> dict[str, tuple[bool, str]]:
@@ -80,6 +81,11 @@ class Candidate:
 
     def techniques(self) -> tuple[str, ...]:
         return tuple(o.technique for o in self.options)
+
+    @property
+    def restricted(self) -> bool:
+        """The plan restricts the training loop (an option with ``restricts``, e.g. no gradient accumulation)."""
+        return any(o.restricts for o in self.options)
 
     @property
     def sharded(self) -> bool:
@@ -200,13 +206,24 @@ def _pipeline(base: list, cand: Candidate) -> list:
                          if o.pass_name and o.pass_name not in names]
 
 
+def _rows(example_inputs) -> int | None:
+    """Tokens in the step's batch: the element count of the largest integer input (token ids); None if none."""
+    from torch.utils._pytree import tree_flatten
+
+    n = [x.numel() for x in tree_flatten(example_inputs)[0]
+         if isinstance(x, torch.Tensor) and not x.is_floating_point() and not x.is_complex() and x.dim() >= 1]
+    return max(n) if n else None
+
+
 def _usable_options(model, base_names: set, allow: tuple, optimizer, world_size: int, notes: list,
-                    graph_only: bool = False) -> dict[str, list]:
+                    graph_only: bool = False, device=None, rows: int | None = None) -> dict[str, list]:
     """group -> the declared options the planner may add, in preference order."""
     from effpass.memory_options import declared_memory_options
 
     groups: dict[str, list] = {}
-    for o in declared_memory_options(model, world_size=world_size):
+    for o in declared_memory_options(model, world_size=world_size, device=device):
+        if o.min_rows and rows is not None and rows < o.min_rows:
+            continue  # it changes nothing on a batch this small: a replay would repeat another's
         if o.sharding and world_size <= 1:
             continue
         if not o.lossless and o.technique not in allow:
@@ -223,7 +240,13 @@ def _usable_options(model, base_names: set, allow: tuple, optimizer, world_size:
             notes.append(f"{o.technique!r} replaces the optimizer {o.replaces_optimizer!r} but the optimizer is "
                          f"{optimizer!r}: not tried")
             continue
+        if o.optimizers and optimizer not in o.optimizers and not (o.optimizer and o.optimizer in o.optimizers):
+            notes.append(f"{o.technique!r} works with the optimizers {list(o.optimizers)}, not {optimizer!r}: not tried")
+            continue
         if graph_only and o.phase == "module":
+            if o.lossless:
+                notes.append(f"{o.technique!r} changes the eager model before the optimizer exists: not tried on "
+                             f"the first call (pass example_inputs= to plan it)")
             continue
         groups.setdefault(o.group, []).append(o)
     for g in groups.values():
@@ -231,12 +254,29 @@ def _usable_options(model, base_names: set, allow: tuple, optimizer, world_size:
     return groups
 
 
+def _conflict(opts) -> bool:
+    """Two options whose passes the registry declares conflicting (``conflicts_with``)."""
+    from effpass.pass_api import registered_passes
+
+    names = {o.pass_name for o in opts if o.pass_name}
+    reg = registered_passes()
+    return any(set(getattr(reg.get(n), "conflicts_with", ())) & names for n in names)
+
+
 def _candidates(groups: dict, optimizer):
     keys = sorted(groups)
     lossless, lossy = [], []
     for combo in itertools.product(*[[None] + groups[k] for k in keys]):
         opts = tuple(o for o in combo if o is not None)
+        if _conflict(opts):
+            continue
         opt_o = next((o for o in opts if o.optimizer), None)
+        if any(o.optimizers and (opt_o.optimizer if opt_o else optimizer) not in o.optimizers for o in opts):
+            continue
+        if opt_o is not None and any(o.optimizers for o in opts):
+            # NOTE(replay): a replaced optimizer is replayed alone on the AdamW twin's forward and backward,
+            # which cannot model an option that runs the optimizer inside the backward
+            continue
         c = Candidate(options=opts, optimizer=opt_o.optimizer if opt_o else optimizer)
         (lossy if c.lossy else lossless).append(c)
     # lossy plans: those with fewer lossy options first (a stable order for reports)
@@ -284,7 +324,8 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
     base = _build_passes(passes) if passes is not None else default_pipeline(dev)
     base_names = {p.name for p in base}
     notes: list[str] = []
-    groups = _usable_options(model, base_names, allow_t, optimizer, world_size, notes, graph_only=_graph_only)
+    groups = _usable_options(model, base_names, allow_t, optimizer, world_size, notes, graph_only=_graph_only,
+                             device=dev, rows=_rows(example_inputs))
     p_bytes, floor = _parameter_floor(model, groups, world_size)
     if budget < floor:
         raise ValueError(f"memory_budget {memory_budget!r} ({format_bytes(budget)}) is below the parameters' own "
@@ -372,7 +413,9 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
 
     considered: list[Candidate] = []
     chosen = None
-    for tier in (lossless, lossy):
+    # plans that restrict the training loop (step_in_backward) form their own tier after the free lossless ones
+    free = [c for c in lossless if not c.restricted]
+    for tier in (free, [c for c in lossless if c.restricted], lossy):
         if not tier:
             continue
         from ..progress import progress
@@ -397,7 +440,7 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
             c.extra_flops = c.estimate.flops - base_flops
         fitting = [c for c in tier if c.fits]
         if fitting:
-            chosen = min(fitting, key=lambda c: (c.extra_flops, c.sharded, c.peak_bytes))
+            chosen = min(fitting, key=lambda c: (c.restricted, c.extra_flops, c.sharded, c.peak_bytes))
             break
     done = [c for c in considered if c.estimate is not None]
     if chosen is None:
@@ -424,9 +467,13 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
                   f"{sum(c.fits for c in considered)} fitting {'lossy' if chosen.lossy else 'lossless'} plans")
         if chosen.lossy:
             reason += "; no lossless plan fits"
+    if chosen.restricted:  # plans without restrictions are preferred: none of them fits
+        reason += "; no plan without a restriction on the training loop fits"
     for o in chosen.options:
         if o.optimizer:
             notes.append(f"build the optimizer as {o.optimizer!r} for this plan ({o.cost})")
+        if o.restricts:
+            notes.append(f"{o.name}: {o.restricts}")
     pipeline = _pipeline(base, chosen)
     return MemoryPlan(budget=budget, chosen=chosen, candidates=considered, passes=pipeline,
                       optimizer=chosen.optimizer, world_size=world_size, reason=reason, notes=notes)
@@ -458,8 +505,11 @@ def module_phase_techniques(model, passes, allow, optimizer="adamw", world_size=
 
     base = _build_passes(passes) if passes is not None else default_pipeline(_target_device(model, None))
     groups = _usable_options(model, {p.name for p in base}, _check_allow(allow, world_size), optimizer, world_size,
-                             [])
-    return sorted({o.technique for g in groups.values() for o in g if o.phase == "module"})
+                             [], device=_target_device(model, None))
+    # lossless module-phase options (step_in_backward) are simply not tried on the first call (noted); only
+    # those the user asked for (lossy ones named in allow, sharding over world_size ranks) need example_inputs
+    return sorted({o.technique for g in groups.values() for o in g if o.phase == "module"
+                   and (not o.lossless or o.sharding)})
 
 
 def check_plan_without_inputs(model, passes, allow, optimizer="adamw", world_size=1) -> None:
@@ -539,3 +589,314 @@ def plan_on_first_call(model, base_passes, memory_budget, allow, optimizer, worl
     is told the backend compiled with the plan."""
     model._compiled_call_impl = _PlanOnFirstCall(model, model._compiled_call_impl, base_passes, memory_budget, allow,
                                                  optimizer, world_size, compile_options, on_backend)
+
+
+# ------------------------------------------------------------------------------------------------------
+# the longest sequence that fits
+# ------------------------------------------------------------------------------------------------------
+@dataclass
+class MaxSeqResult:
+    """``plan_max_seq``'s answer: the longest sequence ``seq`` (a multiple of ``step``) whose predicted peak
+    fits the budget, the plan that fits it, and how it was found."""
+
+    seq: int
+    step: int
+    budget: int
+    plan: MemoryPlan
+    next_peak: int | None                 #: predicted peak at seq + step with the same plan (> budget), None at max_len
+    fits: list = field(default_factory=list)      #: per candidate: (name, lossy, restricted, fitted seq, probe peaks)
+    probes: tuple = ()
+    replays: list = field(default_factory=list)   #: (seq, predicted peak, fits) of the search at the answer
+    notes: list = field(default_factory=list)
+
+    def table(self) -> str:
+        rows = [("plan", "lossy", "fitted longest seq", "peaks at probes " + "/".join(str(s) for s in self.probes))]
+        for name, lossy, _r, fitted, peaks in self.fits:
+            mark = "* " if name == self.plan.chosen.name else "  "
+            rows.append((mark + name, "yes" if lossy else "no", "-" if fitted is None else f"{fitted:,}",
+                         " / ".join(format_bytes(p) if isinstance(p, int) else str(p) for p in peaks)))
+        widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+        return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
+
+    def summary(self) -> str:
+        nxt = (f"; at {self.seq + self.step:,} tokens it needs {format_bytes(self.next_peak)}"
+               if self.next_peak is not None else "")
+        lines = [f"longest sequence that fits {format_bytes(self.budget)}"
+                 + (f" per rank ({self.plan.world_size} ranks)" if self.plan.world_size > 1 else "")
+                 + f": {self.seq:,} tokens (in steps of {self.step}) with {self.plan.chosen.name}",
+                 f"  predicted peak {format_bytes(self.plan.peak_bytes)}{nxt}",
+                 f"  pipeline: {', '.join(p.name for p in self.plan.passes) or '(none)'}; optimizer: {self.plan.optimizer}"]
+        lines += [f"  note: {n}" for n in self.notes + self.plan.notes]
+        lines += ["", "candidates (longest sequence fitted from the probe replays; the answer replayed):", self.table()]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"seq": self.seq, "step": self.step, "budget": self.budget, "next_peak": self.next_peak,
+                "plan": self.plan.to_dict(), "probes": list(self.probes), "replays": self.replays,
+                "candidates": [{"plan": n, "lossy": l, "restricted": r, "fitted_seq": f,
+                                "probe_peaks": [p if isinstance(p, int) else None for p in peaks]}
+                               for n, l, r, f, peaks in self.fits], "notes": self.notes}
+
+
+def _fit(points: list[tuple[int, int]]):
+    """peak(seq) through the probe points: quadratic through three (attention scores grow with seq^2), linear
+    through two; returns a function."""
+    (x1, y1), (x2, y2) = points[-2], points[-1]
+    b_lin = (y2 - y1) / (x2 - x1)
+    if len(points) >= 3:
+        (x0, y0) = points[-3]
+        d1 = (y1 - y0) / (x1 - x0)
+        c = (b_lin - d1) / (x2 - x0)
+        if c > 0:
+            return lambda s: y2 + b_lin * (s - x2) + c * (s - x2) * (s - x1)
+    return lambda s: y2 + b_lin * (s - x2)
+
+
+def _solve(f, budget: int, step: int, lo: int, hi: int) -> int:
+    """The largest multiple of ``step`` in [lo, hi] with f(s) <= budget (f increasing; bisection on f)."""
+    if f(lo) > budget:
+        return lo
+    a, b = lo // step, hi // step
+    if f(b * step) <= budget:
+        return b * step
+    while b - a > 1:
+        m = (a + b) // 2
+        a, b = (m, b) if f(m * step) <= budget else (a, m)
+    return a * step
+
+
+def _neighbourhood(groups: dict, allowed_lossy: bool) -> list[tuple]:
+    """The plan with every group's last option (the leanest each group offers), the same without each group,
+    and with each other option of a group: 1 + groups + alternatives plans (of the full product's)."""
+    keys = sorted(groups)
+    full = {k: groups[k][-1] for k in keys}
+    out = [tuple(full[k] for k in keys)]
+    for k in keys:
+        out.append(tuple(full[j] for j in keys if j != k))
+        for o in groups[k][:-1]:
+            out.append(tuple(o if j == k else full[j] for j in keys))
+    seen, uniq = set(), []
+    for opts in out:
+        key = tuple(id(o) for o in opts)
+        if key not in seen and not _conflict(opts):
+            seen.add(key)
+            uniq.append(opts)
+    return uniq
+
+
+def plan_max_seq(model: torch.nn.Module, make_inputs, memory_budget, allow: Iterable[str] = (), passes=None,
+                 optimizer: str | None = "adamw", world_size: int = 1, *, step: int = 1024,
+                 probes: tuple = (8192, 16384, 32768), max_len: int = 1 << 24, min_len: int | None = None,
+                 device=None, loss_fn=None, max_replays: int = 12, _cache: dict | None = None,
+                 **compile_options) -> MaxSeqResult:
+    """The longest sequence (a multiple of ``step``) whose predicted training-step peak fits ``memory_budget``,
+    and the plan that fits it. ``make_inputs(seq)`` builds the step's inputs at a sequence length.
+
+    1. Candidates: the registry's usable options (lossless always; lossy ones named in ``allow``), in a
+       neighbourhood of the plan with every group's leanest option (that plan, the same without each group,
+       and with each other option of a group; conflicting passes never combined).
+    2. Every candidate is replayed at the ``probes`` lengths (one shared replay per length); its peak is fitted
+       as a function of the length (quadratic through three probes when the peak grows faster than linearly,
+       as with attention scores materialised; else linear: fused attention, tiles, checkpointing) and solved
+       for the budget. The candidate with the longest fitted sequence is chosen (lossy ones only when longer
+       than every lossless one; ties go to plans without restrictions on the training loop, then to fewer
+       FLOPs).
+    3. Its answer is confirmed by replays at the fitted length and searched around it (secant steps, then
+       bisection, at most ``max_replays``) until a length ``L`` whose predicted peak fits and ``L + step``
+       whose predicted peak does not are found (both replayed). Guarantee: that pair, by the planner's own
+       replays, for the chosen plan; the peak is not proved monotonic in the length and other plans are not
+       replayed at ``L``.
+
+    Raises :class:`MemoryBudgetError` when even ``min_len`` (default ``step``) does not fit with the leanest plan.
+    ``_cache``: a dict shared by calls for several budgets of the same model, inputs and options (the probe
+    replays do not depend on the budget).
+    """
+    from effpass.config import _build_passes, default_pipeline
+    from effpass.memory_options import declared_memory_options
+
+    budget = parse_size(memory_budget, "memory_budget")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"step must be a positive number of tokens, got {step!r}")
+    probes = tuple(sorted(set(int(p) for p in probes)))
+    if len(probes) < 2 or probes[0] < 1:
+        raise ValueError(f"probes must be at least two positive lengths, got {probes!r}")
+    min_len = step if min_len is None else int(min_len)
+    allow_t = _check_allow(allow, world_size)
+    dev = _target_device(model, device)
+    base = _build_passes(passes) if passes is not None else default_pipeline(dev)
+    base_names = {p.name for p in base}
+    notes: list[str] = []
+    groups = _usable_options(model, base_names, allow_t, optimizer, world_size, notes, device=dev)
+    p_bytes, floor = _parameter_floor(model, groups, world_size)
+    if budget < floor:
+        raise ValueError(f"memory_budget {memory_budget!r} ({format_bytes(budget)}) is below the parameters' own "
+                         f"bytes ({format_bytes(p_bytes)}); no sequence can fit it")
+    lossless_groups = {k: [o for o in v if o.lossless] for k, v in groups.items()}
+    lossless_groups = {k: v for k, v in lossless_groups.items() if v}
+    combos = _neighbourhood(lossless_groups, False)
+    if allow_t:
+        combos += [c for c in _neighbourhood(groups, True) if any(not o.lossless for o in c)]
+    # the forward and backward are replayed with AdamW (or none); another optimizer is built alone on fake
+    # parameters of the trainable shapes (with_optimizer), which cannot model a step inside the backward
+    replay_opt = optimizer if optimizer in ("adamw", None) else "adamw"
+    cands = []
+    for opts in combos:
+        opt_o = next((o for o in opts if o.optimizer), None)
+        opt = opt_o.optimizer if opt_o else optimizer
+        if any(o.optimizers and (opt not in o.optimizers or opt != replay_opt) for o in opts):
+            continue
+        cands.append(Candidate(options=opts, optimizer=opt))
+    base_sharding = next((o for o in declared_memory_options(model, world_size=world_size)
+                          if o.sharding and o.pass_name in base_names), None) if world_size > 1 else None
+    unit_bytes = _largest_unit_bytes(model) if world_size > 1 else 0
+
+    def pipeline_of(c):
+        pipeline = _pipeline([p for p in base if not _is_sharding(p.name, model, world_size)], c)
+        return [p for p in pipeline if not _is_sharding(p.name, model, world_size)]
+
+    def finish(c, est):
+        if c.optimizer is not None and c.optimizer != replay_opt:
+            est = with_optimizer(est, c.optimizer, device=dev)
+        sharding = next((o.sharding for o in c.options if o.sharding), None) or (
+            base_sharding.sharding if base_sharding else None)
+        if world_size > 1:
+            est = fold_sharding(est, world_size, unit_bytes, sharding) if sharding else dataclasses.replace(
+                est, world_size=world_size)
+        return est
+
+    cache: dict = {} if _cache is None else _cache
+
+    def replay_many(cs, seq):
+        """Estimates (or exceptions) of the candidates ``cs`` at ``seq``: one shared replay."""
+        twins = [c.without_optimizer_option(replay_opt) if c.optimizer != replay_opt else c for c in cs]
+        keys = list(dict.fromkeys(t.replay_key() for t in twins))
+        by_key = {t.replay_key(): t for t in twins}
+        todo = [k for k in keys if (seq, k) not in cache]
+        if todo:
+            res = estimate_many(model, make_inputs(seq), [pipeline_of(by_key[k]) for k in todo], replay_opt,
+                                device=dev, loss_fn=loss_fn, **compile_options)
+            cache.update({(seq, k): r for k, r in zip(todo, res)})
+        got = {k: cache[(seq, k)] for k in keys}
+        out = []
+        for c, t in zip(cs, twins):
+            r = got[t.replay_key()]
+            if not isinstance(r, BaseException):
+                try:
+                    r = finish(c, r)
+                except Exception as e:  # pragma: no cover
+                    r = e
+            out.append(r)
+        return out
+
+    # 1-2: probe, fit, solve
+    peaks: dict[int, list] = {}
+    for s in probes:
+        peaks[s] = replay_many(cands, s)
+    fits = []
+    fit_fn: dict = {}
+    for i, c in enumerate(cands):
+        pts = [(s, peaks[s][i].peak_bytes) for s in probes if not isinstance(peaks[s][i], BaseException)]
+        errs = [peaks[s][i] for s in probes if isinstance(peaks[s][i], BaseException)]
+        if len(pts) < 2:
+            c.error = f"{type(errs[0]).__name__}: {str(errs[0]).splitlines()[0][:120] if str(errs[0]) else ''}"
+            fits.append((c, None, [c.error]))
+            continue
+        f = _fit(pts)
+        fit_fn[id(c)] = f
+        fits.append((c, _solve(f, budget, step, min_len, max_len), [p for _, p in pts]))
+    ok = [(c, L, pk) for c, L, pk in fits if L is not None]
+    if not ok:
+        errors = "; ".join(f"{c.name}: {c.error}" for c, _, _ in fits[:3])
+        raise RuntimeError(f"plan_max_seq: no plan could be replayed ({errors})")
+    flops = {id(c): next(peaks[s][i].flops for s in reversed(probes) if not isinstance(peaks[s][i], BaseException))
+             for i, (c, L, _) in enumerate(fits) if L is not None}
+
+    def rank(item):
+        c, L, _ = item
+        return (-(L // step), c.restricted, flops[id(c)], len(c.options))
+
+    lossless_ok = [it for it in ok if not it[0].lossy]
+    best = min(lossless_ok or ok, key=rank)
+    if allow_t:
+        lossy_best = min([it for it in ok if it[0].lossy], key=rank, default=None)
+        if lossy_best is not None and lossy_best[1] > best[1]:
+            best = lossy_best
+            notes.append(f"a lossy plan fits a longer sequence than every lossless one "
+                         f"({lossy_best[1]:,} against {min(lossless_ok, key=rank)[1] if lossless_ok else 0:,})")
+    chosen, guess = best[0], max(best[1], min_len)
+
+    # 3: confirm and search around the fitted answer
+    replays: list = []
+    known: dict[int, Any] = {}
+
+    def at(s):
+        if s not in known:
+            (r,) = replay_many([chosen], s)
+            if isinstance(r, BaseException):
+                raise r
+            known[s] = r
+            replays.append((s, r.peak_bytes, r.peak_bytes <= budget))
+        return known[s]
+
+    lo = hi = None  # lo fits, hi does not (multiples of step)
+    s = guess
+    for _ in range(max_replays):
+        r = at(s)
+        if r.peak_bytes <= budget:
+            lo = s if lo is None else max(lo, s)
+        else:
+            hi = s if hi is None else min(hi, s)
+        if lo is not None and (hi == lo + step or lo + step > max_len):
+            break
+        if hi is not None and hi <= min_len:
+            break
+        # next: a secant step from the nearest replays, kept inside the bracket
+        pts = sorted((k, v.peak_bytes) for k, v in known.items())
+        slope = None
+        if len(pts) >= 2:  # a secant through the two replays nearest to s
+            near = sorted(pts, key=lambda p: abs(p[0] - s))[:2]
+            slope = (near[0][1] - near[1][1]) / (near[0][0] - near[1][0])
+        if slope is None or slope <= 0:  # the fit's slope at s
+            f = fit_fn[id(chosen)]
+            slope = max((f(s + step) - f(s)) / step, 1e-9)
+        nxt = int((s + (budget - r.peak_bytes) / slope) // step * step)
+        if r.peak_bytes <= budget:
+            nxt = max(nxt, s + step)
+        else:
+            nxt = min(nxt, s - step)
+        a = lo if lo is not None else min_len - step
+        b = hi if hi is not None else max_len + step
+        if not (a < nxt < b):
+            nxt = ((a + b) // 2) // step * step
+            if not (a < nxt < b):
+                nxt = a + step if r.peak_bytes <= budget else b - step
+        nxt = min(max(nxt, min_len), max_len)
+        if nxt in known:
+            break
+        s = nxt
+    if lo is None:
+        r = at(min_len)
+        if r.peak_bytes > budget:
+            raise MemoryBudgetError(
+                f"nothing fits memory_budget {format_bytes(budget)} even at {min_len:,} tokens: the leanest plan "
+                f"({chosen.name}) needs {format_bytes(r.peak_bytes)} ({r.peak_bytes} bytes) there",
+                smallest=r.peak_bytes, plan=chosen, candidates=[c for c, _, _ in fits])
+        lo = min_len
+    if hi != lo + step and lo + step <= max_len:
+        notes.append(f"search not converged in {max_replays} replays: {lo:,} fits; {lo + step:,} not replayed")
+    est = known[lo]
+    chosen.estimate, chosen.fits = est, True
+    nxt_est = known.get(lo + step)
+    reason = (f"the longest fitted sequence among {len(cands)} plans ({len(probes)} probe replays each, "
+              f"{len(replays)} replays at the answer)")
+    if chosen.restricted:
+        notes.append("; ".join(f"{o.name}: {o.restricts}" for o in chosen.options if o.restricts))
+    for o in chosen.options:
+        if o.optimizer:
+            notes.append(f"build the optimizer as {o.optimizer!r} for this plan ({o.cost})")
+    plan = MemoryPlan(budget=budget, chosen=chosen, candidates=[chosen], passes=_pipeline(base, chosen),
+                      optimizer=chosen.optimizer, world_size=world_size, reason=reason, notes=[])
+    fit_rows = [(c.name, c.lossy, c.restricted, L, pk) for c, L, pk in fits]
+    return MaxSeqResult(seq=lo, step=step, budget=budget, plan=plan,
+                        next_peak=nxt_est.peak_bytes if nxt_est is not None else None, fits=fit_rows,
+                        probes=probes, replays=replays, notes=notes)

@@ -1,0 +1,196 @@
+"""The planner's long-sequence candidates and ``effpass plan --max-seq`` (issue 25.5).
+
+Oracles: the registry's declarations reaching the candidate list (structural: which plans are formed, with
+and without ``allow``, per optimizer and device); the planner's own replays bracketing its answer (the
+answer fits, the answer plus one step does not, checked by an independent ``estimate_memory``); a measured
+training step for step_in_backward's start bytes and peak (numerical).
+"""
+import json
+
+import pytest
+import torch
+
+import effpass
+from effpass.memory_options import declared_memory_options
+from effpass.passes import CheckpointActivations, FuseCrossEntropy, StepInBackward, TileSequence
+from effpass.planning import MemoryBudgetError, estimate_memory, plan_max_seq
+from effpass.planning.measure import measure_step
+from effpass.planning.planner import _candidates, _usable_options
+from effpass.testing import model_case
+
+TINY = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 96,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "max_position_embeddings": 4096, "dtype": "float32"}
+
+
+def _names(model, allow=(), optimizer="adamw", device="cpu", base=()):
+    notes = []
+    groups = _usable_options(model, set(base), tuple(allow), optimizer, 1, notes, device=device)
+    lossless, lossy = _candidates(groups, optimizer)
+    return {c.name for c in lossless}, {c.name for c in lossy}, notes
+
+
+def test_long_sequence_techniques_are_candidates():
+    model = model_case("llama", seq=16).model
+    lossless, lossy, _ = _names(model)
+    assert "checkpoint(full) + fuse_cross_entropy + step in backward + tiles(4096)" in lossless
+    assert any("tiles(4096)" in n for n in lossless) and any("step in backward" in n for n in lossless)
+    assert not lossy  # lossy ones only when allowed
+    assert not any("compress" in n or "offload" in n for n in lossless)  # offload: CUDA plans only
+    _, lossy, _ = _names(model, allow=["compress_activations"])
+    assert lossy and all("compress(int8)" in n for n in lossy)
+    cuda, _, _ = _names(model, device="cuda")
+    assert any("offload" in n for n in cuda)
+    # step_in_backward needs an optimizer it can step; never combined with a replaced optimizer
+    none, _, notes = _names(model, optimizer=None)
+    assert not any("step in backward" in n for n in none)
+    assert any("step_in_backward" in n and "not tried" in n for n in notes)
+    _, lossy8, _ = _names(model, allow=["adamw8bit"])
+    assert lossy8 and not any("step in backward" in n for n in lossy8)
+
+
+def test_step_in_backward_declares_its_restriction():
+    (o,) = [o for o in declared_memory_options(None) if o.technique == "step_in_backward"]
+    assert o.lossless and o.restricts and "adamw" in o.optimizers and o.phase == "module"
+    assert [o.options for o in declared_memory_options(None) if o.technique == "tile_sequence"] == [{"tile_rows": 4096}]
+
+
+def test_step_in_backward_predicted_as_measured():
+    """The replay creates AdamW's states and steps each parameter inside the backward as the real step does
+    (before: states never created, 36% of the start missing)."""
+    case = model_case("llama", seq=64)
+    passes = lambda: [CheckpointActivations(policy="full"), StepInBackward()]  # noqa: E731
+    est = estimate_memory(case.model, case.inputs, passes=passes(), lowering="eager")
+    model = case.make()
+    compiled = effpass.compile(model, passes=passes(), lowering="eager")
+    m = measure_step(compiled, model, case.inputs)
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert est.optimizer_states >= 2 * trainable  # AdamW's two states per parameter exist in the replay
+    assert est.start_bytes == m.start_bytes
+    assert est.peak_bytes == pytest.approx(m.peak_bytes, rel=0.01)
+
+
+def _est(peak, flops=0):
+    from effpass.planning import MemoryEstimate
+
+    return MemoryEstimate(peak_bytes=int(peak), start_bytes=0, step_peak_bytes=int(peak), parameters=0,
+                          trainable_parameters=0, buffers=0, inputs=0, gradients=0, optimizer_states=0,
+                          activations=0, largest_transient=0, largest_transient_op="-", peak_phase="backward",
+                          peak_graph="-", peak_node="-", flops=flops)
+
+
+@pytest.fixture
+def analytic(monkeypatch):
+    """The planner's replays replaced by an analytic peak per plan, a function of (plan's passes, seq): the
+    search logic (fit, bracket, choice, errors) tested without replay time. Records every replayed seq."""
+    import effpass.planning.planner as planner
+
+    calls = []
+
+    def fake_many(model, inputs, pipelines, optimizer, **kw):
+        seq = next(v for v in inputs.values() if isinstance(v, torch.Tensor)).shape[-1]
+        out = []
+        for pipe in pipelines:
+            names = {p.name for p in pipe}
+            calls.append((seq, tuple(sorted(names))))
+            per_token = 1000 - 300 * ("tile_sequence" in names) - 200 * ("checkpoint_activations" in names)
+            quad = 0.0 if "fuse_attention" in names else 0.01  # "eager attention": scores grow with seq^2
+            start = 1_000_000 - 100_000 * ("step_in_backward" in names)
+            out.append(_est(start + per_token * seq + quad * seq * seq, flops=seq * (1 + len(names))))
+        return out
+
+    monkeypatch.setattr(planner, "estimate_many", fake_many)
+    return calls
+
+
+def _inputs(seq):
+    ids = torch.zeros(1, seq, dtype=torch.long)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _peak(seq, per_token, quad=0.01, start=900_000):
+    return start + per_token * seq + quad * seq * seq
+
+
+def test_max_seq_search_brackets_the_answer(analytic):
+    model = model_case("llama", seq=16).model
+    budget = 5_000_000
+    res = plan_max_seq(model, _inputs, budget, passes=[], step=64, probes=(512, 1024, 2048))
+    # the leanest neighbourhood plan: every lossless option (per token 500, start 900,000), quadratic term kept
+    assert {"tile_sequence", "checkpoint_activations", "step_in_backward"} <= {p.name for p in res.plan.passes}
+    want = max(s for s in range(64, 1 << 16, 64) if _peak(s, 500) <= budget)
+    assert res.seq == want  # the quadratic fit through three probes is exact here
+    assert res.plan.peak_bytes <= budget < res.next_peak
+    answer_replays = [s for s, *_ in res.replays]
+    assert res.seq in answer_replays and res.seq + 64 in answer_replays and len(answer_replays) <= 4
+    # every candidate was probed at the three lengths, the answer then replayed for the chosen plan only
+    assert {s for s, _ in analytic[:len(res.fits) * 3]} == {512, 1024, 2048}
+    assert "step in backward" in res.plan.chosen.name and any("no gradient accumulation" in n for n in
+                                                              res.plan.notes + res.notes)
+
+
+def test_max_seq_prefers_unrestricted_on_a_tie(analytic, monkeypatch):
+    """A plan restricting the training loop is chosen only when it fits a longer sequence."""
+    import effpass.planning.planner as planner
+
+    real = planner.estimate_many
+
+    def no_gain(model, inputs, pipelines, optimizer, **kw):  # step_in_backward saves nothing here
+        return [_est(e.peak_bytes + 100_000 * ("step_in_backward" in {p.name for p in pipe}), e.flops)
+                for e, pipe in zip(real(model, inputs, pipelines, optimizer, **kw), pipelines)]
+
+    monkeypatch.setattr(planner, "estimate_many", no_gain)
+    res = plan_max_seq(model_case("llama", seq=16).model, _inputs, 5_000_000, passes=[], step=64,
+                       probes=(512, 1024, 2048))
+    assert "step in backward" not in res.plan.chosen.name and not res.plan.chosen.restricted
+
+
+def test_max_seq_nothing_fits_analytic(analytic):
+    with pytest.raises(MemoryBudgetError, match="even at 64 tokens") as e:
+        plan_max_seq(model_case("llama", seq=16).model, _inputs, 900_000, passes=[], step=64, probes=(512, 1024))
+    assert e.value.smallest > 900_000 and e.value.plan is not None
+
+
+def test_max_seq_lossy_only_when_allowed(analytic):
+    model = model_case("llama", seq=16).model
+    res = plan_max_seq(model, _inputs, 5_000_000, passes=[], step=64, probes=(512, 1024, 2048))
+    assert not any("compress" in n for n, *_ in res.fits)
+    res = plan_max_seq(model, _inputs, 5_000_000, passes=[], step=64, probes=(512, 1024, 2048),
+                       allow=["compress_activations"])
+    assert any("compress" in n for n, *_ in res.fits)
+    assert not res.plan.chosen.lossy  # the analytic peak gains nothing from it: lossless kept
+
+
+def test_cli_max_seq(tmp_path, capsys, analytic):
+    from effpass.cli import main
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(TINY))
+    rc = main(["plan", str(cfg), "--batch", "1", "--budget", "5000000", "--max-seq", "--step", "64", "--probes",
+               "512", "1024", "2048"])
+    out = capsys.readouterr().out
+    assert rc in (0, None)
+    assert "longest sequence that fits" in out and "predictions, not measurements" in out
+    assert f"{max(s for s in range(64, 1 << 16, 64) if _peak(s, 500) <= 5_000_000):,} tokens" in out
+    rc = main(["plan", str(cfg), "--batch", "1", "--budget", "5000000", "--max-seq", "--step", "64", "--probes",
+               "512", "1024", "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert d["plan"]["peak_bytes"] <= d["budget"] < d["next_peak"]
+    assert main(["plan", str(cfg), "--batch", "1", "--budget", "800000", "--max-seq", "--step", "64"]) == 2
+    assert "even at 64 tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--seq is required"):
+        main(["plan", str(cfg), "--batch", "1", "--budget", "2MiB"])
+
+
+def test_max_seq_answer_fits_by_real_replays():
+    """Real replays (tiny Llama, one plan: the pipeline leaves nothing to add without an optimizer): the
+    answer's peak fits, one step more does not, and an independent replay at the answer + step agrees."""
+    case = model_case("llama", seq=16, layers=1)
+    passes = [CheckpointActivations(policy="full"), FuseCrossEntropy(), TileSequence()]  # tiles: none below 8k
+    budget = 1_400_000
+    res = plan_max_seq(case.model, _inputs, budget, passes=passes, optimizer=None, step=64, probes=(256, 512),
+                       max_len=4096, lowering="eager")
+    assert [n for n, *_ in res.fits] == ["as given"]
+    assert res.seq >= 64 and res.plan.peak_bytes <= budget < res.next_peak
+    nxt = estimate_memory(case.model, _inputs(res.seq + 64), passes=passes, optimizer=None, lowering="eager")
+    assert nxt.peak_bytes == res.next_peak
