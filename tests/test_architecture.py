@@ -181,6 +181,8 @@ LONG_MODULES = {
     "_fuse_ce_kernels.py": "the chunked linear+cross-entropy, log-prob and row-wise kernels with their autograd",
     "fuse_cross_entropy.py": "three rewrites (loss, log-prob, row-wise region) sharing the head helpers",
     "shard_sequence.py": "the pass plus its all-to-all autograd functions and the mesh checks",
+    "step_in_backward.py": "the optimizer hooks, the in-graph step op and its fake kernel (the planner's replay) "
+                           "share one per-parameter registry",
 }
 
 
