@@ -84,7 +84,7 @@ def token_batches(cfg: dict, device: str, n: int = 1) -> list:
 
 def time_steps(step: Callable[[], object], cfg: dict, cuda: bool) -> dict:
     """The first call's seconds, then ``cfg["warmup"]`` calls, then the median wall and CPU seconds of
-    ``cfg["steps"]`` calls."""
+    ``cfg["steps"]`` calls (and each call's, ``steps_s`` / ``steps_cpu_s``)."""
     import statistics
 
     t0 = time.perf_counter()
@@ -99,7 +99,8 @@ def time_steps(step: Callable[[], object], cfg: dict, cuda: bool) -> dict:
         c0 = time.process_time()
         times.append(timed(step, cuda))
         cpu.append(time.process_time() - c0)
-    return {"first_call_s": first, "step_s": statistics.median(times), "cpu_s": statistics.median(cpu)}
+    return {"first_call_s": first, "step_s": statistics.median(times), "cpu_s": statistics.median(cpu),
+            "steps_s": times, "steps_cpu_s": cpu}
 
 
 def arm_main(script: str, *, arms: tuple[str, ...], cpu_shape: dict, gpu_shape: dict, worker: Callable,

@@ -40,13 +40,11 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import timed  # noqa: E402
+from _common import time_steps  # noqa: E402
 
 ARMS = ("eager", "effpass", "compile", "effpass_off", "effpass_64m", "effpass_2m", "torch_lce", "cce", "liger",
         "trl_chunked")
@@ -134,26 +132,13 @@ def run_arm(arm: str, vocab: int, device: str, steps: int | None = None) -> dict
         model.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
 
-    cuda = device == "cuda"
-    t0 = time.perf_counter()
-    step()
-    if cuda:
-        torch.cuda.synchronize()
-    first = time.perf_counter() - t0
-    for _ in range(cfg["warmup"]):
-        step()
-    times, cpu = [], []
-    for _ in range(cfg["steps"]):
-        c0 = time.process_time()
-        times.append(timed(step, cuda))
-        cpu.append(time.process_time() - c0)
+    timing = time_steps(step, cfg, device == "cuda")
     live = live_tensor_bytes(model.parameters())
     _, peak = peak_memory(step, device)
     if arm.startswith("effpass") and arm != "effpass_off":
         stats = effpass.report(c).stats("fuse_cross_entropy")
-    return {"arm": arm, "vocab": vocab, "peak_bytes": peak, "live_bytes": live, "step_s": statistics.median(times),
-            "steps_s": times, "cpu_s": statistics.median(cpu), "steps_cpu_s": cpu,
-            "load": os.getloadavg()[0] if hasattr(os, "getloadavg") else None, "first_call_s": first, "loss": losses[0], "logits_bytes": cfg["seq"] * vocab * 4,
+    return {"arm": arm, "vocab": vocab, "peak_bytes": peak, "live_bytes": live, **timing,
+            "load": os.getloadavg()[0] if hasattr(os, "getloadavg") else None, "loss": losses[0], "logits_bytes": cfg["seq"] * vocab * 4,
             "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))}, "shape": cfg}
 
 
