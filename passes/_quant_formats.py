@@ -45,7 +45,7 @@ from effpass.quantized import register_quantized_format
 
 __all__ = ["NF4_CODE", "nf4_code_from_normal_quantiles", "sqnr", "Int8WeightTensor", "NF4WeightTensor",
            "Int4WeightTensor", "quantize_int4", "dequantize_int4", "to_nf4_weight", "dequantize_weight",
-           "INT4_KERNELS"]
+           "INT4_KERNELS", "register_torchao_int4"]
 
 #: The 16 NF4 code values (QLoRA paper, appendix E; bitsandbytes ``create_normal_map``).
 NF4_CODE = (
@@ -418,3 +418,17 @@ register_quantized_format(Int8WeightTensor, dequantize=_deq_int8)
 register_quantized_format(NF4Tensor, dequantize=_deq_nf4_torchao)
 register_quantized_format(NF4WeightTensor, dequantize=_deq_nf4_fast)
 register_quantized_format(Int4WeightTensor, dequantize=_deq_int4)
+
+
+def _deq_torchao_int4(t, dtype):
+    """torchao's tile-packed int4 has no ``dequantize``: its own matmul of the identity gives W^T exactly (each
+    output element is one dequantized weight times 1)."""
+    eye = torch.eye(t.shape[1], dtype=t.dtype, device=t.device)
+    return torch.nn.functional.linear(eye, t).t().contiguous().to(dtype or t.dtype)
+
+
+def register_torchao_int4() -> None:
+    """Register torchao's ``Int4TilePackedTo4dTensor`` (made only by ``kernel="torchao"``; imported on first use)."""
+    from torchao.quantization.quantize_.workflows.int4.int4_tile_packed_to_4d_tensor import Int4TilePackedTo4dTensor
+
+    register_quantized_format(Int4TilePackedTo4dTensor, dequantize=_deq_torchao_int4)

@@ -110,7 +110,9 @@ def _float8_linear(lin: nn.Linear, granularity: str, emulate: bool, fsdp_all_gat
     from torchao.float8.float8_linear import Float8Linear
 
     cfg = Float8LinearConfig.from_recipe_name(granularity)
-    cfg = dataclasses.replace(cfg, emulate=emulate, enable_fsdp_float8_all_gather=fsdp_all_gather)
+    # pad_inner_dim: torch._scaled_mm needs every inner dimension divisible by 16, and the backward's weight
+    # gradient contracts over the tokens (40 tokens failed on an H100 without it).
+    cfg = dataclasses.replace(cfg, emulate=emulate, enable_fsdp_float8_all_gather=fsdp_all_gather, pad_inner_dim=True)
     return Float8Linear.from_float(lin, config=cfg)
 
 
@@ -224,7 +226,8 @@ class QuantizeLinear(effpass.Pass):
                "only True is valid"})
     kernel: Literal["auto", "torchao", "triton"] = field(default="auto", metadata={
         "doc": "auto: effpass's fastest path (int8: aten int8pack for CPU bf16/fp16 inference; nf4: pair-table "
-               "dequantize; int4: Triton on CUDA); torchao: torchao's own linear (int8, nf4); triton: int4 only"})
+               "dequantize; int4: Triton on CUDA); torchao: torchao's own linear (int8, nf4; int4: tinygemm on CUDA bf16, "
+               "inference only: no backward); triton: int4 only"})
     outlier_threshold: float = field(default=0.0, metadata={
         "doc": "keep input-feature columns whose max |w| exceeds this many std of the weight in high "
                "precision (LLM.int8 idea); 0 disables"})
@@ -266,7 +269,7 @@ class QuantizeLinear(effpass.Pass):
             raise ValueError("quantize_linear: double_quant=False is not available: NF4 weights are torchao NF4Tensors, "
                              "which always double-quantize their absmax constants (QLoRA's default, ~0.127 bits per "
                              "weight); use double_quant=True")
-        valid_kernels = {"int8": ("auto", "torchao"), "nf4": ("auto", "torchao"), "int4": ("auto", "triton"),
+        valid_kernels = {"int8": ("auto", "torchao"), "nf4": ("auto", "torchao"), "int4": ("auto", "triton", "torchao"),
                          "fp8": ("auto",)}[self.scheme]
         if self.kernel not in valid_kernels:
             raise ValueError(f"quantize_linear: kernel={self.kernel!r} does not apply to scheme={self.scheme!r}; "
@@ -367,9 +370,15 @@ class QuantizeLinear(effpass.Pass):
         if self.scheme == "nf4":
             return fmt.to_nf4_weight(w, self.block_size, fast=self.kernel != "torchao")
         if self.scheme == "int4":
-            if self.kernel == "auto" and w.device.type == "cuda" and w.dtype == torch.bfloat16:
-                # torchao's int4 weight-only format with a kernel for CUDA (tinygemm, in torch itself):
-                # what Int4WeightOnlyConfig(int4_packing_format="tile_packed_to_4d") makes. Untested here.
+            if self.kernel == "torchao":
+                # torchao's int4 weight-only format (tinygemm, ``aten._weight_int4pack_mm``): CUDA and bf16 only,
+                # and INFERENCE only - torchao 0.18 gives it no backward (no derivative for the int4 matmul, no
+                # dequantize), so "auto" keeps effpass's format, whose kernel has one (ran on an H100, 2026-11-27:
+                # "auto" with torchao's format failed the input-gradient check).
+                if w.device.type != "cuda" or w.dtype != torch.bfloat16:
+                    raise ValueError(f"quantize_linear: scheme='int4', kernel='torchao' needs bf16 weights on CUDA "
+                                     f"(torchao's tinygemm); got {w.dtype} on {w.device.type}; use kernel='auto'")
+                fmt.register_torchao_int4()
                 from torchao.quantization.quantize_.workflows.int4.int4_tile_packed_to_4d_tensor import (
                     Int4TilePackedTo4dTensor)
 

@@ -264,7 +264,7 @@ def test_tensorrt_lowering_runs_on_gpu():
     from effpass.config import _tensorrt_missing
 
     if _tensorrt_missing():
-        pytest.skip(f"needs {_tensorrt_missing()}")
+        pytest.skip(f"optional extra: torch-tensorrt (needs {_tensorrt_missing()})")
     case = model_case("llama")
     model = case.model.cuda().eval()
     ids = case.inputs["input_ids"].cuda()

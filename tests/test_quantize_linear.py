@@ -437,7 +437,7 @@ def test_fp8_fsdp_all_gather_wraps_weights_for_torchao_fp8_all_gather():
     ({"block_size": 63}, "block_size"),
     ({"outlier_threshold": -1.0}, "outlier_threshold"),
     ({"scheme": "nf4", "kernel": "triton"}, r"kernel='triton'.*\['auto', 'torchao'\]"),
-    ({"scheme": "int4", "kernel": "torchao"}, r"kernel='torchao'.*\['auto', 'triton'\]"),
+    ({"scheme": "fp8", "kernel": "torchao"}, r"kernel='torchao'.*\['auto'\]"),
     ({"scheme": "nf4", "double_quant": False}, "double_quant=False"),
     ({"scheme": "int8", "fp8_emulate": True}, "fp8_emulate"),
     ({"scheme": "fp8", "fp8_fsdp_all_gather": True}, r"fp8_fsdp_all_gather=True needs .*tensorwise"),
@@ -571,6 +571,34 @@ def test_quantized_linears_on_gpu_bf16(scheme):
     with torch.no_grad():  # decode shape
         x1 = x[:1].detach()
         assert sqnr(F.linear(x1, dequantized_weight(lin, torch.bfloat16), lin.bias), lin(x1)) > 40
+
+
+def test_torchao_int4_needs_cuda_bf16():
+    """torchao's tinygemm int4 is CUDA + bf16 only: elsewhere a clear error at prepare time, nothing quantized."""
+    lin = nn.Linear(256, 384)
+    w = lin.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"kernel='torchao' needs bf16 weights on CUDA.*torch.float32 on cpu"):
+        _prepare(nn.Sequential(lin), scheme="int4", kernel="torchao")
+    assert type(lin.weight) is nn.Parameter and torch.equal(lin.weight, w)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_torchao_int4_inference_on_gpu():
+    """kernel='torchao': torchao's Int4TilePackedTo4dTensor, registered with the quantized-weight protocol
+    (dequantize through its own matmul of the identity; bytes from its inner tensors)."""
+    from effpass.quantized import dequantize, is_quantized, storage_bytes
+
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 384).cuda().bfloat16()
+    w = lin.weight.detach().clone()
+    _prepare(nn.Sequential(lin), scheme="int4", kernel="torchao", group_size=128)
+    assert type(lin.weight).__name__ == "Int4TilePackedTo4dTensor" and is_quantized(lin.weight)
+    assert sqnr(w, dequantize(lin.weight, torch.bfloat16)) > 15
+    assert storage_bytes(lin.weight) < 0.6 * w.numel()
+    x = torch.randn(37, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert sqnr(F.linear(x, dequantize(lin.weight, torch.bfloat16), lin.bias), lin(x)) > 40
 
 
 @pytest.mark.gpu

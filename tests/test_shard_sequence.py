@@ -476,7 +476,7 @@ def scenario_ring_gpu(rank, world):
 def test_ring_fallback_two_gpus_equal_one_process(tmp_path):
     """CUDA only (torch 2.13's context_parallel has no CPU SDPA handler); untested here: no GPU in CI."""
     if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA GPUs")
+        pytest.skip("needs a GPU machine with 2 CUDA GPUs")
     for r in spawn("ring_gpu", 2, tmp_path, backend="nccl"):
         assert r["attention"] == "ring" and r["missing"] == [], r
         assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * abs(r["ref_loss"]), r
