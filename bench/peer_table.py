@@ -33,15 +33,26 @@ def _r(x, y):
 
 
 def fused_loss(rows):
-    d = _load("cross_entropy_peers_cpu.json")
+    for name in ("cross_entropy_peers_cpu.json", "cross_entropy_cuda.json"):
+        _fused_loss_file(rows, name)
+
+
+def _fused_loss_file(rows, name):
+    d = _load(name)
     if d is None:
-        return rows.append(("fused linear + cross-entropy", "Liger, Cut Cross-Entropy, TRL chunked, torch chunked",
-                            "not measured yet", "", "", "bench/bench_cross_entropy.py"))
+        if name.endswith("_cpu.json"):
+            rows.append(("fused linear + cross-entropy", "Liger, Cut Cross-Entropy, TRL chunked, torch chunked",
+                         "not measured yet", "", "", "bench/bench_cross_entropy.py"))
+        return
     meta = d["meta"]
+    cuda = "cuda" in name
+    tkey, tlabel = ("step_s", " step time") if cuda else ("cpu_s", " CPU time")
     for vocab in sorted({r["vocab"] for r in d["results"]}):
         arms = {r["arm"]: r for r in d["results"] if r["vocab"] == vocab}
         ours = arms.get("effpass")
         eager = arms.get("eager")
+        if ours is None or eager is None:
+            continue
         for peer, label in (("eager", "HF eager"), ("compile", "torch.compile"), ("torch_lce", "torch F.linear_cross_entropy (chunked)"),
                             ("cce", "Cut Cross-Entropy"), ("trl_chunked", "TRL ChunkedLogProbFunction"),
                             ("liger", "Liger-Kernel fused linear CE")):
@@ -57,7 +68,7 @@ def fused_loss(rows):
                              "", where, "bench/bench_cross_entropy.py"))
                 continue
             mem = f"{_r(ours['peak_bytes'], p['peak_bytes'])} ({ours['peak_bytes'] / 2**20:,.0f} vs {p['peak_bytes'] / 2**20:,.0f} MiB; peer {_r(p['peak_bytes'], eager['peak_bytes'])} of eager)"
-            rows.append(("fused linear + cross-entropy", label, mem, _r(ours["cpu_s"], p["cpu_s"]) + " CPU time", where,
+            rows.append(("fused linear + cross-entropy", label, mem, _r(ours[tkey], p[tkey]) + tlabel, where,
                          "bench/bench_cross_entropy.py"))
 
 
@@ -219,9 +230,9 @@ def table() -> str:
            "|---|---|---|---|---|---|"]
     out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     out += ["", "Ratios below 1 favour effpass (except tokens/s). CPU figures come from the shared 2-core machine; "
-            "compare within a row only. GPU arms (Liger's kernels, Cut Cross-Entropy's Triton kernel, the GPU shapes of "
-            "every script) are written and have not run: no GPU was available. bitsandbytes (0.50) and DeepSpeed's "
-            "TiledMLP ran on the CPU."]
+            "compare within a row only. GPU rows: one H100 run (2026-11-27, bench/results/gpu_check_2026-11-27.md); the "
+            "other scripts' GPU arms are written and have not run. bitsandbytes (0.50) and DeepSpeed's TiledMLP ran on "
+            "the CPU."]
     return "\n".join(out)
 
 
