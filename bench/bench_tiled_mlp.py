@@ -11,8 +11,10 @@ tiling alone is compared):
   (its default; the all-reduce of the shard count across ranks dropped: one process), eager. Needs
   ``pip install deepspeed`` (its pure-Python parts import on a CPU-only machine; it is not in the ``bench``
   extra's mandatory set because it pulls its own build tooling)
-* ``effpass_untiled``: ``effpass.compile(model, passes=[])``: effpass's capture without any pass
-* ``effpass_tiled``: ``effpass.compile(model, passes=[TileSequence()])`` (default 1,024 rows per tile)
+* ``effpass_untiled``: ``effpass.compile(model, passes=[FuseAttention()])``: effpass's capture with its attention
+  fusion only (without it the captured SDPA call keeps transformers' dense causal mask for backward, 64 MiB at
+  4,096 tokens, which Hugging Face eager does not hold: SDPA takes ``is_causal`` there)
+* ``effpass_tiled``: ``passes=[FuseAttention(), TileSequence()]`` (default 1,024 rows per tile)
 * ``effpass_tiled_alst_rows``: ``TileSequence(tile_rows=ceil(seq / shards))``: the tile size ALST's arm uses
 
 effpass arms use ``--lowering`` (default eager on the CPU: Inductor's cold compiles cost minutes there).
@@ -83,13 +85,13 @@ def worker(arm: str, cfg: dict, device: str) -> dict:
     run = model
     if arm.startswith("effpass"):
         import effpass
-        from effpass.passes import TileSequence
+        from effpass.passes import FuseAttention, TileSequence
 
-        passes = []
+        passes = [FuseAttention()]
         if arm == "effpass_tiled":
-            passes = [TileSequence()]
+            passes.append(TileSequence())
         elif arm == "effpass_tiled_alst_rows":
-            passes = [TileSequence(tile_rows=math.ceil(cfg["seq"] / alst_shards(cfg)))]
+            passes.append(TileSequence(tile_rows=math.ceil(cfg["seq"] / alst_shards(cfg))))
         run = effpass.compile(model, passes=passes, lowering=cfg["lowering"])
     losses = []
 
