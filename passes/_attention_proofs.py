@@ -15,7 +15,7 @@ import torch.fx as fx
 from effpass.canonicalize import INPLACE_FORMS
 from effpass.graph import MASK_FILL_THRESHOLD, ancestors, is_buffer_source, is_number, is_random_op, shape_of, val
 
-__all__ = ["ConstEval", "fill_value_ok", "is_causal", "rows_nonempty", "static_shape"]
+__all__ = ["ConstEval", "fill_value_ok", "is_causal", "rows_nonempty", "sdpa_mask_causal", "static_shape"]
 
 
 def static_shape(shape) -> bool:
@@ -149,3 +149,119 @@ def rows_nonempty(site, const: ConstEval) -> bool:
     allowed = _allowed(site, const, lambda t: t > MASK_FILL_THRESHOLD)
     return isinstance(allowed, torch.Tensor) and allowed.dim() >= 1 and bool(allowed.any(-1).all())
 
+
+
+# ------------------------------------------------------------------------------------------------------
+# a mask handed to an existing SDPA call: exactly causal? (evaluated in row tiles: O(N^2) time, O(tile) memory)
+# ------------------------------------------------------------------------------------------------------
+#: elementwise ops a mask's (Sq, Sk)-sized nodes may be built from (by name: torch functions, operators, methods)
+_TILE_FUNCTIONS = {"le", "lt", "ge", "gt", "eq", "ne", "and_", "or_", "xor", "invert", "not_", "add", "sub", "mul",
+                   "logical_and", "logical_or", "logical_not", "logical_xor", "bitwise_and", "bitwise_or",
+                   "bitwise_not", "bitwise_xor", "where", "masked_fill", "clone", "neg"}
+_TILE_METHODS = _TILE_FUNCTIONS | {"to", "bool", "float", "half", "bfloat16", "int", "long", "type", "contiguous",
+                                   "expand", "__and__", "__or__", "__invert__", "__xor__", "masked_fill_"}
+
+#: the largest Sq * Sk a mask is evaluated for (about 46K tokens; time grows with it, memory does not)
+MAX_SDPA_MASK_ELEMENTS = 1 << 31
+_TILE_ELEMENTS = 1 << 22
+
+
+def sdpa_mask_causal(mask: fx.Node, const: ConstEval, sq: int, sk: int) -> str | None:
+    """None when ``mask`` (an SDPA ``attn_mask``: bool "attend", or float 0 / masked) is a compile-time constant
+    equal to the causal lower triangle over every batch and head, else why not. Nodes of the mask's full
+    ``(.., Sq, Sk)`` size are evaluated ``_TILE_ELEMENTS`` at a time over query rows (elementwise ops and
+    ``expand`` only); the smaller nodes they are computed from by :class:`ConstEval`."""
+    if not (isinstance(sq, int) and isinstance(sk, int)) or sq != sk:
+        return f"query/key lengths ({sq}, {sk}) are not one static length"
+    if sq * sk > MAX_SDPA_MASK_ELEMENTS:
+        return f"{sq} x {sk} mask is above the {MAX_SDPA_MASK_ELEMENTS:,}-element evaluation limit"
+    order = sorted(ancestors(mask), key=lambda n: _position(n))
+    big = [n for n in order if _full_size(n, sq, sk)]
+    if mask not in big:
+        return "the mask is not (.., Sq, Sk)-sized"
+    for n in big:
+        name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+        if n.op not in ("call_function", "call_method") or name not in (
+                _TILE_METHODS if n.op == "call_method" else _TILE_FUNCTIONS):
+            # not evaluated by rows (e.g. ``ones(S, S).tril()``): whole, within ConstEval's element limit
+            whole = const(mask)
+            if not isinstance(whole, torch.Tensor):
+                return (f"the mask is built with {n.op} {name or n.target} (not evaluated by rows) and is not a "
+                        f"constant within the evaluation limit")
+            return _causal_rows(whole, 0, sq, sk)
+    for n in big:
+        for a in n.all_input_nodes:
+            if a not in big and not isinstance(const(a), (torch.Tensor, int, float, bool)):
+                return "the mask depends on a graph input or a value not known at compile time"
+    rows = max(1, _TILE_ELEMENTS // sk)
+    for r0 in range(0, sq, rows):
+        r1 = min(sq, r0 + rows)
+        tile = _eval_rows(big, const, sq, r0, r1)
+        if tile is None:
+            return "the mask could not be evaluated"
+        why = _causal_rows(tile[mask], r0, r1, sk)
+        if why is not None:
+            return why
+    return None
+
+
+def _causal_rows(t: torch.Tensor, r0: int, r1: int, sk: int) -> str | None:
+    """None when rows ``r0:r1`` of mask ``t`` (bool "attend" or float 0 / masked) are the causal triangle's."""
+    if t.dim() < 2 or tuple(t.shape[-2:]) != (r1 - r0, sk):
+        return f"the mask's rows have shape {tuple(t.shape)}"
+    if t.dtype == torch.bool:
+        allowed = t
+    else:
+        allowed, drop = t == 0, t <= MASK_FILL_THRESHOLD
+        if not bool((allowed | drop).all()):
+            return "the float mask holds values other than 0 and a masking value (a bias)"
+    tril = torch.arange(r0, r1, device=t.device)[:, None] >= torch.arange(sk, device=t.device)[None, :]
+    if not bool((allowed == tril).all()):
+        return "the mask is constant but not causal (a window, chunks, padding or bidirectional)"
+    return None
+
+
+def _position(n: fx.Node) -> int:
+    # topological order inside one graph: the node list's order (cached per graph)
+    graph = n.graph
+    index = getattr(graph, "_effpass_node_index", None)
+    if index is None or n not in index:
+        index = {m: i for i, m in enumerate(graph.nodes)}
+        graph._effpass_node_index = index
+    return index[n]
+
+
+def _full_size(n: fx.Node, sq: int, sk: int) -> bool:
+    shape = shape_of(n)
+    return shape is not None and len(shape) >= 2 and tuple(shape[-2:]) == (sq, sk)
+
+
+def _eval_rows(big: list, const: ConstEval, sq: int, r0: int, r1: int) -> dict | None:
+    """The big nodes' values for query rows ``r0:r1`` (smaller constant operands sliced where they span rows)."""
+    vals: dict = {}
+
+    def arg(a):
+        if a in vals:
+            return vals[a]
+        v = const(a)
+        if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[-2] == sq and sq != 1:
+            v = v[..., r0:r1, :]
+        return v
+
+    try:
+        for n in big:
+            args = fx.node.map_arg(n.args, arg)
+            kwargs = fx.node.map_arg(n.kwargs, arg)
+            name = n.target if n.op == "call_method" else n.target.__name__
+            if name == "expand":
+                sizes = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
+                if len(sizes) >= 2 and sizes[-2] == sq:
+                    sizes[-2] = r1 - r0
+                args = (args[0], *sizes)
+            if n.op == "call_function":
+                vals[n] = n.target(*args, **kwargs)
+            else:
+                vals[n] = getattr(args[0], n.target)(*args[1:], **kwargs)
+    except Exception:  # anything unexpected: not proven
+        return None
+    return vals

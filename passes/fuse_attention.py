@@ -91,12 +91,12 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 import effpass
-from effpass.attention import masked_sdpa
+from effpass.attention import SDPA_PARAMS, masked_sdpa, sdpa_arguments
 from effpass.graph import AutocastRegions, Skip, annotate_new_nodes, erase_dead, is_softmax, shape_of, site_name, val
 
 from ._attention_kv import strip_transpose, unrepeat
 from ._attention_match import Site, match_site
-from ._attention_proofs import ConstEval, is_causal, rows_nonempty
+from ._attention_proofs import ConstEval, is_causal, rows_nonempty, sdpa_mask_causal
 
 __all__ = ["FuseAttention"]
 
@@ -130,6 +130,9 @@ class FuseAttention(effpass.Pass):
         "doc": "treat registered buffers (GPT-2's causal 'bias') as constants when proving causality"})
     max_mask_eval_elements: int = field(default=1 << 26, metadata={
         "doc": "largest constant mask subgraph (elements) evaluated at compile time to prove causality"})
+    sdpa_masks: bool = field(default=True, metadata={
+        "doc": "an existing SDPA call whose attn_mask is a provably causal constant (transformers builds one under "
+               "torch.compile) gets is_causal=True and no mask: no (S x S) mask kept for backward, flash kernels"})
 
     def validate(self) -> None:
         if self.max_mask_eval_elements < 0:
@@ -152,6 +155,7 @@ class FuseAttention(effpass.Pass):
                  "empty_row_guard": 0, "skipped": 0}
         unfused: list[dict] = []
         skipped = []
+        model_sdpa = [n for n in graph.nodes if n.op == "call_function" and n.target is F.scaled_dot_product_attention]
         # the scope keeps the softmaxes in targets/exclude (and warns, naming the pass, when it keeps none)
         for sm in ctx.scope.select_nodes(gm, [n for n in graph.nodes if is_softmax(n)], what="attention softmax"):
             where = site_name(sm)
@@ -161,12 +165,42 @@ class FuseAttention(effpass.Pass):
             except Skip as e:
                 stats["skipped"] += 1
                 skipped.append({"site": where, "reason": str(e)})
-        changed = stats["rewritten"] > 0
+        if self.sdpa_masks and self.prove_causal:
+            skipped += self._causal_sdpa_masks(gm, ctx, const, stats, model_sdpa)
+        changed = stats["rewritten"] > 0 or stats.get("sdpa_mask_causal", 0) > 0
         if changed:
             graph.lint()
         # NOTE: rewritten sites whose SDPA call will not run a fused kernel are listed with the left-alone ones
         # (flag "unfused"), so the dump and report show every site that does not get a fused kernel, and why
         return effpass.PassResult(changed=changed, stats=stats, skipped=skipped + unfused)
+
+    def _causal_sdpa_masks(self, gm: fx.GraphModule, ctx, const: ConstEval, stats: dict, sites: list) -> list:
+        """SDPA calls the model made itself (e.g. transformers' ``sdpa`` attention, which under torch.compile
+        materialises its causal mask when there is no cache): a mask proven exactly causal becomes
+        ``is_causal=True``. Returns the kept masks' reasons (for the report)."""
+        stats.update(sdpa_mask_causal=0, sdpa_mask_kept=0)
+        kept, proofs = [], {}  # one proof per mask node (transformers passes one mask to every layer)
+        for n in ctx.scope.select_nodes(gm, sites, what="SDPA call") if sites else ():
+            a = sdpa_arguments(n)
+            mask = a.get("attn_mask")
+            if not isinstance(mask, fx.Node) or a.get("is_causal", False) is not False:
+                continue
+            sq, sk = (_length(a.get(x)) for x in ("query", "key"))
+            if not (isinstance(sq, int) and isinstance(sk, int)):  # symbolic lengths (packing marks them dynamic)
+                why = f"query/key lengths ({sq}, {sk}) are not static"
+            else:
+                if (mask, sq, sk) not in proofs:
+                    proofs[mask, sq, sk] = sdpa_mask_causal(mask, const, sq, sk)
+                why = proofs[mask, sq, sk]
+            if why is not None:
+                stats["sdpa_mask_kept"] += 1
+                kept.append({"site": site_name(n), "reason": f"the model's SDPA call keeps its attn_mask: {why}"})
+                continue
+            n.kwargs = {**dict(zip(SDPA_PARAMS[3:], n.args[3:])), **n.kwargs, "attn_mask": None, "is_causal": True}
+            n.args = n.args[:3]
+            erase_dead(gm.graph, [mask], producers=True)
+            stats["sdpa_mask_causal"] += 1
+        return kept
 
     def _rewrite(self, graph: fx.Graph, site: Site, const: ConstEval, stats: dict, unfused: list,
                  where: str, autocast: AutocastRegions) -> None:
@@ -295,6 +329,11 @@ class FuseAttention(effpass.Pass):
             stats["unfused"] += 1
             unfused.append({"site": where, "unfused": True,
                             "reason": f"rewritten to SDPA, but SDPA runs its unfused math op: {why}"})
+
+
+def _length(x):
+    shape = shape_of(x) if isinstance(x, fx.Node) else None
+    return shape[-2] if shape is not None and len(shape) >= 2 else None
 
 
 def _why_unfused(qv, kv, vv, attn_mask, site: Site, gqa: bool) -> str | None:

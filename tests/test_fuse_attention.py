@@ -77,11 +77,93 @@ def test_fuses_every_layer_of_real_models(name):
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
-def test_leaves_models_that_already_call_sdpa_unchanged(name):
+def test_models_that_already_call_sdpa_keep_their_calls(name):
+    """With a cache (the config's default) transformers passes no mask and ``is_causal``: nothing to do."""
     case = model_case(name, attn="sdpa")
     res = compile_and_compare(case, [FuseAttention()], lowering="eager", strict=True)
+    st = res.report.stats("fuse_attention")
+    assert st.get("fused", 0) == 0 and st.get("sdpa_mask_causal", 0) == 0
     assert all(not r.changed for r in _records(res.compiled))
-    assert res.report.stats("fuse_attention").get("fused", 0) == 0
+
+
+def _sdpa_saved_square(case, passes) -> tuple[int, object]:
+    """Bytes of (.., S, S)-shaped tensors the backward reads, and the compile_and_compare result."""
+    _SAVED_SQUARE.clear()
+    res = compile_and_compare(case, [*passes, "probe_saved_square"], lowering="eager", strict=True)
+    return sum(_SAVED_SQUARE), res
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "mistral_window", "bert"])
+def test_causal_mask_transformers_builds_for_sdpa_becomes_is_causal(name):
+    """Training configs (``use_cache=False``) under torch.compile: transformers materialises an (S x S) mask for its
+    own SDPA call, kept for backward and keeping CUDA off the flash kernel. A mask proven exactly causal (row-tiled
+    constant evaluation) becomes ``is_causal=True``; a sliding window shorter than the sequence and a padding mask
+    from the inputs stay (numerics equal eager either way)."""
+    if name == "mistral_window":  # sliding_window=4 < 24 tokens
+        from _families import family_case
+
+        case = family_case("mistral", seq=SQUARE_LEN, batch=1, attn="sdpa")
+    else:
+        case = model_case(name, attn="sdpa", train=True, batch=1, seq=SQUARE_LEN)
+    case.inputs["use_cache"] = False
+    unfused, _ = _sdpa_saved_square(case, [])
+    case = copy.deepcopy(case)
+    saved, res = _sdpa_saved_square(case, [FuseAttention()])
+    st = res.report.stats("fuse_attention")
+    if name in ("llama", "gpt2"):
+        assert st["sdpa_mask_causal"] == case.num_layers and st["sdpa_mask_kept"] == 0, st
+        assert unfused > 0 and saved == 0, (unfused, saved)  # the (S x S) mask is no longer saved
+        ops = _ops_after(res.compiled)
+        assert ops.get(SDPA, 0) == case.num_layers
+    else:
+        assert st["sdpa_mask_causal"] == 0 and st["sdpa_mask_kept"] >= 1, st
+        assert saved == unfused
+
+
+class _MaskedSdpaLM(nn.Module):
+    """Self-written: builds a mask in plain PyTorch and hands it to SDPA (``kind``: ``arange`` causal comparison,
+    ``tril`` of ones, additive float ``triu`` of -inf, a sliding ``window``, or ``none`` (bidirectional))."""
+
+    def __init__(self, kind: str, d: int = 32, heads: int = 4):
+        super().__init__()
+        self.kind, self.heads = kind, heads
+        self.emb, self.qkv, self.head = nn.Embedding(64, d), nn.Linear(d, 3 * d), nn.Linear(d, 64)
+
+    def forward(self, ids):
+        b, n = ids.shape
+        x = self.emb(ids)
+        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        i = torch.arange(n, device=ids.device)
+        mask = {"arange": lambda: i[None, :] <= i[:, None],
+                "tril": lambda: torch.ones(n, n, dtype=torch.bool, device=ids.device).tril(),
+                "float": lambda: torch.full((n, n), float("-inf"), device=ids.device).triu(1),
+                "window": lambda: (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 4),
+                "none": lambda: torch.ones(n, n, dtype=torch.bool, device=ids.device)}[self.kind]()
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.head(a.transpose(1, 2).reshape(b, n, -1))
+
+
+@pytest.mark.parametrize("kind,causal", [("arange", True), ("tril", True), ("float", True), ("window", False),
+                                         ("none", False)])
+def test_self_written_sdpa_masks_proven_by_row_tiles(kind, causal, monkeypatch):
+    """Rows evaluated in several tiles (the tile shrunk to 3 rows of 40); numerics equal eager, stats say which."""
+    from effpass.passes import _attention_proofs
+
+    monkeypatch.setattr(_attention_proofs, "_TILE_ELEMENTS", 3 * 40)
+    torch.manual_seed(0)
+    model = _MaskedSdpaLM(kind)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(1))
+    compiled = effpass.compile(model, passes=[FuseAttention()], lowering="eager", strict=True)
+    out, want = compiled(ids), ref(ids)
+    out.square().mean().backward(), want.square().mean().backward()
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    for (n, p), (_, p0) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad, p0.grad, rtol=1e-5, atol=1e-6, msg=n)
+    st = effpass.report(compiled).stats("fuse_attention")
+    assert (st["sdpa_mask_causal"], st["sdpa_mask_kept"]) == ((1, 0) if causal else (0, 1)), st
+    if not causal:
+        assert "not causal" in _skipped(compiled)[0]["reason"], _skipped(compiled)
 
 
 def test_llama_with_padding_mask_in_training():
@@ -596,6 +678,22 @@ def _probe_saved_bytes(gm, ctx):
             if isinstance(v, torch.Tensor) and not str(n.target).startswith("tangents"):
                 total += v.numel() * v.element_size()
         _SAVED.append(total)
+    return False
+
+
+_SAVED_SQUARE: list[int] = []
+SQUARE_LEN = 24
+
+
+@effpass.register_pass("probe_saved_square", phase="post_grad")
+def _probe_saved_square(gm, ctx):
+    """Test probe: bytes of the backward graph's saved (.., S, S) tensors (S = SQUARE_LEN tokens)."""
+    if ctx.graph_kind == "backward":
+        for n in gm.graph.find_nodes(op="placeholder"):
+            v = n.meta.get("val")
+            if (isinstance(v, torch.Tensor) and v.dim() >= 2 and tuple(v.shape[-2:]) == (SQUARE_LEN, SQUARE_LEN)
+                    and not str(n.target).startswith("tangents")):
+                _SAVED_SQUARE.append(v.numel() * v.element_size())
     return False
 
 
