@@ -35,6 +35,11 @@ Ordering: no ``run_after``. ``inject_lora`` runs after this pass (QLoRA): the qu
 plain linear base for it, marked ``__effpass_linear__ = True`` so that merging an adapter into it is
 refused. ``wrap_fsdp`` runs after every module pass.
 
+Modules: this one (the pass: options, scope, the per-linear loop, the joint-graph recompute marks),
+``_quant_linear`` (fp8 modules, outlier columns, linear subclasses and Conv1D, module-tree edits),
+``_quant_expert_sites`` (the MoE experts path and its probe), ``_quant_formats`` / ``_quant_experts`` (the
+weight formats) and ``_quant_kernels`` (the int4 Triton kernel).
+
 Invariants: a quantized linear's ``state_dict`` holds its quantized weight (a tensor subclass), the bias
 and, with ``outlier_threshold``, the outlier columns; loading it into a model prepared with the same
 options reproduces the outputs bit for bit. Every candidate (linear, linear subclass, Conv1D, expert
@@ -53,6 +58,11 @@ from torch import nn
 import effpass
 from effpass.graph import parameter_only_nodes, val
 from effpass.quantized import is_quantized, storage_bytes
+
+from ._quant_expert_sites import expert_tensors, quantize_experts
+from ._quant_linear import (conv1d_class, dequantized_weight, float8_linear, fp8_supported, is_float8_linear,
+                            outlier_hook, outlier_load_pre_hook, prefixes, probe_matches, set_submodule,
+                            with_linear_forward)
 
 SCHEMES = ("int8", "int4", "nf4", "fp8")
 KERNELS = ("auto", "torchao", "triton")
@@ -86,116 +96,13 @@ def __getattr__(name: str):
     if name == "ExpertsWeightTensor":
         return _experts_formats().ExpertsWeightTensor
     if name == "Fp8Linear":
-        from torchao.float8.float8_linear import Float8Linear
+        from effpass.quantized import quiet_torchao_import
+
+        with quiet_torchao_import():
+            from torchao.float8.float8_linear import Float8Linear
 
         return Float8Linear
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def fp8_supported(device: torch.device | str | None = None) -> bool:
-    """torchao's float8 training (``torch._scaled_mm``) needs a CUDA GPU with compute capability >= 8.9
-    (Ada, Hopper and later)."""
-    device = torch.device(device) if device is not None else torch.device("cuda")
-    if device.type != "cuda" or not torch.cuda.is_available() or not hasattr(torch, "_scaled_mm"):
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-def _float8_linear(lin: nn.Linear, granularity: str, emulate: bool, fsdp_all_gather: bool) -> nn.Module:
-    """``lin`` as torchao's ``Float8Linear`` (float8 training: dynamic scales, fp8 matmuls forward and
-    backward; ``emulate`` runs the casts with ordinary matmuls, for tests)."""
-    import dataclasses
-
-    from torchao.float8 import Float8LinearConfig
-    from torchao.float8.float8_linear import Float8Linear
-
-    cfg = Float8LinearConfig.from_recipe_name(granularity)
-    # pad_inner_dim: torch._scaled_mm needs every inner dimension divisible by 16, and the backward's weight
-    # gradient contracts over the tokens (40 tokens failed on an H100 without it).
-    cfg = dataclasses.replace(cfg, emulate=emulate, enable_fsdp_float8_all_gather=fsdp_all_gather, pad_inner_dim=True)
-    return Float8Linear.from_float(lin, config=cfg)
-
-
-def _is_float8_linear(m) -> bool:
-    return type(m).__name__ == "Float8Linear" and type(m).__module__.startswith("torchao.")
-
-
-# ------------------------------------------------------------------------------------------------------
-# outlier columns (kept in the original precision): buffers on the linear plus a forward hook
-# ------------------------------------------------------------------------------------------------------
-def _outlier_hook(mod: nn.Module, args, out):
-    if not mod.outlier_idx.numel():
-        return out
-    x = args[0]
-    return out + (x.index_select(-1, mod.outlier_idx) @ mod.outlier_weight.to(x.dtype).t()).to(out.dtype)
-
-
-def _outlier_load_pre_hook(mod, state_dict, prefix, *args):
-    """Outlier buffers are data-dependent in size: take the loaded sizes."""
-    for name in ("outlier_idx", "outlier_weight"):
-        t = state_dict.get(prefix + name)
-        buf = mod._buffers.get(name)
-        if buf is not None and t is not None and t.shape != buf.shape:
-            mod._buffers[name] = torch.empty(t.shape, dtype=buf.dtype, device=buf.device)
-
-
-# ------------------------------------------------------------------------------------------------------
-# helpers
-# ------------------------------------------------------------------------------------------------------
-def dequantized_weight(module: nn.Module, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The weight a (quantized) linear computes with, ``[out, in]``, outlier columns included."""
-    from effpass.quantized import dequantize
-
-    w = dequantize(module.weight, dtype)
-    idx = getattr(module, "outlier_idx", None)
-    if idx is not None and idx.numel():
-        w = w.index_copy(1, idx, module.outlier_weight.to(w.dtype))
-    return w
-
-
-_LINEAR_FORWARD_CLASSES: dict[type, type] = {}
-
-
-def _with_linear_forward(cls: type) -> type:
-    """A subclass of ``cls`` whose forward is ``nn.Linear.forward`` (made once per class)."""
-    if cls not in _LINEAR_FORWARD_CLASSES:
-        _LINEAR_FORWARD_CLASSES[cls] = type(cls.__name__, (cls,), {
-            "forward": nn.Linear.forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-            "__effpass_linear_forward__": True})
-    return _LINEAR_FORWARD_CLASSES[cls]
-
-
-def _conv1d_class():
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except Exception:  # pragma: no cover - transformers is optional
-        return None
-    return Conv1D
-
-
-def _expert_tensors(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
-    """(full parameter name, owning module, attribute) of every 3-D floating parameter of an experts module."""
-    out = []
-    for mname, mod in model.named_modules():
-        if not (type(mod).__name__.endswith("Experts") or hasattr(mod, "num_experts")):
-            continue
-        for pname, p in mod.named_parameters(recurse=False):
-            if p.dim() == 3 and p.is_floating_point():
-                out.append((f"{mname}.{pname}" if mname else pname, mod, pname))
-    return out
-
-
-def _probe_matches(fn, ref, atol=1e-5) -> str | None:
-    try:
-        with torch.no_grad():
-            got = fn()
-    except Exception as e:  # the module's own code rejects the probe
-        return f"{type(e).__name__}: {str(e)[:200]}"
-    if not isinstance(got, torch.Tensor) or got.shape != ref.shape:
-        return f"output shape {tuple(getattr(got, 'shape', ()))} != {tuple(ref.shape)}"
-    err = (got.float() - ref.float()).abs().max().item()
-    scale = ref.float().abs().max().item()
-    return None if err <= atol * max(1.0, scale) else f"max difference {err:.3g}"
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -338,7 +245,7 @@ class QuantizeLinear(effpass.Pass):
         return None
 
     def _linear_problem(self, lin: nn.Linear, tied: set[int]) -> str | None:
-        if _is_float8_linear(lin) or getattr(lin, "__effpass_linear__", False):
+        if is_float8_linear(lin) or getattr(lin, "__effpass_linear__", False):
             return "already quantized"
         problem = self._weight_problem(lin.weight, tied)
         if problem:
@@ -351,7 +258,7 @@ class QuantizeLinear(effpass.Pass):
             x = torch.randn(3, lin.in_features, generator=g).to(lin.weight)
             with torch.no_grad():
                 ref = F.linear(x, lin.weight, lin.bias)
-            bad = _probe_matches(lambda: lin(x), ref)
+            bad = probe_matches(lambda: lin(x), ref)
             if bad:
                 return (f"{type(lin).__name__} has its own forward, which does not compute F.linear(x, weight, bias) "
                         f"on a probe ({bad})")
@@ -392,7 +299,7 @@ class QuantizeLinear(effpass.Pass):
         """(path for inference, path when the input needs a gradient) on ``device``."""
         fmt = _formats()
         w = lin.weight
-        if _is_float8_linear(lin):
+        if is_float8_linear(lin):
             k = "torchao Float8Linear " + ("(emulated)" if lin.config.emulate else "(torch._scaled_mm)")
             return k, k
         if isinstance(w, fmt.Int8WeightTensor):
@@ -418,8 +325,8 @@ class QuantizeLinear(effpass.Pass):
         # NOTE(state_dict): registered even when empty, so every linear of a model has the same keys
         lin.register_buffer("outlier_idx", idx)
         lin.register_buffer("outlier_weight", w[:, idx].clone())
-        lin.register_forward_hook(_outlier_hook)
-        lin._register_load_state_dict_pre_hook(_outlier_load_pre_hook, with_module=True)
+        lin.register_forward_hook(outlier_hook)
+        lin._register_load_state_dict_pre_hook(outlier_load_pre_hook, with_module=True)
         if not idx.numel():
             return w
         w = w.clone()
@@ -431,7 +338,7 @@ class QuantizeLinear(effpass.Pass):
         names = [n for n, _ in model.named_modules() if n] + [n for n, _ in model.named_parameters()]
 
         def hits(glob, pool):
-            return any(fnmatch.fnmatchcase(p, glob) for n in pool for p in _prefixes(n))
+            return any(fnmatch.fnmatchcase(p, glob) for n in pool for p in prefixes(n))
 
         pool = candidates + experts
         for kind, globs, space in (("targets", self.targets, pool), ("exclude", self.exclude, names)):
@@ -444,14 +351,14 @@ class QuantizeLinear(effpass.Pass):
                         f"here include: {sample or '(none)'}")
 
     def prepare_module(self, model: nn.Module, ctx) -> effpass.PassResult:
-        conv1d = _conv1d_class()
+        conv1d = conv1d_class()
 
         def is_candidate(m):
             return isinstance(m, nn.Linear) or (conv1d is not None and isinstance(m, conv1d))
 
         candidates = [(n, m) for n, m in model.named_modules() if n and is_candidate(m)
                       and ".lora_" not in n]
-        experts = _expert_tensors(model) if self.experts else []
+        experts = expert_tensors(model) if self.experts else []
         self._check_patterns(model, [n for n, _ in candidates], [n for n, _, _ in experts])
         if self.scheme == "fp8" and not self.fp8_emulate:
             bad = sorted({str(m.weight.device) for _, m in candidates if not fp8_supported(m.weight.device)})
@@ -493,7 +400,7 @@ class QuantizeLinear(effpass.Pass):
                 lin.weight = nn.Parameter(mod.weight.detach().t().contiguous(), requires_grad=mod.weight.requires_grad)
                 if mod.bias is not None:
                     lin.bias = mod.bias
-                _set_submodule(model, name, lin)
+                set_submodule(model, name, lin)
                 orig_weight, mod = mod.weight, lin
             else:
                 problem = self._linear_problem(mod, tied)
@@ -502,12 +409,12 @@ class QuantizeLinear(effpass.Pass):
                     continue
                 orig_weight = mod.weight
                 if kind == "linear_subclass" and not getattr(type(mod), "__effpass_linear_forward__", False):
-                    mod.__class__ = _with_linear_forward(type(mod))
+                    mod.__class__ = with_linear_forward(type(mod))
             b0 = orig_weight.numel() * orig_weight.element_size()
             dev = orig_weight.device
             if self.scheme == "fp8":
-                mod = _float8_linear(mod, self.fp8_granularity, self.fp8_emulate, self.fp8_fsdp_all_gather)
-                _set_submodule(model, name, mod)
+                mod = float8_linear(mod, self.fp8_granularity, self.fp8_emulate, self.fp8_fsdp_all_gather)
+                set_submodule(model, name, mod)
                 b1 = b0
             else:
                 w = self._add_outliers(mod)
@@ -527,7 +434,7 @@ class QuantizeLinear(effpass.Pass):
             before, after, params = before + b0, after + b1, params + orig_weight.numel()
             del orig_weight
 
-        switched = self._quantize_experts(model, experts, ctx, tied, report, skipped, storages)
+        switched = quantize_experts(self, model, experts, ctx, tied, report, skipped, storages)
         n_expert_q = sum(1 for r in report.values() if r["status"] == "quantized" and r["kind"] == "experts")
         for r in report.values():
             if r["status"] == "quantized" and r["kind"] == "experts":
@@ -542,165 +449,3 @@ class QuantizeLinear(effpass.Pass):
         if switched:
             stats["experts_implementation"] = switched
         return effpass.PassResult(changed=bool(quantized), stats=stats, skipped=skipped)
-
-    # -- MoE experts ----------------------------------------------------------------------------------
-    def _quantize_experts(self, model, experts, ctx, tied, report, skipped, storages) -> str | None:
-        """Quantize 3-D expert weights per expert (int8, nf4: :class:`ExpertsWeightTensor`); list the others
-        as skipped. Returns the experts implementation switch made (``"grouped_mm -> eager"``) or None."""
-        switched = None
-        by_module: dict[int, list] = {}
-        for full, mod, attr in experts:
-            if not ctx.scope.allows_module(full, mod):
-                continue
-            by_module.setdefault(id(mod), []).append((full, mod, attr))
-        for group in by_module.values():
-            mod = group[0][1]
-
-            def skip_all(reason, group=group):
-                for full, _, _ in group:
-                    report[full] = {"status": "skipped", "kind": "experts", "reason": reason}
-                    skipped.append({"site": full, "reason": reason})
-
-            if self.scheme not in ("int8", "nf4"):
-                skip_all(f"scheme {self.scheme!r} has no 3-D (per-expert) format: int4 is 2-D, fp8 wraps "
-                         "nn.Linear; use scheme='int8' or 'nf4' to quantize experts")
-                continue
-            transposed = _experts_transposed(mod)
-            problems = [(full, self._weight_problem(getattr(mod, attr), tied)) for full, _, attr in group]
-            if self.scheme == "nf4":
-                problems = [(f, p or _nf4_expert_problem(getattr(mod, a), self.block_size))
-                            for (f, p), (_, _, a) in zip(problems, group)]
-            todo = [(f, m, a) for (f, m, a), (_, p) in zip(group, problems) if not p]
-            for full, p in problems:
-                if p:
-                    report[full] = {"status": "skipped", "kind": "experts", "reason": p}
-                    skipped.append({"site": full, "reason": p})
-            if not todo:
-                continue
-            # Probe: the experts module (transformers' "eager" experts loop where it has one) on inputs that
-            # reach every expert, before and after quantizing.
-            config = getattr(mod, "config", None)
-            impl = getattr(config, "_experts_implementation", None)
-            switch = config is not None and impl not in (None, "eager") and hasattr(mod, "is_transposed")
-            # NOTE(fake weights): the memory planner's replay prepares a copy whose weights are fake tensors
-            # (no values): the probe cannot run (routing is data-dependent) and its SQNR means nothing there.
-            # The copy is quantized as the real model is (the real prepare runs the probe).
-            fake = not _has_values(getattr(mod, todo[0][2]))
-            probe = _experts_probe(mod, transposed) if not fake else (lambda: None)
-            if switch:
-                self._set_experts_impl(model, config, "eager")
-            try:
-                with torch.no_grad():
-                    ref = probe()
-            except Exception as e:
-                if switch:
-                    self._set_experts_impl(model, config, impl)
-                skip_all(f"experts module {type(mod).__name__} does not run on a probe (hidden, top_k_index, "
-                         f"top_k_weights) or (hidden): {type(e).__name__}: {str(e)[:150]}")
-                continue
-            originals = {a: getattr(mod, a) for _, _, a in todo}
-            ewt = _experts_formats().ExpertsWeightTensor
-            for full, _, attr in todo:
-                q = ewt.from_float(originals[attr], self.scheme, transposed, self.block_size)
-                setattr(mod, attr, nn.Parameter(q, requires_grad=False))
-            try:
-                with torch.no_grad():
-                    q_out = probe()
-            except Exception as e:
-                bad = f"{type(e).__name__}: {str(e)[:150]}"
-            else:
-                bad = None
-                if not fake:
-                    s = _formats().sqnr(ref, q_out)
-                    floor = 25 if self.scheme == "int8" else 10
-                    bad = None if s > floor else f"probe output SQNR {s:.1f} dB after quantizing (floor {floor} dB)"
-            if bad:
-                for a, p in originals.items():
-                    setattr(mod, a, p)
-                if switch:
-                    self._set_experts_impl(model, config, impl)
-                skip_all(f"the experts' forward fails on {self.scheme} weights: {bad}")
-                continue
-            if switch:
-                switched = f"{impl} -> eager"
-            for full, _, attr in todo:
-                p0 = originals[attr]
-                b0, b1 = storage_bytes(p0), storage_bytes(getattr(mod, attr), storages)
-                how = ("per expert: F.linear / matmul / bmm dequantize one expert at a time in forward and "
-                       "backward (autograd function saving the quantized tensor)")
-                report[full] = {"status": "quantized", "kind": "experts", "scheme": self.scheme,
-                                "weight_type": "ExpertsWeightTensor", "shape": list(p0.shape),
-                                "experts": int(p0.shape[0]), "layout": "transposed [experts, in, out]" if transposed
-                                else "[experts, out, in]", "bytes_before": b0, "bytes_after": b1,
-                                "numel": p0.numel(), "kernel": how, "kernel_grad": how}
-        return switched
-
-    @staticmethod
-    def _set_experts_impl(model: nn.Module, config, impl: str) -> None:
-        if hasattr(model, "set_experts_implementation"):
-            try:
-                model.set_experts_implementation(impl)
-                return
-            except Exception:  # noqa: BLE001 - fall back to the config attribute
-                pass
-        config._experts_implementation = impl
-
-
-def _experts_transposed(mod: nn.Module) -> bool:
-    """Whether the module stores its experts ``[experts, in, out]`` (GPT-OSS, Llama 4): transformers'
-    ``is_transposed`` flag, else a forward that multiplies with ``bmm`` / ``@`` rather than ``F.linear``."""
-    flag = getattr(mod, "is_transposed", None)
-    if flag is not None:
-        return bool(flag)
-    import inspect
-
-    try:
-        src = inspect.getsource(type(mod).forward)
-    except (OSError, TypeError):
-        return False
-    return ("bmm(" in src or " @ self." in src) and "linear(" not in src
-
-
-def _has_values(t: torch.Tensor) -> bool:
-    """False for tensors without values: fake tensors (the memory planner's replay) and meta tensors."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    return not (t.device.type == "meta" or is_fake(t))
-
-
-def _nf4_expert_problem(w: torch.Tensor, block_size: int) -> str | None:
-    per_expert = w[0].numel() if w.dim() == 3 else w.numel()
-    if per_expert % block_size:
-        return f"{per_expert} weights per expert are not divisible by block_size={block_size}"
-    return None
-
-
-def _experts_probe(mod: nn.Module, transposed: bool):
-    """A call of the experts module on fixed inputs that route tokens to every expert."""
-    import inspect
-
-    params = [p for p in inspect.signature(mod.forward).parameters.values()
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    w = next(p for p in mod.parameters(recurse=False) if p.dim() == 3)
-    n_exp = int(getattr(mod, "num_experts", w.shape[0]))
-    first = getattr(mod, "gate_up_proj", w)
-    hidden = int(getattr(mod, "hidden_dim", 0) or getattr(mod, "hidden_size", 0)
-                 or (first.shape[1] if transposed else first.shape[-1]))
-    g = torch.Generator(device="cpu").manual_seed(0)
-    if len(params) == 1:  # Llama 4: every expert sees its slice of the tokens (tokens ordered by expert)
-        x = torch.randn(n_exp * 2, hidden, generator=g).to(w.device, w.dtype)
-        return lambda: mod(x)
-    x = torch.randn(n_exp, hidden, generator=g).to(w.device, w.dtype)
-    idx = torch.arange(n_exp, device=w.device)[:, None]
-    wts = torch.ones(n_exp, 1, device=w.device, dtype=w.dtype)
-    return lambda: mod(x, idx, wts)
-
-
-def _prefixes(path: str) -> list[str]:
-    parts = path.split(".")
-    return [".".join(parts[: i + 1]) for i in range(len(parts))]
-
-
-def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)

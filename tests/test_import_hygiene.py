@@ -44,6 +44,33 @@ def test_import_of_the_passes_is_silent_and_loads_no_torchao_or_trainer_stack():
     assert r.returncode == 0, r.stderr
 
 
+def test_first_compile_and_quantized_prepare_are_silent():
+    """Compiling a plain module with a quantizing pass, preparing fp8 linears and reading ``Fp8Linear`` import
+    torchao quietly, and do not load ``transformers.modeling_utils`` (whose import logs torchao's CPU-build noise)
+    when ``transformers`` itself was imported: the Hugging Face attach check reads the loaded module only. The
+    planner's model builder loads that module with the noise filtered."""
+    r = _run("import sys, torch, transformers, effpass\n"
+             "from effpass.passes.quantize_linear import QuantizeLinear\n"
+             "m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))\n"
+             "c = effpass.compile(m, passes=[QuantizeLinear(scheme='nf4')], lowering='eager')\n"
+             "x = torch.randn(4, 64, requires_grad=True)\n"
+             "c(x).sum().backward()\n"
+             "assert x.grad is not None and effpass.report(c).stats('quantize_linear')['quantized'] == 2\n"
+             "f = torch.nn.Sequential(torch.nn.Linear(64, 64))\n"
+             "effpass.prepare(f, passes=[QuantizeLinear(scheme='fp8', fp8_emulate=True)])\n"
+             "from effpass.passes.quantize_linear import Fp8Linear\n"
+             "assert isinstance(f[0], Fp8Linear), type(f[0])\n"
+             "assert 'transformers.modeling_utils' not in sys.modules\n"
+             # the planner's model builder (effpass plan) loads transformers' model code quietly and takes a
+             # config.json's deprecated torch_dtype as dtype (transformers would print its deprecation)
+             "from effpass.planning.cli import model_from_config\n"
+             "lm = model_from_config(dict(model_type='llama', vocab_size=128, hidden_size=32, intermediate_size=64,\n"
+             "    num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, torch_dtype='bfloat16'))\n"
+             "assert next(lm.parameters()).dtype == torch.bfloat16\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "" and r.stderr == "", r.stderr
+
+
 def test_public_names_resolve_lazily_and_report_stays_the_function():
     r = _run("import effpass, effpass.report\n"
              "import effpass.passes  # noqa\n"

@@ -437,7 +437,7 @@ def test_ring_fallback_is_feature_tested_and_explains_itself(monkeypatch):
     (its DTensor handlers, read from the installed torch), plain causal, attn_implementation='sdpa' only."""
     import transformers as tf
 
-    from effpass.passes import shard_sequence as ss
+    from effpass.passes import _sp_ring as ss   # the ring fallback's helper module of shard_sequence
 
     mod, served = ss._ring_machinery()
     assert mod is not None, served                    # torch 2.13 has the handlers

@@ -93,7 +93,11 @@ def _load_hf(source: str):
     import os
 
     import torch
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    from ..quantized import quiet_torchao_import
+
+    with quiet_torchao_import():  # transformers' model code imports torchao, whose first import logs on a CPU build
+        from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     if not os.path.exists(source):
         raise SystemExit(f"effpass export: {source!r} does not exist (give a config.json or a saved model folder)")

@@ -47,14 +47,11 @@ _CHECKPOINT_DIR = re.compile(r"checkpoint-\d+$")  # transformers.trainer_utils.P
 
 
 def _pretrained_class():
-    mod = sys.modules.get("transformers")
-    if mod is None:
-        return None
-    try:
-        from transformers import PreTrainedModel
-    except Exception:  # pragma: no cover - a broken transformers install
-        return None
-    return PreTrainedModel
+    """transformers' ``PreTrainedModel`` if its module is loaded, else None: a model built from it has loaded it,
+    so nothing is imported here (``transformers.modeling_utils`` costs seconds and imports torchao's prototypes,
+    which log on a CPU build, for every plain module compiled after something imported ``transformers``)."""
+    mod = sys.modules.get("transformers.modeling_utils")
+    return getattr(mod, "PreTrainedModel", None)
 
 
 def _backend(model):

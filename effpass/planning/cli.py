@@ -24,6 +24,10 @@ def model_from_config(config, dtype: str | None = None):
     import torch
     import transformers as tf
 
+    from ..quantized import quiet_torchao_import
+
+    with quiet_torchao_import():  # transformers' model code imports torchao, whose first import logs on a CPU build
+        import transformers.modeling_utils  # noqa: F401
     if isinstance(config, str):
         try:
             with open(config) as f:
@@ -33,6 +37,8 @@ def model_from_config(config, dtype: str | None = None):
     if isinstance(config, dict):
         d = dict(config)
         mt = d.pop("model_type", None)
+        if "torch_dtype" in d and "dtype" not in d:  # config.json files often carry the deprecated name
+            d["dtype"] = d.pop("torch_dtype")
         if mt is None:
             raise ValueError("the config has no 'model_type' (e.g. 'llama'); is it a Hugging Face config.json?")
         try:

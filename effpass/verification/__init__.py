@@ -416,6 +416,10 @@ def model_from_hf_config(config, *, layers: int = 2, seed: int = 0, overrides: d
 
     import transformers as tf
 
+    from ..quantized import quiet_torchao_import
+
+    with quiet_torchao_import():  # transformers' model code imports torchao, whose first import logs on a CPU build
+        import transformers.modeling_utils  # noqa: F401
     if isinstance(config, str):
         import os
 
