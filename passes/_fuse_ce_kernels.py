@@ -91,6 +91,9 @@ class _Spec:
         self.plan = plan_row_tiles if per_row else plan_chunks
         self.pre, self.softcap, self.post = pre, softcap, post
         self.chunk_bytes, self.compute = chunk_bytes, _COMPUTE[compute]
+        #: a constant factor of every row's gradient (``mean``: 1 / valid rows), applied to each tile of logit
+        #: gradients in fp32 before it is cast to the matmul dtype, as the unfused graph scales its logits' gradient
+        self.grad_scale = 1.0
 
     def logits(self, xs, ws, bias, r0, r1, v0, v1):
         """The transformed fp32 logits of rows ``r0:r1`` and vocabulary ``v0:v1`` (and tanh's output)."""
@@ -268,6 +271,8 @@ def _grad_tile(d, th, t, g, xs, ws, r0, r1, v0, v1, spec: _Spec, grads: dict):
         d.sub_(eps / spec.vocab)
     if g is not None:
         d.mul_(g[:, None])
+    if spec.grad_scale != 1.0:
+        d.mul_(spec.grad_scale)
     if th is not None:
         d.mul_(deriv)
     elif spec.pre != 1.0:
@@ -283,17 +288,33 @@ def _grad_tile(d, th, t, g, xs, ws, r0, r1, v0, v1, spec: _Spec, grads: dict):
 
 
 def _acc_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """``acc += a @ b`` (fp32 accumulator; low-precision operands multiply in their dtype)."""
+    """``acc += a @ b``: one ``addmm_`` when the accumulator has the operands' dtype (a low-precision weight's
+    gradient: the GEMM accumulates in fp32 and rounds once per call), else the product is added (an fp32
+    accumulator of low-precision operands: autocast)."""
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
     else:
         acc.add_(a @ b)
 
 
-def _accumulators(xs, ws, has_bias, mask, vocab, device):
+_LOW = (torch.bfloat16, torch.float16)
+
+
+def weight_grad_dtype(param_dtype: torch.dtype, compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a head weight's gradient is accumulated in: the weight's own dtype when it is bf16/fp16 and the
+    matmuls run in it (a bf16 model without autocast: the unfused graph's gradient is a bf16 matmul output, so
+    the accumulator is the gradient itself and no full-size fp32 buffer exists), else fp32 (an fp32 weight, or
+    an fp32 weight under autocast, whose gradient is fp32)."""
+    return param_dtype if (param_dtype in _LOW and compute_dtype == param_dtype) else torch.float32
+
+
+def _accumulators(xs, ws, has_bias, mask, vocab, device, w_dtypes=(None, None)):
+    """fp32 accumulators of the rows' and the bias's gradients; the weights' in :func:`weight_grad_dtype`
+    (``w_dtypes``: the weights' own dtypes, before the cast to the compute dtype)."""
     f32 = torch.float32
     return {"x": [torch.zeros(x.shape, dtype=f32, device=device) if mask[i] else None for i, x in enumerate(xs)],
-            "w": [torch.zeros(w.shape, dtype=f32, device=device) if mask[2 + i] else None for i, w in enumerate(ws)],
+            "w": [torch.zeros(w.shape, dtype=weight_grad_dtype(w_dtypes[i] or f32, w.dtype), device=device)
+                  if mask[2 + i] else None for i, w in enumerate(ws)],
             "b": torch.zeros(vocab, dtype=f32, device=device) if has_bias and mask[4] else None}
 
 
@@ -331,15 +352,16 @@ def _lce_reduced(x: Tensor, w: Tensor, x2: Optional[Tensor], w2: Optional[Tensor
     """Summed (``mean``: averaged over valid rows) loss and the gradients of x, w, x2, w2, bias."""
     spec = _Spec(w.shape[0], ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute)
     valid, tgt, xs, ws, b = _prepare(x, w, x2, w2, bias, target, spec)
-    acc = _accumulators(xs, ws, bias is not None, grad_mask, spec.vocab, x.device)
+    acc = _accumulators(xs, ws, bias is not None, grad_mask, spec.vocab, x.device,
+                        (w.dtype, w2.dtype if w2 is not None else None))
+    count = tgt.shape[0]
+    if mean and count:
+        spec.grad_scale = 1.0 / count  # applied to each tile's logit gradient (fp32), before the matmuls
     loss, _ = _forward_pass(xs, ws, b, tgt, spec, acc, None)
     total = loss.sum()
-    count = tgt.shape[0]
-    scale = None
     if mean:
         total = total / count if count else total * float("nan")  # 0/0, as torch's mean
-        scale = 1.0 / count if count else None
-    return (total,) + _scatter_grads(acc, valid, x, w, x2, w2, bias, scale)
+    return (total,) + _scatter_grads(acc, valid, x, w, x2, w2, bias, None)
 
 
 @_lce_reduced.register_fake
@@ -406,7 +428,8 @@ def _lce_rows_bwd(grad: Tensor, lse: Tensor, x: Tensor, w: Tensor, x2: Optional[
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     spec = _Spec(w.shape[0], ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute, True)
     valid, tgt, xs, ws, b = _prepare(x, w, x2, w2, bias, target, spec)
-    acc = _accumulators(xs, ws, bias is not None, grad_mask, spec.vocab, x.device)
+    acc = _accumulators(xs, ws, bias is not None, grad_mask, spec.vocab, x.device,
+                        (w.dtype, w2.dtype if w2 is not None else None))
     _backward_pass(xs, ws, b, tgt, lse.index_select(0, valid), grad.float().index_select(0, valid), spec, acc)
     return _scatter_grads(acc, valid, x, w, x2, w2, bias, None)
 
@@ -628,7 +651,9 @@ def _rowwise_bwd(grad: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor], xa: Op
     heads = _heads(args, t0, t1, compute)
     n, vocab = x.shape[0], w.shape[0]
     f32 = torch.float32
-    acc = [torch.zeros(a.shape, dtype=f32, device=x.device) if (a is not None and mask[i]) else None
+    cd = [heads[k].x.dtype for k in range(len(heads))]
+    acc = [torch.zeros(a.shape, dtype=(weight_grad_dtype(a.dtype, cd[i // 5]) if i % 5 in (1, 4) else f32),
+                       device=x.device) if (a is not None and mask[i]) else None
            for i, a in enumerate(args)]
     rows = rowwise_rows(n, vocab, len(heads), chunk_bytes)
     g = grad.float()
