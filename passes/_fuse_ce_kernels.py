@@ -269,15 +269,18 @@ def _grad_tile(d, th, t, g, xs, ws, r0, r1, v0, v1, spec: _Spec, grads: dict):
                      accumulate=True)
     if eps:
         d.sub_(eps / spec.vocab)
-    if g is not None:
-        d.mul_(g[:, None])
-    if spec.grad_scale != 1.0:
-        d.mul_(spec.grad_scale)
     if th is not None:
         d.mul_(deriv)
-    elif spec.pre != 1.0:
-        d.mul_(spec.pre)
-    dc = d.to(xs[0].dtype)
+    factor = spec.grad_scale * (spec.pre if th is None else 1.0)
+    if g is not None:
+        factor = g[:, None] * factor
+    cd = xs[0].dtype
+    if cd != d.dtype and grads["b"] is None:  # NOTE(speed): the row scale and the cast in one pass over the tile
+        dc = torch.mul(d, factor, out=torch.empty(d.shape, dtype=cd, device=d.device))
+    else:
+        if isinstance(factor, Tensor) or factor != 1.0:
+            d.mul_(factor)
+        dc = d.to(cd)
     for i, (x, w) in enumerate(zip(xs, ws)):
         if grads["x"][i] is not None:
             _acc_mm(grads["x"][i][r0:r1], dc, w[v0:v1])
