@@ -262,7 +262,7 @@ def test_planner_counts_fused_and_unfused_logprob_memory():
     more than the logits it no longer holds (policy and reference: 2 x rows x V x 4 bytes), and the fused step's
     prediction is within the op's tile workspace of the measured peak. The op's internal tiles are not visible to
     the replay (a custom op allocates its outputs only), so the measured peak may exceed the prediction by up to
-    three 2 MiB tiles."""
+    three 2 MiB tiles. The unfused step's prediction is within the planner's 1% of its measured peak."""
     from effpass.passes._fuse_ce_kernels import CPU_ROWS_TILE_BYTES
     from effpass.planning.estimate import estimate_memory
     from effpass.testing.memory import peak_memory
@@ -278,14 +278,20 @@ def test_planner_counts_fused_and_unfused_logprob_memory():
                                     optimizer=None, lowering="eager")
     assert est["fused"].pass_stats["fuse_cross_entropy"]["logprob_sites"] == 2
     assert est["unfused"].step_peak_bytes - est["fused"].step_peak_bytes >= 2 * logits, est
-    compiled = effpass.compile(DPO(copy.deepcopy(policy), copy.deepcopy(ref)), passes=[FuseCrossEntropy()],
-                               lowering="eager")
+    measured = {}
+    for name, passes in (("fused", [FuseCrossEntropy()]), ("unfused", [])):
+        compiled = effpass.compile(DPO(copy.deepcopy(policy), copy.deepcopy(ref)), passes=passes, lowering="eager")
 
-    def step():
-        compiled(ids, labels).backward()
-        compiled.zero_grad(set_to_none=True)
+        def step():
+            compiled(ids, labels).backward()
+            compiled.zero_grad(set_to_none=True)
 
-    step()
-    _, measured = peak_memory(step)
+        step()
+        _, measured[name] = peak_memory(step)
     pred = est["fused"].step_peak_bytes
-    assert pred <= measured + 64 * 1024 and measured - pred <= 3 * CPU_ROWS_TILE_BYTES, (pred, measured)
+    assert pred <= measured["fused"] + 64 * 1024 and measured["fused"] - pred <= 3 * CPU_ROWS_TILE_BYTES, (
+        pred, measured)
+    # unfused: within the planner's 1% (exact here); log_softmax of the sliced logits copies them inside its kernel
+    # (a contiguous copy the fake kernel does not make): the replay missed one head's logits before it counted it
+    pred = est["unfused"].step_peak_bytes
+    assert abs(pred - measured["unfused"]) <= 0.01 * measured["unfused"], (pred, measured, logits)
