@@ -178,8 +178,6 @@ def test_a_detector_that_can_fail(tmp_path):
 MODULE_LINES = 500
 LONG_MODULES = {
     "quantize_linear.py": "the pass plus its weight formats' selection and the experts path (issue 22 leftover)",
-    "_fuse_ce_kernels.py": "the chunked linear+cross-entropy, log-prob and row-wise kernels with their autograd",
-    "fuse_cross_entropy.py": "three rewrites (loss, log-prob, row-wise region) sharing the head helpers",
     "shard_sequence.py": "the pass plus its all-to-all autograd functions and the mesh checks",
     "step_in_backward.py": "the optimizer hooks, the in-graph step op and its fake kernel (the planner's replay) "
                            "share one per-parameter registry",
