@@ -23,6 +23,7 @@ CPU shape (shared 2-core machine with 23 GB; the issue's 2 x 2,048 tokens at voc
 
     python bench/bench_preference.py                 # all losses and arms -> bench/results/preference_cpu.{json,md}
     python bench/bench_preference.py --arm effpass --loss dpo --json
+    BENCH_PREF_SEQ=2048 python bench/bench_preference.py   # the issue's 2 x 2,048 tokens -> preference_cpu_seq2048.*
 """
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ SHAPE = dict(hidden=64, layers=1, heads=4, kv_heads=2, ffn=128, vocab=128256, se
              steps=1)
 if os.environ.get("BENCH_PREF_SMOKE"):  # a quick check that every arm runs (not a measurement)
     SHAPE.update(vocab=1024, seq=128)
+if os.environ.get("BENCH_PREF_SEQ"):  # the issue's shape: BENCH_PREF_SEQ=2048 (the arms' subprocesses inherit it)
+    SHAPE.update(seq=int(os.environ["BENCH_PREF_SEQ"]))
 
 
 def build():
@@ -218,7 +221,7 @@ def write(out, results) -> str:
     import transformers
 
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    out = out or os.path.join(root, "preference_cpu")
+    out = out or os.path.join(root, "preference_cpu" + (f"_seq{SHAPE['seq']}" if SHAPE["seq"] != 256 else ""))
     meta = {"device": "cpu", "cpus": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "shape": SHAPE, "load_at_write": os.getloadavg()[0]}

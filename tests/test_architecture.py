@@ -177,8 +177,6 @@ def test_a_detector_that_can_fail(tmp_path):
 #: the longest a module of ``passes/`` may be (lines); longer ones are named below with the reason
 MODULE_LINES = 500
 LONG_MODULES = {
-    "_fuse_ce_kernels.py": "the chunked linear+cross-entropy, log-prob and row-wise kernels with their autograd",
-    "fuse_cross_entropy.py": "three rewrites (loss, log-prob, row-wise region) sharing the head helpers",
     "step_in_backward.py": "the optimizer hooks, the in-graph step op and its fake kernel (the planner's replay) "
                            "share one per-parameter registry",
 }

@@ -262,7 +262,7 @@ def test_planner_counts_fused_and_unfused_logprob_memory():
     more than the logits it no longer holds (policy and reference: 2 x rows x V x 4 bytes), and the fused step's
     prediction is within the op's tile workspace of the measured peak. The op's internal tiles are not visible to
     the replay (a custom op allocates its outputs only), so the measured peak may exceed the prediction by up to
-    three 2 MiB tiles."""
+    three 2 MiB tiles. The unfused step's prediction is within the planner's 1% of its measured peak."""
     from effpass.passes._fuse_ce_kernels import CPU_ROWS_TILE_BYTES
     from effpass.planning.estimate import estimate_memory
     from effpass.testing.memory import peak_memory
@@ -278,14 +278,71 @@ def test_planner_counts_fused_and_unfused_logprob_memory():
                                     optimizer=None, lowering="eager")
     assert est["fused"].pass_stats["fuse_cross_entropy"]["logprob_sites"] == 2
     assert est["unfused"].step_peak_bytes - est["fused"].step_peak_bytes >= 2 * logits, est
-    compiled = effpass.compile(DPO(copy.deepcopy(policy), copy.deepcopy(ref)), passes=[FuseCrossEntropy()],
-                               lowering="eager")
+    measured = {}
+    for name, passes in (("fused", [FuseCrossEntropy()]), ("unfused", [])):
+        compiled = effpass.compile(DPO(copy.deepcopy(policy), copy.deepcopy(ref)), passes=passes, lowering="eager")
 
-    def step():
-        compiled(ids, labels).backward()
-        compiled.zero_grad(set_to_none=True)
+        def step():
+            compiled(ids, labels).backward()
+            compiled.zero_grad(set_to_none=True)
 
-    step()
-    _, measured = peak_memory(step)
+        step()
+        _, measured[name] = peak_memory(step)
     pred = est["fused"].step_peak_bytes
-    assert pred <= measured + 64 * 1024 and measured - pred <= 3 * CPU_ROWS_TILE_BYTES, (pred, measured)
+    assert pred <= measured["fused"] + 64 * 1024 and measured["fused"] - pred <= 3 * CPU_ROWS_TILE_BYTES, (
+        pred, measured)
+    # unfused: within the planner's 1% (exact here); log_softmax of the sliced logits copies them inside its kernel
+    # (a contiguous copy the fake kernel does not make): the replay missed one head's logits before it counted it
+    pred = est["unfused"].step_peak_bytes
+    assert abs(pred - measured["unfused"]) <= 0.01 * measured["unfused"], (pred, measured, logits)
+
+
+class ORPO(torch.nn.Module):
+    """ORPO (Hong et al. 2024) as TRL's ``ORPOTrainer.concatenated_forward`` + ``odds_ratio_loss`` compute it, written
+    as one module: the chosen half's cross-entropy (the SFT term), average chosen-token log-probs per sequence and
+    the log-odds ratio ``(lc - lr) - (log1p(-exp(lc)) - log1p(-exp(lr)))``. Its metrics on the full logits (their
+    means) are left out."""
+
+    def __init__(self, policy, beta=0.1):
+        super().__init__()
+        self.policy, self.beta = policy, beta
+
+    def forward(self, ids, labels):
+        logits = self.policy(input_ids=ids).logits
+        n = ids.shape[0] // 2
+        z = logits[:, :-1]
+        t = labels[:, 1:]
+        nll = F.cross_entropy(z[:n].reshape(-1, z.shape[-1]), t[:n].reshape(-1), ignore_index=-100)
+        mask = t != -100
+        lp = z.float().log_softmax(-1).gather(-1, t.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        avg = (lp * mask).sum(-1) / mask.sum(-1)
+        lc, lr = avg[:n], avg[n:]
+        log_odds = (lc - lr) - (torch.log1p(-torch.exp(lc)) - torch.log1p(-torch.exp(lr)))
+        return nll - self.beta * F.logsigmoid(log_odds).mean()
+
+
+def test_orpo_written_as_a_module_is_fused():
+    """ORPO's loss in one module (model, chosen-half cross-entropy, average log-probs, log-odds): the cross-entropy
+    becomes the reduced op and the log-probs the per-row op (both read the same head: the head is computed twice in
+    chunks, the logits never), the odds-ratio term stays ordinary graph code on the per-sequence values; loss and
+    every gradient within 1e-5 of eager."""
+    policy = _hf("llama").train()
+    model = ORPO(policy)
+    eager = copy.deepcopy(model)
+    compiled = effpass.compile(model, passes=[FuseCrossEntropy()], lowering="eager", strict=True)
+    ids, labels = _batch()
+    loss = compiled(ids, labels)
+    loss.backward()
+    want = eager(ids, labels)
+    want.backward()
+    assert _rel(loss.detach(), want.detach()) <= 1e-5, (float(loss), float(want))
+    ref = dict(eager.named_parameters())
+    for name, p in model.named_parameters():
+        assert p.grad is not None and _rel(p.grad, ref[name].grad) <= 1e-5, name
+    rec = [r for r in effpass.report(compiled).records("fuse_cross_entropy") if r.phase == "torch_ir"][-1]
+    st, ops = rec.stats, rec.ops_after
+    assert st["fused"] == 1 and st["logprob_sites"] == 1 and st["skipped"] == 0, (st, rec.skipped)
+    assert ops.get("effpass.linear_cross_entropy", 0) == 1 and ops.get("effpass.linear_cross_entropy_rows", 0) == 1
+    assert not any(k.endswith("log_softmax") or k.endswith("logsumexp") for k in ops), ops
+    # no full head left: the one layer's 7 projections (q, k, v, o, gate, up, down) are the graph's only linears
+    assert st["logits_returned"] == 0 and sum(v for k, v in ops.items() if k.endswith("linear")) == 7, ops

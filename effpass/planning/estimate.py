@@ -245,6 +245,7 @@ class _Tracker(TorchDispatchMode):
         self.events = []
         self.phase_peaks: dict[str | None, int] = {}
         self.graphs: dict[tuple[str, str], str] = {}
+        self._scratch = 0  # keys of in-kernel scratch buffers (negative: never a storage's key)
         self.flops = 0
         self._flop_registry = None
         try:
@@ -334,20 +335,54 @@ class _Tracker(TorchDispatchMode):
             n = _alloc_bytes(st.nbytes(), self.device)
             self.sizes[key] = n
             weakref.finalize(st, self._free, key)
-            self.live += n
-            self.events.append((n, key, self.phase, str(getattr(func, "__name__", func))))
-            if n > self.largest[0]:
-                self.largest = (n, f"{func} in the {self.phase}")
-            if self.live > self.phase_peaks.get(self.phase, 0):
-                self.phase_peaks[self.phase] = self.live
-            if self.live > self.peak:
-                self.peak = self.live
-                graph, node = self._where(func)
-                self.peak_where = (self.phase or "-", graph, node)
-                if self.phase in ("backward", "optimizer"):
-                    self.grads_at_peak = _bytes([p.grad for p in self.params if p.grad is not None],
-                                                self.device)
+            self._grow(n, key, func)
+        # buffers the real kernel allocates and frees inside the op (not its outputs): live beside its outputs
+        work = _alloc_bytes(_kernel_workspace(func, args), self.device)
+        if work:
+            self._scratch -= 1
+            self._grow(work, self._scratch, func)
+            self.live -= work
+            self.events.append((-work, self._scratch, self.phase, ""))
         return out
+
+    def _grow(self, n: int, key: int, func) -> None:
+        """``n`` bytes allocated (storage ``key``) by ``func``: the live bytes, the events and the peaks."""
+        self.live += n
+        self.events.append((n, key, self.phase, str(getattr(func, "__name__", func))))
+        if n > self.largest[0]:
+            self.largest = (n, f"{func} in the {self.phase}")
+        if self.live > self.phase_peaks.get(self.phase, 0):
+            self.phase_peaks[self.phase] = self.live
+        if self.live > self.peak:
+            self.peak = self.live
+            graph, node = self._where(func)
+            self.peak_where = (self.phase or "-", graph, node)
+            if self.phase in ("backward", "optimizer"):
+                self.grads_at_peak = _bytes([p.grad for p in self.params if p.grad is not None],
+                                            self.device)
+
+
+#: ops whose CPU and CUDA kernels make their tensor inputs contiguous first (``input.contiguous()`` inside the
+#: kernel: a copy of each non-contiguous input, live beside the output until the op returns). A fake or meta
+#: kernel allocates only the outputs. Measured: a DPO step's ``log_softmax(logits[:, :-1])`` copies the sliced
+#: logits (one head's logits, 4 MiB in tests/test_fused_logprobs.py's planner test), which the replay missed.
+_CONTIGUOUS_INPUT_OPS = {
+    "aten::_log_softmax": (0,), "aten::_softmax": (0,),
+    "aten::_log_softmax_backward_data": (0, 1), "aten::_softmax_backward_data": (0, 1),
+}
+
+
+def _kernel_workspace(func, args) -> int:
+    """Bytes of the contiguous copies ``func``'s real kernel makes of its non-contiguous inputs."""
+    which = _CONTIGUOUS_INPUT_OPS.get(getattr(getattr(func, "_schema", None), "name", ""))
+    if not which:
+        return 0
+    total = 0
+    for i in which:
+        a = args[i] if i < len(args) else None
+        if isinstance(a, torch.Tensor) and not a.is_contiguous():
+            total += a.numel() * a.element_size()
+    return total
 
 
 #: the trackers whose ``__torch_dispatch__`` is running an op (innermost last), for :func:`replay_kernel`
