@@ -72,11 +72,15 @@ def _compare(pruned, full, budget):
     for c in pruned:
         f = by_name[c.name]
         assert f.estimate is not None and f.pruned is None
-        if c.pruned:
+        if c.pruned and not c.restricted or c.pruned and c.floor > budget:
             n += 1
             assert c.estimate is None and c.floor > budget and "not replayed" in c.pruned
             assert c.floor == f.estimate.start_bytes  # the floor is the replay's own start of step
             assert f.peak_bytes >= c.floor and not f.fits
+        elif c.pruned:  # restricted, and an unrestricted plan of its tier fits: it cannot be chosen
+            n += 1
+            assert c.estimate is None and "restricts the training loop" in c.pruned
+            assert any(x.fits and not x.restricted and x.lossy == c.lossy for x in pruned)
         else:
             assert _counts(c.estimate) == _counts(f.estimate)
             assert (c.extra_flops, c.fits) == (f.extra_flops, f.fits)
@@ -101,10 +105,16 @@ def test_pruned_plan_equals_the_whole_table():
     full = _plan(model, inputs, passes, budget, False, _FULL, fcalls)
     assert not isinstance(plan, Exception) and not isinstance(full, Exception)
     assert plan.chosen.name == full.chosen.name and plan.chosen.option("base_weights") is not None
-    assert plan.peak_bytes == full.peak_bytes and plan.reason == full.reason
+    assert plan.peak_bytes == full.peak_bytes
+    # the reason counts the fitting plans replayed (a pruned restricted plan may fit too: it is not counted)
+    assert plan.reason.split(" among the ")[0] == full.reason.split(" among the ")[0]
+    assert "fitting lossy plans replayed" in plan.reason
     assert _compare(plan.candidates, full.candidates, budget) >= 1
     assert sum(pcalls) < sum(fcalls)  # fewer replays
     assert "not replayed" in plan.table() and any("prune=False" in n for n in plan.notes)
+    # the lossy tier: "nf4 base" fits, so "nf4 base + step in backward" (restricted) is not replayed
+    assert "restricts the training loop" in next(c.pruned for c in plan.candidates
+                                                 if c.name == "nf4 base + step in backward")
     def cells(table):  # the columns are padded to the widest cell, which a pruned row may change
         return {c[0].lstrip("* "): c for c in (re.split(r"\s{2,}", ln.strip()) for ln in table.splitlines()[1:])}
 

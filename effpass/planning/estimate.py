@@ -1311,14 +1311,41 @@ def start_bytes_many(model: torch.nn.Module, example_inputs, plans: Sequence, *,
     pairs (``optimizer`` a registered name or None). Every predicted peak is these bytes plus the step's own
     peak above them (>= 0), so this is a lower bound of the peak the replay would predict: the planner prunes
     with it (a plan whose start alone exceeds the budget cannot fit). Plans with the same module phase share
-    one fake copy (at full depth: no step runs, so no depth is extrapolated). Returns per plan an int, or the
-    exception raised (the caller replays that plan, which reports it)."""
+    one fake copy. A model of identical blocks that :func:`estimate_many` extrapolates is counted as it is
+    replayed: at the first 2, 3 and 4 blocks, extrapolated when the three counts are affine in depth (else at
+    full depth). Returns per plan an int, or the exception raised (the caller replays that plan, which
+    reports it)."""
+    _check_optimizer(None)  # loads the registered passes and optimizers
+    dev = _target_device(model, device)
+    blocks = _block_list(model)
+    if blocks is None or len(blocks) <= max(_DEPTHS) or len(blocks) < _AUTO_MIN_BLOCKS:
+        return _start_bytes(model, example_inputs, plans, dev, lr, compile_options)
+    per_depth = []
+    for k in _DEPTHS:
+        with _first_blocks(blocks, k):
+            per_depth.append(_start_bytes(model, example_inputs, plans, dev, lr, compile_options))
+    out: list = []
+    todo = []
+    for i, (a, b, c) in enumerate(zip(*per_depth)):
+        if not all(isinstance(x, int) for x in (a, b, c)):
+            out.append(next(x for x in (a, b, c) if not isinstance(x, int)))
+        elif b - a == c - b:
+            out.append(c + (len(blocks) - _DEPTHS[-1]) * (c - b))
+        else:  # not affine: counted at full depth
+            out.append(None)
+            todo.append(i)
+    if todo:
+        for i, r in zip(todo, _start_bytes(model, example_inputs, [plans[i] for i in todo], dev, lr, compile_options)):
+            out[i] = r
+    return out
+
+
+def _start_bytes(model, example_inputs, plans, dev, lr, compile_options) -> list:
+    """:func:`start_bytes_many` of ``model`` as it is (no extrapolation)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from effpass.memory_options import build_optimizer
 
-    _check_optimizer(None)  # loads the registered passes and optimizers
-    dev = _target_device(model, device)
     opts = dict(compile_options)
     lowering = "inductor" if opts.pop("lowering", "inductor") == "inductor" else "eager"
     for k in ("dump_dir", "memory_budget", "allow", "example_inputs", "optimizer", "world_size"):

@@ -131,8 +131,13 @@ class MemoryPlan:
         base_flops = self._base_flops()
         for c in self.candidates:
             if c.pruned and c.estimate is None:
-                rows.append(("  " + c.name, "yes" if c.lossy else "no", f"not replayed: >= {format_bytes(c.floor)}",
-                             "no", "-", "start of step alone exceeds the budget"))
+                if c.floor is not None and c.floor > self.budget:
+                    rows.append(("  " + c.name, "yes" if c.lossy else "no",
+                                 f"not replayed: >= {format_bytes(c.floor)}", "no", "-",
+                                 "start of step alone exceeds the budget"))
+                else:
+                    rows.append(("  " + c.name, "yes" if c.lossy else "no", "not replayed", "-", "-",
+                                 "restricted; an unrestricted plan fits"))
                 continue
             if c.estimate is None:
                 rows.append((c.name, "yes" if c.lossy else "no", c.error or "not evaluated", "-", "-", "-"))
@@ -314,7 +319,9 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
     its step (parameters, buffers, optimizer states and inputs after its module phase, computed without a
     replay) already exceed the budget cannot fit, so it is not replayed; it is listed with that floor and
     ``pruned`` set. If nothing fits, every pruned candidate whose floor is below the smallest replayed peak
-    is replayed after all, so the smallest achievable peak is the same as without pruning. The plan as given
+    is replayed after all, so the smallest achievable peak is the same as without pruning. In a tier that mixes
+    plans that restrict the training loop with plans that do not, the unrestricted ones are replayed first;
+    if one of them fits, the restricted ones cannot be chosen and are not replayed. The plan as given
     (the first candidate, the base of every "extra compute" figure) is always replayed. ``prune=False``
     replays every candidate of every tier tried (the whole table). Every replayed candidate's figures are
     the same either way.
@@ -453,8 +460,13 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
             f = replays[("floor", c.replay_key())]
             c.floor = f if isinstance(f, int) else None
 
+    deferred: list = []  # the plan as given when it cannot fit: replayed with the next batch
+
     def run(cands):
         cands = list(cands)
+        if deferred and cands:
+            cands = deferred + cands
+            deferred.clear()
         from ..progress import progress
 
         if optimizer in ("adamw", None):
@@ -493,14 +505,35 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
                     c.pruned = (f"not replayed: the bytes live at the start of its step (parameters, buffers, "
                                 f"optimizer states, inputs) are {format_bytes(c.floor)} ({c.floor} bytes), above "
                                 f"the budget")
-        run(c for c in tier if not c.pruned)
+            if first is not None and first.floor is not None and first.floor > budget:
+                # it cannot fit but is the base of every extra-compute figure: replayed with the next batch
+                # (one estimate_many call spreads more work over the workers)
+                deferred.append(first)
         considered += tier
+        free_part = [c for c in tier if not c.pruned and not c.restricted and c not in deferred]
+        restricted = [c for c in tier if not c.pruned and c.restricted]
+        if prunable and free_part and restricted:
+            # plans without a restriction on the training loop are chosen first: if one of them fits, a
+            # restricted plan of the tier cannot be the answer
+            run(free_part)
+            if any(c.fits for c in free_part):
+                for c in restricted:
+                    c.pruned = ("not replayed: it restricts the training loop and a plan of the same tier without "
+                                "a restriction fits (preferred)")
+            else:
+                run(restricted)
+        else:
+            run(c for c in tier if not c.pruned and c not in deferred)
         if not set_extra_flops():
             continue
         fitting = [c for c in tier if c.fits]
         if fitting:
             chosen = min(fitting, key=lambda c: (c.restricted, c.extra_flops, c.sharded, c.peak_bytes))
             break
+    if deferred:
+        run(list(deferred))
+        deferred.clear()
+    set_extra_flops()
     done = [c for c in considered if c.estimate is not None]
     while chosen is None and done:
         # nothing fits: the smallest achievable peak must be among the replayed; a pruned candidate whose
@@ -508,7 +541,7 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
         # the lowest floor first: their peaks may rule out the others)
         smallest = min(c.peak_bytes for c in done)
         late = [c for c in considered if c.pruned and c.estimate is None and c.error is None
-                and c.floor < smallest]
+                and c.floor is not None and c.floor < smallest]
         late = [c for c in late if c.floor == min(x.floor for x in late)]
         if not late:
             for c in considered:
@@ -541,7 +574,8 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
         reason = (f"the pipeline as given needs {format_bytes(plain.peak_bytes) if plain.estimate else '?'}; "
                   f"{chosen.name} fits ({format_bytes(chosen.peak_bytes)} <= {format_bytes(budget)}) with the least "
                   f"extra compute ({_flops(chosen.extra_flops)}) among the "
-                  f"{sum(c.fits for c in considered)} fitting {'lossy' if chosen.lossy else 'lossless'} plans")
+                  f"{sum(c.fits for c in considered)} fitting {'lossy' if chosen.lossy else 'lossless'} plans"
+                  + (" replayed" if any(c.pruned for c in considered) else ""))
         if chosen.lossy:
             reason += "; no lossless plan fits"
     if chosen.restricted:  # plans without restrictions are preferred: none of them fits
@@ -551,10 +585,13 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
             notes.append(f"build the optimizer as {o.optimizer!r} for this plan ({o.cost})")
         if o.restricts:
             notes.append(f"{o.name}: {o.restricts}")
-    n_pruned = sum(1 for c in considered if c.pruned)
-    if n_pruned:
-        notes.append(f"{n_pruned} candidate(s) not replayed: the bytes live at the start of their step already "
+    n_floor = sum(1 for c in considered if c.pruned and c.floor is not None and c.floor > budget)
+    if n_floor:
+        notes.append(f"{n_floor} candidate(s) not replayed: the bytes live at the start of their step already "
                      f"exceed the budget (prune=False or `effpass plan --all` replays them)")
+    if sum(1 for c in considered if c.pruned) > n_floor:
+        notes.append(f"{sum(1 for c in considered if c.pruned) - n_floor} restricted candidate(s) not replayed: a plan "
+                     f"of the same tier without a restriction on the training loop fits (prune=False replays them)")
     pipeline = _pipeline(base, chosen)
     return MemoryPlan(budget=budget, chosen=chosen, candidates=considered, passes=pipeline,
                       optimizer=chosen.optimizer, world_size=world_size, reason=reason, notes=notes)
