@@ -44,6 +44,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-share", action="store_true")
     ap.add_argument("--no-prune", action="store_true")
+    ap.add_argument("--budget", default="6GiB", help="the memory budget (default 6GiB: nothing fits, so every "
+                    "tier is tried and the smallest achievable peak is searched; 8GiB: an NF4 plan fits)")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--workers", type=int, default=None)
     args = ap.parse_args()
@@ -73,11 +75,11 @@ def main():
     lora = effpass.make_pass("inject_lora", {"rank": 16, "targets": ["*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj"]})
     t0, c0, k0 = time.perf_counter(), time.process_time(), children_cpu()
     try:
-        plan = plan_memory(model, inputs, "6GiB", allow=["nf4", "int8", "adamw8bit"], passes=[lora], lowering="eager",
+        plan = plan_memory(model, inputs, args.budget, allow=["nf4", "int8", "adamw8bit"], passes=[lora], lowering="eager",
                            prune=not args.no_prune)
-        cands = plan.candidates
+        cands, answer = plan.candidates, f"chosen: {plan.chosen.name} ({format_bytes(plan.peak_bytes)})"
     except MemoryBudgetError as e:
-        cands = e.candidates
+        cands, answer = e.candidates, f"nothing fits; smallest: {e.plan.name} ({format_bytes(e.smallest)})"
     seconds, cpu, child_cpu = time.perf_counter() - t0, time.process_time() - c0, children_cpu() - k0
     load1 = os.getloadavg()
     rows = [{"plan": c.name, "peak": c.peak_bytes, "parameters": c.estimate.parameters if c.estimate else None,
@@ -90,26 +92,26 @@ def main():
             "transformers": transformers.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "load_before": load0, "load_after": load1, "shared": not args.no_share,
-            "pruned": not args.no_prune,
+            "pruned": not args.no_prune, "budget": args.budget,
             "model": "Llama-3-8B shapes at hidden 64 (--tiny)" if args.tiny else "Llama-3-8B"}
     from effpass.planning.estimate import _plan_workers
 
     head["workers"] = _plan_workers()
     out = {"header": head, "seconds": round(seconds, 1), "cpu_seconds": round(cpu + child_cpu, 1),
            "cpu_seconds_workers": round(child_cpu, 1), "candidates": len(cands),
-           "replayed": sum(1 for c in cands if c.estimate is not None),
+           "replayed": sum(1 for c in cands if c.estimate is not None), "answer": answer,
            "rows": rows}
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     os.makedirs(here, exist_ok=True)
     stem = ("plan_speed" + ("_tiny" if args.tiny else "") + ("_noshare" if args.no_share else "")
-            + ("_noprune" if args.no_prune else ""))
+            + ("_noprune" if args.no_prune else "") + ("" if args.budget == "6GiB" else f"_{args.budget}"))
     with open(os.path.join(here, stem + ".json"), "w") as f:
         json.dump(out, f, indent=1)
-    md = [f"# Planning time: Llama-3-8B LoRA r=16, 1 x 2048 tokens, allow nf4/int8/adamw8bit\n", f"{head}\n",
+    md = [f"# Planning time: Llama-3-8B LoRA r=16, 1 x 2048 tokens, allow nf4/int8/adamw8bit, budget {args.budget}\n", f"{head}\n",
           f"{len(cands)} candidates in {seconds:.1f} s wall, {cpu + child_cpu:.1f} s CPU ({child_cpu:.1f} s of it in "
           f"{head['workers'] - 1} worker process(es)) (load average before {load0[0]:.1f}, after {load1[0]:.1f}; "
           f"shared replays: {not args.no_share}; pruning: {not args.no_prune}); "
-          f"{out['replayed']} candidates replayed\n",
+          f"{out['replayed']} candidates replayed; {answer}\n",
           "| plan | predicted peak | parameters | start of step (floor) | error or why not replayed |",
           "|---|---|---|---|---|"]
     md += [f"| {r['plan']} | {format_bytes(r['peak']) if r['peak'] else '-'} | "

@@ -145,3 +145,31 @@ def test_floor_of_a_bad_pipeline_is_its_error():
     bad = [effpass.make_pass("inject_lora", {"rank": 4, "targets": ["*.no_such_module"]})]
     (got,) = start_bytes_many(model, inputs, [(bad, "adamw")], lowering="eager")
     assert isinstance(got, Exception) and "no_such_module" in str(got)
+
+
+def test_cli_lists_pruned_plans_and_all_replays_them(tmp_path, capsys):
+    """`effpass plan` shows a pruned candidate as not replayed, with its floor; `--all` replays it."""
+    import json
+
+    from effpass.cli import main
+
+    model, inputs, passes = _setup()
+    (floor,) = start_bytes_many(model, inputs, [(passes, "adamw")], lowering="eager")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CFG))
+    args = ["plan", str(path), "--batch", "1", "--seq", "16", "--budget", str(floor - 1), "--allow", "nf4",
+            "--passes", json.dumps({"inject_lora": {"rank": 4, "targets": ["*.q_proj", "*.v_proj"]},
+                                    "checkpoint_activations": {"policy": "full"}, "fuse_cross_entropy": {}})]
+    assert main(args + ["--json"]) == 0
+    pruned = json.loads(capsys.readouterr().out)
+    assert main(args + ["--json", "--all"]) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert pruned["chosen"] == full["chosen"] and pruned["peak_bytes"] == full["peak_bytes"]
+    by_name = {c["plan"]: c for c in full["candidates"]}
+    cut = [c for c in pruned["candidates"] if c["pruned"]]
+    assert cut and not any(c["pruned"] for c in full["candidates"])
+    for c in cut:  # listed with its floor, no figure; replayed with --all, above the budget
+        assert c["peak_bytes"] is None and c["fits"] is False
+        assert by_name[c["plan"]]["peak_bytes"] is not None
+        if c["floor_bytes"] > floor - 1:
+            assert by_name[c["plan"]]["peak_bytes"] >= c["floor_bytes"] and not by_name[c["plan"]]["fits"]
