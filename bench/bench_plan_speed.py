@@ -1,7 +1,11 @@
 """Planning time of Llama-3-8B LoRA (r=16, q/k/v/o, batch 1 x 2048 tokens, bf16) over every candidate the
 registry offers with allow=['nf4', 'int8', 'adamw8bit'] (a budget nothing fits, so every tier is replayed).
 
-    .venv/bin/python bench/bench_plan_speed.py [--no-share] [--tiny] [--workers N]
+    .venv/bin/python bench/bench_plan_speed.py [--no-prune] [--no-share] [--tiny] [--workers N]
+
+``--no-prune``: every candidate of every tier replayed (``plan_memory(prune=False)``: the planner before
+candidates whose start-of-step bytes exceed the budget were skipped; the same figures for every candidate
+replayed both ways);
 
 ``--no-share``: every candidate replayed alone (the planner before work was shared between candidates);
 ``--tiny``: the same architecture and depth at hidden size 64 (fake tensors: the replay's work is the same
@@ -39,6 +43,9 @@ def main():
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-share", action="store_true")
+    ap.add_argument("--no-prune", action="store_true")
+    ap.add_argument("--budget", default="6GiB", help="the memory budget (default 6GiB: nothing fits, so every "
+                    "tier is tried and the smallest achievable peak is searched; 8GiB: an NF4 plan fits)")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--workers", type=int, default=None)
     args = ap.parse_args()
@@ -68,39 +75,49 @@ def main():
     lora = effpass.make_pass("inject_lora", {"rank": 16, "targets": ["*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj"]})
     t0, c0, k0 = time.perf_counter(), time.process_time(), children_cpu()
     try:
-        plan = plan_memory(model, inputs, "6GiB", allow=["nf4", "int8", "adamw8bit"], passes=[lora], lowering="eager")
-        cands = plan.candidates
+        plan = plan_memory(model, inputs, args.budget, allow=["nf4", "int8", "adamw8bit"], passes=[lora], lowering="eager",
+                           prune=not args.no_prune)
+        cands, answer = plan.candidates, f"chosen: {plan.chosen.name} ({format_bytes(plan.peak_bytes)})"
     except MemoryBudgetError as e:
-        cands = e.candidates
+        cands, answer = e.candidates, f"nothing fits; smallest: {e.plan.name} ({format_bytes(e.smallest)})"
     seconds, cpu, child_cpu = time.perf_counter() - t0, time.process_time() - c0, children_cpu() - k0
     load1 = os.getloadavg()
     rows = [{"plan": c.name, "peak": c.peak_bytes, "parameters": c.estimate.parameters if c.estimate else None,
-             "extra_flops": c.extra_flops, "error": c.error} for c in cands]
+             "start": c.estimate.start_bytes if c.estimate else None, "floor": c.floor,
+             "extra_flops": c.extra_flops if c.estimate else None, "error": c.error, "pruned": c.pruned}
+            for c in cands]
     import transformers
 
     head = {"device": f"CPU ({platform.machine()}, {os.cpu_count()} cores, shared)", "torch": torch.__version__,
             "transformers": transformers.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "load_before": load0, "load_after": load1, "shared": not args.no_share,
+            "pruned": not args.no_prune, "budget": args.budget,
             "model": "Llama-3-8B shapes at hidden 64 (--tiny)" if args.tiny else "Llama-3-8B"}
     from effpass.planning.estimate import _plan_workers
 
     head["workers"] = _plan_workers()
     out = {"header": head, "seconds": round(seconds, 1), "cpu_seconds": round(cpu + child_cpu, 1),
            "cpu_seconds_workers": round(child_cpu, 1), "candidates": len(cands),
+           "replayed": sum(1 for c in cands if c.estimate is not None), "answer": answer,
            "rows": rows}
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
     os.makedirs(here, exist_ok=True)
-    stem = "plan_speed" + ("_tiny" if args.tiny else "") + ("_noshare" if args.no_share else "")
+    stem = ("plan_speed" + ("_tiny" if args.tiny else "") + ("_noshare" if args.no_share else "")
+            + ("_noprune" if args.no_prune else "") + ("" if args.budget == "6GiB" else f"_{args.budget}"))
     with open(os.path.join(here, stem + ".json"), "w") as f:
         json.dump(out, f, indent=1)
-    md = [f"# Planning time: Llama-3-8B LoRA r=16, 1 x 2048 tokens, allow nf4/int8/adamw8bit\n", f"{head}\n",
+    md = [f"# Planning time: Llama-3-8B LoRA r=16, 1 x 2048 tokens, allow nf4/int8/adamw8bit, budget {args.budget}\n", f"{head}\n",
           f"{len(cands)} candidates in {seconds:.1f} s wall, {cpu + child_cpu:.1f} s CPU ({child_cpu:.1f} s of it in "
           f"{head['workers'] - 1} worker process(es)) (load average before {load0[0]:.1f}, after {load1[0]:.1f}; "
-          f"shared replays: {not args.no_share})\n",
-          "| plan | predicted peak | parameters | error |", "|---|---|---|---|"]
+          f"shared replays: {not args.no_share}; pruning: {not args.no_prune}); "
+          f"{out['replayed']} candidates replayed; {answer}\n",
+          "| plan | predicted peak | parameters | start of step (floor) | error or why not replayed |",
+          "|---|---|---|---|---|"]
     md += [f"| {r['plan']} | {format_bytes(r['peak']) if r['peak'] else '-'} | "
-           f"{format_bytes(r['parameters']) if r['parameters'] else '-'} | {r['error'] or ''} |" for r in rows]
+           f"{format_bytes(r['parameters']) if r['parameters'] else '-'} | "
+           f"{format_bytes(r['floor']) if r['floor'] is not None else '-'} | {r['error'] or r['pruned'] or ''} |"
+           for r in rows]
     with open(os.path.join(here, stem + ".md"), "w") as f:
         f.write("\n".join(md) + "\n")
     print("\n".join(md))

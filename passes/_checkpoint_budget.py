@@ -23,14 +23,18 @@ def refine_free_saves(gm: fx.GraphModule, nodes: list[fx.Node], block_of: dict[f
     ids = _block_ids(nodes, block_of)
     model = _CostModel(gm, nodes, ids)
     saved = {n for n, (p, _) in plan.items() if p is MUST_SAVE and _multi_output_parent(n) is None}
-    b0, f0 = model.evaluate(saved)
+    b0, f0, recomputed = model.walk(saved)
     for n in nodes:
         if n in saved or n not in plan or _multi_output_parent(n) is not None or _is_view_or_free(n):
             continue
-        b, f = model.evaluate(saved | {n})
+        if n not in recomputed:
+            # the walk never recomputes n, so saving it changes no decision of the walk: the same bytes and
+            # FLOPs (what evaluate(saved | {n}) returns), never an improvement
+            continue
+        b, f, rec = model.walk(saved | {n})
         if (b < b0 and f <= f0) or (b <= b0 and f < f0):
             saved.add(n)
-            b0, f0 = b, f
+            b0, f0, recomputed = b, f, rec
     return _plan_from_saved(nodes, ids, saved)
 
 
@@ -64,6 +68,12 @@ class _CostModel:
     def evaluate(self, saved: set[fx.Node]) -> tuple[int, int]:
         """(saved bytes, recompute FLOPs) when ``saved`` (plus boundaries) are saved, the rest of the
         scope recomputed."""
+        b, f, _ = self.walk(saved)
+        return b, f
+
+    def walk(self, saved: set[fx.Node]) -> tuple[int, int, set[fx.Node]]:
+        """:meth:`evaluate` and the set of values the backward recomputes. Saving a value outside that set
+        changes nothing (the walk's only use of ``saved`` is on values it would otherwise recompute)."""
         stored: set[fx.Node] = set()
         recomputed: set[fx.Node] = set()
         stack = list(self.needed)
@@ -84,7 +94,7 @@ class _CostModel:
                 stack.extend(owner.all_input_nodes)
             recomputed.add(n)
             stack.extend(n.all_input_nodes)
-        return sum(self.size(n) for n in stored), sum(self.flops.get(n, 0) for n in recomputed)
+        return sum(self.size(n) for n in stored), sum(self.flops.get(n, 0) for n in recomputed), recomputed
 
 
 @dataclass(frozen=True)

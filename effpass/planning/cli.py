@@ -58,8 +58,8 @@ def model_from_config(config, dtype: str | None = None):
 
 def plan_config(config, batch: int, seq: int, budget, allow=(), world_size: int = 1, passes=None,
                 lora: int | None = None, optimizer: str | None = "adamw", dtype: str | None = None,
-                device: str = "cpu", sequence_parallel: int = 1):
-    """(model, plan) for a config at ``batch`` x ``seq`` under ``budget``."""
+                device: str = "cpu", sequence_parallel: int = 1, prune: bool = True):
+    """(model, plan) for a config at ``batch`` x ``seq`` under ``budget`` (``prune``: see ``plan_memory``)."""
     import torch
 
     from .planner import plan_memory
@@ -71,7 +71,8 @@ def plan_config(config, batch: int, seq: int, budget, allow=(), world_size: int 
     inputs = {"input_ids": tokens, "labels": tokens, "use_cache": False}
     pipeline = _pipeline_of(passes, lora)
     plan = plan_memory(model, inputs, budget, allow=allow, passes=pipeline, optimizer=optimizer,
-                       world_size=world_size, device=device, lowering="eager", sequence_parallel=sequence_parallel)
+                       world_size=world_size, device=device, lowering="eager", sequence_parallel=sequence_parallel,
+                       prune=prune)
     return model, plan
 
 
@@ -130,6 +131,9 @@ def _add_arguments(p) -> None:
     p.add_argument("--dtype", default=None, help="parameter dtype (default: the config's)")
     p.add_argument("--device", default="cpu", help="device to predict for (fake tensors; cuda is untested)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--all", dest="replay_all", action="store_true",
+                   help="replay every candidate of the tiers tried (the whole table), also those whose bytes at the "
+                        "start of the step already exceed the budget (by default they are listed as not replayed)")
     p.add_argument("--html", metavar="OUT.html", help="also draw where memory goes: live bytes over one step, "
                    "stacked by category, one curve per candidate plan")
     p.add_argument("--memory-viz", dest="memory_viz", metavar="OUT.pickle",
@@ -148,7 +152,8 @@ def _run(args) -> int:
         model, plan = plan_config(args.config, args.batch, args.seq, args.budget, allow=args.allow,
                                   world_size=args.world_size, passes=passes, lora=args.lora,
                                   optimizer=None if args.optimizer == "none" else args.optimizer, dtype=args.dtype,
-                                  device=args.device, sequence_parallel=args.sequence_parallel)
+                                  device=args.device, sequence_parallel=args.sequence_parallel,
+                                  prune=not args.replay_all)
     except MemoryBudgetError as e:
         print(f"effpass plan: {e}", file=sys.stderr)
         if e.candidates:

@@ -28,7 +28,7 @@ import torch
 from effpass.quantized import storage_bytes
 
 from .estimate import MemoryEstimate, _largest_unit_bytes, _target_device, estimate_many, estimate_memory, format_bytes, \
-    parse_size, with_optimizer
+    parse_size, start_bytes_many, with_optimizer
 from .sharding import fold_sequence_parallel, fold_sharding
 
 __all__ = ["MemoryPlan", "Candidate", "MemoryBudgetError", "plan_memory", "plan_for_compile", "techniques", "plan_max_seq",
@@ -66,6 +66,11 @@ class Candidate:
     extra_flops: int = 0
     fits: bool = False
     error: str | None = None
+    #: bytes live at the start of its step (parameters, buffers, optimizer states, inputs): a lower bound of
+    #: its peak, known without a replay (:func:`~effpass.planning.estimate.start_bytes_many`); None if unknown
+    floor: int | None = None
+    #: why it was not replayed (it cannot fit, or cannot be the answer); None when replayed
+    pruned: str | None = None
 
     @property
     def lossy(self) -> bool:
@@ -125,6 +130,15 @@ class MemoryPlan:
         rows = [("plan", "lossy", "predicted peak", "fits", "extra compute", "peak at")]
         base_flops = self._base_flops()
         for c in self.candidates:
+            if c.pruned and c.estimate is None:
+                if c.floor is not None and c.floor > self.budget:
+                    rows.append(("  " + c.name, "yes" if c.lossy else "no",
+                                 f"not replayed: >= {format_bytes(c.floor)}", "no", "-",
+                                 "start of step alone exceeds the budget"))
+                else:
+                    rows.append(("  " + c.name, "yes" if c.lossy else "no", "not replayed", "-", "-",
+                                 "restricted; an unrestricted plan fits"))
+                continue
             if c.estimate is None:
                 rows.append((c.name, "yes" if c.lossy else "no", c.error or "not evaluated", "-", "-", "-"))
                 continue
@@ -159,7 +173,8 @@ class MemoryPlan:
                 "reason": self.reason, "optimizer": self.optimizer, "world_size": self.world_size,
                 "passes": [{"name": p.name, "options": p.options()} for p in self.passes],
                 "candidates": [{"plan": c.name, "techniques": list(c.techniques()), "lossy": c.lossy, "peak_bytes": c.peak_bytes, "fits": c.fits,
-                                "extra_flops": c.extra_flops, "error": c.error,
+                                "extra_flops": c.extra_flops, "error": c.error, "pruned": c.pruned,
+                                "floor_bytes": c.floor,
                                 "peak_at": f"{c.estimate.peak_phase}: {c.estimate.peak_node}" if c.estimate else None}
                                for c in self.candidates],
                 "notes": self.notes}
@@ -295,10 +310,21 @@ def _parameter_floor(model, groups, world_size) -> tuple[int, int]:
 
 def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: Iterable[str] = (), passes=None,
                 optimizer: str | None = "adamw", world_size: int = 1, *, device=None, loss_fn=None,
-                sequence_parallel: int = 1, _cache: dict | None = None, _graph_only: bool = False,
-                _sp_terms=None, **compile_options) -> MemoryPlan:
+                sequence_parallel: int = 1, prune: bool = True, _cache: dict | None = None,
+                _graph_only: bool = False, _sp_terms=None, **compile_options) -> MemoryPlan:
     """Choose a pipeline for ``model`` whose predicted training-step peak fits ``memory_budget``
     (``"24GiB"``, bytes; per rank when ``world_size > 1``). See the module docstring for the order.
+
+    ``prune`` (default True; one rank, no sequence parallelism): a candidate whose bytes live at the start of
+    its step (parameters, buffers, optimizer states and inputs after its module phase, computed without a
+    replay) already exceed the budget cannot fit, so it is not replayed; it is listed with that floor and
+    ``pruned`` set. If nothing fits, every pruned candidate whose floor is below the smallest replayed peak
+    is replayed after all, so the smallest achievable peak is the same as without pruning. In a tier that mixes
+    plans that restrict the training loop with plans that do not, the unrestricted ones are replayed first;
+    if one of them fits, the restricted ones cannot be chosen and are not replayed. The plan as given
+    (the first candidate, the base of every "extra compute" figure) is always replayed. ``prune=False``
+    replays every candidate of every tier tried (the whole table). Every replayed candidate's figures are
+    the same either way.
 
     Raises :class:`MemoryBudgetError` (a ``ValueError``) naming the smallest achievable peak and its plan
     when nothing fits, ``ValueError`` for an unreadable budget, one below the parameters' own bytes, or an
@@ -314,7 +340,7 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
         local, restore_sp, terms = sequence_parallel_replay(model, example_inputs, sequence_parallel)
         try:
             return plan_memory(model, local, memory_budget, allow, passes, optimizer, world_size, device=device,
-                               loss_fn=loss_fn, _cache=_cache, _graph_only=_graph_only,
+                               loss_fn=loss_fn, prune=prune, _cache=_cache, _graph_only=_graph_only,
                                _sp_terms=(sequence_parallel, terms), **compile_options)
         finally:
             restore_sp()
@@ -411,6 +437,59 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
         c.estimate = est
         c.fits = est.peak_bytes <= budget
 
+    prunable = prune and world_size == 1 and not _sp_terms
+
+    def set_floors(cands):
+        """Each candidate's floor (bytes live at its step's start), from its module phase alone; cached with the
+        replays. A candidate whose floor cannot be computed has none (it is replayed, which reports why)."""
+        todo = [c for c in cands if ("floor", c.replay_key()) not in replays]
+        if todo:
+            pipes = []
+            for c in todo:
+                try:
+                    pipes.append((pipeline_of(c), c.optimizer))
+                except Exception as e:
+                    pipes.append((None, e))
+            ok = [i for i, (p, o) in enumerate(pipes) if not isinstance(o, Exception)]
+            got = start_bytes_many(model, example_inputs, [pipes[i] for i in ok], device=dev, **compile_options)
+            for i, f in zip(ok, got):
+                replays[("floor", todo[i].replay_key())] = f
+            for i in set(range(len(todo))) - set(ok):
+                replays[("floor", todo[i].replay_key())] = pipes[i][1]
+        for c in cands:
+            f = replays[("floor", c.replay_key())]
+            c.floor = f if isinstance(f, int) else None
+
+    deferred: list = []  # the plan as given when it cannot fit: replayed with the next batch
+
+    def run(cands):
+        cands = list(cands)
+        if deferred and cands:
+            cands = deferred + cands
+            deferred.clear()
+        from ..progress import progress
+
+        if optimizer in ("adamw", None):
+            replay_all(cands)
+        bar = progress(len(cands), "effpass plan")  # each candidate: a replay unless shared with another
+        try:
+            for c in cands:
+                bar.set_postfix_str(c.name[:40])
+                evaluate(c)
+                bar.update()
+        finally:
+            bar.close()
+
+    def set_extra_flops() -> bool:
+        done = [c for c in considered if c.estimate is not None]
+        if not done:
+            return False
+        base_flops = considered[0].estimate.flops if considered[0].estimate is not None else min(
+            c.estimate.flops for c in done)
+        for c in done:
+            c.extra_flops = c.estimate.flops - base_flops
+        return True
+
     considered: list[Candidate] = []
     chosen = None
     # plans that restrict the training loop (step_in_backward) form their own tier after the free lossless ones
@@ -418,31 +497,62 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
     for tier in (free, [c for c in lossless if c.restricted], lossy):
         if not tier:
             continue
-        from ..progress import progress
-
-        if optimizer in ("adamw", None):
-            replay_all(tier)
-        bar = progress(len(tier), "effpass plan")  # each candidate: a replay unless shared with another
-        try:
+        first = tier[0] if not considered else None  # the plan as given: the base of extra compute
+        if prunable:
+            set_floors(tier)
             for c in tier:
-                bar.set_postfix_str(c.name[:40])
-                evaluate(c)
-                bar.update()
-        finally:
-            bar.close()
+                if c is not first and c.floor is not None and c.floor > budget:
+                    c.pruned = (f"not replayed: the bytes live at the start of its step (parameters, buffers, "
+                                f"optimizer states, inputs) are {format_bytes(c.floor)} ({c.floor} bytes), above "
+                                f"the budget")
+            if first is not None and first.floor is not None and first.floor > budget:
+                # it cannot fit but is the base of every extra-compute figure: replayed with the next batch
+                # (one estimate_many call spreads more work over the workers)
+                deferred.append(first)
         considered += tier
-        done = [c for c in considered if c.estimate is not None]
-        if not done:
+        free_part = [c for c in tier if not c.pruned and not c.restricted and c not in deferred]
+        restricted = [c for c in tier if not c.pruned and c.restricted]
+        if prunable and free_part and restricted:
+            # plans without a restriction on the training loop are chosen first: if one of them fits, a
+            # restricted plan of the tier cannot be the answer
+            run(free_part)
+            if any(c.fits for c in free_part):
+                for c in restricted:
+                    c.pruned = ("not replayed: it restricts the training loop and a plan of the same tier without "
+                                "a restriction fits (preferred)")
+            else:
+                run(restricted)
+        else:
+            run(c for c in tier if not c.pruned and c not in deferred)
+        if not set_extra_flops():
             continue
-        base_flops = considered[0].estimate.flops if considered[0].estimate is not None else min(
-            c.estimate.flops for c in done)
-        for c in done:
-            c.extra_flops = c.estimate.flops - base_flops
         fitting = [c for c in tier if c.fits]
         if fitting:
             chosen = min(fitting, key=lambda c: (c.restricted, c.extra_flops, c.sharded, c.peak_bytes))
             break
+    if deferred:
+        run(list(deferred))
+        deferred.clear()
+    set_extra_flops()
     done = [c for c in considered if c.estimate is not None]
+    while chosen is None and done:
+        # nothing fits: the smallest achievable peak must be among the replayed; a pruned candidate whose
+        # floor is below the smallest replayed peak could be smaller, so it is replayed after all (those with
+        # the lowest floor first: their peaks may rule out the others)
+        smallest = min(c.peak_bytes for c in done)
+        late = [c for c in considered if c.pruned and c.estimate is None and c.error is None
+                and c.floor is not None and c.floor < smallest]
+        late = [c for c in late if c.floor == min(x.floor for x in late)]
+        if not late:
+            for c in considered:
+                if c.pruned and c.estimate is None:
+                    c.pruned += f" and at least the smallest replayed peak, {format_bytes(smallest)}"
+            break
+        for c in late:
+            c.pruned = None
+        run(late)
+        set_extra_flops()
+        done = [c for c in considered if c.estimate is not None]
     if chosen is None:
         if not done:
             errors = "; ".join(f"{c.name}: {c.error}" for c in considered[:3])
@@ -464,7 +574,8 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
         reason = (f"the pipeline as given needs {format_bytes(plain.peak_bytes) if plain.estimate else '?'}; "
                   f"{chosen.name} fits ({format_bytes(chosen.peak_bytes)} <= {format_bytes(budget)}) with the least "
                   f"extra compute ({_flops(chosen.extra_flops)}) among the "
-                  f"{sum(c.fits for c in considered)} fitting {'lossy' if chosen.lossy else 'lossless'} plans")
+                  f"{sum(c.fits for c in considered)} fitting {'lossy' if chosen.lossy else 'lossless'} plans"
+                  + (" replayed" if any(c.pruned for c in considered) else ""))
         if chosen.lossy:
             reason += "; no lossless plan fits"
     if chosen.restricted:  # plans without restrictions are preferred: none of them fits
@@ -474,6 +585,13 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
             notes.append(f"build the optimizer as {o.optimizer!r} for this plan ({o.cost})")
         if o.restricts:
             notes.append(f"{o.name}: {o.restricts}")
+    n_floor = sum(1 for c in considered if c.pruned and c.floor is not None and c.floor > budget)
+    if n_floor:
+        notes.append(f"{n_floor} candidate(s) not replayed: the bytes live at the start of their step already "
+                     f"exceed the budget (prune=False or `effpass plan --all` replays them)")
+    if sum(1 for c in considered if c.pruned) > n_floor:
+        notes.append(f"{sum(1 for c in considered if c.pruned) - n_floor} restricted candidate(s) not replayed: a plan "
+                     f"of the same tier without a restriction on the training loop fits (prune=False replays them)")
     pipeline = _pipeline(base, chosen)
     return MemoryPlan(budget=budget, chosen=chosen, candidates=considered, passes=pipeline,
                       optimizer=chosen.optimizer, world_size=world_size, reason=reason, notes=notes)
