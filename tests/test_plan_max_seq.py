@@ -55,11 +55,13 @@ def test_step_in_backward_declares_its_restriction():
     assert [o.options for o in declared_memory_options(None) if o.technique == "tile_sequence"] == [{"tile_rows": 4096}]
 
 
-def test_step_in_backward_predicted_as_measured():
+@pytest.mark.parametrize("tiles", [False, True], ids=["ckpt", "ckpt_tiles"])
+def test_step_in_backward_predicted_as_measured(tiles):
     """The replay creates AdamW's states and steps each parameter inside the backward as the real step does
-    (before: states never created, 36% of the start missing)."""
+    (before: states never created, 36% of the start missing); also with tiles, the planner's long-sequence plan."""
     case = model_case("llama", seq=64)
-    passes = lambda: [CheckpointActivations(policy="full"), StepInBackward()]  # noqa: E731
+    passes = lambda: [CheckpointActivations(policy="full"), *([TileSequence(tile_rows=16)] if tiles else []),  # noqa: E731
+                      StepInBackward()]
     est = estimate_memory(case.model, case.inputs, passes=passes(), lowering="eager")
     model = case.make()
     compiled = effpass.compile(model, passes=passes(), lowering="eager")
@@ -68,6 +70,9 @@ def test_step_in_backward_predicted_as_measured():
     assert est.optimizer_states >= 2 * trainable  # AdamW's two states per parameter exist in the replay
     assert est.start_bytes == m.start_bytes
     assert est.peak_bytes == pytest.approx(m.peak_bytes, rel=0.01)
+    assert effpass.report(compiled).stats("step_in_backward"), "no step inside the backward"
+    if tiles:
+        assert effpass.report(compiled).stats("tile_sequence")["tiles"] >= 4
 
 
 def _est(peak, flops=0):
