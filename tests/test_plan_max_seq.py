@@ -52,7 +52,18 @@ def test_long_sequence_techniques_are_candidates():
 def test_step_in_backward_declares_its_restriction():
     (o,) = [o for o in declared_memory_options(None) if o.technique == "step_in_backward"]
     assert o.lossless and o.restricts and "adamw" in o.optimizers and o.phase == "module"
-    assert [o.options for o in declared_memory_options(None) if o.technique == "tile_sequence"] == [{"tile_rows": 4096}]
+    assert [o.options for o in declared_memory_options(None) if o.technique == "tile_sequence"] == [
+        {"tile_rows": 4096}, {"tile_rows": 1024}]
+
+
+@pytest.mark.parametrize("rows,labels", [(None, ["tiles(4096)"]), (1024, []), (4096, ["tiles(1024)"]),
+                                         (8192, ["tiles(4096)", "tiles(1024)"]),
+                                         (16384, ["tiles(4096)", "tiles(1024)"]), (16385, ["tiles(4096)"])])
+def test_tile_options_by_batch_rows(rows, labels):
+    """Small tiles only on short batches (min_rows / max_rows), never in a length search (rows unknown)."""
+    model = model_case("llama", seq=16).model
+    groups = _usable_options(model, set(), (), "adamw", 1, [], device="cpu", rows=rows)
+    assert [o.label for o in groups.get("sequence_tiling", [])] == labels
 
 
 @pytest.mark.parametrize("tiles", [False, True], ids=["ckpt", "ckpt_tiles"])
