@@ -225,6 +225,69 @@ def longest_fitting(name: str, budget: int, known: dict[int, int], probe, grain:
     return lo, hi, probes, {str(k): v for k, v in sorted(pts.items())}
 
 
+def _worker_cmd(arm: str, seq: int, steps: int) -> list[str]:
+    return [sys.executable, os.path.abspath(__file__), "--worker", arm, "--seq", str(seq), "--steps", str(steps)]
+
+
+def _run_worker(arm: str, seq: int, steps: int) -> dict:
+    """One (arm, length) in its own process; its row, or ``{"failed": reason}``."""
+    import subprocess
+    import tempfile
+
+    log = os.path.join(tempfile.gettempdir(), f"long_sequence_{arm}_{seq}.log")
+    with open(log, "w+") as err:
+        p = subprocess.run(_worker_cmd(arm, seq, steps), stdout=subprocess.PIPE, stderr=err, text=True)
+        err.seek(0)
+        tail = err.read().strip().splitlines()[-3:]
+    line = next((ln for ln in reversed(p.stdout.splitlines()) if ln.startswith("{")), None)
+    if line is None:
+        return {"failed": f"rc {p.returncode}: " + " | ".join(tail)}
+    return json.loads(line)
+
+
+def _write(base: str, head: dict, args, rows: list, skipped: list, fits: list, done: bool) -> None:
+    """JSON + MD of what has finished so far (rewritten after every job: a stopped run keeps its rows)."""
+    head = dict(head, load_now=[round(x, 1) for x in os.getloadavg()], finished=done,
+                written=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    rows = sorted(rows, key=lambda r: (r["seq"], ARMS.index(r["arm"])))
+    for r in rows:  # the same loss history: every arm against the hand-built stack's, per length
+        ref = next((x for x in rows if x["seq"] == r["seq"] and x["arm"] == "hand_built"), None)
+        if ref is not None:
+            n = min(len(ref["losses"]), len(r["losses"]))
+            r["loss_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"][:n], ref["losses"][:n]))
+            r["x_hand_built"] = r["peak"] / ref["peak"]
+    os.makedirs(os.path.dirname(base), exist_ok=True)
+    with open(base + ".json", "w") as f:
+        json.dump({"header": head, "args": vars(args), "rows": rows, "not_run": skipped, "fits": fits}, f, indent=1)
+    md = ["# Long sequences: whole-step peak of full fine-tuning with AdamW (CPU)\n",
+          f"Run: `{' '.join(['LOWERING=' + head['lowering_effpass'], 'python'] + sys.argv)}`"
+          + ("" if done else " (**partial: the run had not finished when this was written**)") + "\n",
+          f"{json.dumps(head)}\n",
+          "Llama-shaped (hidden 512, intermediate 1408, 4 layers, 8 heads / 2 KV heads, vocabulary 32,000), fp32, "
+          "batch 1, AdamW(lr=1e-4). Peak = bytes live at the step's start (weights, AdamW states, batch) + the "
+          "profiler's peak of one steady-state step (forward, backward, opt.step(), zero_grad). Step time: the "
+          "second step (no compile, no profiler) where one ran, else the first (incl. compile and profiler); the "
+          "machine is shared, see the load per arm.\n",
+          "| seq | arm | peak | x hand-built | start | step time (s) | load (1 min) | losses | max rel. diff to hand-built |",
+          "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = f"{r['x_hand_built']:.3f}x" if "x_hand_built" in r else "-"
+        st = f"{r['step_s']:.1f}" if r["step_s"] is not None else f"{r['first_step_s']:.1f} (first step: incl. compile)"
+        name = r["arm"] + (f" ({r['plan']})" if r.get("plan") else "")
+        md.append(f"| {r['seq']} | {name} | {r['peak'] / 2**20:.0f} MiB | {ratio} | {r['start'] / 2**20:.0f} MiB | "
+                  f"{st} | {r['load'][0]} | {', '.join(f'{x:.6f}' for x in r['losses'])} | {r.get('loss_rel_diff', 0):.1e} |")
+    for s_ in skipped:
+        md.append(f"| {s_['seq']} | {s_['arm']} | - | - | - | - | - | {s_['reason']} | - |")
+    if fits:
+        md += ["", f"Longest sequence fitting {args.budget} (measured peaks; multiples of 1,024):", "",
+               "| arm | fits | does not fit | probes | measured points (seq: MiB) |", "|---|---|---|---|---|"]
+        for f_ in fits:
+            pts = ", ".join(f"{k}: {v / 2**20:.0f}" for k, v in f_["points"].items())
+            md.append(f"| {f_['arm']} | {f_['longest_fitting']} | {f_['shortest_over']} | {f_['probes']} | {pts} |")
+    with open(base + ".md", "w") as f:
+        f.write("\n".join(md) + "\n")
+
+
 def main():
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _common import meta
@@ -240,9 +303,9 @@ def main():
     ap.add_argument("--tag", default="")
     ap.add_argument("--steps-at", default="", help="per-length steps, e.g. 16384:1 (else --steps)")
     ap.add_argument("--arms-at", default="", help="per-length arms, e.g. 16384:hand_built+effpass_tiled (else --arms)")
-    ap.add_argument("--parallel", type=int, default=0, help="at most this many (arm, length) processes at once, "
-                    "hf_eager started last (the most memory), each in its own process (same code, weights and batches; on a CPU shared with other jobs one arm after another "
-                    "takes hours); memory peaks are allocator bytes, independent of this")
+    ap.add_argument("--parallel", type=int, default=1, help="at most this many (arm, length) processes at once "
+                    "(every (arm, length) and every budget probe runs in its own process: same code, weights and "
+                    "batches); memory peaks are allocator bytes, independent of this; times are not")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -251,11 +314,16 @@ def main():
     if args.worker:
         print(json.dumps(run_arm(args.worker, args.seq[0], args.steps)), flush=True)
         return
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
     head = meta("cpu")
     head["lowering_effpass"] = os.environ.get("LOWERING", "inductor")
     head["lowering_hand_built_compiled"] = "inductor"
+    base = os.path.join(RESULTS, f"long_sequence_cpu{args.tag}")
     t_start = time.perf_counter()
-    rows, skipped, jobs = [], [], []
+    rows, skipped, jobs, fits = [], [], [], []
+    lock = threading.Lock()
     for seq in args.seq:
         for arm in arms_at.get(seq, args.arms).split(","):
             if arm == "hf_eager" and seq > HF_EAGER_MAX_SEQ:
@@ -264,93 +332,57 @@ def main():
                                 "more than this shared machine holds"})
                 continue
             jobs.append((arm, seq, steps_at.get(seq, args.steps)))
-    if args.parallel > 1:
-        import subprocess
-        import tempfile
 
-        jobs.sort(key=lambda j: j[0] == "hf_eager")
-        todo, running = list(jobs), []
+    def save(done=False):
+        with lock:
+            head["minutes"] = round((time.perf_counter() - t_start) / 60, 1)
+            _write(base, head, args, rows, skipped, fits, done)
 
-        def start(a, s_, n):
-            log = open(os.path.join(tempfile.gettempdir(), f"long_sequence_{a}_{s_}.log"), "w+")
-            return (a, s_, log, subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", a, "--seq",
-                                                  str(s_), "--steps", str(n)], stdout=subprocess.PIPE, stderr=log,
-                                                 text=True))
-        os.makedirs(RESULTS, exist_ok=True)
-        while todo or running:
-            while todo and len(running) < args.parallel:
-                running.append(start(*todo.pop(0)))
-            done = next((r for r in running if r[3].poll() is not None), None)
-            if done is None:
-                time.sleep(5)
-                continue
-            running.remove(done)
-            a, s_, log, p = done
-            out = p.stdout.read()
-            log.seek(0)
-            err = log.read()
-            line = next((ln for ln in reversed(out.splitlines()) if ln.startswith("{")), None)
-            if line is None:
-                skipped.append({"arm": a, "seq": s_, "reason": "failed: " + " | ".join(err.strip().splitlines()[-3:])})
-                print(f"{a} @ {s_} failed:", err[-2000:], flush=True)
-                continue
-            rows.append(json.loads(line))
-            print(f"{a} @ {s_}: peak {rows[-1]['peak'] / 2**20:.0f} MiB (start {rows[-1]['start'] / 2**20:.0f})", flush=True)
-    else:
-        for arm, seq, n in jobs:
-            print(f"{arm} @ {seq}", flush=True)
-            rows.append(run_arm(arm, seq, n))
-            print(f"  peak {rows[-1]['peak'] / 2**20:.0f} MiB (start {rows[-1]['start'] / 2**20:.0f})", flush=True)
-    fits = []
+    def job(a, s_, n):
+        r = _run_worker(a, s_, n)
+        with lock:
+            if "failed" in r:
+                skipped.append({"arm": a, "seq": s_, "reason": "failed: " + r["failed"]})
+                print(f"{a} @ {s_} failed: {r['failed']}", flush=True)
+            else:
+                rows.append(r)
+                print(f"{a} @ {s_}: peak {r['peak'] / 2**20:.0f} MiB (start {r['start'] / 2**20:.0f}) "
+                      f"losses {r['losses']}", flush=True)
+        save()
+
+    pool = ThreadPoolExecutor(max(1, args.parallel))
+    jobs.sort(key=lambda j: (j[1], j[0] == "hf_eager"))  # shortest first; per length hf_eager (the most memory) last
+    for f in [pool.submit(job, *j) for j in jobs]:
+        f.result()
     if args.budget:
         from effpass.config import parse_size
 
         budget = parse_size(args.budget)
-        for arm in (args.fit_arms or args.arms).split(","):
+
+        def probe(arm, s_):
+            r = _run_worker(arm, s_, 1)
+            if "failed" in r:
+                raise RuntimeError(f"{arm} @ {s_}: {r['failed']}")
+            return r["peak"]
+
+        def fit(arm):
             known = {r["seq"]: r["peak"] for r in rows if r["arm"] == arm}
-            lo, hi, n, pts = longest_fitting(arm, budget, known, lambda s: run_arm(arm, s, 1)["peak"],
-                                             max_probes=args.max_probes)
-            fits.append(dict(arm=arm, budget=budget, longest_fitting=lo, shortest_over=hi, probes=n, points=pts))
+            try:
+                lo, hi, n, pts = longest_fitting(arm, budget, known, lambda s_: probe(arm, s_),
+                                                 max_probes=args.max_probes)
+            except RuntimeError as e:
+                print(f"  fit {arm} failed: {e}", flush=True)
+                return
+            with lock:
+                fits.append(dict(arm=arm, budget=budget, longest_fitting=lo, shortest_over=hi, probes=n, points=pts))
             print(f"  {arm}: fits {lo}, not {hi} ({n} probes)", flush=True)
-    head["load_after"] = list(os.getloadavg())
-    head["minutes"] = round((time.perf_counter() - t_start) / 60, 1)
-    # the same loss history: every arm against the hand-built stack's, per length
-    for r in rows:
-        ref = next((x for x in rows if x["seq"] == r["seq"] and x["arm"] == "hand_built"), None)
-        if ref is not None:
-            n = min(len(ref["losses"]), len(r["losses"]))
-            r["loss_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"][:n], ref["losses"][:n]))
-            r["x_hand_built"] = r["peak"] / ref["peak"]
-    os.makedirs(RESULTS, exist_ok=True)
-    base = os.path.join(RESULTS, f"long_sequence_cpu{args.tag}")
-    with open(base + ".json", "w") as f:
-        json.dump({"header": head, "args": vars(args), "rows": rows, "not_run": skipped, "fits": fits}, f, indent=1)
-    md = ["# Long sequences: whole-step peak of full fine-tuning with AdamW (CPU)\n",
-          f"Run: `{' '.join(['LOWERING=' + head['lowering_effpass'], 'python'] + sys.argv)}`\n",
-          f"{json.dumps(head)}\n",
-          "Llama-shaped (hidden 512, intermediate 1408, 4 layers, 8 heads / 2 KV heads, vocabulary 32,000), fp32, "
-          "batch 1, AdamW(lr=1e-4). Peak = bytes live at the step's start (weights, AdamW states, batch) + the "
-          "profiler's peak of one steady-state step (forward, backward, opt.step(), zero_grad). Step time: the "
-          "second step (no compile, no profiler); the machine is shared, see the load per arm.\n",
-          "| seq | arm | peak | x hand-built | start | step time (s) | load (1 min) | losses | max rel. diff to hand-built |",
-          "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        ratio = f"{r['x_hand_built']:.3f}x" if "x_hand_built" in r else "-"
-        st = f"{r['step_s']:.1f}" if r["step_s"] is not None else f"{r['first_step_s']:.1f} (incl. compile)"
-        name = r["arm"] + (f" ({r['plan']})" if r.get("plan") else "")
-        md.append(f"| {r['seq']} | {name} | {r['peak'] / 2**20:.0f} MiB | {ratio} | {r['start'] / 2**20:.0f} MiB | "
-                  f"{st} | {r['load'][0]} | {', '.join(f'{x:.6f}' for x in r['losses'])} | {r.get('loss_rel_diff', 0):.1e} |")
-    for s in skipped:
-        md.append(f"| {s['seq']} | {s['arm']} | - | - | - | - | - | {s['reason']} | - |")
-    if fits:
-        md += ["", f"Longest sequence fitting {args.budget} (measured peaks; multiples of 1,024):", "",
-               "| arm | fits | does not fit | probes | measured points (seq: MiB) |", "|---|---|---|---|---|"]
-        for f_ in fits:
-            pts = ", ".join(f"{k}: {v / 2**20:.0f}" for k, v in f_["points"].items())
-            md.append(f"| {f_['arm']} | {f_['longest_fitting']} | {f_['shortest_over']} | {f_['probes']} | {pts} |")
-    with open(base + ".md", "w") as f:
-        f.write("\n".join(md) + "\n")
-    print("\n".join(md))
+            save()
+
+        for f in [pool.submit(fit, a) for a in (args.fit_arms or args.arms).split(",")]:
+            f.result()
+    head["load_after"] = [round(x, 1) for x in os.getloadavg()]
+    save(done=True)
+    print(open(base + ".md").read())
 
 
 if __name__ == "__main__":

@@ -65,6 +65,9 @@ class MemoryOption:
     order: int = 0                       #: preference among the options of a group (lower first)
     optimizers: tuple = ()               #: the optimizers (register_optimizer names) it works with; () any
     min_rows: int = 0                    #: it changes nothing on a batch of fewer tokens (not tried there)
+    max_rows: int = 0                    #: tried only on a batch of at most this many tokens (0: any); an
+    #: option meant for short batches (e.g. small tiles, whose replay grows with the length): not tried where
+    #: the batch is unknown or the length searched (plan_max_seq)
     restricts: str = ""                  #: what the training loop must not do with it (e.g. "no clipping by the
     #: global norm"); the planner prefers plans without such options and states the restriction in the plan
 

@@ -52,14 +52,27 @@ def test_long_sequence_techniques_are_candidates():
 def test_step_in_backward_declares_its_restriction():
     (o,) = [o for o in declared_memory_options(None) if o.technique == "step_in_backward"]
     assert o.lossless and o.restricts and "adamw" in o.optimizers and o.phase == "module"
-    assert [o.options for o in declared_memory_options(None) if o.technique == "tile_sequence"] == [{"tile_rows": 4096}]
+    assert [o.options for o in declared_memory_options(None) if o.technique == "tile_sequence"] == [
+        {"tile_rows": 4096}, {"tile_rows": 1024}]
 
 
-def test_step_in_backward_predicted_as_measured():
+@pytest.mark.parametrize("rows,labels", [(None, ["tiles(4096)"]), (1024, []), (4096, ["tiles(1024)"]),
+                                         (8192, ["tiles(4096)", "tiles(1024)"]),
+                                         (16384, ["tiles(4096)", "tiles(1024)"]), (16385, ["tiles(4096)"])])
+def test_tile_options_by_batch_rows(rows, labels):
+    """Small tiles only on short batches (min_rows / max_rows), never in a length search (rows unknown)."""
+    model = model_case("llama", seq=16).model
+    groups = _usable_options(model, set(), (), "adamw", 1, [], device="cpu", rows=rows)
+    assert [o.label for o in groups.get("sequence_tiling", [])] == labels
+
+
+@pytest.mark.parametrize("tiles", [False, True], ids=["ckpt", "ckpt_tiles"])
+def test_step_in_backward_predicted_as_measured(tiles):
     """The replay creates AdamW's states and steps each parameter inside the backward as the real step does
-    (before: states never created, 36% of the start missing)."""
+    (before: states never created, 36% of the start missing); also with tiles, the planner's long-sequence plan."""
     case = model_case("llama", seq=64)
-    passes = lambda: [CheckpointActivations(policy="full"), StepInBackward()]  # noqa: E731
+    passes = lambda: [CheckpointActivations(policy="full"), *([TileSequence(tile_rows=16)] if tiles else []),  # noqa: E731
+                      StepInBackward()]
     est = estimate_memory(case.model, case.inputs, passes=passes(), lowering="eager")
     model = case.make()
     compiled = effpass.compile(model, passes=passes(), lowering="eager")
@@ -68,6 +81,9 @@ def test_step_in_backward_predicted_as_measured():
     assert est.optimizer_states >= 2 * trainable  # AdamW's two states per parameter exist in the replay
     assert est.start_bytes == m.start_bytes
     assert est.peak_bytes == pytest.approx(m.peak_bytes, rel=0.01)
+    assert effpass.report(compiled).stats("step_in_backward"), "no step inside the backward"
+    if tiles:
+        assert effpass.report(compiled).stats("tile_sequence")["tiles"] >= 4
 
 
 def _est(peak, flops=0):

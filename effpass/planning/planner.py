@@ -239,6 +239,8 @@ def _usable_options(model, base_names: set, allow: tuple, optimizer, world_size:
     for o in declared_memory_options(model, world_size=world_size, device=device):
         if o.min_rows and rows is not None and rows < o.min_rows:
             continue  # it changes nothing on a batch this small: a replay would repeat another's
+        if o.max_rows and (rows is None or rows > o.max_rows):
+            continue  # meant for shorter batches (unknown here, or a length search: plan_max_seq)
         if o.sharding and world_size <= 1:
             continue
         if not o.lossless and o.technique not in allow:
