@@ -175,7 +175,8 @@ def sdpa_mask_causal(mask: fx.Node, const: ConstEval, sq: int, sk: int) -> str |
         return f"query/key lengths ({sq}, {sk}) are not one static length"
     if sq * sk > MAX_SDPA_MASK_ELEMENTS:
         return f"{sq} x {sk} mask is above the {MAX_SDPA_MASK_ELEMENTS:,}-element evaluation limit"
-    order = sorted(ancestors(mask), key=lambda n: _position(n))
+    index = {m: i for i, m in enumerate(mask.graph.nodes)}
+    order = sorted(ancestors(mask), key=index.__getitem__)
     big = [n for n in order if _full_size(n, sq, sk)]
     if mask not in big:
         return "the mask is not (.., Sq, Sk)-sized"
@@ -219,16 +220,6 @@ def _causal_rows(t: torch.Tensor, r0: int, r1: int, sk: int) -> str | None:
     if not bool((allowed == tril).all()):
         return "the mask is constant but not causal (a window, chunks, padding or bidirectional)"
     return None
-
-
-def _position(n: fx.Node) -> int:
-    # topological order inside one graph: the node list's order (cached per graph)
-    graph = n.graph
-    index = getattr(graph, "_effpass_node_index", None)
-    if index is None or n not in index:
-        index = {m: i for i, m in enumerate(graph.nodes)}
-        graph._effpass_node_index = index
-    return index[n]
 
 
 def _full_size(n: fx.Node, sq: int, sk: int) -> bool:
