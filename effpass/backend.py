@@ -27,7 +27,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .config import Options, describe_options, parse_options
 from .dump import DumpInstrument, RecordStore, claim_graph_dir
-from .graph import has_tangents, parameter_input_flags, snapshot_graph
+from .graph import has_tangents, lazy_graph_module, parameter_input_flags, snapshot_graph
 from .manager import EffpassPassError, PassManager, WrongResultError
 from .pass_api import Phase, cacheable_functions
 from .report import CompileReport, GraphReport, PassRecord
@@ -124,7 +124,7 @@ def copy_dynamo_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     for old, new in zip(gm.graph.find_nodes(op="placeholder"), graph.find_nodes(op="placeholder")):
         if hasattr(old, "_dynamo_source"):
             new._dynamo_source = old._dynamo_source
-    new_gm = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    new_gm = lazy_graph_module(gm, graph, class_name=type(gm).__name__)  # its code: once the passes are done
     new_gm.meta = dict(getattr(gm, "meta", {}))
     for attr in ("_param_name_to_source", "_buffer_name_to_source"):
         if hasattr(gm, attr):
@@ -417,7 +417,8 @@ class EffpassBackend:
                         manager: PassManager | None = None) -> None:
         report.notes.setdefault("_ran_phases", set()).add(phase.value)
         kind = _kind_of(phase, gm, report)
-        changed = (manager or self.manager).run_graph_phase(phase, gm, report, kind, **common)
+        changed = (manager or self.manager).run_graph_phase(phase, gm, report, kind,
+                                                            regenerate=phase is not Phase.JOINT, **common)
         if changed and phase is Phase.JOINT:
             # NOTE(ordering): Inductor sorts only at the end of its own joint passes; constant folding
             # in between fails on an unsorted graph, so re-sort after ours.

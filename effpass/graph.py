@@ -2,7 +2,8 @@
 
 * reading graphs: :func:`op_name`, :func:`op_histogram`, :func:`tensor_meta`, :func:`placeholder_values`
 * joint graphs: :func:`is_tangent`, :func:`is_primal`, :func:`has_tangents`
-* rollback and dumps: :func:`snapshot_graph`, :func:`restore_graph`, :func:`copy_graph_into`, :func:`runnable_source`
+* rollback and dumps: :func:`snapshot_graph`, :func:`restore_graph`, :class:`GraphCheckpoint` (a rollback point that
+  copies no node), :func:`copy_graph_into`, :func:`runnable_source`, :func:`lazy_graph_module`
 * module paths: :func:`normalize_module_path`, :func:`module_stack_of_node`, :func:`module_path_of_node`,
   :func:`source_path` (the parameter or buffer a torch-IR placeholder stands for), :func:`is_buffer_source`
 * nodes a pass creates: :func:`copy_provenance`, :func:`infer_fake_values` (the one fake-value updater),
@@ -24,7 +25,7 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.fx as fx
 
-__all__ = ["op_name", "op_histogram", "snapshot_graph", "forward_nodes", "restore_graph", "copy_graph_into", "runnable_source",
+__all__ = ["op_name", "op_histogram", "snapshot_graph", "GraphCheckpoint", "lazy_graph_module", "forward_nodes", "restore_graph", "copy_graph_into", "runnable_source",
            "tensor_meta",
            "placeholder_values", "is_tangent", "is_primal", "has_tangents", "transformer_blocks",
            "normalize_module_path", "module_stack_of_node", "module_path_of_node", "source_path", "is_buffer_source",
@@ -104,6 +105,59 @@ def restore_graph(graph: fx.Graph, snapshot: fx.Graph) -> None:
     for n in [n for n in graph.nodes if n not in keep]:
         graph.erase_node(n)
     copy_graph_into(graph, snapshot, {p: by_name[p.name] for p in snap_ph})
+
+
+class GraphCheckpoint:
+    """A rollback point of ``graph`` that copies no node: each node's op, target, arguments, name, type and a
+    shallow copy of its meta, in order (fx keeps arguments in immutable containers, so a pass that rewires a
+    node replaces them and never edits the recorded ones). :meth:`restore` makes the graph equal to the
+    recorded one in place, as :func:`restore_graph` does with a :func:`snapshot_graph` copy: the graph's own
+    placeholder nodes are kept (callers such as the partitioner know them by identity), the nodes after them
+    are built again, and placeholders a failed pass added are removed. Taking one costs a tuple per node
+    (a snapshot builds a second graph), so every pass hook can afford one."""
+
+    __slots__ = ("graph", "records", "codegen")
+
+    def __init__(self, graph: fx.Graph):
+        self.graph = graph
+        self.records = [(n, n.op, n.target, n.args, n.kwargs, n.name, n.type, dict(n.meta)) for n in graph.nodes]
+        self.codegen = graph._codegen
+
+    def restore(self) -> None:
+        graph = self.graph
+        placeholders = [r for r in self.records if r[1] == "placeholder"]
+        missing = [r[5] for r in placeholders if getattr(r[0], "_erased", False) or r[0].graph is not graph]
+        if missing:  # checked before anything is erased: the graph is left as the pass left it
+            raise RuntimeError(f"cannot roll back a pass that removed graph inputs {missing}")
+        keep = {r[0] for r in placeholders}
+        for n in reversed(list(graph.nodes)):
+            if n.op != "placeholder":
+                graph.erase_node(n)
+        for n in [n for n in graph.nodes if n not in keep]:
+            graph.erase_node(n)
+        env: dict[fx.Node, fx.Node] = {}
+        for node, op, target, args, kwargs, name, type_, meta in self.records:
+            if op == "placeholder":
+                node.meta = dict(meta)
+                env[node] = node
+                continue
+            new = graph.create_node(op, target, fx.map_arg(args, env.__getitem__), fx.map_arg(kwargs, env.__getitem__),
+                                    name=name, type_expr=type_)
+            new.meta = dict(meta)
+            env[node] = new
+        graph._codegen = self.codegen
+
+
+def lazy_graph_module(root, graph: fx.Graph, class_name: str = "GraphModule") -> fx.GraphModule:
+    """``fx.GraphModule(root, graph, class_name)`` whose Python code is generated when it is first read or
+    called, not at construction and not at each ``recompile()`` (torch's ``_LazyGraphModule``, which Dynamo
+    and Inductor use; a plain ``GraphModule`` where the installed torch lacks it). For copies that passes
+    edit before anything runs them."""
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:  # pragma: no cover - feature-tested
+        return fx.GraphModule(root, graph, class_name=class_name)
+    return _LazyGraphModule(root, graph, class_name=class_name)
 
 
 def tensor_meta(node: fx.Node) -> Any:

@@ -17,7 +17,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from .graph import op_histogram, restore_graph, snapshot_graph
+from .graph import GraphCheckpoint, op_histogram
 from .pass_api import Note, Pass, PassResult, Phase, PHASE_HOOKS
 from .report import GraphReport, PassRecord
 from .scope import Scope
@@ -146,6 +146,7 @@ class PassManager:
         self.active: list[Pass] = active
         self.strict = strict
         self.instruments = list(instruments)
+        self._stale = False  # the graph being run has changed since its code was generated (run_graph_phase)
 
     # -- queries ------------------------------------------------------------------------------------
     def passes_for(self, phase: Phase) -> list[Pass]:
@@ -196,8 +197,9 @@ class PassManager:
         return last_ctx
 
     def run_graph_phase(self, phase: Phase, gm: fx.GraphModule, report: GraphReport, graph_kind: str,
-                        **ctx_kwargs) -> bool:
-        """Run every hook of ``phase`` on ``gm`` in order. Returns whether any pass changed it."""
+                        regenerate: bool = True, **ctx_kwargs) -> bool:
+        """Run every hook of ``phase`` on ``gm`` in order. Returns whether any pass changed it. ``regenerate``
+        False: the caller regenerates ``gm``'s code itself if it changed (not done here)."""
         passes = self.passes_for(phase)
         if not passes:
             return False
@@ -209,6 +211,10 @@ class PassManager:
         for inst in self.instruments:
             inst.graph_input(report, graph_kind, gm)
         done: list[str] = []
+        # NOTE(recompile): a GraphModule's Python code is generated once, after the phase, not after every pass
+        # that changed the graph (passes read and rewrite ``gm.graph``; none runs ``gm``). An instrument (a dump)
+        # reads the code after each pass, so with one the code is regenerated after each.
+        outer, self._stale = self._stale, False  # (a pass may compile a graph of its own)
         for p in passes:
             model = ctx_kwargs.get("model")
             ctx = PassContext(pass_name=p.name, phase=phase, graph_kind=graph_kind,
@@ -216,20 +222,31 @@ class PassManager:
                               pipeline=tuple(self.active), notes=report.notes, **ctx_kwargs)
             changed_any |= self._run_hook(p, phase, gm, ctx, report, done)
             done.append(p.name)
+        if self._stale and regenerate:
+            gm.recompile()
+        self._stale = outer
         return changed_any
+
+    def _regenerate(self, gm: fx.GraphModule) -> None:
+        """``gm``'s code is out of date: regenerated now if an instrument reads it after each pass, else once
+        at the end of the phase (:meth:`run_graph_phase`)."""
+        if self.instruments:
+            gm.recompile()
+        else:
+            self._stale = True
 
     def _canonicalize(self, gm: fx.GraphModule, report: GraphReport) -> bool:
         """One spelling per op before the torch-IR passes match (:mod:`effpass.canonicalize`); on any error the
         graph is restored and the passes see it as Dynamo made it (strict: raise)."""
         from .canonicalize import canonicalize
 
-        snapshot = snapshot_graph(gm.graph)
+        snapshot = GraphCheckpoint(gm.graph)
         try:
             stats = canonicalize(gm)
         except Exception as e:
             if self.strict:
                 raise EffpassPassError(f"canonicalizing {report.graph_id} failed: {type(e).__name__}: {e}") from e
-            restore_graph(gm.graph, snapshot)
+            snapshot.restore()
             gm.recompile()
             warnings.warn(f"effpass: canonicalizing {report.graph_id} failed, the torch-IR passes see the graph as "
                           f"Dynamo made it. Reason: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
@@ -244,7 +261,7 @@ class PassManager:
         record.nodes_before = len(graph.nodes)
         record.ops_before = op_histogram(graph)
         before_nodes = set(graph.nodes)
-        snapshot = snapshot_graph(graph)
+        snapshot = GraphCheckpoint(graph)
         for inst in self.instruments:
             inst.before_pass(report, record, gm)
         t0 = time.perf_counter()
@@ -254,7 +271,7 @@ class PassManager:
                 raise TypeError(f"hook returned {type(result).__name__}, expected PassResult or None")
             if result.changed:
                 graph.lint()
-                gm.recompile()
+                self._regenerate(gm)
         except Exception as e:
             record.ms = (time.perf_counter() - t0) * 1e3
             record.error = f"{type(e).__name__}: {e}"
@@ -269,8 +286,8 @@ class PassManager:
                 raise EffpassPassError(
                     f"pass {p.name!r} failed on {report.graph_id} ({ctx.graph_kind} graph): {type(e).__name__}: {e}; "
                     f"passes that ran before on this graph: {done or 'none'}") from e
-            restore_graph(graph, snapshot)
-            gm.recompile()
+            snapshot.restore()
+            self._regenerate(gm)
             record.changed = False
             record.fell_back = True
             record.nodes_after = len(graph.nodes)

@@ -59,3 +59,61 @@ def test_primals_and_tangents_of_a_joint_graph():
     g2 = fx.Graph()
     g2.output(g2.placeholder("arg0_1"))
     assert not has_tangents(g2)
+
+
+def _structure(g: fx.Graph):
+    """Each node's op, target and arguments (nodes by position): equal for equal graphs, names aside."""
+    pos = {n: i for i, n in enumerate(g.nodes)}
+    return [(n.op, n.target if n.op != "placeholder" else None,
+             fx.map_arg(n.args, lambda a: pos[a]), fx.map_arg(n.kwargs, lambda a: pos[a])) for n in g.nodes]
+
+
+def test_graph_checkpoint_restores_every_kind_of_edit():
+    from effpass.graph import GraphCheckpoint, lazy_graph_module, snapshot_graph
+
+    class M(torch.nn.Module):
+        def forward(self, x, y):
+            a = torch.relu(x) + y
+            return torch.cat([a, x * 2], dim=0).sum(0)
+
+    gm = fx.symbolic_trace(M())
+    before = _structure(gm.graph)
+    ph = list(gm.graph.find_nodes(op="placeholder"))
+    cp = GraphCheckpoint(gm.graph)
+    g = gm.graph
+    relu = next(n for n in g.nodes if n.target is torch.relu)
+    relu.meta["mark"] = 1
+    with g.inserting_after(relu):  # a new node, a rewired user, an erased node and a new input
+        neg = g.call_function(torch.neg, (relu,))
+    relu.replace_all_uses_with(neg, delete_user_cb=lambda u: u is not neg)
+    cat = next(n for n in g.nodes if n.target is torch.cat)
+    cat.args = ([neg, neg],) + cat.args[1:]
+    mul = next(n for n in g.nodes if n.target is operator.mul)
+    g.erase_node(mul)
+    with g.inserting_before(relu):
+        g.placeholder("extra")
+    assert _structure(g) != before
+    cp.restore()
+    assert _structure(g) == before                      # structural oracle
+    assert list(g.find_nodes(op="placeholder")) == ph   # the graph's own inputs, by identity
+    assert "mark" not in next(n for n in g.nodes if n.target is torch.relu).meta
+    g.lint()
+    gm.recompile()
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    torch.testing.assert_close(gm(x, y), M()(x, y), rtol=0, atol=0)   # numerical oracle
+    # a pass that removed an input cannot be rolled back: refused before anything changes
+    cp2 = GraphCheckpoint(g)
+    y_node = ph[1]
+    y_node.replace_all_uses_with(ph[0])
+    g.erase_node(y_node)
+    edited = _structure(g)
+    try:
+        cp2.restore()
+        raise AssertionError("restore of a removed input did not raise")
+    except RuntimeError as e:
+        assert "removed graph inputs ['y']" in str(e)
+    assert _structure(g) == edited
+    # a lazy copy generates its code when first read or called, and runs as the original
+    lazy = lazy_graph_module(gm, snapshot_graph(fx.symbolic_trace(M()).graph))
+    torch.testing.assert_close(lazy(x, y), M()(x, y), rtol=0, atol=0)
+    assert "relu" in lazy.code

@@ -841,7 +841,7 @@ def _shared_joint_traces():
     from torch._functorch import aot_autograd
     from torch._functorch._aot_autograd import graph_capture, graph_compile
 
-    from effpass.graph import snapshot_graph
+    from effpass.graph import lazy_graph_module, snapshot_graph
 
     orig_simplified = common.aot_module_simplified
     orig_trace = graph_compile.aot_dispatch_autograd_graph
@@ -857,7 +857,8 @@ def _shared_joint_traces():
             keys.pop()
 
     def copy_joint(fx_g):
-        new = torch.fx.GraphModule(fx_g, snapshot_graph(fx_g.graph), class_name=type(fx_g).__name__)
+        # lazy: a joint graph is partitioned, never run, so its code need not be generated
+        new = lazy_graph_module(fx_g, snapshot_graph(fx_g.graph), class_name=type(fx_g).__name__)
         new.meta = dict(getattr(fx_g, "meta", {}))
         return new
 
