@@ -84,7 +84,8 @@ def main():
     load1 = os.getloadavg()
     rows = [{"plan": c.name, "peak": c.peak_bytes, "parameters": c.estimate.parameters if c.estimate else None,
              "start": c.estimate.start_bytes if c.estimate else None, "floor": c.floor,
-             "extra_flops": c.extra_flops if c.estimate else None, "error": c.error, "pruned": c.pruned}
+             "extra_flops": c.extra_flops if c.estimate else None, "error": c.error, "pruned": c.pruned,
+             "provisional": bool(c.estimate and c.estimate.provisional)}
             for c in cands]
     import transformers
 
@@ -112,9 +113,11 @@ def main():
           f"{head['workers'] - 1} worker process(es)) (load average before {load0[0]:.1f}, after {load1[0]:.1f}; "
           f"shared replays: {not args.no_share}; pruning: {not args.no_prune}); "
           f"{out['replayed']} candidates replayed; {answer}\n",
+          "~: predicted from replays of 2 and 3 blocks, not checked at 4 (the chosen or smallest plan and the plan "
+          "as given are; `--no-prune` checks every one)\n",
           "| plan | predicted peak | parameters | start of step (floor) | error or why not replayed |",
           "|---|---|---|---|---|"]
-    md += [f"| {r['plan']} | {format_bytes(r['peak']) if r['peak'] else '-'} | "
+    md += [f"| {r['plan']} | {('~' if r['provisional'] else '') + format_bytes(r['peak']) if r['peak'] else '-'} | "
            f"{format_bytes(r['parameters']) if r['parameters'] else '-'} | "
            f"{format_bytes(r['floor']) if r['floor'] is not None else '-'} | {r['error'] or r['pruned'] or ''} |"
            for r in rows]

@@ -50,7 +50,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["MemoryEstimate", "estimate_memory", "estimate_many", "start_bytes_many", "training_step", "format_bytes", "parse_size", "with_optimizer",
+__all__ = ["MemoryEstimate", "estimate_memory", "estimate_many", "confirm_many", "start_bytes_many", "training_step", "format_bytes", "parse_size", "with_optimizer",
            "optimizer_replay", "replay_patches", "fold_fsdp"]
 
 _GIB = 1024 ** 3
@@ -142,6 +142,8 @@ class MemoryEstimate:
     depths: list = field(default_factory=list)  # block counts replayed when extrapolated (else empty)
     #: live bytes over the step by category (:func:`step_timeline`); None when not recorded (extrapolated)
     timeline: dict | None = None
+    #: predicted from two depths, affinity not yet checked at a third (``estimate_many(screen=True)``)
+    provisional: bool = False
 
     def breakdown(self) -> dict[str, int]:
         return {"parameters": self.parameters, "buffers": self.buffers, "inputs": self.inputs,
@@ -1278,7 +1280,7 @@ def _in_workers(fn, jobs: list, costs: list, workers: int) -> list:
 
 def estimate_many(model: torch.nn.Module, example_inputs, pipelines: Sequence, optimizer: str | None = "adamw", *,
                   device=None, loss_fn: Callable | None = None, lr: float = 1e-3, extrapolate: bool | None = None,
-                  share: bool = True, workers: int | None = None, **compile_options) -> list:
+                  share: bool = True, workers: int | None = None, screen: bool = False, **compile_options) -> list:
     """:func:`estimate_memory` of ``model`` under each pipeline of ``pipelines`` (one rank; ``optimizer``
     ``"adamw"`` or ``None``), sharing work between them: pipelines whose module phase is the same (the same
     module-level passes, e.g. the same quantized base and adapters) are replayed on one fake copy with one
@@ -1289,7 +1291,12 @@ def estimate_many(model: torch.nn.Module, example_inputs, pipelines: Sequence, o
 
     ``workers``: processes that replay the extrapolation's depths at once (forked from this one, Linux only;
     default ``EFFPASS_PLAN_WORKERS`` or up to 2 where this process may use 2 cores; 1: all in this process).
-    A worker that fails hands its depths back to this process."""
+    A worker that fails hands its depths back to this process.
+
+    ``screen`` (extrapolated models only): each pipeline is replayed at the first two depths (2 and 3 blocks),
+    not three; where the peak is at the same node at both, its estimate is the affine prediction through them,
+    marked ``provisional`` (:func:`confirm_many` replays the third depth and checks it; the planner confirms
+    every plan it chooses or names as the smallest). Where the peak moved, the pipeline is confirmed here."""
     if optimizer not in ("adamw", None):
         raise ValueError(f"estimate_many: optimizer {optimizer!r}: only 'adamw' or None are replayed (other "
                          f"optimizers: with_optimizer on the AdamW replay)")
@@ -1300,23 +1307,10 @@ def estimate_many(model: torch.nn.Module, example_inputs, pipelines: Sequence, o
     todo = list(range(len(pipelines)))
     blocks = _block_list(model) if extrapolate is not False else None
     if blocks is not None and len(blocks) > max(_DEPTHS) and (extrapolate or len(blocks) >= _AUTO_MIN_BLOCKS):
-        # work units for the workers: one depth of one module phase (its plans share a capture)
-        groups = _module_groups(pipelines, dev, compile_options) if share else [[i] for i in range(len(pipelines))]
-        jobs = [(k, g) for k in _DEPTHS for g in groups]
-
-        def replay_job(job):
-            k, g = job
-            with _first_blocks(blocks, k):
-                return _replay_many(model, example_inputs, [pipelines[i] for i in g], optimizer, dev, loss_fn, lr,
-                                    compile_options, share)
-
-        results = _in_workers(replay_job, jobs, [(k + 2) * (len(g) + 1) for k, g in jobs],
-                              _plan_workers() if workers is None else workers)
-        per_depth = [[None] * len(pipelines) for _ in _DEPTHS]
-        for (k, g), res in zip(jobs, results):
-            for i, r in zip(g, res):
-                per_depth[_DEPTHS.index(k)][i] = r
-        todo = []
+        depths = _DEPTHS[:2] if screen else _DEPTHS
+        per_depth = _replay_depths(model, example_inputs, pipelines, depths, optimizer, dev, loss_fn, lr,
+                                   compile_options, share, workers, blocks)
+        todo, unsure = [], []
         for i in range(len(pipelines)):
             ests = [d[i] for d in per_depth]
             bad = next((e for e in ests if isinstance(e, BaseException)), None)
@@ -1324,11 +1318,19 @@ def estimate_many(model: torch.nn.Module, example_inputs, pipelines: Sequence, o
                 out[i] = bad  # a user error (bad targets, options): as the replay alone raises it
                 continue
             est = None if bad is not None else _combine_depths(ests, len(blocks))
-            if est is None:
+            if est is None and screen and bad is None:
+                unsure.append(i)  # the peak moved between the two depths: the third depth decides
+            elif est is None:
                 todo.append(i)  # not affine (or a depth failed): the full model is replayed
             else:
                 est.seconds = time.perf_counter() - t0
                 out[i] = est
+        if unsure:
+            for i, r in zip(unsure, confirm_many(model, example_inputs, [pipelines[i] for i in unsure],
+                                                 [_Unconfirmed([d[i] for d in per_depth]) for i in unsure],
+                                                 optimizer, device=device, loss_fn=loss_fn, lr=lr, share=share,
+                                                 workers=workers, **compile_options)):
+                out[i] = r
     if todo:
         full = _replay_many(model, example_inputs, [pipelines[i] for i in todo], optimizer, dev, loss_fn, lr,
                             compile_options, share)
@@ -1337,6 +1339,77 @@ def estimate_many(model: torch.nn.Module, example_inputs, pipelines: Sequence, o
                 r.seconds = time.perf_counter() - t0
             out[i] = r
     return out
+
+
+class _Unconfirmed:
+    """The replays at the first two depths of a pipeline whose peak moved between them (no prediction)."""
+
+    def __init__(self, replays):
+        self.depth_replays = replays
+
+
+def confirm_many(model: torch.nn.Module, example_inputs, pipelines: Sequence, estimates: Sequence,
+                 optimizer: str | None = "adamw", *, device=None, loss_fn: Callable | None = None, lr: float = 1e-3,
+                 share: bool = True, workers: int | None = None, **compile_options) -> list:
+    """The estimates of ``pipelines`` checked at the third depth: ``estimates`` are :func:`estimate_many`'s
+    ``screen`` results for them (``provisional``, with the replays of the first two depths). Each pipeline
+    is replayed at the third depth (pipelines with one module phase share the capture, depths over the
+    workers as in :func:`estimate_many`) and extrapolated from all three when every count is affine in
+    depth; if not, the full model is replayed. Returns per pipeline the confirmed :class:`MemoryEstimate`
+    (the figures :func:`estimate_many` gives without ``screen``) or the exception its replay raised. An
+    estimate that is not provisional is returned as it is."""
+    t0 = time.perf_counter()
+    dev = _target_device(model, device)
+    pipelines = list(pipelines)
+    out: list = list(estimates)
+    idx = [i for i, e in enumerate(estimates) if getattr(e, "depth_replays", None)]
+    if not idx:
+        return out
+    blocks = _block_list(model)
+    (third,) = _replay_depths(model, example_inputs, [pipelines[i] for i in idx], _DEPTHS[2:], optimizer, dev,
+                              loss_fn, lr, compile_options, share, workers, blocks)
+    todo = []
+    for i, r in zip(idx, third):
+        if isinstance(r, BaseException):
+            todo.append(i)
+            continue
+        est = _combine_depths(list(estimates[i].depth_replays) + [r], len(blocks))
+        if est is None:
+            todo.append(i)
+        else:
+            est.seconds = time.perf_counter() - t0
+            out[i] = est
+    if todo:
+        full = _replay_many(model, example_inputs, [pipelines[i] for i in todo], optimizer, dev, loss_fn, lr,
+                            compile_options, share)
+        for i, r in zip(todo, full):
+            if not isinstance(r, BaseException):
+                r.seconds = time.perf_counter() - t0
+            out[i] = r
+    return out
+
+
+def _replay_depths(model, example_inputs, pipelines, depths, optimizer, dev, loss_fn, lr, compile_options, share,
+                   workers, blocks) -> list[list]:
+    """Per depth of ``depths``, per pipeline: its replay with only the first ``depth`` blocks (or the
+    exception raised). The work units, spread over the workers: one depth of one module phase (its plans
+    share a capture)."""
+    groups = _module_groups(pipelines, dev, compile_options) if share else [[i] for i in range(len(pipelines))]
+    jobs = [(k, g) for k in depths for g in groups]
+
+    def replay_job(job):
+        k, g = job
+        with _first_blocks(blocks, k):
+            return _replay_many(model, example_inputs, [pipelines[i] for i in g], optimizer, dev, loss_fn, lr,
+                                compile_options, share)
+
+    results = _in_workers(replay_job, jobs, [(k + 2) * (len(g) + 1) for k, g in jobs],
+                          _plan_workers() if workers is None else workers)
+    per_depth = [[None] * len(pipelines) for _ in depths]
+    for (k, g), res in zip(jobs, results):
+        for i, r in zip(g, res):
+            per_depth[depths.index(k)][i] = r
+    return per_depth
 
 
 def start_bytes_many(model: torch.nn.Module, example_inputs, plans: Sequence, *, device=None,
@@ -1356,10 +1429,11 @@ def start_bytes_many(model: torch.nn.Module, example_inputs, plans: Sequence, *,
     blocks = _block_list(model)
     if blocks is None or len(blocks) <= max(_DEPTHS) or len(blocks) < _AUTO_MIN_BLOCKS:
         return _start_bytes(model, example_inputs, plans, dev, lr, compile_options)
-    per_depth = []
-    for k in _DEPTHS:
+    def at_depth(k):
         with _first_blocks(blocks, k):
-            per_depth.append(_start_bytes(model, example_inputs, plans, dev, lr, compile_options))
+            return _start_bytes(model, example_inputs, plans, dev, lr, compile_options)
+
+    per_depth = _in_workers(at_depth, list(_DEPTHS), [k + 2 for k in _DEPTHS], _plan_workers())
     out: list = []
     todo = []
     for i, (a, b, c) in enumerate(zip(*per_depth)):
@@ -1623,14 +1697,21 @@ def _combine_depths(ests, L: int) -> MemoryEstimate | None:
     loss's backward or the first block's recompute). The three replays check it: when a count's second
     difference is not zero (the peak moves with depth) this returns None and the full model is replayed.
     Cost: 9 blocks replayed instead of all (Llama-3-8B: 32).
+
+    Given the first two replays only (a screen, :func:`estimate_many`), the estimate is the affine prediction
+    through them, marked ``provisional`` (with the two replays, for :func:`confirm_many`), if the peak is at
+    the same place in both; else None.
     """
-    a, b, c = ests
+    b, c = ests[-2], ests[-1]
+    depths = _DEPTHS[:len(ests)]
     # the same place in each: phase, graph and node (FX numbers repeated nodes: _softmax_backward_data_3)
     where = {(e.peak_phase, e.peak_graph, re.sub(r"_\d+$", "", e.peak_node.split(" ")[0]),
               e.peak_node.partition(" ")[2]) for e in ests}
-    if any(getattr(b, f) - getattr(a, f) != getattr(c, f) - getattr(b, f) for f in _AFFINE) or len(where) != 1:
+    if len(where) != 1:
         return None
-    n = L - _DEPTHS[-1]
+    if len(ests) == 3 and any(getattr(b, f) - getattr(ests[0], f) != getattr(c, f) - getattr(b, f) for f in _AFFINE):
+        return None
+    n = L - depths[-1]
     step = lambda f: getattr(c, f) + n * (getattr(c, f) - getattr(b, f))  # noqa: E731
     phase_peaks = {p: c.phase_peaks[p] + n * (c.phase_peaks[p] - b.phase_peaks.get(p, 0)) for p in c.phase_peaks}
     from collections import Counter
@@ -1643,10 +1724,16 @@ def _combine_depths(ests, L: int) -> MemoryEstimate | None:
     for name, st in c.pass_stats.items():
         stats[name] = {k: (v + n * (v - b.pass_stats.get(name, {}).get(k, v))
                            if isinstance(v, int) and not isinstance(v, bool) else v) for k, v in st.items()}
+    if len(ests) == 3:
+        note = (f"extrapolated from replays of the first {', '.join(map(str, depths))} of {L} identical blocks "
+                f"(every count affine in depth, checked); the peak node is named in the {depths[-1]}-block replay")
+    else:
+        note = (f"provisional: predicted from replays of the first {depths[0]} and {depths[1]} of {L} identical "
+                f"blocks (the peak at the same node in both); affinity in depth not yet checked at {_DEPTHS[2]} "
+                f"blocks")
     out = dataclasses.replace(c, **{f: step(f) for f in _AFFINE}, phase_peaks=phase_peaks, trainable_numels=numels,
-                              trainable_shapes=shapes,
-                              pass_stats=stats, depths=list(_DEPTHS), notes=list(c.notes) + [
-                                  f"extrapolated from replays of the first {', '.join(map(str, _DEPTHS))} of "
-                                  f"{L} identical blocks (every count affine in depth, checked); the peak node "
-                                  f"is named in the {_DEPTHS[-1]}-block replay"])
+                              trainable_shapes=shapes, pass_stats=stats, depths=list(depths),
+                              provisional=len(ests) < 3, notes=list(c.notes) + [note])
+    if out.provisional:
+        out.depth_replays = list(ests)
     return out

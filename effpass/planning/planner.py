@@ -27,7 +27,7 @@ import torch
 
 from effpass.quantized import storage_bytes
 
-from .estimate import MemoryEstimate, _largest_unit_bytes, _target_device, estimate_many, estimate_memory, format_bytes, \
+from .estimate import MemoryEstimate, _largest_unit_bytes, _target_device, confirm_many, estimate_many, estimate_memory, format_bytes, \
     parse_size, start_bytes_many, with_optimizer
 from .sharding import fold_sequence_parallel, fold_sharding
 
@@ -144,7 +144,8 @@ class MemoryPlan:
                 continue
             pct = f" ({100 * c.extra_flops / base_flops:+.1f}%)" if base_flops else ""
             rows.append((("* " if c is self.chosen else "  ") + c.name, "yes" if c.lossy else "no",
-                         format_bytes(c.peak_bytes), "yes" if c.fits else "no",
+                         ("~" if c.estimate.provisional else "") + format_bytes(c.peak_bytes),
+                         "yes" if c.fits else "no",
                          f"{_flops(c.extra_flops)}{pct}", f"{c.estimate.peak_phase}: {c.estimate.peak_node}"[:60]))
         widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
         return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
@@ -175,6 +176,7 @@ class MemoryPlan:
                 "candidates": [{"plan": c.name, "techniques": list(c.techniques()), "lossy": c.lossy, "peak_bytes": c.peak_bytes, "fits": c.fits,
                                 "extra_flops": c.extra_flops, "error": c.error, "pruned": c.pruned,
                                 "floor_bytes": c.floor,
+                                "provisional": bool(c.estimate and c.estimate.provisional),
                                 "peak_at": f"{c.estimate.peak_phase}: {c.estimate.peak_node}" if c.estimate else None}
                                for c in self.candidates],
                 "notes": self.notes}
@@ -395,9 +397,42 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
         except Exception:
             return  # replayed one by one below (each error reported on its candidate)
         results = estimate_many(model, example_inputs, pipelines, todo[0].optimizer, device=dev, loss_fn=loss_fn,
-                                **compile_options)
+                                screen=prunable, **compile_options)
         for c, r in zip(todo, results):
             replays[c.replay_key()] = r
+
+    def confirm(cands):
+        """Every provisional figure among ``cands`` (predicted from two depths, ``estimate_many(screen=True)``)
+        checked at the third depth in one :func:`confirm_many` call; the candidates evaluated again (those that
+        derive from a confirmed replay too: another optimizer on the same replay)."""
+        def base_of(c):
+            opt_o = next((o for o in c.options if o.optimizer), None)
+            return c.without_optimizer_option(optimizer) if opt_o is not None and opt_o.optimizer != optimizer else c
+
+        todo, seen = [], set()
+        for c in cands:
+            if c.estimate is None or not c.estimate.provisional:
+                continue
+            base_c = base_of(c)
+            key = base_c.replay_key()
+            r = replays.get(key)
+            if key in seen or not isinstance(r, MemoryEstimate) or not r.provisional:
+                continue
+            seen.add(key)
+            todo.append((base_c, r))
+        if todo:
+            got = confirm_many(model, example_inputs, [pipeline_of(b) for b, _ in todo], [r for _, r in todo],
+                               todo[0][0].optimizer, device=dev, loss_fn=loss_fn, **compile_options)
+            for (b, _), r in zip(todo, got):
+                replays[b.replay_key()] = r
+        for c in considered + [c for c in cands if c not in considered]:
+            if c.estimate is None or not c.estimate.provisional:
+                continue
+            base_key = base_of(c).replay_key()
+            r = replays.get(base_key)
+            if base_key != c.replay_key() and not (isinstance(r, MemoryEstimate) and r.provisional):
+                replays.pop(c.replay_key(), None)  # derived from a replay now confirmed: derived again
+            evaluate(c)
 
     def replay(c: Candidate):
         key = c.replay_key()
@@ -427,6 +462,7 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
         r = replay(c)
         if isinstance(r, Exception):
             c.error = f"{type(r).__name__}: {str(r).splitlines()[0][:120] if str(r) else ''}"
+            c.estimate, c.fits = None, False
             return
         est = r
         sharding = next((o.sharding for o in c.options if o.sharding), None) or (
@@ -481,6 +517,8 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
                 bar.update()
         finally:
             bar.close()
+        if not prunable:  # every figure checked (replays cached by a screening plan, _cache, included)
+            confirm(cands)
 
     def set_extra_flops() -> bool:
         done = [c for c in considered if c.estimate is not None]
@@ -518,6 +556,7 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
             # plans without a restriction on the training loop are chosen first: if one of them fits, a
             # restricted plan of the tier cannot be the answer
             run(free_part)
+            confirm([c for c in free_part if c.fits])
             if any(c.fits for c in free_part):
                 for c in restricted:
                     c.pruned = ("not replayed: it restricts the training loop and a plan of the same tier without "
@@ -528,6 +567,11 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
             run(c for c in tier if not c.pruned and c not in deferred)
         if not set_extra_flops():
             continue
+        if any(c.fits for c in tier):
+            # a provisional figure decides nothing alone: every fitting plan, and the base of extra compute,
+            # checked at the third depth before one is chosen
+            confirm([considered[0]] + [c for c in tier if c.fits])
+            set_extra_flops()
         fitting = [c for c in tier if c.fits]
         if fitting:
             chosen = min(fitting, key=lambda c: (c.restricted, c.extra_flops, c.sharded, c.peak_bytes))
@@ -540,8 +584,18 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
     while chosen is None and done:
         # nothing fits: the smallest achievable peak must be among the replayed; a pruned candidate whose
         # floor is below the smallest replayed peak could be smaller, so it is replayed after all (those with
-        # the lowest floor first: their peaks may rule out the others)
-        smallest = min(c.peak_bytes for c in done)
+        # the lowest floor first: their peaks may rule out the others). The smallest is named only once its
+        # figure is checked at the third depth (with the plan as given, the base of extra compute).
+        best = min(done, key=lambda c: c.peak_bytes)
+        unchecked = [c for c in (considered[0], best) if c.estimate is not None and c.estimate.provisional]
+        if unchecked:
+            confirm(unchecked)
+            if any(c.estimate is not None and c.estimate.provisional for c in unchecked):  # pragma: no cover
+                raise RuntimeError(f"plan_memory: the figures of {[c.name for c in unchecked]} could not be checked")
+            set_extra_flops()
+            done = [c for c in considered if c.estimate is not None]
+            continue
+        smallest = best.peak_bytes
         late = [c for c in considered if c.pruned and c.estimate is None and c.error is None
                 and c.floor is not None and c.floor < smallest]
         late = [c for c in late if c.floor == min(x.floor for x in late)]
@@ -587,6 +641,12 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
             notes.append(f"build the optimizer as {o.optimizer!r} for this plan ({o.cost})")
         if o.restricts:
             notes.append(f"{o.name}: {o.restricts}")
+    n_prov = sum(1 for c in considered if c.estimate is not None and c.estimate.provisional)
+    if n_prov:
+        notes.append(f"{n_prov} candidate(s) marked ~ were predicted from replays of the first 2 and 3 blocks (the "
+                     f"peak at the same node in both) and not replayed at a third depth: the chosen plan"
+                     f"{', every fitting plan' if chosen is not None else ' (the smallest)'} and the plan as given "
+                     f"were (prune=False or `effpass plan --all` checks every one)")
     n_floor = sum(1 for c in considered if c.pruned and c.floor is not None and c.floor > budget)
     if n_floor:
         notes.append(f"{n_floor} candidate(s) not replayed: the bytes live at the start of their step already "
