@@ -31,9 +31,9 @@ def _plan(budget, prune, depths):
               effpass.make_pass("fuse_cross_entropy", {})]
     real = est_mod._replay_depths
 
-    def counting(model, inputs, pipelines, ds, *a, **k):
-        depths.extend(d for d in ds for _ in pipelines)
-        return real(model, inputs, pipelines, ds, *a, **k)
+    def counting(model, inputs, pipelines, ds, *a, only=None, **k):
+        depths.extend(d for d in ds for _ in (only[d] if only and d in only else pipelines))
+        return real(model, inputs, pipelines, ds, *a, only=only, **k)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(est_mod, "_replay_depths", counting)

@@ -1280,7 +1280,8 @@ def _in_workers(fn, jobs: list, costs: list, workers: int) -> list:
 
 def estimate_many(model: torch.nn.Module, example_inputs, pipelines: Sequence, optimizer: str | None = "adamw", *,
                   device=None, loss_fn: Callable | None = None, lr: float = 1e-3, extrapolate: bool | None = None,
-                  share: bool = True, workers: int | None = None, screen: bool = False, **compile_options) -> list:
+                  share: bool = True, workers: int | None = None, screen: bool = False, check: Sequence[int] = (),
+                  **compile_options) -> list:
     """:func:`estimate_memory` of ``model`` under each pipeline of ``pipelines`` (one rank; ``optimizer``
     ``"adamw"`` or ``None``), sharing work between them: pipelines whose module phase is the same (the same
     module-level passes, e.g. the same quantized base and adapters) are replayed on one fake copy with one
@@ -1296,7 +1297,9 @@ def estimate_many(model: torch.nn.Module, example_inputs, pipelines: Sequence, o
     ``screen`` (extrapolated models only): each pipeline is replayed at the first two depths (2 and 3 blocks),
     not three; where the peak is at the same node at both, its estimate is the affine prediction through them,
     marked ``provisional`` (:func:`confirm_many` replays the third depth and checks it; the planner confirms
-    every plan it chooses or names as the smallest). Where the peak moved, the pipeline is confirmed here."""
+    every plan it chooses or names as the smallest). Where the peak moved, the pipeline is confirmed here.
+    ``check``: indices of pipelines replayed at all three depths all the same (known to need a checked
+    figure; their third depth is replayed beside the others' first two, over the same workers)."""
     if optimizer not in ("adamw", None):
         raise ValueError(f"estimate_many: optimizer {optimizer!r}: only 'adamw' or None are replayed (other "
                          f"optimizers: with_optimizer on the AdamW replay)")
@@ -1307,12 +1310,13 @@ def estimate_many(model: torch.nn.Module, example_inputs, pipelines: Sequence, o
     todo = list(range(len(pipelines)))
     blocks = _block_list(model) if extrapolate is not False else None
     if blocks is not None and len(blocks) > max(_DEPTHS) and (extrapolate or len(blocks) >= _AUTO_MIN_BLOCKS):
-        depths = _DEPTHS[:2] if screen else _DEPTHS
-        per_depth = _replay_depths(model, example_inputs, pipelines, depths, optimizer, dev, loss_fn, lr,
-                                   compile_options, share, workers, blocks)
+        checked = set(range(len(pipelines))) if not screen else set(check)
+        per_depth = _replay_depths(model, example_inputs, pipelines, _DEPTHS, optimizer, dev, loss_fn, lr,
+                                   compile_options, share, workers, blocks,
+                                   only={_DEPTHS[2]: checked} if screen else None)
         todo, unsure = [], []
         for i in range(len(pipelines)):
-            ests = [d[i] for d in per_depth]
+            ests = [d[i] for d in per_depth if i in checked or d is not per_depth[2]]
             bad = next((e for e in ests if isinstance(e, BaseException)), None)
             if bad is not None and not isinstance(bad, RuntimeError):
                 out[i] = bad  # a user error (bad targets, options): as the replay alone raises it
@@ -1327,7 +1331,7 @@ def estimate_many(model: torch.nn.Module, example_inputs, pipelines: Sequence, o
                 out[i] = est
         if unsure:
             for i, r in zip(unsure, confirm_many(model, example_inputs, [pipelines[i] for i in unsure],
-                                                 [_Unconfirmed([d[i] for d in per_depth]) for i in unsure],
+                                                 [_Unconfirmed([d[i] for d in per_depth[:2]]) for i in unsure],
                                                  optimizer, device=device, loss_fn=loss_fn, lr=lr, share=share,
                                                  workers=workers, **compile_options)):
                 out[i] = r
@@ -1390,12 +1394,14 @@ def confirm_many(model: torch.nn.Module, example_inputs, pipelines: Sequence, es
 
 
 def _replay_depths(model, example_inputs, pipelines, depths, optimizer, dev, loss_fn, lr, compile_options, share,
-                   workers, blocks) -> list[list]:
+                   workers, blocks, only: dict | None = None) -> list[list]:
     """Per depth of ``depths``, per pipeline: its replay with only the first ``depth`` blocks (or the
-    exception raised). The work units, spread over the workers: one depth of one module phase (its plans
-    share a capture)."""
+    exception raised; None where ``only[depth]``, a set of pipeline indices, leaves it out). The work units,
+    spread over the workers: one depth of one module phase (its plans share a capture)."""
     groups = _module_groups(pipelines, dev, compile_options) if share else [[i] for i in range(len(pipelines))]
-    jobs = [(k, g) for k in depths for g in groups]
+    only = only or {}
+    jobs = [(k, [i for i in g if k not in only or i in only[k]]) for k in depths for g in groups]
+    jobs = [(k, g) for k, g in jobs if g]
 
     def replay_job(job):
         k, g = job

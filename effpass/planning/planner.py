@@ -396,8 +396,11 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
             pipelines = [pipeline_of(c) for c in todo]
         except Exception:
             return  # replayed one by one below (each error reported on its candidate)
+        # the plan as given is the base of every extra-compute figure: always checked at three depths
+        first = considered[0].replay_key() if considered else None
         results = estimate_many(model, example_inputs, pipelines, todo[0].optimizer, device=dev, loss_fn=loss_fn,
-                                screen=prunable, **compile_options)
+                                screen=prunable, check=[i for i, c in enumerate(todo) if c.replay_key() == first],
+                                **compile_options)
         for c, r in zip(todo, results):
             replays[c.replay_key()] = r
 
@@ -556,7 +559,7 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
             # plans without a restriction on the training loop are chosen first: if one of them fits, a
             # restricted plan of the tier cannot be the answer
             run(free_part)
-            confirm([c for c in free_part if c.fits])
+            confirm([considered[0]] + [c for c in free_part if c.fits])
             if any(c.fits for c in free_part):
                 for c in restricted:
                     c.pruned = ("not replayed: it restricts the training loop and a plan of the same tier without "
