@@ -293,8 +293,39 @@ def nf4_scaler_block(numel: int, block_size: int, preferred: int = 256) -> int:
 
 def to_nf4_weight(w: torch.Tensor, block_size: int = 64, fast: bool = True) -> NF4Tensor:
     """torchao's ``to_nf4`` (double quantization) on a 2-D weight; :class:`NF4WeightTensor` when ``fast``."""
-    t = to_nf4(w.detach().contiguous(), block_size, nf4_scaler_block(w.numel(), block_size))
+    w = w.detach().contiguous()
+    with _one_chunk_if_fake(w):
+        t = to_nf4(w, block_size, nf4_scaler_block(w.numel(), block_size))
     return NF4WeightTensor.from_nf4(t) if fast else t
+
+
+class _one_chunk_if_fake:
+    """NOTE(planner speed): torchao quantizes to NF4 in chunks of 2^20 elements to bound the memory of its
+    intermediates: 56 rounds of ops for one Llama-3-8B MLP weight. A fake or meta weight (the memory
+    planner's replay) holds no memory, so it is quantized in one chunk: the same values and bytes (each
+    element's code is its nearest NF4 value, chunked or not), a fraction of the ops to dispatch."""
+
+    def __init__(self, w: torch.Tensor):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        self.mod = None
+        if isinstance(w, FakeTensor) or w.device.type == "meta":
+            import sys
+
+            self.mod = sys.modules.get(to_nf4.__module__)
+            if not isinstance(getattr(self.mod, "CHUNK_SIZE", None), int):  # feature-tested: left as it is
+                self.mod = None
+        self.n = w.numel()
+
+    def __enter__(self):
+        if self.mod is not None:
+            self.saved = self.mod.CHUNK_SIZE
+            self.mod.CHUNK_SIZE = max(self.saved, self.n)
+
+    def __exit__(self, *exc):
+        if self.mod is not None:
+            self.mod.CHUNK_SIZE = self.saved
+        return False
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -781,3 +781,31 @@ def test_qlora_dequantized_weights_stay_recomputed_under_a_checkpoint_plan_that_
     stats = effpass.report(m).stats("quantize_linear")
     assert stats["dequant_recompute_nodes"] > 0
     assert marks == [stats["dequant_recompute_nodes"]], (marks, stats["dequant_recompute_nodes"])
+
+
+def test_nf4_fake_weight_is_quantized_in_one_chunk_with_the_same_bytes(monkeypatch):
+    """The planner's fake NF4 weights skip torchao's memory-bounding chunks: same codes (real weights, chunk
+    sizes compared), same inner shapes and dtypes (fake vs real), torchao's chunk size left as it was."""
+    import sys
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from effpass.passes import _quant_formats as qf
+
+    mod = sys.modules[qf.to_nf4.__module__]
+    w = torch.randn(256, 128)
+    ref = qf.to_nf4_weight(w)
+    monkeypatch.setattr(mod, "CHUNK_SIZE", 1000)  # many chunks on a real weight: the same codes
+    small = qf.to_nf4_weight(w)
+    assert torch.equal(small.quantized_data, ref.quantized_data)
+    assert torch.equal(small.quantized_scalers, ref.quantized_scalers)
+    seen = []
+    real_q = mod.NF4Tensor.quantize_tensor_nearest
+    monkeypatch.setattr(mod.NF4Tensor, "quantize_tensor_nearest",
+                        staticmethod(lambda x, nf4: seen.append(x.numel()) or real_q(x, nf4)))
+    with FakeTensorMode():
+        fake = qf.to_nf4_weight(torch.empty(256, 128))
+    assert seen == [256 * 128] and mod.CHUNK_SIZE == 1000  # one chunk, and restored
+    for name in ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean"):
+        a, b = getattr(fake, name), getattr(ref, name)
+        assert (a.shape, a.dtype) == (b.shape, b.dtype), name
