@@ -23,6 +23,7 @@ from torch._inductor import pattern_matcher as pm
 
 from effpass.graph import Skip, autocast_dtype_at, copy_provenance, erase_dead, infer_fake_values, source_path  # noqa: F401
 from effpass.graph import is_fn as _is_fn, is_method as _is_method, is_number as _is_number, val as _val  # noqa: F401
+from effpass.graph import same_shape, same_size
 from effpass.linear_like import linear_parts
 from effpass.patterns import Calls, OneOf, first_match, linear
 from effpass.scope import module_path_of_node
@@ -337,8 +338,8 @@ def _gather_parts(n: Any):
             and _last_dim(dim, v.dim()) and not n.kwargs.get("sparse_grad", False)):
         return None
     iv = _val(idx)
-    if not (isinstance(iv, torch.Tensor) and iv.dim() == v.dim() and iv.shape[-1] == 1
-            and tuple(iv.shape[:-1]) == tuple(v.shape[:-1])):
+    if not (isinstance(iv, torch.Tensor) and iv.dim() == v.dim() and same_size(iv.shape[-1], 1)
+            and same_shape(iv.shape[:-1], v.shape[:-1])):   # symbolic dims (a packed length): no guard
         return None
     return src, idx
 
