@@ -29,7 +29,9 @@ def segments(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 class SeqLoss(nn.Module):
-    """``forward(ids, labels, n_examples, position_ids=None) -> (loss, per-example policy log-prob sums)``."""
+    """``forward(ids, labels, n_examples, position_ids=None, advantages=None) -> (loss, per-example policy log-prob
+    sums)``; GRPO's advantages default to ``linspace(0.25, 1, n_examples)`` (not zero-mean: a loss near 0 would make
+    a relative comparison meaningless)."""
 
     def __init__(self, policy: nn.Module, ref: nn.Module, kind: str):
         super().__init__()
@@ -49,20 +51,21 @@ class SeqLoss(nn.Module):
         t = labels[:, 1:]
         return logits.float().log_softmax(-1).gather(-1, t.clamp(min=0).unsqueeze(-1)).squeeze(-1), t != -100
 
-    def forward(self, ids, labels, n_examples: int, position_ids=None):
+    def forward(self, ids, labels, n_examples: int, position_ids=None, advantages=None):
         lp, mask = self.logps(self.policy, ids, labels, position_ids)
         with torch.no_grad():
             rp, _ = self.logps(self.ref, ids, labels, position_ids)
+        adv = torch.linspace(0.25, 1.0, n_examples) if advantages is None else advantages
         if position_ids is None:   # padded: one example per row
             def per_example(v):
                 return (v * mask).sum(-1)
-            adv_tok = torch.linspace(-1.0, 1.0, n_examples)[:, None]
+            adv_tok = adv[:, None]
         else:                      # packed: the example of each predicted token (the label's position)
             seg = segments(position_ids)[:, 1:]
 
             def per_example(v):
                 return torch.zeros(n_examples, dtype=v.dtype).index_add(0, seg.reshape(-1), (v * mask).reshape(-1))
-            adv_tok = torch.linspace(-1.0, 1.0, n_examples)[seg]
+            adv_tok = adv[seg]
         if self.kind == "dpo":
             pol, ref = per_example(lp), per_example(rp)
             margin = (pol - ref).reshape(2, -1)   # chosen examples, then rejected ones
