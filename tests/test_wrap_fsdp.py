@@ -289,13 +289,54 @@ def scenario_tiled(rank, world, out_dir):
     return out
 
 
-SCENARIOS = {"fused_head": scenario_fused_head, "train": scenario_train, "passes": scenario_passes, "inductor": scenario_inductor,
+def scenario_fused_losses(rank, world, out_dir):
+    """Preference / RL losses over a policy and a frozen reference, both sharded (tests/_vocab_losses.py: TRL's
+    log_softmax -> gather -> masked sum per sequence): DPO on Hugging Face Llama, GRPO on a self-written model. Each
+    rank takes its half of the examples; the full batch runs unfused and eagerly in one process as the reference."""
+    import warnings
+
+    from _families import VOCAB, family_case
+    from _vocab_losses import SelfLM, examples, padded, pair
+    from effpass.passes import FuseCrossEntropy
+
+    out = {}
+    for name, kind, make in (("llama_dpo", "dpo", lambda: family_case("llama", attn="sdpa").model),
+                             ("self_grpo", "grpo", lambda: SelfLM(VOCAB))):
+        model = pair(make(), kind)
+        n = 4 * world   # examples: DPO's chosen ones then their rejected ones; GRPO's completions
+        exs = examples([6 + (i % 5) for i in range(n)], VOCAB, seed=3)
+        adv = torch.linspace(0.25, 1.0, n)
+        eager = copy.deepcopy(model)
+        want, want_sums = eager(*padded(exs), n, advantages=adv)
+        want.backward()
+        half = n // 2 // world   # this rank's pairs (DPO) / completions in each half (GRPO)
+        mine = [i for h in (0, n // 2) for i in range(h + rank * half, h + (rank + 1) * half)]
+        units = len(find_units(model))
+        torch._dynamo.reset()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled = effpass.compile(model, passes=[FuseCrossEntropy(), WrapFSDP()], lowering="eager",
+                                       dump_dir=None)
+        loss, sums = compiled(*padded([exs[i] for i in mine]), len(mine), advantages=adv[mine])
+        loss.backward()
+        rep = effpass.report(compiled)
+        recs = [r for r in rep.records("fuse_cross_entropy") if r.phase == "torch_ir"]
+        out[name] = {"loss": float(loss.detach()), "want": float(want.detach()), "sums": sums.detach(),
+                     "want_sums": want_sums.detach()[mine], "grads": _grads(model), "ref_grads": _grads(eager),
+                     "fce": rep.stats("fuse_cross_entropy"), "fsdp_stats": rep.stats("wrap_fsdp"), "units": units,
+                     "skipped": [s for r in recs for s in r.skipped], "ops": [r.ops_after for r in recs],
+                     "warnings": [str(w.message) for w in caught if "effpass" in str(w.message)]}
+    return out
+
+
+SCENARIOS = {"fused_losses": scenario_fused_losses, "fused_head": scenario_fused_head, "train": scenario_train, "passes": scenario_passes, "inductor": scenario_inductor,
              "hsdp": scenario_hsdp, "tiled": scenario_tiled}
 #: the 2-rank scenarios and the tests that read them: one spawn runs all that the session selected (process
 #: start, imports and the process group cost more than most scenarios), each writing its own result files
 TWO_RANK_TESTS = {"test_wrap_fsdp_two_ranks_match_one_process_and_resume_exactly": "train",
                   "test_wrap_fsdp_other_passes_act_inside_sharded_units": "passes",
                   "test_wrap_fsdp_fuses_the_sharded_head_and_loss": "fused_head",
+                  "test_wrap_fsdp_fuses_logprob_losses_of_a_policy_and_a_reference": "fused_losses",
                   "test_wrap_fsdp_inductor_lowering_matches_one_process": "inductor",
                   "test_wrap_fsdp_with_tile_sequence_equals_untiled": "tiled"}
 
@@ -449,6 +490,37 @@ def test_wrap_fsdp_fuses_the_sharded_head_and_loss(two_rank_runs):
         assert "ModuleList 'layers'" in w[0] and "compile_root=False" in w[1], w
     mean = (results[0]["losses"][0] + results[1]["losses"][0]) / 2
     assert abs(mean - results[0]["ref_loss"]) < 1e-6, (mean, results[0]["ref_loss"])
+
+
+@pytest.mark.xdist_group("wrap_fsdp_2ranks")
+def test_wrap_fsdp_fuses_logprob_losses_of_a_policy_and_a_reference(two_rank_runs):
+    """DPO (Hugging Face Llama) and GRPO (a self-written model) over a sharded policy and a sharded frozen reference
+    in one loss module, 2 gloo ranks: every log-prob site is fused, and the mean of the ranks' losses and gradients
+    equals one process's unfused eager step on all examples (fp32, 1e-5 relative)."""
+    results = _two_rank_results(two_rank_runs, "fused_losses")
+    for name in ("llama_dpo", "self_grpo"):
+        rs = [r[name] for r in results]
+        # numerical oracle: per-example log-prob sums of this rank's examples, the mean loss, every gradient
+        for r in rs:
+            rel = float((r["sums"] - r["want_sums"]).abs().max() / r["want_sums"].abs().max())
+            assert rel <= 1e-5, (name, r["sums"], r["want_sums"])
+            assert r["grads"].keys() == r["ref_grads"].keys() and len(r["grads"]) > 0, name
+            for n, g in r["grads"].items():
+                ref = r["ref_grads"][n]
+                assert float((g - ref).abs().max() / ref.abs().max().clamp_min(1e-30)) <= 1e-5, (name, n)
+        mean = sum(r["loss"] for r in rs) / len(rs)
+        assert abs(mean - rs[0]["want"]) <= 1e-5 * abs(rs[0]["want"]), (name, mean, rs[0]["want"])
+        # structural oracle: both models' blocks sharded and compiled; the root compiled around one boundary per
+        # model; the policy's and the reference's log-prob sites fused, none skipped, no log_softmax left
+        for r in rs:
+            s, f = r["fsdp_stats"], r["fce"]
+            boundary = "body" if name.startswith("self") else "model"
+            assert s["units"] == s["compiled_units"] == r["units"] >= 2 and s["compiled_root"] == 1, s
+            assert s["root_boundary"] == f"policy.{boundary},ref.{boundary}", s
+            assert f["logprob_sites"] == 2 and f["skipped"] == 0, (f, r["skipped"])
+            assert sum(o.get("effpass.linear_cross_entropy_rows", 0) for o in r["ops"]) == 2, r["ops"]
+            assert not any(k.endswith("log_softmax") for o in r["ops"] for k in o), r["ops"]
+            assert not r["warnings"], r["warnings"]
 
 
 def test_wrap_fsdp_fuses_a_tied_sharded_head_at_world_size_1(tmp_path):
