@@ -364,13 +364,13 @@ def _compile_root(model: nn.Module, boundaries: list[str], backend, compile_kwar
     if nested:
         compiled = _with_nested_graph_breaks(compiled)
     model.forward = types.MethodType(compiled, model)
-    return nested
     import sys
 
     if "transformers" in sys.modules:  # GPT-2 & co: no logger call between head and loss (a graph break)
         from effpass.integrations.huggingface import set_hf_loss_type
 
         set_hf_loss_type(model)
+    return nested
 
 
 def _with_nested_graph_breaks(compiled):
