@@ -464,19 +464,28 @@ def is_static(shape: Iterable[Any]) -> bool:
     return all(isinstance(d, int) for d in shape)
 
 
-def same_size(a: Any, b: Any) -> bool:
-    """``a == b`` for sizes that may be symbolic, true only when provably equal (no guard added)."""
+def same_size(a: Any, b: Any, *, guard: bool = False) -> bool:
+    """``a == b`` for sizes that may be symbolic, true only when provably equal (no guard added).
+
+    ``guard=True``: sizes that are not provably equal but were equal in the traced example (two inputs whose relation
+    Dynamo cannot see, e.g. the hidden states an FSDP boundary returns, with a size of their own, and the labels)
+    are made equal by a guard ``a == b`` on the graph: it then only runs on inputs where they are (others
+    recompile), never on sizes it was not traced for."""
     if isinstance(a, int) and isinstance(b, int):
         return a == b
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-    return bool(statically_known_true(a == b))
+    if statically_known_true(a == b):
+        return True
+    if guard and size_hint(a) == size_hint(b):
+        return bool(a == b)  # installs the guard (a symbolic relation; against an int, that int)
+    return False
 
 
-def same_shape(a: Iterable[Any], b: Iterable[Any]) -> bool:
+def same_shape(a: Iterable[Any], b: Iterable[Any], *, guard: bool = False) -> bool:
     """Shapes equal dim by dim (:func:`same_size`)."""
     a, b = tuple(a), tuple(b)
-    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
+    return len(a) == len(b) and all(same_size(x, y, guard=guard) for x, y in zip(a, b))
 
 
 def is_number(x: Any) -> bool:
