@@ -169,3 +169,24 @@ class SelfLM(nn.Module):
     def forward(self, input_ids, position_ids=None):
         z = self.head(self.body(input_ids, position_ids))
         return torch.tanh(z / self.cap) * self.cap
+
+
+class Distill(nn.Module):
+    """Forward KL(teacher || student) at temperature 2, token mean: a student and a frozen teacher (under
+    ``torch.no_grad``); ``teacher_first`` runs the teacher's forward before the student's."""
+
+    def __init__(self, student: nn.Module, teacher: nn.Module, teacher_first: bool):
+        super().__init__()
+        self.student, self.teacher, self.teacher_first = student, teacher, teacher_first
+
+    def forward(self, ids):
+        if self.teacher_first:
+            with torch.no_grad():
+                zt = self.teacher(input_ids=ids, use_cache=False).logits
+            zs = self.student(input_ids=ids, use_cache=False).logits
+        else:
+            zs = self.student(input_ids=ids, use_cache=False).logits
+            with torch.no_grad():
+                zt = self.teacher(input_ids=ids, use_cache=False).logits
+        ls, lt = (zs.float() / 2.0).log_softmax(-1), (zt.float() / 2.0).log_softmax(-1)
+        return (lt.exp() * (lt - ls)).sum(-1).mean() * 4.0
