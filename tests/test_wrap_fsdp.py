@@ -609,7 +609,7 @@ def test_wrap_fsdp_fuses_logprob_losses_on_packed_rows(two_rank_runs):
 
 @pytest.mark.xdist_group("wrap_fsdp_2ranks")
 def test_wrap_fsdp_distillation_fuses_the_head_after_the_teachers_boundary(two_rank_runs):
-    """Forward KL between a sharded student and a sharded frozen teacher (Qwen3, tied heads), 2 gloo ranks: equal to
+    """Forward KL between a sharded student and a sharded frozen teacher (Qwen3), 2 gloo ranks: equal to
     one process's eager step either way; the student's head is fused (one row-wise site) when the teacher runs first,
     and with the student first the site is skipped with its reason (the student's logits cross the teacher's
     boundary, so they exist, with a gradient, before the KL's graph)."""
