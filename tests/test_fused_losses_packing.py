@@ -117,3 +117,58 @@ def test_packed_hf_cross_entropy_compiles_once():
     assert counters == {"graph_breaks": 0, "unique_graphs": 1, "recompiles": 0, "frames": 1}, counters
     rec = _fce_record(compiled)
     assert rec.stats["fused"] == 1 and rec.stats["symbolic_rows"] == 1 and rec.stats["skipped"] == 0, rec.stats
+
+
+class _Distill(torch.nn.Module):
+    """A student and a frozen teacher (self-written) on packed rows: ``F.kl_div(..., reduction="batchmean")`` plus an
+    entropy bonus averaged over everything (``.mean()`` of a vocabulary-sized value): two reductions of everything,
+    which the row-wise op computes per row and the graph finishes (a mean over a symbolic number of rows)."""
+
+    def __init__(self, student, teacher):
+        super().__init__()
+        self.student, self.teacher = student, teacher
+
+    def forward(self, ids, position_ids=None):
+        zs = self.student(ids, position_ids=position_ids)
+        with torch.no_grad():
+            zt = self.teacher(ids, position_ids=position_ids)
+        ls, lt = (zs.float() / 2.0).log_softmax(-1), (zt.float() / 2.0).log_softmax(-1)
+        kl = torch.nn.functional.kl_div(ls, lt, log_target=True, reduction="batchmean")
+        return kl + 0.1 * (ls.exp() * ls).mean()
+
+
+def test_packed_distillation_reductions_of_everything_fuse_once():
+    student = SelfLM(VOCAB).train()
+    teacher = copy.deepcopy(student).eval().requires_grad_(False)
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+    model = _Distill(student, teacher)
+    unfused_model = copy.deepcopy(model)
+    torch._dynamo.reset()
+    compiled = effpass.compile(model, passes=[FuseAttention(), PackSequences(), FuseCrossEntropy()], lowering="eager",
+                               strict=True)
+    unfused = effpass.compile(unfused_model, passes=[FuseAttention(), PackSequences()], lowering="eager", strict=True)
+    batches = [packed(examples(lens, VOCAB, seed=seed)) for seed, lens in enumerate(LENGTHS)]
+    wants = []
+    for ids, _, pos in batches:   # the unfused packed step first: counted apart from the fused model's frame
+        unfused_model.zero_grad(set_to_none=True)
+        want = unfused(ids, position_ids=pos)
+        want.backward()
+        wants.append((want.detach(), {n: p.grad.clone() for n, p in unfused_model.named_parameters()
+                                      if p.grad is not None}))
+    torch._dynamo.reset()
+    with dynamo_counters() as counters:
+        for (ids, _, pos), (want, grads) in zip(batches, wants):
+            model.zero_grad(set_to_none=True)
+            loss = compiled(ids, position_ids=pos)
+            loss.backward()
+            assert _rel(loss.detach(), want) <= 1e-5, (float(loss), float(want))
+            got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+            assert got.keys() == grads.keys() and len(got) > 0
+            for n, g in got.items():
+                assert _rel(g, grads[n]) <= 1e-5, n
+    assert counters == {"graph_breaks": 0, "unique_graphs": 1, "recompiles": 0, "frames": 1}, counters
+    st = _fce_record(compiled).stats
+    assert st["rowwise_sites"] == 1 and st["two_head_sites"] == 1 and st["rowwise_outputs"] == 2, st
+    assert st["symbolic_rows"] == 1 and st["skipped"] == 0, st
