@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import effpass
-from effpass.passes import FuseAttention, FuseCrossEntropy, PackSequences
+from effpass.passes import FuseAttention, FuseCrossEntropy, InjectLoRA, PackSequences
 from effpass.testing import dynamo_counters
 
 from _families import VOCAB, family_case
@@ -45,10 +45,13 @@ def _fce_record(compiled):
     return recs[0]
 
 
-@pytest.mark.parametrize("family,kind", [("llama", "dpo"), ("gemma2", "grpo"), ("qwen3", "grpo"), ("self", "dpo"),
-                                         ("self", "grpo")])
-def test_packed_logprob_losses_fuse_once_and_sum_per_example(family, kind):
+@pytest.mark.parametrize("family,kind,lora", [("llama", "dpo", False), ("gemma2", "grpo", False),
+                                              ("qwen3", "grpo", False), ("llama", "grpo", True), ("self", "dpo", False),
+                                              ("self", "grpo", False)])
+def test_packed_logprob_losses_fuse_once_and_sum_per_example(family, kind, lora):
     model = pair(_policy(family), kind)
+    if lora:   # LoRA on the policy's head and queries, injected first (the reference below is the prepared model)
+        effpass.prepare(model, [InjectLoRA(rank=4, init="gaussian", targets=["policy.lm_head", "policy.*.q_proj"])])
     eager = copy.deepcopy(model)   # the unfused eager reference, run on padded rows
     torch._dynamo.reset()
     compiled = effpass.compile(model, passes=[FuseAttention(), PackSequences(), FuseCrossEntropy()],
@@ -80,6 +83,7 @@ def test_packed_logprob_losses_fuse_once_and_sum_per_example(family, kind):
     rec = _fce_record(compiled)
     st, ops = rec.stats, rec.ops_after
     assert st["logprob_sites"] == 2 and st["symbolic_rows"] == 2 and st["skipped"] == 0, (st, rec.skipped)
+    assert st["lora_heads"] == int(lora), st   # the policy's LoRA head: the adapter is the op's second projection
     assert ops.get("effpass.linear_cross_entropy_rows", 0) == 2, ops
     assert not any(k.endswith("log_softmax") for k in ops), ops
     assert st["logits_bytes_avoided"] == 2 * (sum(LENGTHS[0]) - 1) * VOCAB * 4, st   # the traced length's rows
