@@ -9,6 +9,8 @@
 * nodes a pass creates: :func:`copy_provenance`, :func:`infer_fake_values` (the one fake-value updater),
   :func:`annotate_new_nodes` (both, for a rewrite's new nodes), :func:`erase_dead` (the one dead-node eraser)
 * sites: :func:`ancestors`, :func:`site_name` (how reports name a site)
+* symbolic sizes (dynamic shapes: a packed length): :func:`size_hint` (an int for statistics and budgets, no guard),
+  :func:`same_size` / :func:`same_shape` (equal without guarding), :func:`is_static`
 * matching torch-IR nodes: :func:`is_fn`, :func:`is_method`, :func:`val`, :func:`shape_of`, :func:`is_number`,
   :class:`Skip` (a site left alone, with its reason), :data:`MASK_FILL_THRESHOLD`
 * autocast: :class:`AutocastRegions` / :func:`autocast_dtype_at` (the one reader of autocast regions, including
@@ -30,7 +32,7 @@ __all__ = ["op_name", "op_histogram", "snapshot_graph", "GraphCheckpoint", "lazy
            "placeholder_values", "is_tangent", "is_primal", "has_tangents", "transformer_blocks",
            "normalize_module_path", "module_stack_of_node", "module_path_of_node", "source_path", "is_buffer_source",
            "PROVENANCE_KEYS", "copy_provenance", "infer_fake_values", "annotate_new_nodes", "erase_dead",
-           "ancestors", "site_name", "arg",
+           "ancestors", "site_name", "arg", "size_hint", "same_size", "same_shape", "is_static",
            "is_fn", "is_method", "is_random_op", "is_softmax", "val", "shape_of", "is_number", "Skip", "MASK_FILL_THRESHOLD",
            "AutocastRegions", "autocast_dtype_at", "is_autocast_enter", "is_autocast_exit",
            "ENTER_AUTOCAST", "EXIT_AUTOCAST"]
@@ -493,6 +495,51 @@ def shape_of(n: Any) -> tuple | None:
     """The shape of a node's tensor value, or None."""
     v = val(n)
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def size_hint(a: Any) -> int:
+    """A size as a Python int without adding a guard: an int as is, a ``SymInt`` (a dynamic dim, e.g. the packed
+    length ``pack_sequences`` marks dynamic) its hint, the value of the example the graph was traced with.
+
+    NOTE(recompiles): ``int(symint)`` specialises the graph to that value (a guard), so every new packed length would
+    recompile; use this for statistics and budgets, never for a size the graph computes with."""
+    if isinstance(a, int):
+        return int(a)
+    from torch.fx.experimental import symbolic_shapes as ss
+
+    hint = getattr(ss, "optimization_hint", None)
+    if hint is not None:
+        return int(hint(a))
+    return int(a.node.hint)  # older torch (2.11): the SymNode carries the hint
+
+
+def is_static(shape: Iterable[Any]) -> bool:
+    """Every dim a Python int (no symbolic size)."""
+    return all(isinstance(d, int) for d in shape)
+
+
+def same_size(a: Any, b: Any, *, guard: bool = False) -> bool:
+    """``a == b`` for sizes that may be symbolic, true only when provably equal (no guard added).
+
+    ``guard=True``: sizes that are not provably equal but were equal in the traced example (two inputs whose relation
+    Dynamo cannot see, e.g. the hidden states an FSDP boundary returns, with a size of their own, and the labels)
+    are made equal by a guard ``a == b`` on the graph: it then only runs on inputs where they are (others
+    recompile), never on sizes it was not traced for."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if statically_known_true(a == b):
+        return True
+    if guard and size_hint(a) == size_hint(b):
+        return bool(a == b)  # installs the guard (a symbolic relation; against an int, that int)
+    return False
+
+
+def same_shape(a: Iterable[Any], b: Iterable[Any], *, guard: bool = False) -> bool:
+    """Shapes equal dim by dim (:func:`same_size`)."""
+    a, b = tuple(a), tuple(b)
+    return len(a) == len(b) and all(same_size(x, y, guard=guard) for x, y in zip(a, b))
 
 
 def is_number(x: Any) -> bool:

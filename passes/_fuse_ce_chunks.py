@@ -110,6 +110,12 @@ def _prepare(x, w, x2, w2, bias, target, spec: _Spec):
     if tgt.numel() and (int(tgt.min()) < 0 or int(tgt.max()) >= spec.vocab):
         bad = int(tgt.min()) if int(tgt.min()) < 0 else int(tgt.max())
         raise IndexError(f"cross_entropy: target {bad} is out of bounds for {spec.vocab} classes")
+    if spec.chunk_bytes <= 0:
+        # 0: the budget was left to run time (the graph's row count is symbolic: a packed length), the same
+        # default the pass computes for a static row count, from this call's rows
+        hb = x.numel() * x.element_size()
+        spec.chunk_bytes = (default_rows_chunk_bytes(x.shape[0], spec.vocab, hb, x.device.type)
+                            if spec.plan is plan_row_tiles else default_chunk_bytes(x.shape[0], spec.vocab, hb))
     cd = spec.compute
     xs = [x.index_select(0, valid)]
     ws = [w]

@@ -23,6 +23,7 @@ from torch._inductor import pattern_matcher as pm
 
 from effpass.graph import Skip, autocast_dtype_at, copy_provenance, erase_dead, infer_fake_values, source_path  # noqa: F401
 from effpass.graph import is_fn as _is_fn, is_method as _is_method, is_number as _is_number, val as _val  # noqa: F401
+from effpass.graph import same_shape, same_size, size_hint
 from effpass.linear_like import linear_parts
 from effpass.patterns import Calls, OneOf, first_match, linear
 from effpass.scope import module_path_of_node
@@ -337,10 +338,20 @@ def _gather_parts(n: Any):
             and _last_dim(dim, v.dim()) and not n.kwargs.get("sparse_grad", False)):
         return None
     iv = _val(idx)
-    if not (isinstance(iv, torch.Tensor) and iv.dim() == v.dim() and iv.shape[-1] == 1
-            and tuple(iv.shape[:-1]) == tuple(v.shape[:-1])):
+    # symbolic dims (a packed length) compare without a guard; sizes only equal in the traced example (the index's
+    # length and the logits' rows from different inputs, as after an FSDP boundary) are taken here and guarded to
+    # stay equal once the site is known to be a head's (_guard_rows), never guarded for another gather
+    if not (isinstance(iv, torch.Tensor) and iv.dim() == v.dim() and same_size(iv.shape[-1], 1)
+            and (same_shape(iv.shape[:-1], v.shape[:-1])
+                 or [size_hint(d) for d in iv.shape[:-1]] == [size_hint(d) for d in v.shape[:-1]])):
         return None
     return src, idx
+
+
+def _guard_rows(src: fx.Node, idx: fx.Node) -> None:
+    """The guard that keeps a fused log-prob site's index rows equal to its logits' rows (see _gather_parts)."""
+    if not same_shape(_val(idx).shape[:-1], _val(src).shape[:-1], guard=True):
+        raise Skip(f"the index {idx.name} and the logits {src.name} have different rows")
 
 
 def _lse_of(n: Any, keep: bool):
@@ -387,7 +398,9 @@ def match_logprob(n: fx.Node, model=None) -> Optional[LogProbSite]:
             raise Skip(f"log_softmax {ls.name} is not over the last dim (or has a dtype)")
         if len(ls.users) != 1:
             raise Skip(f"the full log-probabilities {ls.name} are used elsewhere")
-        return LogProbSite(walk(ls.args[0], n, model), n, idx, (n, ls))
+        site = walk(ls.args[0], n, model)
+        _guard_rows(ls, idx)
+        return LogProbSite(site, n, idx, (n, ls))
     if (_is_fn(n, _SUB_FNS) or _is_method(n, {"sub", "__sub__"})) and len(n.args) == 2 and not n.kwargs:
         a = n.args[0]
         inner = _squeezed_last(a)
@@ -399,5 +412,7 @@ def match_logprob(n: fx.Node, model=None) -> Optional[LogProbSite]:
         for m in [*gnodes, *lse[1]]:
             if len(m.users) != 1:
                 raise Skip(f"{m.name} (part of a log-probability) is used elsewhere")
-        return LogProbSite(walk(g[0], n, model), n, g[1], (n, *gnodes, *lse[1]), squeezed=inner is not None)
+        site = walk(g[0], n, model)
+        _guard_rows(g[0], g[1])
+        return LogProbSite(site, n, g[1], (n, *gnodes, *lse[1]), squeezed=inner is not None)
     return None

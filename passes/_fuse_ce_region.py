@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from effpass.graph import Skip, is_fn as _is_fn, is_method as _is_method, val as _val
+from effpass.graph import Skip, is_fn as _is_fn, is_method as _is_method, same_shape, val as _val
 
 from ._fuse_ce_match import Site, walk
 
@@ -113,13 +113,15 @@ class _Grow:
         return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
     def tail(self, n, leading, vocab) -> Optional[tuple]:
-        """``(V,)``, ``(1,)`` or ``()`` when ``n``'s value is row-aligned with ``leading``, else None."""
+        """``(V,)``, ``(1,)`` or ``()`` when ``n``'s value is row-aligned with ``leading``, else None. Symbolic
+        dims (a packed length) compare by their expressions, never guarded on."""
         s = self.shape(n)
-        if s is None or any(not isinstance(d, int) for d in s):
+        if s is None:
             return None
-        if s == tuple(leading):
+        if same_shape(s, leading):
             return ()
-        if s[:-1] == tuple(leading) and s[-1] in (vocab, 1):
+        if len(s) == len(leading) + 1 and same_shape(s[:-1], leading) and isinstance(s[-1], int) \
+                and s[-1] in (vocab, 1):
             return (s[-1],)
         return None
 
@@ -292,10 +294,10 @@ def _check(g: _Grow, ents, sites, mem) -> Region:
         raise Skip(f"{len(ents)} projections feed one row-wise computation (at most two are fused: a student "
                    "and a teacher)")
     ev = [_val(e) for e in ents]
-    leading, vocab = tuple(ev[0].shape[:-1]), int(ev[0].shape[-1])
-    if any(tuple(v.shape) != tuple(ev[0].shape) for v in ev) or any(not isinstance(d, int) for d in ev[0].shape):
-        raise Skip("the two heads' logits differ in shape (or have symbolic sizes): "
+    if any(not same_shape(v.shape, ev[0].shape) for v in ev) or not isinstance(ev[0].shape[-1], int):
+        raise Skip("the two heads' logits differ in shape (or have a symbolic vocabulary): "
                    + ", ".join(str(tuple(v.shape)) for v in ev))
+    leading, vocab = tuple(ev[0].shape[:-1]), int(ev[0].shape[-1])
     region = Region(list(ents), list(sites), list(mem), leading=leading, vocab=vocab)
     inside = set(ents) | set(mem)
     for n in mem:

@@ -10,6 +10,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from effpass.graph import is_static, size_hint
+
 from ._fuse_ce_kernels import default_chunk_bytes
 from ._fuse_ce_match import Skip, _val, erase_unused
 from ._fuse_ce_region import Region, build_row_fn
@@ -50,7 +52,11 @@ def rewrite_region(fce, graph: fx.Graph, region: Region, ctx, stats: dict) -> No
         heads.append((vocab, width))
     n_rows = 1
     for d in region.leading:
-        n_rows *= int(d)
+        n_rows *= d   # a SymInt for a dynamic (packed) length: never int() it (a guard would specialise the graph)
+    symbolic = not isinstance(n_rows, int)
+    if symbolic and sum(not isinstance(d, int) for d in region.leading) > 1:
+        raise Skip(f"the logits' rows {tuple(region.leading)} have more than one symbolic dim (the per-row "
+                   "results could not be reshaped without baking a size into the graph)")
     inputs = [s.h for s in region.sites] + [s.weight for s in region.sites] + list(region.externals) +             [s.bias for s in region.sites if isinstance(s.bias, fx.Node)] +             [x for s in region.sites if s.lora is not None for x in s.lora[:2]]
     late = [i for i in inputs if isinstance(i, fx.Node) and order[i] >= order[anchor]]
     if late:
@@ -65,7 +71,10 @@ def rewrite_region(fce, graph: fx.Graph, region: Region, ctx, stats: dict) -> No
     compute = computes.pop()
     hv = _val(region.sites[0].h)
     vocab = region.vocab
-    budget = fce.chunk_bytes or default_chunk_bytes(n_rows, vocab, hv.numel() * hv.element_size())
+    stat_budget = fce.chunk_bytes or default_chunk_bytes(size_hint(n_rows), vocab,
+                                                         size_hint(hv.numel()) * hv.element_size())
+    # a symbolic row count leaves the default budget to run time (0: the op computes it from each call's rows)
+    budget = stat_budget if not symbolic else fce.chunk_bytes
     consumed = set(region.members) | {u for kind, u in what if kind == "split"}
     reads = [fce._readers(s, consumed) for s in region.sites]
     new: list[fx.Node] = []
@@ -90,15 +99,32 @@ def rewrite_region(fce, graph: fx.Graph, region: Region, ctx, stats: dict) -> No
             col = call(operator.getitem, res, (slice(None), j))
             if kind == "node":
                 v = _val(n)
-                col = call(torch.reshape, col, tuple(int(d) for d in v.shape))
+                # the one symbolic dim (a packed length) is -1: the column holds exactly its rows
+                col = call(torch.reshape, col, tuple(int(d) if isinstance(d, int) else -1 for d in v.shape))
             else:
                 src, u, how = next(s for s in region.splits if s[1] is n)
-                col = call(torch.sum, col)
                 sv = _val(src)
-                if how in ("mean", "kl_mean"):
-                    col = call(operator.truediv, col, float(sv.numel()))
-                elif how == "kl_batchmean":
-                    col = call(operator.truediv, col, float(sv.shape[0]))
+                if not symbolic:
+                    col = call(torch.sum, col)
+                    if how in ("mean", "kl_mean"):
+                        col = call(operator.truediv, col, float(sv.numel()))
+                    elif how == "kl_batchmean":
+                        col = call(operator.truediv, col, float(sv.shape[0]))
+                elif how in ("mean", "kl_mean"):   # sum / (rows * V) = mean over the rows / V
+                    col = call(operator.truediv, call(torch.mean, col), float(vocab))
+                elif how == "kl_batchmean":       # sum / dim 0 = mean over the rows * the other leading dims
+                    if not isinstance(sv.shape[0], int) and is_static(region.leading[1:]):
+                        other = 1
+                        for d in region.leading[1:]:
+                            other *= int(d)
+                        col = call(torch.mean, col)
+                        col = call(operator.mul, col, float(other)) if other != 1 else col
+                    elif isinstance(sv.shape[0], int):
+                        col = call(operator.truediv, call(torch.sum, col), float(sv.shape[0]))
+                    else:
+                        raise Skip(f"{u.name} divides by a symbolic batch size")
+                else:
+                    col = call(torch.sum, col)
                 v = _val(n)
             if v.dtype != torch.float32:
                 col = call(torch.Tensor.to, col, v.dtype)
@@ -113,15 +139,17 @@ def rewrite_region(fce, graph: fx.Graph, region: Region, ctx, stats: dict) -> No
             n.replace_all_uses_with(col)
             graph.erase_node(n)
     erase_unused(graph, list(reversed(region.members)))
+    rows = size_hint(n_rows)
     for site, (chain_set, returned, used_elsewhere), weight in zip(region.sites, reads, weights):
         keep = bool(used_elsewhere) or fce.keep_logits
         dropped = fce._drop_logits(graph, site, chain_set, returned, keep)
-        stats["logits_bytes_avoided"] += 0 if keep else n_rows * vocab * 4
+        stats["logits_bytes_avoided"] += 0 if keep else rows * vocab * 4
         stats["logits_returned"] += int(bool(returned) and keep)
         stats["logits_dropped"] += int(dropped)
         fce._count_head(stats, site, weight, compute)
     stats["rowwise_sites"] += 1
     stats["two_head_sites"] += int(len(region.sites) == 2)
     stats["rowwise_outputs"] += len(what)
-    stats["chunks"] += -(-n_rows // rowwise_rows(n_rows, vocab, len(region.sites), budget))
-    stats["chunk_bytes"] = budget
+    stats["chunks"] += -(-rows // rowwise_rows(rows, vocab, len(region.sites), stat_budget))
+    stats["chunk_bytes"] = stat_budget
+    stats["symbolic_rows"] += int(symbolic)

@@ -11,7 +11,7 @@ from torch import Tensor
 
 import effpass
 
-from ._fuse_ce_chunks import _COMPUTE, _acc_mm, weight_grad_dtype
+from ._fuse_ce_chunks import _COMPUTE, _acc_mm, default_chunk_bytes, weight_grad_dtype
 
 __all__ = ["ROW_FNS", "ROWWISE_OPS", "register_row_fn", "rowwise_rows"]
 
@@ -93,8 +93,11 @@ def _autograd_inside_op():
     return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excl)
 
 
-def rowwise_rows(n: int, vocab: int, heads: int, chunk_bytes: int) -> int:
-    """Rows per chunk of the row-wise op: full rows of every head's fp32 logits within ``chunk_bytes``."""
+def rowwise_rows(n: int, vocab: int, heads: int, chunk_bytes: int, x: Optional[Tensor] = None) -> int:
+    """Rows per chunk of the row-wise op: full rows of every head's fp32 logits within ``chunk_bytes`` (0: the
+    budget left to run time, a symbolic row count in the graph: the pass's default from ``x``, this call's rows)."""
+    if chunk_bytes <= 0 and x is not None:
+        chunk_bytes = default_chunk_bytes(n, vocab, x.numel() * x.element_size())
     return max(1, min(max(n, 1), chunk_bytes // (4 * vocab * max(heads, 1))))
 
 
@@ -109,7 +112,7 @@ def _rowwise(x: Tensor, w: Tensor, b: Optional[Tensor], xa: Optional[Tensor], wa
     heads = _heads((x, w, b, xa, wa, y, v, c, ya, va), t0, t1, compute)
     n, vocab = x.shape[0], w.shape[0]
     out = torch.empty((n, outs), dtype=torch.float32, device=x.device)
-    rows = rowwise_rows(n, vocab, len(heads), chunk_bytes)
+    rows = rowwise_rows(n, vocab, len(heads), chunk_bytes, x)
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         zs = [_transform(h.raw(r0, r1), h.t) for h in heads]
@@ -142,7 +145,7 @@ def _rowwise_bwd(grad: Tensor, x: Tensor, w: Tensor, b: Optional[Tensor], xa: Op
     acc = [torch.zeros(a.shape, dtype=(weight_grad_dtype(a.dtype, cd[i // 5]) if i % 5 in (1, 4) else f32),
                        device=x.device) if (a is not None and mask[i]) else None
            for i, a in enumerate(args)]
-    rows = rowwise_rows(n, vocab, len(heads), chunk_bytes)
+    rows = rowwise_rows(n, vocab, len(heads), chunk_bytes, x)
     g = grad.float()
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)

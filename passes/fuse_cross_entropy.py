@@ -78,6 +78,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import effpass
 from effpass.integrations.huggingface import set_hf_loss_type  # noqa: F401  (re-exported)
+from effpass.graph import is_static, same_shape, size_hint
 from effpass.quantized import dequantize, is_quantized
 from effpass.scope import module_path_of_node
 
@@ -153,7 +154,7 @@ class FuseCrossEntropy(effpass.Pass):
                  "logits_dropped": 0, "lora_heads": 0, "low_precision_matmuls": 0, "torch_kernel": 0,
                  "dequantized_heads": 0, "skipped": 0, "left_alone_no_grad": 0, "logprob_sites": 0,
                  "rowwise_sites": 0, "two_head_sites": 0, "rowwise_outputs": 0, "trl_logprob_sites": 0,
-                 "input_grad_in_forward": 0}
+                 "input_grad_in_forward": 0, "symbolic_rows": 0}
         skipped: list[dict] = []
         for ce in [n for n in graph.nodes if _is_fn(n, _CE_FNS)]:
             where = f"{module_path_of_node(ce) or '<root>'}:{ce.name}"
@@ -271,7 +272,7 @@ class FuseCrossEntropy(effpass.Pass):
         try:
             set_meta(new, like)
             got = _val(x)
-            if got is None or tuple(got.shape) != want:
+            if got is None or not same_shape(got.shape, want):
                 raise Skip(f"the projection's rows do not line up with the loss's rows "
                            f"({None if got is None else tuple(got.shape)} vs {want})")
         except Skip:
@@ -304,17 +305,22 @@ class FuseCrossEntropy(effpass.Pass):
         stats["low_precision_matmuls"] += int(bool(compute))
         stats["dequantized_heads"] += int(weight is not site.weight)
 
-    def _plan(self, graph: fx.Graph, site: Site, consumers, n_rows: int, vocab: int, per_row: bool = False):
-        """``(chain_set, returned, keep, compute, budget)`` of a one-head site: who reads its logits, whether
-        they are kept, the matmul dtype and the chunk budget (``per_row``: the per-row op's default, a
-        cache-sized tile on CPU)."""
+    def _plan(self, graph: fx.Graph, site: Site, consumers, n_rows, vocab: int, per_row: bool = False):
+        """``(chain_set, returned, keep, compute, budget, stat_budget)`` of a one-head site: who reads its logits,
+        whether they are kept, the matmul dtype and the chunk budget (``per_row``: the per-row op's default, a
+        cache-sized tile on CPU). A symbolic row count (``n_rows`` a ``SymInt``: a packed length) leaves the
+        default budget to run time (0: the op computes the same default from each call's rows; a constant here
+        would be specialised to the traced length); ``stat_budget`` is then the traced example's, for the
+        statistics."""
         chain_set, returned, used_elsewhere = self._readers(site, consumers)
         hv = _val(site.h)
-        hb = hv.numel() * hv.element_size()
-        budget = self.chunk_bytes or (default_rows_chunk_bytes(n_rows, vocab, hb, hv.device.type) if per_row
-                                      else default_chunk_bytes(n_rows, vocab, hb))
+        hb = size_hint(hv.numel()) * hv.element_size()
+        rows = size_hint(n_rows)
+        default = (default_rows_chunk_bytes(rows, vocab, hb, hv.device.type) if per_row
+                   else default_chunk_bytes(rows, vocab, hb))
+        budget = self.chunk_bytes or (default if isinstance(n_rows, int) else 0)
         return (chain_set, returned, bool(used_elsewhere) or self.keep_logits, self._compute(graph, site),
-                budget)
+                budget, self.chunk_bytes or default)
 
     def _caller(self, graph: fx.Graph, new: list):
         def call(fn, *args, **kwargs):
@@ -328,9 +334,10 @@ class FuseCrossEntropy(effpass.Pass):
         ce = site.ce
         a = ce_args(ce)
         vocab, width = self._check_head(site)
-        n_rows = int(_val(a["input"]).shape[0])
+        n_rows = _val(a["input"]).shape[0]   # a SymInt for a dynamic (packed) length: never int() it (a guard)
         per_row = a["reduction"] == "none"
-        chain_set, returned, keep, compute, budget = self._plan(graph, site, {ce}, n_rows, vocab, per_row)
+        chain_set, returned, keep, compute, budget, stat_budget = self._plan(graph, site, {ce}, n_rows, vocab,
+                                                                             per_row)
         new: list[fx.Node] = []
         call = self._caller(graph, new)
         with graph.inserting_before(ce):
@@ -368,9 +375,11 @@ class FuseCrossEntropy(effpass.Pass):
         graph.erase_node(ce)
         dropped = self._drop_logits(graph, site, chain_set, returned, keep)
         stats["fused"] += 1
-        stats["logits_bytes_avoided"] += n_rows * vocab * 4
-        stats["chunks"] += 1 if use_torch else num_chunks(n_rows, vocab, budget, per_row)
-        stats["chunk_bytes"] = budget
+        rows = size_hint(n_rows)
+        stats["logits_bytes_avoided"] += rows * vocab * 4
+        stats["chunks"] += 1 if use_torch else num_chunks(rows, vocab, stat_budget, per_row)
+        stats["chunk_bytes"] = stat_budget
+        stats["symbolic_rows"] += int(not isinstance(n_rows, int))
         stats["logits_returned"] += int(bool(returned) and keep)
         stats["logits_dropped"] += int(dropped)
         stats["torch_kernel"] += int(use_torch)
@@ -385,8 +394,9 @@ class FuseCrossEntropy(effpass.Pass):
         iv = _val(lp.index)
         if not isinstance(iv, torch.Tensor):
             raise Skip("the index has no static example value")
-        n_rows = int(iv.numel())
-        chain_set, returned, keep, compute, budget = self._plan(graph, site, set(lp.nodes), n_rows, vocab, True)
+        n_rows = iv.numel()   # a SymInt for a dynamic (packed) length: never int() it (a guard)
+        chain_set, returned, keep, compute, budget, stat_budget = self._plan(graph, site, set(lp.nodes), n_rows,
+                                                                             vocab, True)
         new: list[fx.Node] = []
         call = self._caller(graph, new)
         with graph.inserting_before(anchor):
@@ -397,8 +407,13 @@ class FuseCrossEntropy(effpass.Pass):
                        NO_IGNORE, 0.0, site.pre, site.softcap, site.post, budget, compute, xg)
             stats["input_grad_in_forward"] += int(xg)
             out = call(torch.neg, call(operator.getitem, res, 0))
-            shape = tuple(int(d) for d in iv.shape)
-            out = call(torch.reshape, out, shape[:-1] if lp.squeezed else shape)
+            if is_static(iv.shape):
+                shape = tuple(int(d) for d in iv.shape)
+                out = call(torch.reshape, out, shape[:-1] if lp.squeezed else shape)
+            else:  # symbolic sizes: the index's own shape, read in the graph (no size is baked in)
+                out = call(torch.Tensor.reshape_as, out, lp.index)
+                if lp.squeezed:
+                    out = call(torch.squeeze, out, -1)
             if _val(anchor).dtype != torch.float32:
                 out = call(torch.Tensor.to, out, _val(anchor).dtype)
         self._set_meta_or_skip(graph, new, anchor, x, (n_rows, width))
@@ -406,9 +421,11 @@ class FuseCrossEntropy(effpass.Pass):
         erase_unused(graph, list(lp.nodes))
         dropped = self._drop_logits(graph, site, chain_set, returned, keep)
         stats["logprob_sites"] += 1
-        stats["logits_bytes_avoided"] += 0 if keep else n_rows * vocab * 4
-        stats["chunks"] += num_chunks(n_rows, vocab, budget, True)
-        stats["chunk_bytes"] = budget
+        rows = size_hint(n_rows)
+        stats["logits_bytes_avoided"] += 0 if keep else rows * vocab * 4
+        stats["chunks"] += num_chunks(rows, vocab, stat_budget, True)
+        stats["chunk_bytes"] = stat_budget
+        stats["symbolic_rows"] += int(not isinstance(n_rows, int))
         stats["logits_returned"] += int(bool(returned) and keep)
         stats["logits_dropped"] += int(dropped)
         self._count_head(stats, site, weight, compute)

@@ -21,6 +21,10 @@ What it does
        outside the compiled ``forward``, and have unsharded the root's parameters before it runs. Without
        a boundary (the blocks sit directly in a ``ModuleList`` of the root, or a unit is a direct child of
        the root) the root runs eagerly, with a warning when ``fuse_cross_entropy`` is in the pipeline.
+       A root that wraps several models (a DPO / GRPO loss module holding a policy and a frozen reference)
+       has one boundary per model (``policy.model``, ``ref.model``: the module holding each model's blocks);
+       those breaks are in nested frames, so the root is run with Dynamo's ``nested_graph_breaks`` (tracing
+       resumes in the callers' frames: each head and the log-probabilities computed from it share a graph).
 
 Ordering: runs after every other module pass (``quantize_linear``, ``inject_lora``) because sharding
 turns parameters into DTensors; modules added or swapped later would not be sharded. It is also
@@ -242,7 +246,13 @@ class WrapFSDP(effpass.Pass):
             "params": n_params, "local_params": local})
 
 
-def _warn_unfused_head(why_not: str) -> None:
+def _warn_unfused_head(why_not: str, compiled_root: bool = False) -> None:
+    if compiled_root:
+        warnings.warn(
+            f"effpass: wrap_fsdp compiles the root module, but {why_not}: the head and the code of the callers "
+            "after it (log-probabilities, the loss) land in different graphs, so fuse_cross_entropy may not see "
+            "them together; such heads run unfused and their logits are materialised", UserWarning, stacklevel=3)
+        return
     warnings.warn(
         f"effpass: wrap_fsdp does not compile the root module ({why_not}): its code outside the "
         "blocks runs eagerly, so fuse_cross_entropy never sees the head and the loss; the head "
@@ -261,10 +271,13 @@ def compile_sharded(model: nn.Module, units: list[tuple[str, nn.Module]], backen
         compiled_fn = torch.compile(caller, backend=_UnitBackend(backend, name, type(unit)), **compile_kwargs)
         unit.forward = types.MethodType(compiled_fn, unit)
         compiled += 1
-    boundary, why_not = _root_boundary(model, units)
-    if compile_root and boundary is not None:
-        _compile_root(model, boundary, backend, compile_kwargs)
-        return compiled, boundary
+    boundaries, why_not = _root_boundaries(model, units)
+    if compile_root and boundaries:
+        nested = _compile_root(model, boundaries, backend, compile_kwargs)
+        if fused_head and not nested and any("." in b for b in boundaries):
+            _warn_unfused_head(f"the blocks sit below a submodule ({', '.join(boundaries)}) and this torch has no "
+                               "torch._dynamo.config.nested_graph_breaks", compiled_root=True)
+        return compiled, ",".join(boundaries)
     if fused_head:
         _warn_unfused_head(why_not if compile_root else "compile_root=False")
     return compiled, None
@@ -294,48 +307,81 @@ def adopt_fsdp(model: nn.Module, backend, compile_kwargs: dict) -> dict:
             "root_boundary": boundary or ""}
 
 
-def _root_boundary(model: nn.Module, units: list[tuple[str, nn.Module]]) -> tuple[str | None, str]:
-    """The root's child that holds every unit and is called as a whole (``model`` of a ``LlamaForCausalLM``,
-    ``transformer`` of a GPT-2), or ``(None, reason)``."""
-    heads = {name.split(".")[0] for name, _ in units}
-    if len(heads) != 1:
-        return None, f"the units lie under several children of the root ({sorted(heads)})"
-    name = heads.pop()
-    child = getattr(model, name, None)
-    if child is None or any(n == name for n, _ in units):
-        return None, f"the unit {name!r} is a direct child of the root: no submodule around the blocks"
-    if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-        return None, f"the blocks are in the root's {type(child).__name__} {name!r}, iterated by the root's forward"
-    return name, ""
+def _root_boundaries(model: nn.Module, units: list[tuple[str, nn.Module]]) -> tuple[list[str], str]:
+    """The modules around the blocks, each called as a whole: for every unit the module holding the
+    ``ModuleList`` of its blocks (``model`` of a ``LlamaForCausalLM``, ``transformer`` of a GPT-2; in a module
+    that wraps a policy and a frozen reference, as a DPO loss does, ``policy.model`` and ``ref.model``), the
+    outermost ones; or ``([], reason)``. The deepest such module is taken, not the root's child: a child that
+    also holds the head (``policy``) would run the head eagerly, outside every graph."""
+    containers: set[str] = set()
+    for name, _ in units:
+        parts = name.split(".")
+        parent = ".".join(parts[:-1])
+        holder = model.get_submodule(parent) if parent else model
+        if isinstance(holder, (nn.ModuleList, nn.ModuleDict)):
+            parent = ".".join(parts[:-2])
+            if not parent:
+                return [], (f"the blocks are in the root's {type(holder).__name__} {parts[0]!r}, iterated by the "
+                            "root's forward")
+        if not parent:
+            return [], f"the unit {name!r} is a direct child of the root: no submodule around the blocks"
+        containers.add(parent)
+    outer = sorted(c for c in containers if not any(c.startswith(o + ".") for o in containers))
+    return outer, ""
 
 
-def _compile_root(model: nn.Module, boundary: str, backend, compile_kwargs: dict) -> None:
-    """Compile ``model.forward`` with ``backend``, the boundary child's ``forward`` excluded from Dynamo.
+def _compile_root(model: nn.Module, boundaries: list[str], backend, compile_kwargs: dict) -> bool:
+    """Compile ``model.forward`` with ``backend``, each boundary module's ``forward`` excluded from Dynamo.
+    Returns whether nested graph breaks are on (boundaries below a child of the root).
 
     NOTE(graph break): the exclusion is the point: Dynamo must not trace into the units (already compiled,
     each with its own backend) nor into FSDP2's hooks (run in each unit's ``_call_impl``). The boundary's
     call runs eagerly; the units inside compile as before; the graph after it (head, loss) is compiled
     with the pipeline's backend. ``fullgraph`` is not passed on: the break is deliberate.
+
+    NOTE(nested graph breaks): a boundary below a child of the root (``policy.model``, called from
+    ``policy.forward``, called from the root's ``forward``) breaks the graph in a nested frame. By default
+    Dynamo then compiles every frame on the stack on its own, so the head (``policy.forward``'s code after the
+    break) and its caller's log-softmax land in different graphs and cannot be fused. With
+    ``torch._dynamo.config.nested_graph_breaks`` (torch >= 2.13; patched only around this root's calls)
+    tracing resumes in the nested frames: one graph holds the head and what the callers compute from it.
     """
-    child = getattr(model, boundary)
-    child._orig_forward = child.forward
-    # bound with MethodType, like the units' compiled forwards (not a closure over the bound method)
     why = "wrap_fsdp: the blocks' FSDP units are compiled on their own; the root's graph resumes after them"
-    try:
-        disabled = torch._dynamo.disable(child.forward.__func__, reason=why)
-    except TypeError:  # a torch whose disable() takes no reason
-        disabled = torch._dynamo.disable(child.forward.__func__)
-    child.forward = types.MethodType(disabled, child)
+    for boundary in boundaries:
+        child = model.get_submodule(boundary)
+        child._orig_forward = child.forward
+        # bound with MethodType, like the units' compiled forwards (not a closure over the bound method)
+        try:
+            disabled = torch._dynamo.disable(child.forward.__func__, reason=why)
+        except TypeError:  # a torch whose disable() takes no reason
+            disabled = torch._dynamo.disable(child.forward.__func__)
+        child.forward = types.MethodType(disabled, child)
     model._orig_forward = model.forward
     caller = _fresh_caller(model.forward.__func__, "effpass_fsdp_root")
     kwargs = {k: v for k, v in compile_kwargs.items() if k != "fullgraph"}
-    model.forward = types.MethodType(torch.compile(caller, backend=backend, **kwargs), model)
+    compiled = torch.compile(caller, backend=backend, **kwargs)
+    nested = any("." in b for b in boundaries) and hasattr(torch._dynamo.config, "nested_graph_breaks")
+    if nested:
+        compiled = _with_nested_graph_breaks(compiled)
+    model.forward = types.MethodType(compiled, model)
     import sys
 
     if "transformers" in sys.modules:  # GPT-2 & co: no logger call between head and loss (a graph break)
         from effpass.integrations.huggingface import set_hf_loss_type
 
         set_hf_loss_type(model)
+    return nested
+
+
+def _with_nested_graph_breaks(compiled):
+    """``compiled`` run with ``torch._dynamo.config.nested_graph_breaks`` on (its frames, and the resumed frames
+    after each boundary, are compiled during the call)."""
+    def call(self, *args, **kwargs):
+        with torch._dynamo.config.patch(nested_graph_breaks=True):
+            return compiled(self, *args, **kwargs)
+
+    call.__wrapped__ = compiled
+    return call
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """fuse_cross_entropy's log-prob and row-wise sites (issue 27) composed with the other passes: checkpointing, a
 LoRA head, NF4/int8-quantized heads, autocast entered around the compiled call (as TRL/accelerate do), packed
-sequences and FSDP2 (wrap_fsdp, gloo, world size 1 in this process).
+sequences and FSDP2 (wrap_fsdp, gloo, world size 1 in this process; 2 ranks: tests/test_wrap_fsdp.py; the log-prob
+losses on packed rows: tests/test_fused_losses_packing.py).
 
 Losses, in plain PyTorch: DPO (chosen-token log-probs of a policy with gradient and of a frozen reference under
 ``torch.no_grad``: two ``linear_cross_entropy_rows`` sites) and distillation (forward KL between a student's and a
@@ -184,11 +185,11 @@ def test_outer_autocast_runs_the_fused_matmuls_in_bf16():
     _assert_fused(rec, "dpo", low_precision=2)
 
 
-def test_packed_sequences_with_a_dynamic_length_are_left_alone_with_a_reason():
+def test_packed_sequences_with_a_dynamic_length_fuse_the_two_head_kl_once():
     """pack_sequences (one packed row, position_ids restarting per example) marks the packed length dynamic: the
-    two-head KL site then has symbolic sizes, which the row-wise rewrite does not take (NOT fused: the site is
-    skipped with the reason, the step stays the unfused graph's); loss and gradients equal the unfused graph
-    (fuse_attention + pack_sequences without fuse_cross_entropy) within 1e-5, on two lengths, at most one recompile."""
+    two-head KL site has a symbolic row count and is fused (one linear_rowwise op, no size baked into the graph:
+    its budget is computed per call); loss and gradients equal the unfused graph (fuse_attention + pack_sequences
+    without fuse_cross_entropy) within 1e-5 on two lengths, and the fused model compiles one graph for both."""
     from effpass.passes import FuseAttention, PackSequences
     from effpass.testing import dynamo_counters
 
@@ -208,18 +209,24 @@ def test_packed_sequences_with_a_dynamic_length_are_left_alone_with_a_reason():
             model.zero_grad(set_to_none=True)
             unfused_model.zero_grad(set_to_none=True)
             rec, _ = _check(model, compiled, unfused, (ids, labels), {"position_ids": pos})
-    # at most one recompile (pack_sequences marks the length dynamic from the first call; two models' frames)
+    # the only recompile is the second model's frame (the two share their forward's code: one cache entry per
+    # backend); the fused model traced one graph
     assert counters["recompiles"] <= 1 and counters["graph_breaks"] == 0, counters
-    assert rec.stats["rowwise_sites"] == 0 and rec.stats["skipped"] == 1, rec.stats
-    assert "symbolic sizes" in rec.skipped[0]["reason"], rec.skipped
+    recs = [r for r in effpass.report(compiled).records("fuse_cross_entropy") if r.phase == "torch_ir"]
+    assert len(recs) == 1, [r.graph for r in recs]
+    st = rec.stats
+    assert st["rowwise_sites"] == 1 and st["two_head_sites"] == 1 and st["symbolic_rows"] == 1, st
+    assert st["skipped"] == 0, rec.skipped
+    assert rec.ops_after.get("effpass.linear_rowwise", 0) == 1, rec.ops_after
     assert effpass.report(compiled).stats("pack_sequences")["sdpa_rewritten"] >= 1
 
 
 def test_wrap_fsdp_world_size_1_dpo_step_matches_eager(tmp_path):
     """wrap_fsdp (FSDP2, gloo, world size 1 in this process) around a DPO loss module (policy + frozen reference):
-    loss and gradients equal the unwrapped eager model's within 1e-5. The log-prob sites are NOT fused there
-    (logprob_sites == 0): wrap_fsdp compiles each model's decoder blocks but finds no root boundary in the wrapper
-    (compiled_root == 0), so the heads and log-probs run eagerly, outside every compiled graph."""
+    loss and gradients equal the unwrapped eager model's within 1e-5, and both log-prob sites are fused: wrap_fsdp
+    compiles each model's decoder blocks and the wrapper around them, with one boundary per model (``policy.model``,
+    ``ref.model``; nested graph breaks, so each head and the log-probs its caller computes share a graph). Before,
+    the units under two children of the root left no boundary and the heads ran eagerly, unfused."""
     import torch.distributed as dist
 
     from effpass.passes import WrapFSDP
@@ -247,5 +254,6 @@ def test_wrap_fsdp_world_size_1_dpo_step_matches_eager(tmp_path):
     for n, g in ref.items():
         assert _rel(grads[n], g) <= 1e-5, n
     st, ws = rep.stats("fuse_cross_entropy"), rep.stats("wrap_fsdp")
-    assert ws["world_size"] == 1 and ws["units"] == 2 and ws["compiled_root"] == 0, ws
-    assert st.get("logprob_sites", 0) == 0, st
+    assert ws["world_size"] == 1 and ws["units"] == 2 and ws["compiled_root"] == 1, ws
+    assert ws["root_boundary"] == "policy.model,ref.model", ws
+    assert st["logprob_sites"] == 2 and st["skipped"] == 0, st

@@ -289,13 +289,104 @@ def scenario_tiled(rank, world, out_dir):
     return out
 
 
-SCENARIOS = {"fused_head": scenario_fused_head, "train": scenario_train, "passes": scenario_passes, "inductor": scenario_inductor,
+def scenario_fused_losses(rank, world, out_dir):
+    """Preference / RL losses over a policy and a frozen reference, both sharded (tests/_vocab_losses.py: TRL's
+    log_softmax -> gather -> masked sum per sequence): DPO on Hugging Face Llama, GRPO on a self-written model. Each
+    rank takes its half of the examples; the full batch runs unfused and eagerly in one process as the reference."""
+    import warnings
+
+    from _families import VOCAB, family_case
+    from _vocab_losses import Distill, SelfLM, examples, packed, padded, pair
+    from effpass.passes import FuseAttention, FuseCrossEntropy, PackSequences
+
+    out = {}
+    for name, kind, make in (("llama_dpo", "dpo", lambda: family_case("llama", attn="sdpa").model),
+                             ("self_grpo", "grpo", lambda: SelfLM(VOCAB))):
+        model = pair(make(), kind)
+        n = 4 * world   # examples: DPO's chosen ones then their rejected ones; GRPO's completions
+        exs = examples([6 + (i % 5) for i in range(n)], VOCAB, seed=3)
+        adv = torch.linspace(0.25, 1.0, n)
+        eager = copy.deepcopy(model)
+        want, want_sums = eager(*padded(exs), n, advantages=adv)
+        want.backward()
+        half = n // 2 // world   # this rank's pairs (DPO) / completions in each half (GRPO)
+        mine = [i for h in (0, n // 2) for i in range(h + rank * half, h + (rank + 1) * half)]
+        units = len(find_units(model))
+        torch._dynamo.reset()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled = effpass.compile(model, passes=[FuseCrossEntropy(), WrapFSDP()], lowering="eager",
+                                       dump_dir=None)
+        loss, sums = compiled(*padded([exs[i] for i in mine]), len(mine), advantages=adv[mine])
+        loss.backward()
+        rep = effpass.report(compiled)
+        recs = [r for r in rep.records("fuse_cross_entropy") if r.phase == "torch_ir"]
+        out[name] = {"loss": float(loss.detach()), "want": float(want.detach()), "sums": sums.detach(),
+                     "want_sums": want_sums.detach()[mine], "grads": _grads(model), "ref_grads": _grads(eager),
+                     "fce": rep.stats("fuse_cross_entropy"), "fsdp_stats": rep.stats("wrap_fsdp"), "units": units,
+                     "skipped": [s for r in recs for s in r.skipped], "ops": [r.ops_after for r in recs],
+                     "warnings": [str(w.message) for w in caught if "effpass" in str(w.message)]}
+
+    # packed rows (pack_sequences) inside the sharded models: GRPO on Llama, each rank one packed row of its 4
+    # completions per step, 3 steps of other lengths; the reference: all 8 completions padded, eagerly, unfused
+    model = pair(family_case("llama", attn="sdpa").model, "grpo")
+    eager = copy.deepcopy(model)
+    torch._dynamo.reset()
+    compiled = effpass.compile(model, passes=[FuseAttention(), PackSequences(), FuseCrossEntropy(), WrapFSDP()],
+                               lowering="eager", dump_dir=None)
+    steps = []
+    for step in range(3):
+        exs = examples([5 + (i + 3 * step) % 7 for i in range(4 * world)], VOCAB, seed=10 + step)
+        adv = torch.linspace(0.25, 1.0, len(exs))
+        eager.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        want, want_sums = eager(*padded(exs), len(exs), advantages=adv)
+        want.backward()
+        mine = list(range(4 * rank, 4 * rank + 4))
+        ids, labels, pos = packed([exs[i] for i in mine])
+        loss, sums = compiled(ids, labels, 4, position_ids=pos, advantages=adv[mine])
+        loss.backward()
+        steps.append({"loss": float(loss.detach()), "want": float(want.detach()), "sums": sums.detach(),
+                      "want_sums": want_sums.detach()[mine], "grads": _grads(model), "ref_grads": _grads(eager),
+                      "length": ids.shape[1]})
+    rep = effpass.report(compiled)
+    recs = [r for r in rep.records("fuse_cross_entropy") if r.phase == "torch_ir"]
+    out["llama_grpo_packed"] = {"steps": steps, "fce_graphs": [r.stats["logprob_sites"] for r in recs if r.changed],
+                                "skipped": [s for r in recs for s in r.skipped], "fsdp_stats": rep.stats("wrap_fsdp"),
+                                "pack": rep.stats("pack_sequences")}
+
+    # distillation (forward KL, two heads) across the teacher's boundary: the student's head is fused when the
+    # teacher runs first (its logits, computed before the break, are a per-row input of the student's graph); with
+    # the student first its logits cross the break (they need a gradient): skipped with the reason
+    for order in ("teacher_first", "student_first"):
+        p = pair(family_case("qwen3", attn="sdpa").model, "dpo")
+        model = Distill(p.policy, p.ref, order == "teacher_first")
+        ids = torch.randint(3, VOCAB, (2 * world, 10), generator=torch.Generator().manual_seed(5))
+        eager = copy.deepcopy(model)
+        want = eager(ids)
+        want.backward()
+        torch._dynamo.reset()
+        compiled = effpass.compile(model, passes=[FuseCrossEntropy(), WrapFSDP()], lowering="eager", dump_dir=None)
+        loss = compiled(ids[2 * rank:2 * rank + 2])
+        loss.backward()
+        rep = effpass.report(compiled)
+        recs = [r for r in rep.records("fuse_cross_entropy") if r.phase == "torch_ir"]
+        out[f"kl_{order}"] = {"loss": float(loss.detach()), "want": float(want.detach()), "grads": _grads(model),
+                              "ref_grads": _grads(eager), "fce": rep.stats("fuse_cross_entropy"),
+                              "skipped": [s for r in recs for s in r.skipped]}
+    return out
+
+
+SCENARIOS = {"fused_losses": scenario_fused_losses, "fused_head": scenario_fused_head, "train": scenario_train, "passes": scenario_passes, "inductor": scenario_inductor,
              "hsdp": scenario_hsdp, "tiled": scenario_tiled}
 #: the 2-rank scenarios and the tests that read them: one spawn runs all that the session selected (process
 #: start, imports and the process group cost more than most scenarios), each writing its own result files
 TWO_RANK_TESTS = {"test_wrap_fsdp_two_ranks_match_one_process_and_resume_exactly": "train",
                   "test_wrap_fsdp_other_passes_act_inside_sharded_units": "passes",
                   "test_wrap_fsdp_fuses_the_sharded_head_and_loss": "fused_head",
+                  "test_wrap_fsdp_fuses_logprob_losses_of_a_policy_and_a_reference": "fused_losses",
+                  "test_wrap_fsdp_fuses_logprob_losses_on_packed_rows": "fused_losses",
+                  "test_wrap_fsdp_distillation_fuses_the_head_after_the_teachers_boundary": "fused_losses",
                   "test_wrap_fsdp_inductor_lowering_matches_one_process": "inductor",
                   "test_wrap_fsdp_with_tile_sequence_equals_untiled": "tiled"}
 
@@ -322,7 +413,7 @@ def two_rank_runs(request, tmp_path_factory):
     """Spawns 2 ranks once for every selected 2-rank test; returns ``scenario -> [rank results]`` (a scenario
     that raised, or never ran because an earlier one raised, maps to the exception)."""
     selected = {item.originalname for item in request.session.items if item.module is request.module}
-    names = [s for t, s in TWO_RANK_TESTS.items() if t in selected]
+    names = list(dict.fromkeys(s for t, s in TWO_RANK_TESTS.items() if t in selected))  # a scenario once
     tmp = tmp_path_factory.mktemp("fsdp2ranks")
     (tmp / "scenarios").write_text(" ".join(names))
     error = None
@@ -449,6 +540,91 @@ def test_wrap_fsdp_fuses_the_sharded_head_and_loss(two_rank_runs):
         assert "ModuleList 'layers'" in w[0] and "compile_root=False" in w[1], w
     mean = (results[0]["losses"][0] + results[1]["losses"][0]) / 2
     assert abs(mean - results[0]["ref_loss"]) < 1e-6, (mean, results[0]["ref_loss"])
+
+
+@pytest.mark.xdist_group("wrap_fsdp_2ranks")
+def test_wrap_fsdp_fuses_logprob_losses_of_a_policy_and_a_reference(two_rank_runs):
+    """DPO (Hugging Face Llama) and GRPO (a self-written model) over a sharded policy and a sharded frozen reference
+    in one loss module, 2 gloo ranks: every log-prob site is fused, and the mean of the ranks' losses and gradients
+    equals one process's unfused eager step on all examples (fp32, 1e-5 relative)."""
+    results = _two_rank_results(two_rank_runs, "fused_losses")
+    for name in ("llama_dpo", "self_grpo"):
+        rs = [r[name] for r in results]
+        # numerical oracle: per-example log-prob sums of this rank's examples, the mean loss, every gradient
+        for r in rs:
+            rel = float((r["sums"] - r["want_sums"]).abs().max() / r["want_sums"].abs().max())
+            assert rel <= 1e-5, (name, r["sums"], r["want_sums"])
+            assert r["grads"].keys() == r["ref_grads"].keys() and len(r["grads"]) > 0, name
+            for n, g in r["grads"].items():
+                ref = r["ref_grads"][n]
+                assert float((g - ref).abs().max() / ref.abs().max().clamp_min(1e-30)) <= 1e-5, (name, n)
+        mean = sum(r["loss"] for r in rs) / len(rs)
+        assert abs(mean - rs[0]["want"]) <= 1e-5 * abs(rs[0]["want"]), (name, mean, rs[0]["want"])
+        # structural oracle: both models' blocks sharded and compiled; the root compiled around one boundary per
+        # model; the policy's and the reference's log-prob sites fused, none skipped, no log_softmax left
+        for r in rs:
+            s, f = r["fsdp_stats"], r["fce"]
+            boundary = "body" if name.startswith("self") else "model"
+            assert s["units"] == s["compiled_units"] == r["units"] >= 2 and s["compiled_root"] == 1, s
+            assert s["root_boundary"] == f"policy.{boundary},ref.{boundary}", s
+            assert f["logprob_sites"] == 2 and f["skipped"] == 0, (f, r["skipped"])
+            assert sum(o.get("effpass.linear_cross_entropy_rows", 0) for o in r["ops"]) == 2, r["ops"]
+            assert not any(k.endswith("log_softmax") for o in r["ops"] for k in o), r["ops"]
+            assert not r["warnings"], r["warnings"]
+
+
+def _assert_step_matches(r, what):
+    assert r["grads"].keys() == r["ref_grads"].keys() and len(r["grads"]) > 0, what
+    for n, g in r["grads"].items():
+        ref = r["ref_grads"][n]
+        assert float((g - ref).abs().max() / ref.abs().max().clamp_min(1e-30)) <= 1e-5, (what, n)
+
+
+@pytest.mark.xdist_group("wrap_fsdp_2ranks")
+def test_wrap_fsdp_fuses_logprob_losses_on_packed_rows(two_rank_runs):
+    """pack_sequences inside the sharded policy and reference (GRPO, Llama, 2 gloo ranks, one packed row of 4
+    completions per rank, 3 lengths): per-example sums, the mean loss and every gradient equal one process's unfused
+    eager step on all completions as padded rows; both log-prob sites are fused in every step. The logits' rows come
+    from the hidden states the FSDP boundary returns (a size of their own) and the index's from the labels: equal in
+    the trace, they are guarded equal, so the root's graphs are compiled twice (static, then with automatic dynamic
+    shapes), not once per length."""
+    results = [r["llama_grpo_packed"] for r in _two_rank_results(two_rank_runs, "fused_losses")]
+    for step in range(3):
+        rs = [r["steps"][step] for r in results]
+        for r in rs:
+            rel = float((r["sums"] - r["want_sums"]).abs().max() / r["want_sums"].abs().max())
+            assert rel <= 1e-5, (step, r["sums"], r["want_sums"])
+            _assert_step_matches(r, f"packed step {step}")
+        mean = sum(r["loss"] for r in rs) / len(rs)
+        assert abs(mean - rs[0]["want"]) <= 1e-5 * abs(rs[0]["want"]), (step, mean, rs[0]["want"])
+    assert len({r["length"] for r in results[0]["steps"]}) == 3   # three packed lengths
+    for r in results:
+        # the policy's site in the root's graph after its blocks, the reference's after its own: each graph compiled
+        # twice (the first call's static shapes, then dynamic ones), one fused site in each
+        assert r["fce_graphs"] == [1, 1, 1, 1], r["fce_graphs"]
+        assert not r["skipped"], r["skipped"]
+        assert r["pack"]["packed_examples"] == 12 and r["pack"]["boundary_from_context"] >= 1, r["pack"]
+        assert r["fsdp_stats"]["root_boundary"] == "policy.model,ref.model", r["fsdp_stats"]
+
+
+@pytest.mark.xdist_group("wrap_fsdp_2ranks")
+def test_wrap_fsdp_distillation_fuses_the_head_after_the_teachers_boundary(two_rank_runs):
+    """Forward KL between a sharded student and a sharded frozen teacher (Qwen3), 2 gloo ranks: equal to
+    one process's eager step either way; the student's head is fused (one row-wise site) when the teacher runs first,
+    and with the student first the site is skipped with its reason (the student's logits cross the teacher's
+    boundary, so they exist, with a gradient, before the KL's graph)."""
+    for order, fused in (("teacher_first", True), ("student_first", False)):
+        rs = [r[f"kl_{order}"] for r in _two_rank_results(two_rank_runs, "fused_losses")]
+        mean = sum(r["loss"] for r in rs) / len(rs)
+        assert abs(mean - rs[0]["want"]) <= 1e-5 * abs(rs[0]["want"]), (order, mean, rs[0]["want"])
+        for r in rs:
+            _assert_step_matches(r, order)
+            f = r["fce"]
+            if fused:
+                assert f["rowwise_sites"] == 1 and f["two_head_sites"] == 0 and f["skipped"] == 0, (f, r["skipped"])
+            else:
+                assert f.get("rowwise_sites", 0) == 0 and f["skipped"] == 1, f
+                assert "needs a gradient" in r["skipped"][0]["reason"], r["skipped"]
 
 
 def test_wrap_fsdp_fuses_a_tied_sharded_head_at_world_size_1(tmp_path):
