@@ -141,7 +141,9 @@ def test_distribution_losses_fused(family, kind, arm):
     st, ops = rec.stats, rec.ops_after
     two = kind in ("kl", "kl_div", "jsd")
     assert st["rowwise_sites"] == 1 and st["two_head_sites"] == int(two), (st, rec.skipped)
-    assert ops.get("effpass.linear_rowwise", 0) == 1, ops
+    # the student needs gradients: the trained form (every gradient computed in the forward)
+    assert ops.get("effpass.linear_rowwise_train", 0) == 1 and ops.get("effpass.linear_rowwise", 0) == 0, ops
+    assert st["rowwise_grad_in_forward"] == 1, st
     # (Gemma 2's eager attention keeps its own softmax)
     assert not any(k.endswith(("log_softmax", "logsumexp", "kl_div")) for k in ops), ops
     assert ops.get(".softmax", 0) + ops.get("F.softmax", 0) == rec.ops_before.get(".softmax", 0) + \
@@ -286,5 +288,50 @@ def test_rowwise_op_flops_and_opcheck():
     kl(x2 @ w2.t(), y @ u.t())[0].sum().backward()
     assert _rel(x.grad, x2.grad) <= 1e-5 and _rel(w.grad, w2.grad) <= 1e-5
     result = torch.library.opcheck(torch.ops.effpass.linear_rowwise.default, args,
+                                   test_utils=("test_schema", "test_faketensor"))
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_rowwise_train_op_gradients_in_forward_and_fallback():
+    """``effpass::linear_rowwise_train`` computes every gradient asked for in its forward (FLOPs: the logits once plus
+    dx and dw; its backward op none when the incoming gradient is the same on every row, e.g. the rows summed); with
+    a different gradient per row the row inputs' gradients are still scaled exactly and the weight's is recomputed
+    (the recomputing backward op's FLOPs: logits of both heads + dw). Every gradient equals the unfused graph's
+    within 1e-5 (fp32), several row blocks and CPU tiles; opcheck passes."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from effpass.passes._fuse_ce_kernels import register_row_fn
+
+    def kl(z0, z1, m):
+        ls, lt = z0.log_softmax(-1), z1.log_softmax(-1).detach()
+        return ((lt.exp() * (lt - ls)).sum(-1) * m,)
+
+    key = register_row_fn(torch.fx.symbolic_trace(kl))
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 10, 8, 32
+    x0, w0 = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g)
+    y, u = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g)
+    m = (torch.arange(n) > 2).float()
+    gw = torch.rand(n, generator=g) + 0.5
+    mask = [True, True] + [False] * 8
+    for per_row in (False, True):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        args = (x, w, None, None, None, y, u, None, None, None, [m], key, [1.0, 0.0, 1.0], [1.0, 0.0, 1.0],
+                4 * v * 2 * 3, "", 1, mask, [True])  # 3-row blocks
+        with FlopCounterMode(display=False) as fc:
+            out = torch.ops.effpass.linear_rowwise_train(*args)[0]
+        assert fc.get_total_flops() == 2 * (2 * n * h * v) + 2 * (2 * n * h * v)  # both heads' logits, dx, dw
+        with torch.profiler.profile() as prof:
+            (out[:, 0] * (gw if per_row else 0.3)).sum().backward()
+        names = {e.name for e in prof.events()}
+        assert "effpass::linear_rowwise_train_backward" in names
+        # uniform: scaling only; per row: the recomputing backward op runs (for dw only)
+        assert ("effpass::linear_rowwise_backward" in names) == per_row, (per_row, names)
+        x2, w2 = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        ref = kl(x2 @ w2.t(), y @ u.t(), m)[0]
+        (ref * (gw if per_row else 0.3)).sum().backward()
+        assert _rel(out[:, 0].detach(), ref.detach()) <= 1e-6
+        assert _rel(x.grad, x2.grad) <= 1e-5 and _rel(w.grad, w2.grad) <= 1e-5, per_row
+    result = torch.library.opcheck(torch.ops.effpass.linear_rowwise_train.default, args,
                                    test_utils=("test_schema", "test_faketensor"))
     assert set(result.values()) == {"SUCCESS"}, result
