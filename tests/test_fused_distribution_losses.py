@@ -335,3 +335,51 @@ def test_rowwise_train_op_gradients_in_forward_and_fallback():
     result = torch.library.opcheck(torch.ops.effpass.linear_rowwise_train.default, args,
                                    test_utils=("test_schema", "test_faketensor"))
     assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_planner_counts_the_fused_distillation_step():
+    """The memory planner's replay (estimate_memory) of a distillation step (forward KL, student trained, teacher
+    frozen): fused, the prediction drops by more than both heads' logits; it counts the gradients the trained
+    row-wise op computes in its forward (its outputs) and is within the op's internal workspace (the block
+    buffers of both heads' logits and of the logits' gradient, and one tile's autograd temporaries: a custom op's
+    internals are not visible to the replay) of the measured peak."""
+    import transformers as tf
+
+    from effpass.passes._fuse_ce_rowwise import CPU_ROW_TILE_BYTES, rowwise_rows
+    from effpass.planning.estimate import estimate_memory
+    from effpass.testing.memory import peak_memory
+
+    vocab = 4096  # the logits (2 MiB per head) outweigh the model's activations
+    torch.manual_seed(0)
+    conf = tf.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, bos_token_id=0,
+                          eos_token_id=0)
+    student = tf.LlamaForCausalLM(conf).train()
+    teacher = _teacher(student)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, vocab, (2, 64), generator=g)
+    mask = torch.ones(2, 64)
+    mask[:, :5] = 0
+    n = ids.numel()
+    logits = n * vocab * 4
+    est = {}
+    for name, passes in (("fused", [FuseCrossEntropy()]), ("unfused", [])):
+        est[name] = estimate_memory(Loss(copy.deepcopy(student), copy.deepcopy(teacher), "kl"), (ids, mask),
+                                    passes=passes, optimizer=None, lowering="eager")
+    st = est["fused"].pass_stats["fuse_cross_entropy"]
+    assert st["rowwise_sites"] == 1 and st["rowwise_grad_in_forward"] == 1, st
+    assert est["unfused"].step_peak_bytes - est["fused"].step_peak_bytes >= 2 * logits, est
+    compiled = effpass.compile(Loss(copy.deepcopy(student), copy.deepcopy(teacher), "kl"), passes=[FuseCrossEntropy()],
+                               lowering="eager")
+
+    def step():
+        compiled(ids, mask).backward()
+        compiled.zero_grad(set_to_none=True)
+
+    step()
+    _, measured = peak_memory(step)
+    rows = rowwise_rows(n, vocab, 2, st["chunk_bytes"])
+    tile = min(rows, CPU_ROW_TILE_BYTES // (4 * vocab * 2))
+    workspace = 3 * rows * vocab * 4 + 8 * tile * vocab * 4
+    pred = est["fused"].step_peak_bytes
+    assert pred <= measured + 64 * 1024 and measured - pred <= workspace, (pred, measured, workspace)
