@@ -112,6 +112,66 @@ def _tile_rows(rows: int, vocab: int, heads: int, device: torch.device) -> int:
     return max(1, min(rows, CPU_ROW_TILE_BYTES // (4 * vocab * max(heads, 1))))
 
 
+#: the trained form's tile program (the row function, its outputs' gradients) is compiled with Inductor on CPU when
+#: a tile holds at least this many logits per head (large vocabularies; below, the eager tile is as fast and
+#: compiling would cost more than it saves); EFFPASS_ROWWISE_COMPILE=0 turns it off
+COMPILE_MIN_TILE_ELEMS = 1 << 18
+_PROGRAMS: dict = {}
+#: the dispatch-key TLS of a top-level call (taken at import)
+_TOP_TLS = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
+
+
+def _tile_program(f, heads, want, cots, z, es):
+    """The compiled tile program ``(*raw tiles, *row inputs) -> (values, [[d raw_k for k in want] per column])``
+    for the trained form's cotangents (ones on one output each), or None where the eager tile runs: not on CPU,
+    a small tile, under a dispatch mode (the planner's replay) or while tracing, EFFPASS_ROWWISE_COMPILE=0, a
+    per-row cotangent (the recomputing backward), or after a compile failure (warned, never retried)."""
+    import os
+
+    if (z.device.type != "cpu" or z.numel() < COMPILE_MIN_TILE_ELEMS or not cots
+            or not all(isinstance(c, int) for c in cots) or os.environ.get("EFFPASS_ROWWISE_COMPILE", "1") == "0"
+            or torch._C._len_torch_dispatch_stack() > 0 or torch.compiler.is_compiling()):
+        return None
+    key = (f, tuple(tuple(h.t) for h in heads), tuple(want), tuple(cots), z.dtype, len(es))
+    prog = _PROGRAMS.get(key)
+    if prog is None:
+        ts, nh, cols = [list(h.t) for h in heads], len(heads), list(cots)
+
+        def program(*args):
+            zs, rest = list(args[:nh]), args[nh:]
+
+            def values(*leaves):
+                zz = list(zs)
+                for k, leaf in zip(want, leaves):
+                    zz[k] = leaf
+                return tuple(o.reshape(-1).float() for o in f(*[_transform(a, t) for a, t in zip(zz, ts)], *rest))
+
+            outs, vjp = torch.func.vjp(values, *[zs[k] for k in want])
+            ds = [list(vjp(tuple(torch.ones_like(o) if i == j else torch.zeros_like(o) for i, o in enumerate(outs))))
+                  for j in cols]
+            return outs, ds
+
+        prog = _PROGRAMS[key] = torch.compile(program, dynamic=False)
+    if prog is False:
+        return None
+
+    def run(*args):
+        try:
+            # the program runs as a top-level call would (the op's kernel runs below autograd and functorch's
+            # dispatch keys, which functorch's vjp and Dynamo's tracing need), with gradients on
+            with torch._C._ForceDispatchKeyGuard(*_TOP_TLS), torch.enable_grad():
+                return prog(*args)
+        except Exception as e:  # noqa: BLE001 - the eager tile computes the same; say so once
+            import warnings
+
+            warnings.warn(f"effpass::linear_rowwise_train: compiling the tile program failed ({type(e).__name__}: "
+                          f"{e}); the eager tile runs instead", RuntimeWarning, stacklevel=2)
+            _PROGRAMS[key] = False
+            return None
+
+    return run
+
+
 def _pass(heads, f, ext, n, chunk_bytes, want, cots, on_block, out=None):
     """One pass over the rows: each block's raw logits (matmuls into reused buffers), the row function on
     tiles of it (``out``: its values), and for every cotangent in ``cots`` (an ``(N, outs)`` tensor, or an
@@ -135,6 +195,16 @@ def _pass(heads, f, ext, n, chunk_bytes, want, cots, on_block, out=None):
                 res = f(*[_transform(r[s0:s1], h.t) for r, h in zip(raws, heads)], *es)
                 for j, o in enumerate(res):
                     out[a0:a1, j] = o.reshape(a1 - a0)
+                continue
+            prog = _tile_program(f, heads, want, cots, raws[0][s0:s1], es)
+            got = prog(*[r[s0:s1] for r in raws], *es) if prog is not None else None
+            if got is not None:  # the tile's values and gradients in a few fused loops (Inductor)
+                res, ds_all = got
+                for j, o in enumerate(res):
+                    out[a0:a1, j] = o
+                for c in range(len(cots)):
+                    for k, d in zip(want, ds_all[c]):
+                        dbufs[(c, k)][s0:s1].copy_(d)
                 continue
             with _autograd_inside_op(), torch.enable_grad():
                 leaves = [r[s0:s1].detach().requires_grad_() if k in want else r[s0:s1] for k, r in enumerate(raws)]
