@@ -179,7 +179,13 @@ def run_arm(arm: str, loss: str) -> dict:
     t0 = time.perf_counter()
     step()
     first = time.perf_counter() - t0
-    times = [timed(step, False) for _ in range(SHAPE["steps"])]
+    times, cpu, loads = [], [], []
+    for _ in range(SHAPE["steps"]):  # wall time and this process's CPU time (user + system) of each step
+        loads.append(os.getloadavg()[0])
+        c0 = os.times()
+        times.append(timed(step, False))
+        c1 = os.times()
+        cpu.append(c1.user + c1.system - c0.user - c0.system)
     live = live_tensor_bytes(mod.parameters())
     _, peak = peak_memory(step, "cpu")
     stats = {}
@@ -187,6 +193,7 @@ def run_arm(arm: str, loss: str) -> dict:
         st = effpass.report(f).stats("fuse_cross_entropy")
         stats = {k: v for k, v in st.items() if isinstance(v, (int, float))}
     return {"arm": arm, "loss_kind": loss, "peak_bytes": peak, "live_bytes": live, "step_s": statistics.median(times),
+            "step_cpu_s": statistics.median(cpu), "load_at_step": loads[0],
             "first_call_s": first, "loss": losses[0], "load": os.getloadavg()[0], "stats": stats}
 
 
@@ -216,6 +223,15 @@ def main() -> None:
     print(write(args.out, results))
 
 
+def _version(name: str) -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def write(out, results) -> str:
     import torch
     import transformers
@@ -224,13 +240,17 @@ def write(out, results) -> str:
     out = out or os.path.join(root, "preference_cpu" + (f"_seq{SHAPE['seq']}" if SHAPE["seq"] != 256 else ""))
     meta = {"device": "cpu", "cpus": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "shape": SHAPE, "load_at_write": os.getloadavg()[0]}
+            "shape": SHAPE, "load_at_write": os.getloadavg()[0], "liger_kernel": _version("liger-kernel")}
     with open(out + ".json", "w") as fh:
         json.dump({"meta": meta, "results": results}, fh, indent=1)
     lines = [f"# fused log-probs (issue 27), CPU, {meta['date'][:16]}", "",
-             f"torch {meta['torch']}, transformers {meta['transformers']}, shape {SHAPE}", "",
-             "| loss | arm | peak MiB | x eager | step s | x compile | first call s | load | loss value | log-prob sites |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"torch {meta['torch']}, transformers {meta['transformers']}, liger-kernel {meta['liger_kernel']}, "
+             f"{meta['cpus']} CPUs, shape {SHAPE}", "",
+             "step s: wall time of one step; step CPU s: the arm's process CPU time (user + system) in that step; "
+             "load: 1-minute load average when the step started", "",
+             "| loss | arm | peak MiB | x eager | step s | x compile | step CPU s | CPU x compile | first call s | load "
+             "| loss value | log-prob sites | row-wise sites (grad in forward) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['loss_kind']} | {r['arm']} | error: {r['error'].splitlines()[-1][:120] if r['error'] else '?'} |")
@@ -239,8 +259,12 @@ def write(out, results) -> str:
         c = next((x for x in results if x.get("loss_kind") == r["loss_kind"] and x["arm"] == "compile" and "step_s" in x), None)
         lines.append(f"| {r['loss_kind']} | {r['arm']} | {r['peak_bytes'] / 2**20:.0f} | "
                      f"{r['peak_bytes'] / e['peak_bytes'] if e else float('nan'):.2f} | {r['step_s']:.2f} | "
-                     f"{r['step_s'] / c['step_s'] if c else float('nan'):.2f} | {r['first_call_s']:.1f} | {r['load']:.1f} | "
-                     f"{r['loss']:.6f} | {r['stats'].get('logprob_sites', '')} |")
+                     f"{r['step_s'] / c['step_s'] if c else float('nan'):.2f} | {r.get('step_cpu_s', float('nan')):.2f} | "
+                     f"{r.get('step_cpu_s', float('nan')) / c['step_cpu_s'] if (c and c.get('step_cpu_s')) else float('nan'):.2f} | "
+                     f"{r['first_call_s']:.1f} | {r.get('load_at_step', r['load']):.1f} | "
+                     f"{r['loss']:.6f} | {r['stats'].get('logprob_sites', '')} | "
+                     + (f"{r['stats'].get('rowwise_sites', '')} ({r['stats'].get('rowwise_grad_in_forward', '')})"
+                        if r['stats'] else "") + " |")
     with open(out + ".md", "w") as fh:
         fh.write("\n".join(lines) + "\n")
     return "\n".join(lines)

@@ -92,8 +92,23 @@ def rewrite_region(fce, graph: fx.Graph, region: Region, ctx, stats: dict) -> No
             ext.append(call(torch.reshape, e, (-1,) + tail))
         t = [[s.pre, 1.0 if s.softcap else 0.0, s.post] for s in region.sites] + [[1.0, 0.0, 1.0]]
         key = register_row_fn(gm)
-        res = call(torch.ops.effpass.linear_rowwise.default, *args, ext, key, t[0], t[1], budget, compute,
-                   len(what))
+        # what needs a gradient (the graph's own flags: a frozen teacher, a frozen or quantized head have none)
+        grad_mask = []
+        for site in region.sites:
+            lora = site.lora if site.lora is not None else (None, None, 1.0)
+            grad_mask += [_needs_grad(site.h), _needs_grad(site.weight),
+                          isinstance(site.bias, fx.Node) and _needs_grad(site.bias),
+                          lora[0] is not None and _needs_grad(lora[0]), lora[1] is not None and _needs_grad(lora[1])]
+        grad_mask += [False] * (10 - len(grad_mask))
+        if grad_on and any(needs) and any(grad_mask):
+            # the gradients computed in the forward (the backward scales them): no second pass over the logits
+            both = call(torch.ops.effpass.linear_rowwise_train.default, *args, ext, key, t[0], t[1], budget,
+                        compute, len(what), grad_mask, list(needs))
+            res = call(operator.getitem, both, 0)
+            stats["rowwise_grad_in_forward"] += 1
+        else:
+            res = call(torch.ops.effpass.linear_rowwise.default, *args, ext, key, t[0], t[1], budget, compute,
+                       len(what))
         outs = []
         for j, ((kind, n), need) in enumerate(zip(what, needs)):
             col = call(operator.getitem, res, (slice(None), j))

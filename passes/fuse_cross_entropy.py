@@ -154,7 +154,7 @@ class FuseCrossEntropy(effpass.Pass):
                  "logits_dropped": 0, "lora_heads": 0, "low_precision_matmuls": 0, "torch_kernel": 0,
                  "dequantized_heads": 0, "skipped": 0, "left_alone_no_grad": 0, "logprob_sites": 0,
                  "rowwise_sites": 0, "two_head_sites": 0, "rowwise_outputs": 0, "trl_logprob_sites": 0,
-                 "input_grad_in_forward": 0, "symbolic_rows": 0}
+                 "input_grad_in_forward": 0, "rowwise_grad_in_forward": 0, "symbolic_rows": 0}
         skipped: list[dict] = []
         for ce in [n for n in graph.nodes if _is_fn(n, _CE_FNS)]:
             where = f"{module_path_of_node(ce) or '<root>'}:{ce.name}"

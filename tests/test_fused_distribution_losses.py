@@ -141,7 +141,9 @@ def test_distribution_losses_fused(family, kind, arm):
     st, ops = rec.stats, rec.ops_after
     two = kind in ("kl", "kl_div", "jsd")
     assert st["rowwise_sites"] == 1 and st["two_head_sites"] == int(two), (st, rec.skipped)
-    assert ops.get("effpass.linear_rowwise", 0) == 1, ops
+    # the student needs gradients: the trained form (every gradient computed in the forward)
+    assert ops.get("effpass.linear_rowwise_train", 0) == 1 and ops.get("effpass.linear_rowwise", 0) == 0, ops
+    assert st["rowwise_grad_in_forward"] == 1, st
     # (Gemma 2's eager attention keeps its own softmax)
     assert not any(k.endswith(("log_softmax", "logsumexp", "kl_div")) for k in ops), ops
     assert ops.get(".softmax", 0) + ops.get("F.softmax", 0) == rec.ops_before.get(".softmax", 0) + \
@@ -288,3 +290,177 @@ def test_rowwise_op_flops_and_opcheck():
     result = torch.library.opcheck(torch.ops.effpass.linear_rowwise.default, args,
                                    test_utils=("test_schema", "test_faketensor"))
     assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_rowwise_train_op_gradients_in_forward_and_fallback():
+    """``effpass::linear_rowwise_train`` computes every gradient asked for in its forward (FLOPs: the logits once plus
+    dx and dw; its backward op none when the incoming gradient is the same on every row, e.g. the rows summed); with
+    a different gradient per row the row inputs' gradients are still scaled exactly and the weight's is recomputed
+    (the recomputing backward op's FLOPs: logits of both heads + dw). Every gradient equals the unfused graph's
+    within 1e-5 (fp32), several row blocks and CPU tiles; opcheck passes."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from effpass.passes._fuse_ce_kernels import register_row_fn
+
+    def kl(z0, z1, m):
+        ls, lt = z0.log_softmax(-1), z1.log_softmax(-1).detach()
+        return ((lt.exp() * (lt - ls)).sum(-1) * m,)
+
+    key = register_row_fn(torch.fx.symbolic_trace(kl))
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 10, 8, 32
+    x0, w0 = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g)
+    y, u = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g)
+    m = (torch.arange(n) > 2).float()
+    gw = torch.rand(n, generator=g) + 0.5
+    mask = [True, True] + [False] * 8
+    for per_row in (False, True):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        args = (x, w, None, None, None, y, u, None, None, None, [m], key, [1.0, 0.0, 1.0], [1.0, 0.0, 1.0],
+                4 * v * 2 * 3, "", 1, mask, [True])  # 3-row blocks
+        with FlopCounterMode(display=False) as fc:
+            out = torch.ops.effpass.linear_rowwise_train(*args)[0]
+        assert fc.get_total_flops() == 2 * (2 * n * h * v) + 2 * (2 * n * h * v)  # both heads' logits, dx, dw
+        with torch.profiler.profile() as prof:
+            (out[:, 0] * (gw if per_row else 0.3)).sum().backward()
+        names = {e.name for e in prof.events()}
+        assert "effpass::linear_rowwise_train_backward" in names
+        # uniform: scaling only; per row: the recomputing backward op runs (for dw only)
+        assert ("effpass::linear_rowwise_backward" in names) == per_row, (per_row, names)
+        x2, w2 = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        ref = kl(x2 @ w2.t(), y @ u.t(), m)[0]
+        (ref * (gw if per_row else 0.3)).sum().backward()
+        assert _rel(out[:, 0].detach(), ref.detach()) <= 1e-6
+        assert _rel(x.grad, x2.grad) <= 1e-5 and _rel(w.grad, w2.grad) <= 1e-5, per_row
+    result = torch.library.opcheck(torch.ops.effpass.linear_rowwise_train.default, args,
+                                   test_utils=("test_schema", "test_faketensor"))
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_planner_counts_the_fused_distillation_step():
+    """The memory planner's replay (estimate_memory) of a distillation step (forward KL, student trained, teacher
+    frozen): fused, the prediction drops by more than both heads' logits; it counts the gradients the trained
+    row-wise op computes in its forward (its outputs) and is within the op's internal workspace (the block
+    buffers of both heads' logits and of the logits' gradient, and one tile's autograd temporaries: a custom op's
+    internals are not visible to the replay) of the measured peak."""
+    import transformers as tf
+
+    from effpass.passes._fuse_ce_rowwise import CPU_ROW_TILE_BYTES, rowwise_rows
+    from effpass.planning.estimate import estimate_memory
+    from effpass.testing.memory import peak_memory
+
+    vocab = 4096  # the logits (2 MiB per head) outweigh the model's activations
+    torch.manual_seed(0)
+    conf = tf.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, bos_token_id=0,
+                          eos_token_id=0)
+    student = tf.LlamaForCausalLM(conf).train()
+    teacher = _teacher(student)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, vocab, (2, 64), generator=g)
+    mask = torch.ones(2, 64)
+    mask[:, :5] = 0
+    n = ids.numel()
+    logits = n * vocab * 4
+    est = {}
+    for name, passes in (("fused", [FuseCrossEntropy()]), ("unfused", [])):
+        est[name] = estimate_memory(Loss(copy.deepcopy(student), copy.deepcopy(teacher), "kl"), (ids, mask),
+                                    passes=passes, optimizer=None, lowering="eager")
+    st = est["fused"].pass_stats["fuse_cross_entropy"]
+    assert st["rowwise_sites"] == 1 and st["rowwise_grad_in_forward"] == 1, st
+    assert est["unfused"].step_peak_bytes - est["fused"].step_peak_bytes >= 2 * logits, est
+    compiled = effpass.compile(Loss(copy.deepcopy(student), copy.deepcopy(teacher), "kl"), passes=[FuseCrossEntropy()],
+                               lowering="eager")
+
+    def step():
+        compiled(ids, mask).backward()
+        compiled.zero_grad(set_to_none=True)
+
+    step()
+    _, measured = peak_memory(step)
+    rows = rowwise_rows(n, vocab, 2, st["chunk_bytes"])
+    tile = min(rows, CPU_ROW_TILE_BYTES // (4 * vocab * 2))
+    workspace = 3 * rows * vocab * 4 + 8 * tile * vocab * 4
+    pred = est["fused"].step_peak_bytes
+    assert pred <= measured + 64 * 1024 and measured - pred <= workspace, (pred, measured, workspace)
+
+
+def test_rowwise_train_op_compiled_tile_program(monkeypatch):
+    """At a large vocabulary the trained form runs its tiles (the row function and its gradient) as one program
+    compiled with Inductor on CPU (structural: the program is cached and not marked failed); gradients equal the
+    unfused graph's within 1e-5, the summed values within 1e-5 (the per-row KL values within 1e-4 of the largest:
+    fp32 cancellation, reassociated), and EFFPASS_ROWWISE_COMPILE=0 gives the eager tile (no new program)."""
+    import effpass.passes._fuse_ce_rowwise as rw
+    from effpass.passes._fuse_ce_kernels import register_row_fn
+
+    def kl(z0, z1, m):
+        ls, lt = (z0 / 2.0).log_softmax(-1), (z1 / 2.0).log_softmax(-1).detach()
+        return ((lt.exp() * (lt - ls)).sum(-1) * m,)
+
+    key = register_row_fn(torch.fx.symbolic_trace(kl))
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 40, 16, 8192  # tiles of 40 x 8192 logits per head: >= COMPILE_MIN_TILE_ELEMS
+    x0, w0 = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g) * 0.3
+    y, u = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g) * 0.3
+    m = (torch.arange(n) > 3).float()
+    x2, w2 = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    ref = kl(x2 @ w2.t(), y @ u.t(), m)[0]
+    (ref * 0.7).sum().backward()
+    for compiled in (True, False):
+        monkeypatch.setenv("EFFPASS_ROWWISE_COMPILE", "1" if compiled else "0")
+        before = dict(rw._PROGRAMS)
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        out = torch.ops.effpass.linear_rowwise_train(x, w, None, None, None, y, u, None, None, None, [m], key,
+                                                     [1.0, 0.0, 1.0], [1.0, 0.0, 1.0], 4 * v * 2 * n, "", 1,
+                                                     [True, True] + [False] * 8, [True])[0]
+        (out[:, 0] * 0.7).sum().backward()
+        new = {k: p for k, p in rw._PROGRAMS.items() if k not in before}
+        if compiled:
+            assert len(new) == 1 and all(p is not False for p in new.values()), new
+        else:
+            assert not new
+        assert _rel(out[:, 0].detach(), ref.detach()) <= (1e-4 if compiled else 1e-6)
+        assert abs(float(out.sum()) - float(ref.sum())) <= 1e-5 * abs(float(ref.sum()))
+        assert _rel(x.grad, x2.grad) <= 1e-5 and _rel(w.grad, w2.grad) <= 1e-5, compiled
+
+
+def test_compiled_tile_program_inside_the_compiled_step():
+    """Inside effpass's compiled step (the op's kernel runs below autograd and functorch's dispatch keys, gradients
+    off) the tile program still compiles and runs (no fallback warning; the program cached, not marked failed), and
+    the distillation loss and every gradient equal eager's within 1e-5."""
+    import warnings
+
+    import transformers as tf
+
+    import effpass.passes._fuse_ce_rowwise as rw
+
+    vocab = 8192  # 64-row tiles of 8,192 logits per head: the tile program runs
+    torch.manual_seed(0)
+    conf = tf.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0,
+                          eos_token_id=0)
+    student = tf.LlamaForCausalLM(conf).train()
+    teacher = _teacher(student)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, vocab, (2, 256), generator=g)
+    mask = torch.ones(2, 256)
+    mask[:, :7] = 0
+    eager = Loss(copy.deepcopy(student), copy.deepcopy(teacher), "kl")
+    fused = Loss(copy.deepcopy(student), copy.deepcopy(teacher), "kl")
+    before = dict(rw._PROGRAMS)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="effpass::linear_rowwise_train")
+        got = effpass.compile(fused, passes=[FuseCrossEntropy()], lowering="eager")(ids, mask)
+        got.backward()
+    new = {k: p for k, p in rw._PROGRAMS.items() if k not in before}
+    assert len(new) == 1 and all(p is not False for p in new.values()), new
+    want = eager(ids, mask)
+    want.backward()
+    assert _rel(got.detach(), want.detach()) <= 1e-5
+    ref = dict(eager.named_parameters())
+    n = 0
+    for name, p in fused.named_parameters():
+        if p.grad is not None:
+            assert _rel(p.grad, ref[name].grad) <= 1e-5, name
+            n += 1
+    assert n > 0

@@ -125,7 +125,7 @@ def _assert_fused(rec, kind, lora=0, dequantized=0, low_precision=0):
         assert ops.get("effpass.linear_cross_entropy_rows", 0) == 2, ops
     else:
         assert st["rowwise_sites"] == 1 and st["two_head_sites"] == 1, (st, reasons)
-        assert ops.get("effpass.linear_rowwise", 0) == 1, ops
+        assert ops.get("effpass.linear_rowwise_train", 0) == 1 and st["rowwise_grad_in_forward"] == 1, ops
     assert not any(k.endswith("log_softmax") or k.endswith("logsumexp") for k in ops), ops
     assert st["skipped"] == 0, reasons
     assert st["lora_heads"] == lora and st["dequantized_heads"] == dequantized, st
