@@ -278,7 +278,11 @@ def maxseq(modes=("full", "lora", "qlora"), budgets=(24, 48, 80), step=1024, pro
         model = model_from_config(dict(LLAMA_31_8B))
         pipeline = []
         if lossless_pipeline:  # the lossless long-sequence passes fixed: the planner varies what is left
-            pipeline = [effpass.make_pass("checkpoint_activations", {"policy": "full"}),
+            # NOTE(fuse_attention): passes= replaces the default pipeline (fuse_attention + fuse_cross_entropy);
+            # without fuse_attention the causal mask SDPA receives is a (1, 1, seq, seq) tensor saved for the
+            # backward, a quadratic term (the first full fine-tuning rows of 2026-11-27 had it)
+            pipeline = [effpass.make_pass("fuse_attention", {}),
+                        effpass.make_pass("checkpoint_activations", {"policy": "full"}),
                         effpass.make_pass("fuse_cross_entropy", {}),
                         effpass.make_pass("tile_sequence", {"tile_rows": 4096})]
         if mode in ("lora", "qlora"):
@@ -318,7 +322,7 @@ def _write_maxseq(rows, step, probes):
           f"AdamW (torch's, bf16 states as for bf16 parameters), SDPA, eager lowering replayed on fake CPU tensors "
           f"(no CUDA caching-allocator rounding; activation offload, a CUDA-only option, is not among the "
           f"candidates of a CPU plan), answer in steps of {step} tokens, probes {list(probes)}. Pipeline given: "
-          f"checkpoint_activations(full) + fuse_cross_entropy + tile_sequence(4096) (+ LoRA r=16 on all 7 "
+          f"fuse_attention + checkpoint_activations(full) + fuse_cross_entropy + tile_sequence(4096) (+ LoRA r=16 on all 7 "
           f"projections; + NF4 base for QLoRA, head in bf16); the planner adds step_in_backward where it helps.\n",
           "| mode | budget | longest sequence (predicted) | plan added | predicted peak | at +1 step | published (80 GB) | seconds (load) |",
           "|---|---|---|---|---|---|---|---|"]

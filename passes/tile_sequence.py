@@ -44,7 +44,9 @@ Phases
 
 Statistics
     ``regions`` (tiled), ``tiles`` (total), ``rows``, ``tiled_nodes`` (torch-IR nodes inside tiled
-    regions), ``marked_recompute`` (joint nodes), ``skipped`` with reasons.
+    regions), ``marked_recompute`` / ``marked_save`` (joint nodes), ``weight_nodes_left`` (joint nodes copied
+    into a tile that read no row: a weight's dequantization or cast, left to their owner's marks; see
+    ``passes/_tile_marks.py``), ``skipped`` with reasons.
 """
 from __future__ import annotations
 
@@ -56,7 +58,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from torch.utils.checkpoint import CheckpointPolicy
 
 import effpass
 from effpass.graph import copy_provenance, infer_fake_values, module_path_of_node, tensor_meta
@@ -467,34 +468,6 @@ class TileSequence(effpass.Pass):
     def transform_joint(self, gm: fx.GraphModule, ctx) -> effpass.PassResult | None:
         if ctx.graph_kind != "joint" or ctx.read(TiledRegions) is None:
             return None
-        from effpass.graph import is_tangent
+        from ._tile_marks import mark_tiles
 
-        bwd: set[fx.Node] = set()
-        recompute = save = 0
-        for n in gm.graph.nodes:
-            if n.op == "placeholder":
-                if is_tangent(n):
-                    bwd.add(n)
-                continue
-            if n.op != "call_function":
-                continue
-            if n.meta.get("partitioner_tag") == "is_backward" or any(a in bwd for a in n.all_input_nodes):
-                bwd.add(n)
-                continue
-            info = (n.meta.get("custom") or {})
-            if TAG not in info:
-                continue
-            if info.get("role") == "output":
-                # NOTE(one tile at a time): the region's output is saved, even inside a block that
-                # checkpoint_activations recomputes: recomputing it in the backward (for a later norm's
-                # gradient, say) would compute every tile at once and keep all their intermediates alive
-                # until each tile's gradient is taken. At a block's end it is the boundary that
-                # checkpointing saves anyway.
-                n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-                n.meta.setdefault("ac_graph_id", 10_000 + int(info[TAG]))
-                save += 1
-                continue
-            n.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
-            n.meta.setdefault("ac_graph_id", 10_000 + int(info[TAG]))
-            recompute += 1
-        return effpass.PassResult(changed=True, stats={"marked_recompute": recompute, "marked_save": save})
+        return effpass.PassResult(changed=True, stats=mark_tiles(gm, TAG))

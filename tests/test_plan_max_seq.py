@@ -210,3 +210,66 @@ def test_max_seq_answer_fits_by_real_replays():
     assert res.seq >= 64 and res.plan.peak_bytes <= budget < res.next_peak
     nxt = estimate_memory(case.model, _inputs(res.seq + 64), passes=passes, optimizer=None, lowering="eager")
     assert nxt.peak_bytes == res.next_peak
+
+
+def _kinked(monkeypatch, kink=4096):
+    """Two plans (as given; + step_in_backward) whose peaks the probes misjudge: the plan as given is linear up to
+    ``kink`` tokens and steeper after it (its fit, through probes below the kink, promises more); the other is
+    linear and steeper at the probes but wins past the kink. Records every (seq, plan) replayed."""
+    import effpass.planning.planner as planner
+
+    calls = []
+
+    def fake_many(model, inputs, pipelines, optimizer, **kw):
+        seq = next(v for v in inputs.values() if isinstance(v, torch.Tensor)).shape[-1]
+        out = []
+        for pipe in pipelines:
+            sib = "step_in_backward" in {p.name for p in pipe}
+            calls.append((seq, sib))
+            peak = 900_000 + 600 * seq if sib else 1_000_000 + 500 * seq + 2000 * max(0, seq - kink)
+            out.append(_est(int(peak), flops=seq))
+        return out
+
+    monkeypatch.setattr(planner, "estimate_many", fake_many)
+    return calls
+
+
+_KINK_PASSES = [CheckpointActivations(policy="full"), FuseCrossEntropy(), TileSequence()]
+
+
+def test_max_seq_searches_every_candidate_at_each_length(monkeypatch):
+    """The fits choose only where to look: the plan as given is fitted longer (linear through the probes) but
+    fits less past a kink; the answer is the longest length some plan fits, by replays of every plan still in
+    the running (the search once replayed only the best-fitted plan, and answered its length). Oracles: the
+    answer equals the analytic maximum over both plans; both plans were replayed at a searched length; the
+    bracket holds (the chosen fits at the answer, nothing replayed fits one step more)."""
+    calls = _kinked(monkeypatch)
+    budget = 5_000_000
+    res = plan_max_seq(model_case("llama", seq=16).model, _inputs, budget, passes=_KINK_PASSES, step=64,
+                       probes=(1024, 2048))
+    fitted = {n: L for n, _, _, L, _ in res.fits}
+    assert fitted["as given"] > fitted["step in backward"]  # the fits misjudge (the oracle can fail)
+
+    def true_max(sib):
+        return max(s for s in range(64, 1 << 16, 64) if (900_000 + 600 * s if sib else
+                                                          1_000_000 + 500 * s + 2000 * max(0, s - 4096)) <= budget)
+
+    assert true_max(True) > true_max(False)
+    assert res.seq == true_max(True) and "step in backward" in res.plan.chosen.name
+    assert res.plan.peak_bytes <= budget < res.next_peak
+    searched = {s for s, _ in calls if s not in (1024, 2048)}
+    assert any((s, False) in calls and (s, True) in calls for s in searched)
+
+
+def test_max_seq_nothing_fits_names_the_same_smallest_for_every_budget(monkeypatch):
+    """When nothing fits even at one step, the error names the smallest peak any plan reaches there, whatever
+    the budget (the search once named the best-fitted plan's peak, which depended on the budget: 61.79 GiB at 24
+    GiB against 48.07 GiB at 48 GiB for Llama-3.1-8B)."""
+    _kinked(monkeypatch)
+    smallest = []
+    for budget in (800_000, 900_000, 938_000):  # below both plans' peaks at 64 tokens (938,400 and 1,032,000)
+        with pytest.raises(MemoryBudgetError, match="even at 64 tokens") as e:
+            plan_max_seq(model_case("llama", seq=16).model, _inputs, budget, passes=_KINK_PASSES, step=64,
+                         probes=(1024, 2048))
+        smallest.append((e.value.smallest, e.value.plan.name))
+    assert smallest == [(900_000 + 600 * 64, "step in backward")] * 3

@@ -219,3 +219,81 @@ def test_packed_rows_with_a_symbolic_length_are_left_alone_with_the_reason():
     static = effpass.compile(copy.deepcopy(model), passes=[FuseAttention(), TileSequence(tile_rows=8)], lowering="eager")
     static(**packed([32], 3)).loss.backward()
     assert effpass.report(static).stats("tile_sequence")["regions"] >= cfg.num_hidden_layers
+
+
+_SAVED: list = []
+
+
+@effpass.register_pass("record_saved_for_backward", phase="post_grad", run_after=("tile_sequence",))
+def _record_saved(gm, ctx):
+    """Test helper: (shape, dtype, bytes) of every value the forward graph saves for the backward, inputs and views
+    (of the weights: a transposed head) left out."""
+    if ctx.graph_kind == "forward":
+        from effpass.quantized import storage_bytes
+
+        out = next(iter(gm.graph.find_nodes(op="output")))
+        for a in out.args[0]:
+            v = tensor_meta(a) if isinstance(a, torch.fx.Node) else None
+            view = isinstance(a.target, torch._ops.OpOverload) and a.target.is_view
+            if isinstance(v, torch.Tensor) and a.op != "placeholder" and not view:
+                _SAVED.append((tuple(v.shape), v.dtype, storage_bytes([v])))
+    return False
+
+
+def _qlora_llama(seq=96):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    cfg._attn_implementation = "sdpa"
+    ids = torch.randint(3, 128, (1, seq), generator=torch.Generator().manual_seed(1))
+    return tf.LlamaForCausalLM(cfg).train(), dict(input_ids=ids, labels=ids, use_cache=False)
+
+
+@pytest.mark.parametrize("scheme,ckpt", [("nf4", "full"), ("nf4", "ops"), ("int8", "full"), (None, "full")])
+def test_quantized_base_lora_checkpoint_and_tiles_save_no_weight_copy(scheme, ckpt):
+    """QLoRA (NF4 / int8 base, LoRA on q/k/v/o) + checkpoint_activations + tiles. Before, every op copied into a
+    tile was marked for the tile's recompute, including the dequantization of the tile's weights (parameters only):
+    it got the region's ac_graph_id, above the block id of its own input (the int32 copy of NF4's packed codes),
+    and torch's cleanup_recompute_tags saved that input for the backward, 2 bytes per weight (Llama-3-8B
+    QLoRA + checkpoint(full): +11.5 GiB predicted). Oracles: gradients equal the untiled step's; the values the
+    forward saves that have no row (computed from weights alone) are byte for byte the untiled step's, so no
+    weight copy is kept per tile or per region; the tiled step saves at most one more row tensor (the last
+    region's output) than the untiled one."""
+    from effpass.passes import InjectLoRA, QuantizeLinear
+
+    seq = 96
+    model, inputs = _qlora_llama(seq)
+    extra = ([QuantizeLinear(scheme=scheme, exclude=("lm_head",))] if scheme else []) + [
+        InjectLoRA(targets=("*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj"), rank=4), CheckpointActivations(policy=ckpt)]
+    probe = effpass.get_pass_class("record_saved_for_backward")()
+    saved, grads, ref = {}, {}, None
+    for name, tiles in (("untiled", []), ("tiled", [TileSequence(tile_rows=32)])):
+        torch._dynamo.reset()
+        _SAVED.clear()
+        m = effpass.compile(copy.deepcopy(model), passes=[FuseAttention()] + extra + tiles + [probe], lowering="eager")
+        if ref is None:
+            ref = m
+        else:  # the same adapters' initial values
+            m.load_state_dict(ref.state_dict())
+        grads[name] = _grads(m, inputs, lambda o: o.loss)
+        saved[name] = list(_SAVED)
+        if tiles:
+            st = effpass.report(m).stats("tile_sequence")
+            # the two MLP regions, and the final norm + output head (it widens 64 -> 128: the loss is not fused)
+            assert st["regions"] == 3 and st["tiles"] == 9, st
+            if scheme:
+                assert effpass.report(m).stats("quantize_linear", "module")["quantized"] >= 7 * 2
+    (l0, g0), (l1, g1) = grads["untiled"], grads["tiled"]
+    assert any("lora" in n for n in g0) and g0.keys() == g1.keys()
+    assert abs(l0 - l1) <= 1e-6 * abs(l0)
+    assert max(_rel(g1[n], g0[n]) for n in g0) <= 1e-6
+
+    def weights_only(rows):  # saved values without a sequence dimension: computed from weights alone
+        return sorted((s, str(d), b) for s, d, b in rows if seq not in s)
+
+    assert weights_only(saved["tiled"]) == weights_only(saved["untiled"]), (weights_only(saved["tiled"]),
+                                                                            weights_only(saved["untiled"]))
+    row_bytes = {k: sum(b for s, _, b in v if seq in s) for k, v in saved.items()}
+    assert row_bytes["tiled"] <= row_bytes["untiled"] + seq * 64 * 4, row_bytes

@@ -836,9 +836,10 @@ def _fit(points: list[tuple[int, int]]):
 
 
 def _solve(f, budget: int, step: int, lo: int, hi: int) -> int:
-    """The largest multiple of ``step`` in [lo, hi] with f(s) <= budget (f increasing; bisection on f)."""
+    """The largest multiple of ``step`` in [lo, hi] with f(s) <= budget (f increasing; bisection on f); 0 when
+    even ``lo`` does not fit."""
     if f(lo) > budget:
-        return lo
+        return 0
     a, b = lo // step, hi // step
     if f(b * step) <= budget:
         return b * step
@@ -881,16 +882,18 @@ def plan_max_seq(model: torch.nn.Module, make_inputs, memory_budget, allow: Iter
     2. Every candidate is replayed at the ``probes`` lengths (one shared replay per length); its peak is fitted
        as a function of the length (quadratic through three probes when the peak grows faster than linearly,
        as with attention scores materialised; else linear: fused attention, tiles, checkpointing) and solved
-       for the budget. The candidate with the longest fitted sequence is chosen (lossy ones only when longer
-       than every lossless one; ties go to plans without restrictions on the training loop, then to fewer
-       FLOPs).
-    3. Its answer is confirmed by replays at the fitted length and searched around it (secant steps, then
-       bisection, at most ``max_replays``) until a length ``L`` whose predicted peak fits and ``L + step``
-       whose predicted peak does not are found (both replayed). Guarantee: that pair, by the planner's own
-       replays, for the chosen plan; the peak is not proved monotonic in the length and other plans are not
-       replayed at ``L``.
+       for the budget. The fits only say where to search: the longest fitted length is the first one tried.
+    3. Search (secant steps on the smallest peak among the candidates, then bisection, at most ``max_replays``
+       lengths): at each length every candidate still in the running is replayed (one shared replay); a
+       candidate over the budget at a length no longer than one some candidate fits is out of the running.
+       It ends when a length ``L`` that some candidate fits and ``L + step`` that none in the running fits
+       are both replayed. The plan: among those fitting ``L``, lossless before lossy, unrestricted before
+       restricted, then the fewest FLOPs and options. Guarantee: that pair, by the planner's own replays;
+       the peak is not proved monotonic in the length (candidates out of the running are not replayed at
+       ``L + step``).
 
-    Raises :class:`MemoryBudgetError` when even ``min_len`` (default ``step``) does not fit with the leanest plan.
+    Raises :class:`MemoryBudgetError` when even ``min_len`` (default ``step``) fits no candidate; it names the
+    smallest peak among all of them there (every candidate is replayed at ``min_len``: the same for any budget).
     ``_cache``: a dict shared by calls for several budgets of the same model, inputs and options (the probe
     replays do not depend on the budget).
     """
@@ -991,87 +994,106 @@ def plan_max_seq(model: torch.nn.Module, make_inputs, memory_budget, allow: Iter
     if not ok:
         errors = "; ".join(f"{c.name}: {c.error}" for c, _, _ in fits[:3])
         raise RuntimeError(f"plan_max_seq: no plan could be replayed ({errors})")
-    flops = {id(c): next(peaks[s][i].flops for s in reversed(probes) if not isinstance(peaks[s][i], BaseException))
-             for i, (c, L, _) in enumerate(fits) if L is not None}
-
-    def rank(item):
-        c, L, _ = item
-        return (-(L // step), c.restricted, flops[id(c)], len(c.options))
-
-    lossless_ok = [it for it in ok if not it[0].lossy]
-    best = min(lossless_ok or ok, key=rank)
-    if allow_t:
-        lossy_best = min([it for it in ok if it[0].lossy], key=rank, default=None)
-        if lossy_best is not None and lossy_best[1] > best[1]:
-            best = lossy_best
-            notes.append(f"a lossy plan fits a longer sequence than every lossless one "
-                         f"({lossy_best[1]:,} against {min(lossless_ok, key=rank)[1] if lossless_ok else 0:,})")
-    chosen, guess = best[0], max(best[1], min_len)
-
-    # 3: confirm and search around the fitted answer
+    # 3: search for the longest length that some candidate fits, replaying every candidate still in the running
+    # at each length (one shared replay per length). NOTE(every candidate): the probe fits only choose where
+    # to look; a fit can be far off beyond the probes (Llama-3.1-8B at 80 GiB: the plan as given was fitted at
+    # 126,976 tokens and fits 71,680), so comparing the others by their fits missed longer answers. A
+    # candidate whose peak is over the budget at a length <= one that fits is out of the running (peaks
+    # grow with the length), so after the first fitting length only the plans that still fit are replayed.
+    live = [c for c, _, _ in ok]
+    fitted = {id(c): L for c, L, _ in ok}
+    known: dict[int, dict[int, Any]] = {   # seq -> id(candidate) -> estimate (the probes' replays to start)
+        p: {id(c): peaks[p][i] for i, c in enumerate(cands) if id(c) in fitted
+            and not isinstance(peaks[p][i], BaseException)} for p in probes}
+    over_at = {id(c): min(p for p in probes if id(c) in known[p] and known[p][id(c)].peak_bytes > budget)
+               for c in live if any(id(c) in known[p] and known[p][id(c)].peak_bytes > budget for p in probes)}
     replays: list = []
-    known: dict[int, Any] = {}
+    lo = hi = None  # lo: some candidate fits; hi: none in the running fits (multiples of step)
 
     def at(s):
-        if s not in known:
-            (r,) = replay_many([chosen], s)
-            if isinstance(r, BaseException):
-                raise r
-            known[s] = r
-            replays.append((s, r.peak_bytes, r.peak_bytes <= budget))
-        return known[s]
+        """The smallest predicted peak among the candidates in the running at ``s`` (replaying those not yet
+        replayed there), and that candidate."""
+        got = known.setdefault(s, {})
+        todo = [c for c in live if id(c) not in got]
+        if todo:
+            for c, r in zip(todo, replay_many(todo, s)):
+                if isinstance(r, BaseException):
+                    c.error = f"{type(r).__name__}: {str(r).splitlines()[0][:120] if str(r) else ''} (at {s:,} tokens)"
+                    live.remove(c)
+                    continue
+                got[id(c)] = r
+                if r.peak_bytes > budget:
+                    over_at[id(c)] = min(over_at.get(id(c), s), s)
+        here = [(got[id(c)].peak_bytes, i, c) for i, c in enumerate(live) if id(c) in got]
+        if not here:
+            raise RuntimeError(f"plan_max_seq: no plan could be replayed at {s:,} tokens "
+                               f"({'; '.join(f'{c.name}: {c.error}' for c, _, _ in fits if c.error)[:400]})")
+        peak, _, c = min(here, key=lambda t: (t[0], t[1]))
+        replays.append((s, peak, peak <= budget))
+        return peak, c
 
-    lo = hi = None  # lo fits, hi does not (multiples of step)
-    s = guess
+    s = max(min_len, max(fitted.values()))
     for _ in range(max_replays):
-        r = at(s)
-        if r.peak_bytes <= budget:
+        peak, best_c = at(s)
+        if peak <= budget:
             lo = s if lo is None else max(lo, s)
+            live[:] = [c for c in live if over_at.get(id(c), lo + 1) > lo]
         else:
             hi = s if hi is None else min(hi, s)
         if lo is not None and (hi == lo + step or lo + step > max_len):
             break
         if hi is not None and hi <= min_len:
             break
-        # next: a secant step from the nearest replays, kept inside the bracket
-        pts = sorted((k, v.peak_bytes) for k, v in known.items())
+        # next: a secant step through the two nearest lengths' smallest peaks, kept inside the bracket
+        pts = sorted((k, min(v[id(c)].peak_bytes for c in live if id(c) in v)) for k, v in known.items()
+                     if any(id(c) in v for c in live))
         slope = None
-        if len(pts) >= 2:  # a secant through the two replays nearest to s
+        if len(pts) >= 2:
             near = sorted(pts, key=lambda p: abs(p[0] - s))[:2]
             slope = (near[0][1] - near[1][1]) / (near[0][0] - near[1][0])
-        if slope is None or slope <= 0:  # the fit's slope at s
-            f = fit_fn[id(chosen)]
-            slope = max((f(s + step) - f(s)) / step, 1e-9)
-        nxt = int((s + (budget - r.peak_bytes) / slope) // step * step)
-        if r.peak_bytes <= budget:
-            nxt = max(nxt, s + step)
-        else:
-            nxt = min(nxt, s - step)
+        if slope is None or slope <= 0:  # the fit's slope at s, of the plan with the smallest peak there
+            f = fit_fn.get(id(best_c))
+            slope = max((f(s + step) - f(s)) / step, 1e-9) if f else 1e-9
+        nxt = int((s + (budget - peak) / slope) // step * step)
+        nxt = max(nxt, s + step) if peak <= budget else min(nxt, s - step)
         a = lo if lo is not None else min_len - step
         b = hi if hi is not None else max_len + step
         if not (a < nxt < b):
             nxt = ((a + b) // 2) // step * step
             if not (a < nxt < b):
-                nxt = a + step if r.peak_bytes <= budget else b - step
+                nxt = a + step if peak <= budget else b - step
         nxt = min(max(nxt, min_len), max_len)
-        if nxt in known:
+        if any(r[0] == nxt for r in replays):  # searched there already
             break
         s = nxt
     if lo is None:
-        r = at(min_len)
-        if r.peak_bytes > budget:
+        peak, best_c = at(min_len)
+        if peak > budget:
+            # NOTE(budget-independent): every candidate is replayed at min_len (none is out of the running
+            # before some length fits), so the smallest peak named is the smallest any plan reaches there
             raise MemoryBudgetError(
                 f"nothing fits memory_budget {format_bytes(budget)} even at {min_len:,} tokens: the leanest plan "
-                f"({chosen.name}) needs {format_bytes(r.peak_bytes)} ({r.peak_bytes} bytes) there",
-                smallest=r.peak_bytes, plan=chosen, candidates=[c for c, _, _ in fits])
+                f"({best_c.name}) needs {format_bytes(peak)} ({peak} bytes) there",
+                smallest=peak, plan=best_c, candidates=[c for c, _, _ in fits])
         lo = min_len
     if hi != lo + step and lo + step <= max_len:
         notes.append(f"search not converged in {max_replays} replays: {lo:,} fits; {lo + step:,} not replayed")
-    est = known[lo]
+    # the plan: among those fitting the longest length, lossless before lossy, unrestricted before restricted,
+    # then the fewest FLOPs and options
+    at_lo = [c for c in live if id(c) in known[lo] and known[lo][id(c)].peak_bytes <= budget]
+    chosen = min(at_lo, key=lambda c: (c.lossy, c.restricted, known[lo][id(c)].flops, len(c.options)))
+    if chosen.lossy and any(not c.lossy for c, _, _ in ok):
+        notes.append(f"a lossy plan fits a longer sequence than every lossless one ({lo:,} tokens)")
+    est = known[lo][id(chosen)]
     chosen.estimate, chosen.fits = est, True
-    nxt_est = known.get(lo + step)
-    reason = (f"the longest fitted sequence among {len(cands)} plans ({len(probes)} probe replays each, "
-              f"{len(replays)} replays at the answer)")
+    nxt_est = known.get(lo + step, {}).get(id(chosen))
+    others = known.get(lo + step, {})
+    reason = (f"the longest sequence any of {len(cands)} plans fits ({len(probes)} probe replays each to guess "
+              f"it; every plan still in the running replayed at each length searched: "
+              f"{len({s for s, *_ in replays})} lengths)")
+    if others and lo + step <= max_len:
+        notes.append(f"at {lo + step:,} tokens none of the {len(others)} plans replayed there fits (smallest "
+                     f"{format_bytes(min(e.peak_bytes for e in others.values()))})")
     if chosen.restricted:
         notes.append("; ".join(f"{o.name}: {o.restricts}" for o in chosen.options if o.restricts))
     for o in chosen.options:
