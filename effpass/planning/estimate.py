@@ -1335,14 +1335,22 @@ def estimate_many(model: torch.nn.Module, example_inputs, pipelines: Sequence, o
                                                  optimizer, device=device, loss_fn=loss_fn, lr=lr, share=share,
                                                  workers=workers, **compile_options)):
                 out[i] = r
-    if todo:
-        full = _replay_many(model, example_inputs, [pipelines[i] for i in todo], optimizer, dev, loss_fn, lr,
-                            compile_options, share)
-        for i, r in zip(todo, full):
-            if not isinstance(r, BaseException):
-                r.seconds = time.perf_counter() - t0
-            out[i] = r
+    _replay_whole(model, example_inputs, pipelines, todo, out, optimizer, dev, loss_fn, lr, compile_options, share, t0)
     return out
+
+
+def _replay_whole(model, example_inputs, pipelines, todo, out, optimizer, dev, loss_fn, lr, compile_options, share,
+                  t0) -> None:
+    """``out[i]`` for each ``i`` in ``todo``: pipeline ``i`` replayed at the model's full depth (counts not
+    affine in depth, or a depth failed), or the exception raised."""
+    if not todo:
+        return
+    full = _replay_many(model, example_inputs, [pipelines[i] for i in todo], optimizer, dev, loss_fn, lr,
+                        compile_options, share)
+    for i, r in zip(todo, full):
+        if not isinstance(r, BaseException):
+            r.seconds = time.perf_counter() - t0
+        out[i] = r
 
 
 class _Unconfirmed:
@@ -1383,13 +1391,7 @@ def confirm_many(model: torch.nn.Module, example_inputs, pipelines: Sequence, es
         else:
             est.seconds = time.perf_counter() - t0
             out[i] = est
-    if todo:
-        full = _replay_many(model, example_inputs, [pipelines[i] for i in todo], optimizer, dev, loss_fn, lr,
-                            compile_options, share)
-        for i, r in zip(todo, full):
-            if not isinstance(r, BaseException):
-                r.seconds = time.perf_counter() - t0
-            out[i] = r
+    _replay_whole(model, example_inputs, pipelines, todo, out, optimizer, dev, loss_fn, lr, compile_options, share, t0)
     return out
 
 
