@@ -45,6 +45,18 @@ def _fce_record(compiled):
     return recs[0]
 
 
+def _fused_and_unfused(model):
+    """``model`` compiled with packing and the fused loss, a copy with packing only (the reference), that copy,
+    and one packed batch per length of LENGTHS."""
+    unfused_model = copy.deepcopy(model)
+    torch._dynamo.reset()
+    compiled = effpass.compile(model, passes=[FuseAttention(), PackSequences(), FuseCrossEntropy()], lowering="eager",
+                               strict=True)
+    unfused = effpass.compile(unfused_model, passes=[FuseAttention(), PackSequences()], lowering="eager", strict=True)
+    return compiled, unfused, unfused_model, [packed(examples(lens, VOCAB, seed=seed))
+                                              for seed, lens in enumerate(LENGTHS)]
+
+
 @pytest.mark.parametrize("family,kind,lora", [("llama", "dpo", False), ("gemma2", "grpo", False),
                                               ("qwen3", "grpo", False), ("llama", "grpo", True), ("self", "dpo", False),
                                               ("self", "grpo", False)])
@@ -96,12 +108,7 @@ def test_packed_hf_cross_entropy_compiles_once():
     recompiled per length: the row count was read as an int, a guard); loss and gradients equal the unfused
     packed step."""
     model = family_case("llama", attn="sdpa").model.train()
-    unfused_model = copy.deepcopy(model)
-    torch._dynamo.reset()
-    compiled = effpass.compile(model, passes=[FuseAttention(), PackSequences(), FuseCrossEntropy()], lowering="eager",
-                               strict=True)
-    unfused = effpass.compile(unfused_model, passes=[FuseAttention(), PackSequences()], lowering="eager", strict=True)
-    batches = [packed(examples(lens, VOCAB, seed=seed)) for seed, lens in enumerate(LENGTHS)]
+    compiled, unfused, unfused_model, batches = _fused_and_unfused(model)
     wants = []
     for ids, labels, pos in batches:   # the reference first: counted apart from the fused model's frame
         unfused_model.zero_grad(set_to_none=True)
@@ -148,12 +155,7 @@ def test_packed_distillation_reductions_of_everything_fuse_once():
         for p in teacher.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
     model = _Distill(student, teacher)
-    unfused_model = copy.deepcopy(model)
-    torch._dynamo.reset()
-    compiled = effpass.compile(model, passes=[FuseAttention(), PackSequences(), FuseCrossEntropy()], lowering="eager",
-                               strict=True)
-    unfused = effpass.compile(unfused_model, passes=[FuseAttention(), PackSequences()], lowering="eager", strict=True)
-    batches = [packed(examples(lens, VOCAB, seed=seed)) for seed, lens in enumerate(LENGTHS)]
+    compiled, unfused, unfused_model, batches = _fused_and_unfused(model)
     wants = []
     for ids, _, pos in batches:   # the unfused packed step first: counted apart from the fused model's frame
         unfused_model.zero_grad(set_to_none=True)
