@@ -94,6 +94,11 @@ def main(argv=None):
 
         with open(os.path.join(args.out, "losses.json"), "w") as f:
             json.dump(info, f)
+    # every rank leaves together and closes its process group: a rank that exits while another still holds the
+    # gloo group open can abort at interpreter exit ("terminate called without an active exception")
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

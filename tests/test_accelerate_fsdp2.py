@@ -24,7 +24,7 @@ def _launch(out, *extra, procs=2):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIG, "--num_processes", str(procs),
            "--main_process_port", "0", SCRIPT, "--out", str(out), *extra]
     r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, f"rc {r.returncode}\nstdout: {r.stdout[-2000:]}\nstderr: {r.stderr[-6000:]}"
     with open(os.path.join(out, "losses.json")) as f:
         return json.load(f), r.stderr
 
