@@ -3,7 +3,8 @@
 ``effpass.compile(model, ...)`` compiles a model in place, so the model handed to ``Trainer`` is the
 model itself (same class, ``forward`` signature, ``config``, ``save_pretrained``, ``generate``). For a
 ``transformers.PreTrainedModel`` it also calls :func:`attach`, which gives that one model instance (no
-class, no library code is patched):
+class, no library code is patched, except TRL's ``ORPOTrainer.concatenated_forward`` when TRL's ORPO module is
+loaded: ``_trl_orpo`` routes it through TRL's fused head for effpass-compiled models, TRL's method otherwise):
 
 * **gradient checkpointing** taken over: ``model.gradient_checkpointing_enable()`` /
   ``activation_checkpointing_enable()`` (what ``Trainer`` calls for ``gradient_checkpointing=True``, TRL's
@@ -90,6 +91,9 @@ def attach(model: torch.nn.Module) -> bool:
     model.save_pretrained = types.MethodType(_save_pretrained, model)
     set_hf_loss_type(model)
     _install_first_call_check(model)
+    from . import _trl_orpo  # TRL's ORPOTrainer through TRL's fused head, when its module is loaded
+
+    _trl_orpo.route()
     return True
 
 
@@ -301,8 +305,11 @@ def _check_trl_fused_head(model) -> None:
 def _check_calling_trainer(model) -> None:
     """Called once, eagerly, before the model's first compiled call: when a ``transformers.Trainer`` is on
     the call stack, check its arguments against the model's pipeline."""
+    from . import _trl_orpo
+
     allow_trl_kernels()
     _check_trl_fused_head(model)
+    late_orpo = not _trl_orpo.routed() and _trl_orpo.route()
     trainer_mod = sys.modules.get("transformers.trainer")
     if trainer_mod is None:
         return
@@ -312,6 +319,10 @@ def _check_calling_trainer(model) -> None:
         obj = frame.f_locals.get("self")
         if trainer_cls is not None and isinstance(obj, trainer_cls):
             check_training_args(obj.args, model)
+            if late_orpo and isinstance(obj, _trl_orpo._STATE["cls"]):
+                # this call is already inside TRL's own method: routed from the next step on
+                _trl_orpo.note(obj, model, "unfused_calls", "trl.experimental.orpo was imported after "
+                               "effpass.compile: the first step ran TRL's own method (import it first)")
             return
         frame = frame.f_back
 

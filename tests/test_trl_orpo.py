@@ -1,0 +1,135 @@
+"""TRL's ORPOTrainer with an effpass-compiled policy (issue 27): its trainer-side forward is routed through
+TRL's fused LM head (effpass/integrations/_trl_orpo.py), so no logits are built, with the same five results as
+TRL's own method; what cannot be routed runs TRL's method and the report says why."""
+import copy
+
+import pytest
+import torch
+
+import effpass
+from effpass.integrations import _trl_kernels, _trl_orpo
+from effpass.passes import FuseAttention
+
+pytest.importorskip("trl")
+orpo = pytest.importorskip("trl.experimental.orpo")
+
+
+def _model(family):
+    import transformers as tf
+
+    tf.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    common = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if family == "llama":
+        m = tf.LlamaForCausalLM(tf.LlamaConfig(**common, tie_word_embeddings=False))
+    else:  # gemma2: tied head, soft-capped logits
+        m = tf.Gemma2ForCausalLM(tf.Gemma2Config(**common, head_dim=8, final_logit_softcapping=5.0,
+                                                 attn_logit_softcapping=None, query_pre_attn_scalar=8))
+    m.config._attn_implementation = "eager"
+    return m.train()
+
+
+def _trainer(model, tmp_path, beta=0.1):
+    import datasets
+    from effpass.testing.hf import VOCAB, tiny_tokenizer
+
+    g = torch.Generator().manual_seed(0)
+
+    def words(n):
+        return " ".join(f"w{i}" for i in torch.randint(0, VOCAB - 6, (n,), generator=g).tolist())
+
+    # prompts and answers of different lengths: rows are padded, so masks matter
+    data = datasets.Dataset.from_dict({"prompt": [words(3 + i) for i in range(4)],
+                                       "chosen": [words(5 - i % 3) for i in range(4)],
+                                       "rejected": [words(2 + i) for i in range(4)]})
+    cfg = orpo.ORPOConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, learning_rate=0.1,
+                          optim="sgd", logging_steps=1, report_to=[], seed=0, save_strategy="no", use_cpu=True,
+                          disable_tqdm=True, bf16=False, beta=beta)
+    return orpo.ORPOTrainer(model=model, args=cfg, train_dataset=data, processing_class=tiny_tokenizer())
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_orpo_forward_routed_equals_trls(family, tmp_path, monkeypatch):
+    """The routed forward's five results and every gradient equal TRL's own method on the same batch (fp32,
+    within 1e-5); the fused call runs TRL's chunked op inside effpass's graph (counted by the pass and in the
+    report), and the logits are never returned."""
+    monkeypatch.setattr(_trl_kernels, "CALLS", {"forward": 0, "backward": 0})
+    torch._dynamo.reset()
+    base = _model(family)
+    ref = copy.deepcopy(base)
+    model = effpass.compile(base, lowering="eager")
+    assert _trl_orpo.route() and orpo.ORPOTrainer.concatenated_forward is _trl_orpo.concatenated_forward
+    tr = _trainer(model, tmp_path)
+    batch = next(iter(tr.get_train_dataloader()))
+
+    def run(fn, m):
+        m.zero_grad(set_to_none=True)
+        out = fn(tr, m, batch)
+        lc, lr, mc, mr, nll = out[:5]
+        (nll - 0.1 * torch.nn.functional.logsigmoid(lc - lr).mean()).backward()
+        return [lc.detach(), lr.detach(), mc.detach().mean(), mr.detach().mean(), nll.detach()], \
+            {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    want, want_g = run(_trl_orpo._STATE["original"], ref)  # TRL's method on the eager model: the logits
+    got, got_g = run(orpo.ORPOTrainer.concatenated_forward, model)
+    for a, b in zip(want, got):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert set(got_g) == set(want_g) and len(got_g) > 0
+    for n in want_g:
+        torch.testing.assert_close(got_g[n], want_g[n], rtol=1e-5, atol=1e-7, msg=n)
+    # structural: TRL's op ran forward and backward in the graph; the routed call returned no logits
+    rep = effpass.report(model)
+    assert rep.stats("fuse_cross_entropy")["trl_logprob_sites"] >= 1
+    assert _trl_kernels.CALLS == {"forward": 1, "backward": 1}, _trl_kernels.CALLS
+    assert rep.module.notes["trl_orpo"] == {"fused_calls": 1, "unfused_calls": 0, "reasons": []}
+    assert got[2].dim() == 0 and got[3].dim() == 0
+
+
+def test_orpo_trainer_trains_routed(tmp_path):
+    """Two ORPOTrainer steps: the routed effpass policy logs TRL's eager losses (within 1e-5), every step fused."""
+    torch._dynamo.reset()
+    losses = {}
+    for arm in ("eager", "effpass"):
+        m = _model("llama")
+        if arm == "effpass":
+            effpass.compile(m, lowering="eager")
+        tr = _trainer(m, tmp_path / arm)
+        tr.train()
+        losses[arm] = [h["loss"] for h in tr.state.log_history if "loss" in h]
+        if arm == "effpass":
+            assert effpass.report(m).module.notes["trl_orpo"]["fused_calls"] == 2
+            assert effpass.report(m).module.notes["trl_orpo"]["unfused_calls"] == 0
+    assert len(losses["eager"]) == 2
+    for a, b in zip(losses["eager"], losses["effpass"]):
+        assert abs(a - b) <= 1e-5 * max(abs(a), 1e-3), losses
+
+
+def test_orpo_unrouted_cases_run_trls_method_and_say_why(tmp_path):
+    """Opt-out (no fuse_cross_entropy in the pipeline) and labels that differ from the input ids on an answer
+    token run TRL's own method (same results) and the report names the reason; a model effpass did not
+    compile is left alone (no note)."""
+    torch._dynamo.reset()
+    m = effpass.compile(_model("llama"), passes=[FuseAttention()], lowering="eager")
+    tr = _trainer(m, tmp_path / "optout")
+    batch = next(iter(tr.get_train_dataloader()))
+    out = tr.concatenated_forward(m, batch)
+    assert out[2].dim() == 3  # TRL's method: the chosen logits themselves
+    notes = effpass.report(m).module.notes["trl_orpo"]
+    assert notes["fused_calls"] == 0 and notes["unfused_calls"] == 1 and "no fuse_cross_entropy" in notes["reasons"][0]
+
+    m2 = effpass.compile(_model("llama"), lowering="eager")
+    tr2 = _trainer(m2, tmp_path / "labels")
+    bad = dict(batch)
+    bad["chosen_labels"] = batch["chosen_labels"].clone()
+    row, col = (bad["chosen_labels"] != -100).nonzero()[0].tolist()
+    bad["chosen_labels"][row, col] = (bad["chosen_labels"][row, col] + 1) % 256  # scores a token not in the input
+    want = _trl_orpo._STATE["original"](tr2, m2, bad)
+    got = tr2.concatenated_forward(m2, bad)
+    torch.testing.assert_close(got[0], want[0])
+    notes = effpass.report(m2).module.notes["trl_orpo"]
+    assert notes["unfused_calls"] == 1 and "labels differ from the input ids" in notes["reasons"][0]
+
+    plain = _model("llama")
+    tr3 = _trainer(plain, tmp_path / "plain")
+    assert tr3.concatenated_forward(plain, batch)[2].dim() == 3
