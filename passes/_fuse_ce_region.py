@@ -323,7 +323,12 @@ def _check(g: _Grow, ents, sites, mem) -> Region:
             for u in outside:
                 kind = _full_reduce_kind(u)
                 kl = _kl_div_parts(u)
-                if kind is None and kl is not None and kl[2] != "none" and kl[0] in inside and kl[1] in inside:
+                if kind is None and kl is not None and kl[2] != "none" and kl[0] in inside and (
+                        kl[1] in inside or _frozen_rows(g, kl[1], leading, vocab)):
+                    # NOTE(frozen target): a teacher's log-probs computed from logits of another graph (its head
+                    # before an FSDP boundary) are read row block by row block, as any per-row input without grad
+                    if kl[1] not in inside and kl[1] not in region.externals:
+                        region.externals.append(kl[1])
                     kind = "kl_" + kl[2]
                 if kind is None:
                     raise Skip(f"the vocabulary-sized {n.name} is read by {u.name} outside the row-wise "
@@ -335,6 +340,12 @@ def _check(g: _Grow, ents, sites, mem) -> Region:
     if not region.outputs and not region.splits:
         raise Skip("the row-wise computation has no per-row result")
     return region
+
+
+def _frozen_rows(g: _Grow, n, leading, vocab) -> bool:
+    """``n`` is a vocabulary-sized tensor row-aligned with the logits that needs no gradient."""
+    v = _val(n)
+    return isinstance(v, torch.Tensor) and not v.requires_grad and g.tail(n, leading, vocab) == (vocab,)
 
 
 def build_row_fn(region: Region) -> tuple[fx.GraphModule, list]:

@@ -826,3 +826,61 @@ def test_estimate_table_from_a_preset_or_a_bare_count():
     with pytest.raises(TypeError, match="params=<count>"):
         estimate(None)
     assert set(PRESETS) >= {"llama-1b", "llama-8b", "llama-70b"}
+
+
+def test_wrap_fsdp_fuses_a_packed_distillation_after_the_teachers_boundary(tmp_path):
+    """Distillation on packed rows inside wrap_fsdp (world size 1, this process): a self-written student and frozen
+    teacher (teacher first), ``F.kl_div(..., "batchmean")`` plus an entropy bonus, three packed lengths. The
+    teacher's log-probs come from logits of another graph (its head before the boundary) and are read by the KL
+    row block by row block: the student's head is fused (row-wise, symbolic rows), loss and every gradient within
+    1e-5 of the unfused packed step."""
+    from _families import VOCAB
+    from _vocab_losses import SelfLM, examples, packed
+    from effpass.passes import FuseAttention, FuseCrossEntropy, PackSequences
+
+    class Distill(torch.nn.Module):
+        def __init__(self, student, teacher):
+            super().__init__()
+            self.student, self.teacher = student, teacher
+
+        def forward(self, ids, position_ids=None):
+            with torch.no_grad():
+                zt = self.teacher(ids, position_ids=position_ids)
+            zs = self.student(ids, position_ids=position_ids)
+            ls, lt = (zs.float() / 2.0).log_softmax(-1), (zt.float() / 2.0).log_softmax(-1)
+            kl = torch.nn.functional.kl_div(ls, lt, log_target=True, reduction="batchmean")
+            return kl + 0.1 * (ls.exp() * ls).mean()
+
+    student = SelfLM(VOCAB).train()
+    teacher = copy.deepcopy(student).eval().requires_grad_(False)
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+    model = Distill(student, teacher)
+    ref = copy.deepcopy(model)
+    torch._dynamo.reset()
+    unfused = effpass.compile(ref, passes=[FuseAttention(), PackSequences()], lowering="eager", dump_dir=None)
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        compiled = effpass.compile(model, passes=[FuseAttention(), PackSequences(), FuseCrossEntropy(), WrapFSDP()],
+                                   lowering="eager", dump_dir=None)
+        for seed, lens in enumerate(((5, 9, 6, 8), (7, 11, 4, 9), (3, 4, 5, 6))):
+            ids, _, pos = packed(examples(lens, VOCAB, seed=seed))
+            ref.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
+            want = unfused(ids, position_ids=pos)
+            want.backward()
+            loss = compiled(ids, position_ids=pos)
+            loss.backward()
+            assert abs(float(loss) - float(want)) <= 1e-5 * abs(float(want)), (float(loss), float(want))
+            got, ref_g = _grads(model), _grads(ref)
+            assert got.keys() == ref_g.keys() and len(got) > 0
+            for n, g in ref_g.items():
+                torch.testing.assert_close(got[n], g, atol=1e-7, rtol=1e-5, msg=lambda m: f"{n}: {m}")
+        rep = effpass.report(compiled)
+    finally:
+        dist.destroy_process_group()
+    f, s = rep.stats("fuse_cross_entropy"), rep.stats("wrap_fsdp")
+    assert f["rowwise_sites"] >= 1 and f["skipped"] == 0 and f["symbolic_rows"] >= 1, f
+    assert s["compiled_root"] == 1 and s["world_size"] == 1, s
