@@ -23,6 +23,9 @@ def _model(family):
                   num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     if family == "llama":
         m = tf.LlamaForCausalLM(tf.LlamaConfig(**common, tie_word_embeddings=False))
+    elif family == "mixtral":  # MoE: ORPO adds the router's load-balancing loss (aux_loss_enabled)
+        m = tf.MixtralForCausalLM(tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
+                                                   output_router_logits=True, router_aux_loss_coef=0.01))
     else:  # gemma2: tied head, soft-capped logits
         m = tf.Gemma2ForCausalLM(tf.Gemma2Config(**common, head_dim=8, final_logit_softcapping=5.0,
                                                  attn_logit_softcapping=None, query_pre_attn_scalar=8))
@@ -49,7 +52,7 @@ def _trainer(model, tmp_path, beta=0.1):
     return orpo.ORPOTrainer(model=model, args=cfg, train_dataset=data, processing_class=tiny_tokenizer())
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "mixtral"])
 def test_orpo_forward_routed_equals_trls(family, tmp_path, monkeypatch):
     """The routed forward's five results and every gradient equal TRL's own method on the same batch (fp32,
     within 1e-5); the fused call runs TRL's chunked op inside effpass's graph (counted by the pass and in the
@@ -67,12 +70,15 @@ def test_orpo_forward_routed_equals_trls(family, tmp_path, monkeypatch):
         m.zero_grad(set_to_none=True)
         out = fn(tr, m, batch)
         lc, lr, mc, mr, nll = out[:5]
-        (nll - 0.1 * torch.nn.functional.logsigmoid(lc - lr).mean()).backward()
-        return [lc.detach(), lr.detach(), mc.detach().mean(), mr.detach().mean(), nll.detach()], \
+        aux = out[5] if tr.aux_loss_enabled else torch.zeros(())
+        assert len(out) == 5 + tr.aux_loss_enabled
+        (nll - 0.1 * torch.nn.functional.logsigmoid(lc - lr).mean() + 0.01 * aux).backward()
+        return [lc.detach(), lr.detach(), mc.detach().mean(), mr.detach().mean(), nll.detach(), aux.detach()], \
             {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
 
     want, want_g = run(_trl_orpo._STATE["original"], ref)  # TRL's method on the eager model: the logits
     got, got_g = run(orpo.ORPOTrainer.concatenated_forward, model)
+    assert tr.aux_loss_enabled == (family == "mixtral") and (family != "mixtral" or float(want[5]) > 0)
     for a, b in zip(want, got):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     assert set(got_g) == set(want_g) and len(got_g) > 0
