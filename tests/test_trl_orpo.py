@@ -8,7 +8,7 @@ import torch
 
 import effpass
 from effpass.integrations import _trl_kernels, _trl_orpo
-from effpass.passes import FuseAttention
+from effpass.passes import FuseAttention, FuseCrossEntropy, InjectLoRA
 
 pytest.importorskip("trl")
 orpo = pytest.importorskip("trl.experimental.orpo")
@@ -52,16 +52,22 @@ def _trainer(model, tmp_path, beta=0.1):
     return orpo.ORPOTrainer(model=model, args=cfg, train_dataset=data, processing_class=tiny_tokenizer())
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "mixtral", "llama_lora"])
 def test_orpo_forward_routed_equals_trls(family, tmp_path, monkeypatch):
     """The routed forward's five results and every gradient equal TRL's own method on the same batch (fp32,
     within 1e-5); the fused call runs TRL's chunked op inside effpass's graph (counted by the pass and in the
-    report), and the logits are never returned."""
+    report), and the logits are never returned. ``llama_lora``: adapters on q/v (the head frozen), TRL's method
+    run on the same compiled model as the reference (its unfused path returns the logits)."""
     monkeypatch.setattr(_trl_kernels, "CALLS", {"forward": 0, "backward": 0})
     torch._dynamo.reset()
-    base = _model(family)
+    base = _model(family.split("_")[0])
     ref = copy.deepcopy(base)
-    model = effpass.compile(base, lowering="eager")
+    if family == "llama_lora":
+        model = effpass.compile(base, passes=[InjectLoRA(rank=4, init="gaussian", targets=["*.q_proj", "*.v_proj"]),
+                                              FuseAttention(), FuseCrossEntropy()], lowering="eager")
+        ref = model
+    else:
+        model = effpass.compile(base, lowering="eager")
     assert _trl_orpo.route() and orpo.ORPOTrainer.concatenated_forward is _trl_orpo.concatenated_forward
     tr = _trainer(model, tmp_path)
     batch = next(iter(tr.get_train_dataloader()))
@@ -82,12 +88,13 @@ def test_orpo_forward_routed_equals_trls(family, tmp_path, monkeypatch):
     for a, b in zip(want, got):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     assert set(got_g) == set(want_g) and len(got_g) > 0
+    assert family != "llama_lora" or all("lora" in n for n in got_g), sorted(got_g)
     for n in want_g:
         torch.testing.assert_close(got_g[n], want_g[n], rtol=1e-5, atol=1e-7, msg=n)
     # structural: TRL's op ran forward and backward in the graph; the routed call returned no logits
     rep = effpass.report(model)
     assert rep.stats("fuse_cross_entropy")["trl_logprob_sites"] >= 1
-    assert _trl_kernels.CALLS == {"forward": 1, "backward": 1}, _trl_kernels.CALLS
+    assert _trl_kernels.CALLS == {"forward": 1, "backward": 1}, _trl_kernels.CALLS  # the reference's run: unfused
     assert rep.module.notes["trl_orpo"] == {"fused_calls": 1, "unfused_calls": 0, "reasons": []}
     assert got[2].dim() == 0 and got[3].dim() == 0
 
@@ -135,6 +142,13 @@ def test_orpo_unrouted_cases_run_trls_method_and_say_why(tmp_path):
     torch.testing.assert_close(got[0], want[0])
     notes = effpass.report(m2).module.notes["trl_orpo"]
     assert notes["unfused_calls"] == 1 and "labels differ from the input ids" in notes["reasons"][0]
+
+    m3 = effpass.compile(_model("llama"), passes=[InjectLoRA(rank=4, init="gaussian", targets=["lm_head", "*.q_proj"]),
+                                                  FuseCrossEntropy()], lowering="eager")
+    tr4 = _trainer(m3, tmp_path / "headlora")
+    assert tr4.concatenated_forward(m3, batch)[2].dim() == 3
+    notes = effpass.report(m3).module.notes["trl_orpo"]
+    assert notes["fused_calls"] == 0 and "LoRA adapter on the output head" in notes["reasons"][0], notes
 
     plain = _model("llama")
     tr3 = _trainer(plain, tmp_path / "plain")

@@ -29,7 +29,7 @@ In fp32 the results equal the unfused ones up to summation order (tested within 
 in fp32 where the unfused loss rounds the logits to bf16. Anything else runs TRL's own method unchanged, and
 every batch that does says why in the model's report (``module.notes["trl_orpo"]``): an encoder-decoder model,
 a model not compiled by effpass or compiled without ``fuse_cross_entropy`` (the opt-out), labels that differ
-from the input ids on an answer token, or TRL without ``add_fused_lm_head``.
+from the input ids on an answer token, a LoRA adapter on the output head, or TRL without ``add_fused_lm_head``.
 """
 from __future__ import annotations
 
@@ -91,6 +91,10 @@ def _why_not(trainer, model) -> tuple[str | None, Any]:
         return "the model is not compiled by effpass", None
     if "fuse_cross_entropy" not in [p.name for p in be.manager.active] + [p.name for p in be.extra_passes]:
         return "the model's effpass pipeline has no fuse_cross_entropy (the logits are kept on request)", None
+    from ._trl_kernels import head_has_adapter
+
+    if head_has_adapter(inner):
+        return "a LoRA adapter on the output head (TRL's fused head reads lm_head.weight: it would not be trained)", None
     utils = sys.modules.get("trl.trainer.utils")
     if getattr(utils, "add_fused_lm_head", None) is None:
         return "this TRL has no trl.trainer.utils.add_fused_lm_head", None

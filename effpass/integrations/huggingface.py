@@ -295,8 +295,9 @@ def _check_trl_fused_head(model) -> None:
         obj = getattr(obj, "model_forward", None) or getattr(obj, "__wrapped__", None) or getattr(obj, "func", None)
     if not fused:
         return
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is not None and hasattr(head, "lora_A") and hasattr(head, "base_layer"):
+    from ._trl_kernels import head_has_adapter
+
+    if head_has_adapter(model):
         raise ValueError("TRL's SFTTrainer computes the loss from lm_head.weight directly (its fused LM head), so a "
                          "LoRA adapter on lm_head would never be trained; leave it out: "
                          "InjectLoRA(..., exclude=['lm_head']) or targets that do not match 'lm_head'")
