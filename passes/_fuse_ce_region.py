@@ -206,11 +206,17 @@ def find_regions(graph: fx.Graph, model, done: set) -> tuple[list[Region], list[
     skipped: list[dict] = []
     # 1. entries: the inputs of seeds (log_softmax / softmax / logsumexp over the last dim) that walk back to a
     #    projection
+    #    NOTE(reduction seeds): a reduction over the vocabulary of a head's logits with no softmax at all (a mean
+    #    logit per token, logged as a metric, e.g. by TRL's ORPO; a max) is a seed too, so the head is not kept
+    #    whole for it after its log-probs are fused; it only seeds where it walks back to a projection
     entries: dict[fx.Node, Site] = {}
     for n in graph.nodes:
-        if n in done or not (_is_fn(n, SEED_FNS) or _is_method(n, SEED_METHODS)):
+        reduction = _is_fn(n, _ROW_REDUCE_FNS - _LSE) or _is_method(n, _ROW_REDUCE_METHODS - {"logsumexp"})
+        if n in done or not (_is_fn(n, SEED_FNS) or _is_method(n, SEED_METHODS) or reduction):
             continue
         src = n.args[0] if n.args else None
+        if reduction and _is_method(src, {"detach"}):
+            src = src.args[0]  # a metric of detached logits: the detach is a member of the region
         if not isinstance(src, fx.Node) or src in entries:
             continue
         sv = _val(src)
@@ -219,7 +225,7 @@ def find_regions(graph: fx.Graph, model, done: set) -> tuple[list[Region], list[
         try:
             site = walk(src, n, model)
         except Skip as e:
-            if "graph input" in str(e) or "not a cast" in str(e):
+            if reduction or "graph input" in str(e) or "not a cast" in str(e):
                 continue  # not a projection's logits (attention scores, a router's, ...) or not reachable
             skipped.append({"node": n, "reason": str(e)})
             continue

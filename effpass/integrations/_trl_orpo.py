@@ -12,11 +12,13 @@ materialised whatever the graph passes do), then computes from them
   (``.detach().mean()``).
 
 Each of these is a per-token function of the log-probability of the next input token or of the mean logit at
-that token. TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``, the kernel its DPO, KTO and GRPO
-trainers use, which effpass runs as an opaque custom op) computes exactly these per token in tiles, without the
-logits. :func:`route` replaces ``ORPOTrainer.concatenated_forward`` by :func:`concatenated_forward`, which, for a
-model compiled by effpass whose pipeline fuses the loss (``fuse_cross_entropy``), asks the model for them
-(``labels=input_ids``: every position scored, as the unfused logits are) and rebuilds the same five results:
+that token. :func:`route` replaces ``ORPOTrainer.concatenated_forward`` by :func:`concatenated_forward`, which, for a
+model compiled by effpass whose pipeline fuses the loss (``fuse_cross_entropy``), calls the model with
+``effpass_token_logprobs=input_ids``: the model's ``forward`` (wrapped once per instance, :func:`_install`) then
+returns, instead of the logits, ``log_softmax(logits[:, :-1]).gather(next ids)`` and ``logits[:, :-1].mean(-1)``
+(detached), computed in the compiled graph, where ``fuse_cross_entropy`` turns them into its chunked log-prob and
+row-wise ops (the logits never exist, whatever the head: tied, soft-capped, LoRA, quantized). The routed method
+rebuilds the same five results with the trainer's masks:
 
 * ``chosen_nll_loss = -sum(logp * attended) / sum(attended)`` over the chosen rows (what ``CrossEntropyLoss``
   with ``ignore_index=-100`` computes);
@@ -25,15 +27,18 @@ model compiled by effpass whose pipeline fuses the loss (``fuse_cross_entropy``)
 * the two metrics as 0-d tensors: the mean over rows and positions of the per-token mean logit (every token
   has ``V`` logits, so the mean of the means is the mean).
 
-In fp32 the results equal the unfused ones up to summation order (tested within 1e-5); in bf16 the kernel works
-in fp32 where the unfused loss rounds the logits to bf16. Anything else runs TRL's own method unchanged, and
-every batch that does says why in the model's report (``module.notes["trl_orpo"]``): an encoder-decoder model,
-a model not compiled by effpass or compiled without ``fuse_cross_entropy`` (the opt-out), labels that differ
-from the input ids on an answer token, a LoRA adapter on the output head, or TRL without ``add_fused_lm_head``.
+In fp32 the results equal TRL's method up to summation order (tested within 1e-5); in bf16 the log-probs are
+taken in fp32 where TRL's method rounds the logits to bf16 first. Anything else runs TRL's own method unchanged,
+and every batch that does says why in the model's report (``module.notes["trl_orpo"]``): an encoder-decoder
+model, a model not compiled by effpass or compiled without ``fuse_cross_entropy`` (the opt-out: the logits are
+kept), or labels that differ from the input ids on an answer token. Whether the graph's sites were fused is the
+pass's own statistics (``logprob_sites``, ``rowwise_sites``), as for any loss.
 """
 from __future__ import annotations
 
+import functools
 import sys
+import types
 from typing import Any
 
 import torch
@@ -41,7 +46,6 @@ import torch
 __all__ = ["route", "routed", "concatenated_forward", "note"]
 
 _MODULE = "trl.experimental.orpo.orpo_trainer"
-_HEAD_OUTPUTS = ("log_probs", "mean_logits")
 _STATE: dict[str, Any] = {"original": None, "cls": None}
 
 
@@ -74,7 +78,7 @@ def _backend(model):
 
 
 def _unwrap(trainer, model):
-    """The Hugging Face model under accelerate's and PEFT's wrappers (where TRL patches its fused head)."""
+    """The Hugging Face model under accelerate's and PEFT's wrappers (whose ``forward`` :func:`_install` wraps)."""
     acc = getattr(trainer, "accelerator", None)
     inner = acc.unwrap_model(model) if acc is not None else model
     get_base = getattr(inner, "get_base_model", None)
@@ -84,30 +88,49 @@ def _unwrap(trainer, model):
 def _why_not(trainer, model) -> tuple[str | None, Any]:
     """Why this call cannot be routed (None when it can), and the model to patch."""
     if getattr(trainer, "is_encoder_decoder", False):
-        return "encoder-decoder model (the fused head is for causal LMs)", None
+        return "an encoder-decoder model (its labels are the decoder's; only causal LMs are routed)", None
     inner = _unwrap(trainer, model)
     be = next((b for b in map(_backend, (inner, model)) if b is not None), None)
     if be is None:
         return "the model is not compiled by effpass", None
     if "fuse_cross_entropy" not in [p.name for p in be.manager.active] + [p.name for p in be.extra_passes]:
         return "the model's effpass pipeline has no fuse_cross_entropy (the logits are kept on request)", None
-    from ._trl_kernels import head_has_adapter
-
-    if head_has_adapter(inner):
-        return "a LoRA adapter on the output head (TRL's fused head reads lm_head.weight: it would not be trained)", None
-    utils = sys.modules.get("trl.trainer.utils")
-    if getattr(utils, "add_fused_lm_head", None) is None:
-        return "this TRL has no trl.trainer.utils.add_fused_lm_head", None
     return None, inner
 
 
+def _install(model) -> None:
+    """Wrap ``model.forward`` (this instance) so that ``effpass_token_logprobs=ids`` returns ``(log-probs of the
+    next ids, mean logit per position (detached), aux_loss or None)`` instead of the output; without it the
+    forward is the original one."""
+    if getattr(model, "_effpass_token_logprobs", False):
+        return
+    original = model.forward
+    # NOTE(self): the original is called as a function of this method's ``self``, so Dynamo reaches the modules as
+    # ``self.<path>`` (a bound method held in a closure would give them other paths, and the pass could not find
+    # the head's module, e.g. a LoRA head's adapter)
+    func = getattr(original, "__func__", None) if getattr(original, "__self__", None) is model else None
+
+    @functools.wraps(type(model).forward)
+    def forward(self, *args, effpass_token_logprobs=None, **kwargs):
+        out = func(self, *args, **kwargs) if func is not None else original(*args, **kwargs)
+        if effpass_token_logprobs is None:
+            return out
+        logits = out.logits[:, :-1, :].float()
+        nxt = effpass_token_logprobs[:, 1:].unsqueeze(-1)
+        logp = logits.log_softmax(-1).gather(-1, nxt).squeeze(-1)
+        return logp, logits.detach().mean(-1), getattr(out, "aux_loss", None)
+
+    model.forward = types.MethodType(forward, model)
+    model._effpass_token_logprobs = True
+
+
 def note(trainer, model, key: str, why: str | None = None) -> None:
-    """Count a routed (``fused_calls``) or unrouted (``unfused_calls``, with its reason) call in the report of
+    """Count a routed (``routed_calls``) or unrouted (``unrouted_calls``, with its reason) call in the report of
     the effpass-compiled model among ``model`` and what it wraps (nothing for a model effpass did not compile)."""
     for m in (model, _unwrap(trainer, model)):
         be = _backend(m)
         if be is not None:
-            notes = be.report.module.notes.setdefault("trl_orpo", {"fused_calls": 0, "unfused_calls": 0,
+            notes = be.report.module.notes.setdefault("trl_orpo", {"routed_calls": 0, "unrouted_calls": 0,
                                                                   "reasons": []})
             notes[key] += 1
             if why and why not in notes["reasons"]:
@@ -116,7 +139,7 @@ def note(trainer, model, key: str, why: str | None = None) -> None:
 
 
 def concatenated_forward(self, model, batch):
-    """``ORPOTrainer.concatenated_forward`` with the same results, from TRL's fused LM head (module doc)."""
+    """``ORPOTrainer.concatenated_forward`` with the same results, without the logits (module doc)."""
     why, inner = _why_not(self, model)
     if why is None:
         batch_in = self.concatenated_inputs(batch, is_encoder_decoder=False, padding_value=self.padding_value,
@@ -128,18 +151,12 @@ def concatenated_forward(self, model, batch):
         if labels.shape != ids.shape or not torch.equal(labels[:, 1:][answer], ids[:, 1:][answer]):
             why = "the labels differ from the input ids on an answer token (one projection cannot score both)"
     if why is not None:
-        note(self, model, "unfused_calls", why)
+        note(self, model, "unrouted_calls", why)
         return _STATE["original"](self, model, batch)
 
-    if not getattr(inner, "_effpass_orpo_head", False):
-        # TRL's own head (what its DPO/KTO/GRPO trainers add), asked for the two per-token fields ORPO needs
-        sys.modules["trl.trainer.utils"].add_fused_lm_head(inner, outputs=_HEAD_OUTPUTS)
-        inner._effpass_orpo_head = True
+    _install(inner)
     kwargs = {"output_router_logits": True} if self.aux_loss_enabled else {}
-    # labels = the input ids everywhere: every position is scored, as the unfused logits are (the masks below
-    # choose which positions count for each result)
-    out = model(ids, attention_mask=attn, use_cache=False, labels=ids, fused_lm_head=True, **kwargs)
-    logp, mean_logits = out.log_probs, out.mean_logits
+    logp, mean_logits, aux_loss = model(ids, attention_mask=attn, use_cache=False, effpass_token_logprobs=ids, **kwargs)
     len_chosen = batch["chosen_labels"].shape[0]
     attended = (attn[:, 1:] == 1).to(logp.dtype)
     chosen_nll_loss = -(logp[:len_chosen] * attended[:len_chosen]).sum() / attended[:len_chosen].sum()
@@ -148,6 +165,6 @@ def concatenated_forward(self, model, batch):
     with torch.no_grad():
         chosen_logits = mean_logits[:len_chosen].mean()
         rejected_logits = mean_logits[len_chosen:].mean()
-    note(self, model, "fused_calls")
+    note(self, model, "routed_calls")
     res = (all_logps[:len_chosen], all_logps[len_chosen:], chosen_logits, rejected_logits, chosen_nll_loss)
-    return res + (out.aux_loss,) if self.aux_loss_enabled else res
+    return res + (aux_loss,) if self.aux_loss_enabled else res

@@ -4,7 +4,7 @@
 model itself (same class, ``forward`` signature, ``config``, ``save_pretrained``, ``generate``). For a
 ``transformers.PreTrainedModel`` it also calls :func:`attach`, which gives that one model instance (no
 class, no library code is patched, except TRL's ``ORPOTrainer.concatenated_forward`` when TRL's ORPO module is
-loaded: ``_trl_orpo`` routes it through TRL's fused head for effpass-compiled models, TRL's method otherwise):
+loaded: ``_trl_orpo`` routes it through fused log-probs for effpass-compiled models, TRL's method otherwise):
 
 * **gradient checkpointing** taken over: ``model.gradient_checkpointing_enable()`` /
   ``activation_checkpointing_enable()`` (what ``Trainer`` calls for ``gradient_checkpointing=True``, TRL's
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["attach", "set_hf_loss_type", "check_training_args", "allow_trl_kernels", "EffpassCallback", "HF_CHECKPOINT_POLICY", "is_effpass_compiled"]
+__all__ = ["attach", "set_hf_loss_type", "install_output_capturing_hooks", "check_training_args", "allow_trl_kernels", "EffpassCallback", "HF_CHECKPOINT_POLICY", "is_effpass_compiled"]
 
 #: the checkpoint_activations options used when Hugging Face gradient checkpointing is turned on
 HF_CHECKPOINT_POLICY = {"policy": "full"}
@@ -89,12 +89,48 @@ def attach(model: torch.nn.Module) -> bool:
     for name in ("gradient_checkpointing_disable", "activation_checkpointing_disable"):
         setattr(model, name, types.MethodType(_checkpointing_disable, model))
     model.save_pretrained = types.MethodType(_save_pretrained, model)
+    model.enable_input_require_grads = types.MethodType(_enable_input_require_grads, model)
+    if getattr(model, "_require_grads_hooks", None) and hasattr(model, "disable_input_require_grads"):
+        model.disable_input_require_grads()  # installed before effpass.compile: dropped for the same reason
+        _note_input_require_grads(model)
     set_hf_loss_type(model)
+    install_output_capturing_hooks(model)
     _install_first_call_check(model)
-    from . import _trl_orpo  # TRL's ORPOTrainer through TRL's fused head, when its module is loaded
+    from . import _trl_orpo  # TRL's ORPOTrainer without logits, when its module is loaded
 
     _trl_orpo.route()
     return True
+
+
+def install_output_capturing_hooks(model: torch.nn.Module) -> list[str]:
+    """Install transformers' output-capturing hooks now, on the Hugging Face models in ``model`` whose config
+    asks for a captured output (``output_router_logits``: MoE load-balancing losses; ``output_hidden_states``,
+    ``output_attentions``); returns their names.
+
+    transformers 5 installs these hooks lazily, on the first forward that asks for them, under a
+    ``threading.Lock``. Traced by Dynamo, that is a graph break (an unsupported context manager, then hook
+    registration) in the middle of the model, and the graphs are cached with it: every call of an MoE model
+    whose config asks for router logits then ran in pieces, with the head and the loss in a graph of their own
+    (nothing fused there). Installing them before the first call, as that call would, keeps one graph.
+    Feature-tested: nothing happens with a transformers without ``maybe_install_capturing_hooks``."""
+    mod = sys.modules.get("transformers.utils.output_capturing")
+    install = getattr(mod, "maybe_install_capturing_hooks", None)
+    registry = getattr(mod, "_CAN_RECORD_REGISTRY", None)
+    pretrained = _pretrained_class()
+    if install is None or registry is None or pretrained is None:
+        return []
+    done = []
+    for name, m in model.named_modules():
+        if not isinstance(m, pretrained) or getattr(m, "_output_capturing_hooks_installed", False):
+            continue
+        try:
+            flags = registry.get(m) or {}
+        except Exception:  # noqa: BLE001 - a model outside the registry: nothing to install
+            continue
+        if any(getattr(m.config, f"output_{k}", False) for k in flags):
+            install(m)
+            done.append(name or type(m).__name__)
+    return done
 
 
 def set_hf_loss_type(model: torch.nn.Module) -> list[str]:
@@ -155,6 +191,26 @@ def _recompile(model, extra_passes: tuple) -> None:
     new.manager = new._make_manager(old.options.passes)
     compile_in_place(model, new, **getattr(model, "_effpass_compile_kwargs", {}))
     _install_first_call_check(model)
+
+
+def _note_input_require_grads(model) -> None:
+    be = _backend(model)
+    if be is not None:
+        be.report.module.notes["input_require_grads"] = (
+            "not installed: effpass's checkpointing recomputes inside the compiled graph and needs no embedding "
+            "output that requires grad; the hook (Tensor.requires_grad_ on an intermediate) breaks the graph")
+
+
+def _enable_input_require_grads(self):
+    """What PEFT and TRL call with gradient checkpointing on a frozen embedding (``enable_input_require_grads``):
+    a forward hook that makes the embeddings' output require grad, so that ``torch.utils.checkpoint``'s reentrant
+    form, which only differentiates through inputs that require grad, reaches the adapters. effpass takes over
+    gradient checkpointing with its own pass, which recomputes inside the compiled graph and needs no such input;
+    the hook itself (``Tensor.requires_grad_`` on an intermediate) is a graph break under Dynamo, which split the
+    model and could put the head and the loss in different graphs (nothing fused). So for an effpass-compiled
+    model it installs nothing; every parameter's gradient is the same (tested), and the report says so
+    (``module.notes["input_require_grads"]``)."""
+    _note_input_require_grads(self)
 
 
 def _checkpointing_enable(self, gradient_checkpointing_kwargs=None, activation_checkpointing_kwargs=None,
@@ -322,7 +378,7 @@ def _check_calling_trainer(model) -> None:
             check_training_args(obj.args, model)
             if late_orpo and isinstance(obj, _trl_orpo._STATE["cls"]):
                 # this call is already inside TRL's own method: routed from the next step on
-                _trl_orpo.note(obj, model, "unfused_calls", "trl.experimental.orpo was imported after "
+                _trl_orpo.note(obj, model, "unrouted_calls", "trl.experimental.orpo was imported after "
                                "effpass.compile: the first step ran TRL's own method (import it first)")
             return
         frame = frame.f_back
