@@ -1,4 +1,4 @@
-"""TRL's ``ORPOTrainer`` without logits: its forward routed through TRL's own fused LM head.
+"""TRL's ``ORPOTrainer`` without logits: its trainer-side forward routed to log-probs that effpass fuses.
 
 ``ORPOTrainer.concatenated_forward`` (``trl.experimental.orpo``) is trainer code, not the model's forward: it
 calls ``model(...)``, takes ``outputs.logits`` (the full ``(2B, S, V)`` logits, a compiled graph's output, so
