@@ -75,15 +75,20 @@ class SeqLoss(nn.Module):
         return (per_example(per_tok) / per_example(torch.ones_like(lp))).mean(), per_example(lp)
 
 
-def pair(policy: nn.Module, kind: str, seed: int = 0) -> SeqLoss:
-    """``SeqLoss`` of ``policy`` (training mode) and a perturbed frozen copy as the reference."""
-    policy = policy.train()
-    ref = copy.deepcopy(policy).eval().requires_grad_(False)
+def frozen_copy(model: nn.Module, seed: int = 0) -> nn.Module:
+    """A perturbed, frozen copy of ``model`` in eval mode: a reference or a teacher."""
+    ref = copy.deepcopy(model).eval().requires_grad_(False)
     g = torch.Generator().manual_seed(seed + 7)
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=g))
-    return SeqLoss(policy, ref, kind)
+    return ref
+
+
+def pair(policy: nn.Module, kind: str, seed: int = 0) -> SeqLoss:
+    """``SeqLoss`` of ``policy`` (training mode) and a perturbed frozen copy as the reference."""
+    policy = policy.train()
+    return SeqLoss(policy, frozen_copy(policy, seed), kind)
 
 
 def examples(lens, vocab: int, seed: int = 1) -> list[torch.Tensor]:

@@ -23,7 +23,7 @@ from effpass.passes import FuseAttention, FuseCrossEntropy, InjectLoRA, PackSequ
 from effpass.testing import dynamo_counters
 
 from _families import VOCAB, family_case
-from _vocab_losses import SelfLM, examples, packed, padded, pair
+from _vocab_losses import SelfLM, examples, frozen_copy, packed, padded, pair
 
 LENGTHS = ((5, 9, 6, 8), (7, 11, 4, 9), (3, 4, 5, 6))   # 4 examples (2 DPO pairs / 4 GRPO completions) per row
 
@@ -150,11 +150,7 @@ class _Distill(torch.nn.Module):
 
 def test_packed_distillation_reductions_of_everything_fuse_once():
     student = SelfLM(VOCAB).train()
-    teacher = copy.deepcopy(student).eval().requires_grad_(False)
-    with torch.no_grad():
-        for p in teacher.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
-    model = _Distill(student, teacher)
+    model = _Distill(student, frozen_copy(student))
     compiled, unfused, unfused_model, batches = _fused_and_unfused(model)
     wants = []
     for ids, _, pos in batches:   # the unfused packed step first: counted apart from the fused model's frame

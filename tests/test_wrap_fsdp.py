@@ -835,7 +835,7 @@ def test_wrap_fsdp_fuses_a_packed_distillation_after_the_teachers_boundary(tmp_p
     row block by row block: the student's head is fused (row-wise, symbolic rows), loss and every gradient within
     1e-5 of the unfused packed step."""
     from _families import VOCAB
-    from _vocab_losses import SelfLM, examples, packed
+    from _vocab_losses import SelfLM, examples, frozen_copy, packed
     from effpass.passes import FuseAttention, FuseCrossEntropy, PackSequences
 
     class Distill(torch.nn.Module):
@@ -852,11 +852,7 @@ def test_wrap_fsdp_fuses_a_packed_distillation_after_the_teachers_boundary(tmp_p
             return kl + 0.1 * (ls.exp() * ls).mean()
 
     student = SelfLM(VOCAB).train()
-    teacher = copy.deepcopy(student).eval().requires_grad_(False)
-    with torch.no_grad():
-        for p in teacher.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
-    model = Distill(student, teacher)
+    model = Distill(student, frozen_copy(student))
     ref = copy.deepcopy(model)
     torch._dynamo.reset()
     unfused = effpass.compile(ref, passes=[FuseAttention(), PackSequences()], lowering="eager", dump_dir=None)
