@@ -159,3 +159,23 @@ def test_orpo_unrouted_cases_run_trls_method_and_say_why(tmp_path):
     plain = _model("llama")
     tr3 = _trainer(plain, tmp_path / "plain")
     assert tr3.concatenated_forward(plain, batch)[2].dim() == 3
+
+
+def test_orpo_routed_under_bf16_autocast(tmp_path):
+    """Under bf16 autocast (what the Trainer enters with ``bf16=True``) the routed call is fused with bf16 matmuls in
+    the ops and agrees with TRL's method within bf16 rounding (TRL's rounds the logits to bf16 first: 1e-2)."""
+    torch._dynamo.reset()
+    base = _model("llama")
+    ref = copy.deepcopy(base)
+    model = effpass.compile(base, lowering="eager")
+    tr = _trainer(model, tmp_path)
+    batch = next(iter(tr.get_train_dataloader()))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = _trl_orpo._STATE["original"](tr, ref, batch)
+        got = tr.concatenated_forward(model, batch)
+    for i, (a, b) in enumerate(zip(want, got)):
+        a = a.detach().float().mean() if a.dim() == 3 else a.detach().float()
+        torch.testing.assert_close(b.detach().float(), a, rtol=1e-2, atol=1e-3, msg=f"result {i}")
+    st = next(r.stats for r in effpass.report(model).records("fuse_cross_entropy")
+              if r.phase == "torch_ir" and r.stats.get("logprob_sites"))
+    assert st["logprob_sites"] == 1 and st["rowwise_sites"] == 1 and st["low_precision_matmuls"] == 2, st
