@@ -268,13 +268,21 @@ PUBLISHED = {
 
 
 def maxseq(modes=("full", "lora", "qlora"), budgets=(24, 48, 80), step=1024, probes=(16384, 32768),
-           lossless_pipeline=True):
-    """The longest sequence (batch 1) of Llama-3.1-8B that the planner predicts fits each budget, per mode."""
+           lossless_pipeline=True, resume=False, screen=True):
+    """The longest sequence (batch 1) of Llama-3.1-8B that the planner predicts fits each budget, per mode.
+    ``resume``: keep the rows of the results file and run only the (mode, budget) pairs it lacks."""
     from effpass.planning.cli import LORA_TARGETS, model_from_config
     from effpass.planning.planner import MemoryBudgetError, plan_max_seq
 
     rows = []
+    path = os.path.join(RESULTS, "memory_plan_maxseq_llama31_8b.json")
+    if resume and os.path.exists(path):
+        with open(path) as f:
+            rows = json.load(f)["rows"]
+    done = {(r["mode"], r["budget_gib"]) for r in rows}
     for mode in modes:
+        if all((mode, gib) in done for gib in budgets):
+            continue
         model = model_from_config(dict(LLAMA_31_8B))
         pipeline = []
         if lossless_pipeline:  # the lossless long-sequence passes fixed: the planner varies what is left
@@ -296,10 +304,12 @@ def maxseq(modes=("full", "lora", "qlora"), budgets=(24, 48, 80), step=1024, pro
 
         cache: dict = {}
         for gib in budgets:
+            if (mode, gib) in done:
+                continue
             t0 = time.perf_counter()
             try:
                 res = plan_max_seq(model, make_inputs, f"{gib}GiB", passes=pipeline, step=step, probes=probes,
-                                   lowering="eager", _cache=cache)
+                                   lowering="eager", screen=screen, _cache=cache)
                 row = dict(mode=mode, budget_gib=gib, seq=res.seq, plan=res.plan.chosen.name,
                            pipeline=[p.name for p in res.plan.passes], peak=res.plan.peak_bytes,
                            next_peak=res.next_peak, replays=res.replays, fits=[list(f[:4]) for f in res.fits],
@@ -310,6 +320,7 @@ def maxseq(modes=("full", "lora", "qlora"), budgets=(24, 48, 80), step=1024, pro
                            replays=[], fits=[], notes=[])
             row["seconds"] = round(time.perf_counter() - t0, 1)
             row["load"] = os.getloadavg()[0]
+            row["screen"] = screen
             print(row, flush=True)
             rows.append(row)
             _write_maxseq(rows, step, probes)
@@ -323,13 +334,17 @@ def _write_maxseq(rows, step, probes):
           f"(no CUDA caching-allocator rounding; activation offload, a CUDA-only option, is not among the "
           f"candidates of a CPU plan), answer in steps of {step} tokens, probes {list(probes)}. Pipeline given: "
           f"fuse_attention + checkpoint_activations(full) + fuse_cross_entropy + tile_sequence(4096) (+ LoRA r=16 on all 7 "
-          f"projections; + NF4 base for QLoRA, head in bf16); the planner adds step_in_backward where it helps.\n",
+          f"projections; + NF4 base for QLoRA, head in bf16); the planner adds step_in_backward where it helps. "
+          f"`seconds`: wall time of the row's plan_max_seq call, one process (EFFPASS_PLAN_WORKERS=1) on the "
+          f"shared 2-core CPU, 1-minute load average in brackets; a mode's first budget replays the probes, later "
+          f"ones reuse them; 'screened': search on two-depth figures, the answering pair confirmed at three "
+          f"(plan_max_seq(screen=True)), else three depths for every figure.\n",
           "| mode | budget | longest sequence (predicted) | plan added | predicted peak | at +1 step | published (80 GB) | seconds (load) |",
           "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         md.append(f"| {r['mode']} | {r['budget_gib']} GiB | {r['seq']:,} | {r['plan']} | {format_bytes(r['peak'])} | "
                   f"{format_bytes(r['next_peak']) if r['next_peak'] else '-'} | "
-                  f"{PUBLISHED[r['mode']] if r['budget_gib'] == 80 else ''} | {r['seconds']} ({r['load']:.0f}) |")
+                  f"{PUBLISHED[r['mode']] if r['budget_gib'] == 80 else ''} | {r['seconds']} ({r['load']:.0f}{', screened' if r.get('screen') else ''}) |")
     _write("maxseq_llama31_8b", {"header": header(), "rows": rows}, "\n".join(md) + "\n")
 
 
@@ -345,6 +360,7 @@ if __name__ == "__main__":
         table()
     elif what == "maxseq":
         modes = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--modes=")), None)
-        maxseq(modes=modes or ("full", "lora", "qlora"))
+        maxseq(modes=modes or ("full", "lora", "qlora"), resume="--resume" in sys.argv,
+               screen="--no-screen" not in sys.argv)
     else:
         raise SystemExit(f"unknown section {what!r}; choose accuracy, budget or table")

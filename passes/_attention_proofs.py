@@ -161,7 +161,8 @@ _TILE_FUNCTIONS = {"le", "lt", "ge", "gt", "eq", "ne", "and_", "or_", "xor", "in
 _TILE_METHODS = _TILE_FUNCTIONS | {"to", "bool", "float", "half", "bfloat16", "int", "long", "type", "contiguous",
                                    "expand", "__and__", "__or__", "__invert__", "__xor__", "masked_fill_"}
 
-#: the largest Sq * Sk a mask is evaluated for (about 46K tokens; time grows with it, memory does not)
+#: the largest Sq * Sk a mask is evaluated by row tiles for (about 46K tokens; time grows with it, memory does not);
+#: a mask proven by rows and columns (:func:`_separable_causal`) needs no evaluation, at any length
 MAX_SDPA_MASK_ELEMENTS = 1 << 31
 _TILE_ELEMENTS = 1 << 22
 
@@ -173,13 +174,21 @@ def sdpa_mask_causal(mask: fx.Node, const: ConstEval, sq: int, sk: int) -> str |
     ``expand`` only); the smaller nodes they are computed from by :class:`ConstEval`."""
     if not (isinstance(sq, int) and isinstance(sk, int)) or sq != sk:
         return f"query/key lengths ({sq}, {sk}) are not one static length"
-    if sq * sk > MAX_SDPA_MASK_ELEMENTS:
-        return f"{sq} x {sk} mask is above the {MAX_SDPA_MASK_ELEMENTS:,}-element evaluation limit"
     index = {m: i for i, m in enumerate(mask.graph.nodes)}
     order = sorted(ancestors(mask), key=index.__getitem__)
     big = [n for n in order if _full_size(n, sq, sk)]
     if mask not in big:
         return "the mask is not (.., Sq, Sk)-sized"
+    # NOTE(any length): a mask that is a conjunction of comparisons of a per-row with a per-column value
+    # (transformers' ``kv_idx <= q_idx`` & ``packed[q] == packed[kv]``) is proven in O(S) time, at any length;
+    # before, masks over 2**31 elements (46,341 tokens) were kept, saved for backward (S^2 bytes: the 8B
+    # QLoRA plan's +4.5 GiB from 46,080 to 47,104 tokens)
+    why_sep = _separable_causal(mask, big, const, sq, sk)
+    if why_sep is None:
+        return None
+    if sq * sk > MAX_SDPA_MASK_ELEMENTS:
+        return (f"{sq} x {sk} mask is above the {MAX_SDPA_MASK_ELEMENTS:,}-element evaluation limit and not "
+                f"proven by rows and columns ({why_sep})")
     for n in big:
         name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
         if n.op not in ("call_function", "call_method") or name not in (
@@ -204,6 +213,110 @@ def sdpa_mask_causal(mask: fx.Node, const: ConstEval, sq: int, sk: int) -> str |
         if why is not None:
             return why
     return None
+
+
+#: comparisons ``op(a, b)`` and the same relation with the operands swapped
+_CMP_SWAP = {"le": "ge", "ge": "le", "lt": "gt", "gt": "lt", "eq": "eq"}
+_CMP_NAMES = {"__le__": "le", "__ge__": "ge", "__lt__": "lt", "__gt__": "gt", "__eq__": "eq"}
+_AND_NAMES = {"and_", "__and__", "logical_and", "bitwise_and"}
+_SAME_NAMES = {"to", "clone", "contiguous", "expand", "bool"}  # bool in, bool out: the same values
+
+
+def _separable_causal(mask: fx.Node, big: list, const: ConstEval, sq: int, sk: int) -> str | None:
+    """None when the bool mask is proven exactly causal as a conjunction of terms ``a[.., i] REL b[.., j]``
+    (REL one of <=, <, >=, >, ==; ``a`` a constant per query row, ``b`` per key column, leading dims broadcast)
+    and all-True constants, by prefix and suffix extremes of ``b``: O(S) time at any length. Else why not (the
+    caller then evaluates the mask by row tiles where it may). Sound, not complete: every term must hold on the
+    causal prefix ``j <= i`` of each row, and in each row some term must be false on every ``j > i``."""
+    big_set = set(big)
+    terms: list = []
+
+    def name_of(n):
+        name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+        return _CMP_NAMES.get(name, name)
+
+    def is_bool(n):
+        v = val(n)
+        return isinstance(v, torch.Tensor) and v.dtype == torch.bool
+
+    def walk(n) -> str | None:
+        if not isinstance(n, fx.Node) or n not in big_set:  # an operand of a conjunction: must be all True
+            v = const(n) if isinstance(n, fx.Node) else n
+            if isinstance(v, bool) and v or isinstance(v, torch.Tensor) and v.dtype == torch.bool and bool(v.all()):
+                return None
+            return "a conjunction operand is not an all-True constant"
+        if n.op not in ("call_function", "call_method") or not is_bool(n):
+            return f"{n.name} is not a bool elementwise op"
+        name = name_of(n)
+        if name in _AND_NAMES and len(n.args) == 2 and not n.kwargs:
+            return walk(n.args[0]) or walk(n.args[1])
+        if name in _SAME_NAMES:
+            src = n.args[0] if n.args else None
+            if not isinstance(src, fx.Node) or not is_bool(src):
+                return f"{n.name} ({name}) does not keep a bool mask"
+            return walk(src)
+        if name in _CMP_SWAP and len(n.args) == 2 and not n.kwargs:
+            if any(isinstance(a, fx.Node) and a in big_set for a in n.args):
+                return f"{n.name} compares (Sq, Sk)-sized values"
+            terms.append((name, n.args[0], n.args[1]))
+            return None
+        return f"{n.name} ({name}) is not a comparison or a conjunction"
+
+    why = walk(mask)
+    if why is not None:
+        return why
+    if not terms:
+        return "no comparison term"
+    contains, exact = [], []
+    for name, a, b in terms:
+        va, vb = (const(x) if isinstance(x, fx.Node) else x for x in (a, b))
+        if not all(isinstance(v, torch.Tensor) for v in (va, vb)):
+            return "a comparison operand is not a constant tensor"
+        kinds = [_orientation(v, sq, sk) for v in (va, vb)]
+        if kinds == ["col", "row"]:
+            va, vb, name = vb, va, _CMP_SWAP[name]
+        elif kinds != ["row", "col"]:
+            return f"a comparison of {kinds[0]} and {kinds[1]} values (not a query-row and a key-column value)"
+        dt = torch.promote_types(va.dtype, vb.dtype)
+        va, vb = va.to(dt), vb.to(dt)
+        if dt.is_floating_point and bool(va.isnan().any() | vb.isnan().any()):
+            return "a comparison operand holds NaN"
+        lead = torch.broadcast_shapes(va.shape[:-2], vb.shape[:-2])
+        x = va.expand(*lead, sq, 1)[..., 0]   # (.., S): the query row's value
+        y = vb.expand(*lead, 1, sk)[..., 0, :]  # (.., S): the key column's value
+        pmax, pmin = y.cummax(-1).values, y.cummin(-1).values
+        smax = y.flip(-1).cummax(-1).values.flip(-1)[..., 1:]  # over j > i, for i < S - 1
+        smin = y.flip(-1).cummin(-1).values.flip(-1)[..., 1:]
+        xs = x[..., :-1]
+        if name == "ge":    # y_j <= x_i
+            c, e = pmax <= x, smin > xs
+        elif name == "gt":  # y_j < x_i
+            c, e = pmax < x, smin >= xs
+        elif name == "le":  # y_j >= x_i
+            c, e = pmin >= x, smax < xs
+        elif name == "lt":  # y_j > x_i
+            c, e = pmin > x, smax <= xs
+        else:               # y_j == x_i
+            c, e = (pmin == x) & (pmax == x), (smin > xs) | (smax < xs)
+        last = torch.ones(*e.shape[:-1], 1, dtype=torch.bool)
+        contains.append(c)
+        exact.append(c & torch.cat([e, last], -1))
+    if not all(bool(c.all()) for c in contains):
+        return "a term is false somewhere on the causal triangle"
+    excluded = torch.zeros((), dtype=torch.bool)
+    for e in exact:
+        excluded = excluded | e
+    if not bool(excluded.all()):
+        return "no term is false on every key after the query in some row"
+    return None
+
+
+def _orientation(v: torch.Tensor, sq: int, sk: int) -> str:
+    """``row`` (.., Sq, 1), ``col`` (.., 1, Sk) or ``scalar`` (.., 1, 1): how a mask operand broadcasts; else
+    ``other``."""
+    shape = (1,) * max(0, 2 - v.dim()) + tuple(v.shape)
+    last = shape[-2:]
+    return {(sq, 1): "row", (1, sk): "col", (1, 1): "scalar"}.get(last, "other") if sq != 1 else "other"
 
 
 def _causal_rows(t: torch.Tensor, r0: int, r1: int, sk: int) -> str | None:

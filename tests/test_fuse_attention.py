@@ -138,7 +138,12 @@ class _MaskedSdpaLM(nn.Module):
                 "tril": lambda: torch.ones(n, n, dtype=torch.bool, device=ids.device).tril(),
                 "float": lambda: torch.full((n, n), float("-inf"), device=ids.device).triu(1),
                 "window": lambda: (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 4),
-                "none": lambda: torch.ones(n, n, dtype=torch.bool, device=ids.device)}[self.kind]()
+                "none": lambda: torch.ones(n, n, dtype=torch.bool, device=ids.device),
+                # per-row vs per-column comparisons (proven or refused without evaluating the S x S mask)
+                "one_segment": lambda: (i[None, :] <= i[:, None]) & ((i // n)[:, None] == (i // n)[None, :]),
+                "two_segments": lambda: (i[None, :] <= i[:, None]) & ((2 * i // n)[:, None] == (2 * i // n)[None, :]),
+                "shifted": lambda: i[None, :] <= i[:, None] + 1,
+                "upper": lambda: i[None, :] >= i[:, None]}[self.kind]()
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.head(a.transpose(1, 2).reshape(b, n, -1))
 
@@ -164,6 +169,70 @@ def test_self_written_sdpa_masks_proven_by_row_tiles(kind, causal, monkeypatch):
     assert (st["sdpa_mask_causal"], st["sdpa_mask_kept"]) == ((1, 0) if causal else (0, 1)), st
     if not causal:
         assert "not causal" in _skipped(compiled)[0]["reason"], _skipped(compiled)
+
+
+def _train_masked(kind):
+    torch.manual_seed(0)
+    model = _MaskedSdpaLM(kind)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(1))
+    compiled = effpass.compile(model, passes=[FuseAttention()], lowering="eager", strict=True)
+    out, want = compiled(ids), ref(ids)
+    out.square().mean().backward(), want.square().mean().backward()
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    for (n, p), (_, p0) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad, p0.grad, rtol=1e-5, atol=1e-6, msg=n)
+    return compiled
+
+
+@pytest.mark.parametrize("kind,causal", [("arange", True), ("one_segment", True), ("two_segments", False),
+                                         ("shifted", False), ("upper", False), ("window", False), ("tril", False)])
+def test_masks_proven_by_rows_and_columns_without_evaluating_them(kind, causal, monkeypatch):
+    """Comparisons of a per-query-row with a per-key-column value (transformers' ``kv <= q`` & packed-segment
+    equality) are proven causal in O(S), at any length: here with the (S x S) evaluation limit at 0, so that
+    nothing is evaluated by rows. Masks that are not causal (two segments, a shifted or upper triangle, a
+    window) or not of that form (``tril`` of ones) are kept, and say why; numerics equal eager either way."""
+    from effpass.passes import _attention_proofs
+
+    monkeypatch.setattr(_attention_proofs, "MAX_SDPA_MASK_ELEMENTS", 0)
+    compiled = _train_masked(kind)
+    st = effpass.report(compiled).stats("fuse_attention")
+    assert (st["sdpa_mask_causal"], st["sdpa_mask_kept"]) == ((1, 0) if causal else (0, 1)), st
+    if not causal:
+        reason = _skipped(compiled)[0]["reason"]
+        assert "evaluation limit" in reason and "not proven by rows and columns" in reason, reason
+        monkeypatch.undo()  # with the limit back, the row tiles decide: the same answer
+        st = effpass.report(_train_masked(kind)).stats("fuse_attention")
+        assert (st["sdpa_mask_causal"], st["sdpa_mask_kept"]) == ((1, 0) if kind == "tril" else (0, 1)), st
+
+
+def test_transformers_causal_mask_proven_past_the_evaluation_limit(monkeypatch):
+    """Llama's training mask (transformers 5: ``kv_idx <= q_idx`` & equal packed-sequence ids, expanded)
+    above the row-evaluation limit (set to 0 here; 2**31 elements, 46,341 tokens, by default): proven causal
+    from its rows and columns, so the (S x S) mask is no longer saved for backward. Exact bytes: the planner's
+    predicted peak is the same as with the mask evaluated by rows, and with the proof off (the mask kept, as
+    every Llama-3.1-8B plan past 46,341 tokens had it) it grows by the mask's bytes."""
+    from effpass.passes import _attention_proofs
+    from effpass.planning import estimate_memory
+
+    case = model_case("llama", attn="sdpa", train=True, batch=1, seq=SQUARE_LEN)
+    case.inputs["use_cache"] = False
+
+    def saved_and_peak():
+        est = estimate_memory(case.model, case.inputs, passes=[FuseAttention()], optimizer=None, lowering="eager")
+        return est.activations, est.peak_bytes
+
+    evaluated = saved_and_peak()
+    monkeypatch.setattr(_attention_proofs, "MAX_SDPA_MASK_ELEMENTS", 0)
+    saved, res = _sdpa_saved_square(copy.deepcopy(case), [FuseAttention()])
+    st = res.report.stats("fuse_attention")
+    assert st["sdpa_mask_causal"] == case.num_layers and st["sdpa_mask_kept"] == 0, st
+    assert saved == 0
+    assert saved_and_peak() == evaluated
+    monkeypatch.setattr(_attention_proofs, "_separable_causal", lambda *a: "off (this test)")
+    kept = saved_and_peak()
+    # the mask kept: saved for backward as the fp32 additive (S x S) mask SDPA's CPU kernel reads (4 bytes each)
+    assert kept[0] - evaluated[0] == 4 * SQUARE_LEN * SQUARE_LEN, (kept, evaluated)
 
 
 def test_llama_with_padding_mask_in_training():

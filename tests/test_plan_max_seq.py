@@ -273,3 +273,46 @@ def test_max_seq_nothing_fits_names_the_same_smallest_for_every_budget(monkeypat
                          probes=(1024, 2048))
         smallest.append((e.value.smallest, e.value.plan.name))
     assert smallest == [(900_000 + 600 * 64, "step in backward")] * 3
+
+
+@pytest.mark.slow  # ~40-100 s on the shared 2-core CPU: two searches with replays of 2-4 blocks
+def test_max_seq_screened_answer_equals_the_unscreened_one(monkeypatch):
+    """Depth extrapolation (a 5-block Llama, ``extrapolate=True``): with ``screen`` (the default) the probes and
+    the search use two-depth figures and only the answering pair is confirmed at the third depth; the answer,
+    its peak and the peak one step more equal the unscreened search's (every figure from three depths), and
+    both figures are confirmed ones. The unscreened search reuses the screened replays, completing each figure it
+    reads at the third depth (as the screened search does when a confirmed figure changes its verdict)."""
+    import effpass.planning.planner as planner
+
+    case = model_case("llama", seq=16, layers=5)
+    passes = [CheckpointActivations(policy="full"), FuseCrossEntropy(), TileSequence()]
+    kw = dict(passes=passes, optimizer=None, step=64, probes=(256, 512), max_len=4096, lowering="eager",
+              extrapolate=True)
+    budget = estimate_memory(case.model, _inputs(1000), passes=passes, optimizer=None, lowering="eager",
+                             extrapolate=True).peak_bytes
+    screens, confirmed = [], []
+    real_many, real_confirm = planner.estimate_many, planner.confirm_many
+
+    def spy_many(model, inputs, pipelines, optimizer, **k):
+        screens.append(k.get("screen"))
+        return real_many(model, inputs, pipelines, optimizer, **k)
+
+    def spy_confirm(model, inputs, *a, **k):
+        confirmed.append(inputs["input_ids"].shape[-1])
+        return real_confirm(model, inputs, *a, **k)
+
+    monkeypatch.setattr(planner, "estimate_many", spy_many)
+    monkeypatch.setattr(planner, "confirm_many", spy_confirm)
+    cache: dict = {}
+    res = plan_max_seq(case.model, _inputs, budget, _cache=cache, **kw)
+    assert set(screens) == {True} and sorted(confirmed) == [res.seq, res.seq + 64], (screens, confirmed)
+    assert not res.plan.chosen.estimate.provisional and res.plan.chosen.estimate.depths == [2, 3, 4]
+    provisional = sorted(s for (s, _), e in cache.items() if e.provisional)
+    assert provisional and res.seq not in provisional and res.seq + 64 not in provisional, provisional
+    screens.clear(), confirmed.clear()
+    # unscreened, on the same replays: every figure the search reads is completed at the third depth first
+    full = plan_max_seq(case.model, _inputs, budget, screen=False, _cache=cache, **kw)
+    assert set(screens) <= {False} and sorted(confirmed) == provisional, (screens, confirmed, provisional)
+    assert not any(e.provisional for e in cache.values())
+    assert (res.seq, res.plan.peak_bytes, res.next_peak) == (full.seq, full.plan.peak_bytes, full.next_peak)
+    assert res.seq == 960 and res.plan.peak_bytes <= budget < res.next_peak

@@ -871,8 +871,8 @@ def _neighbourhood(groups: dict, allowed_lossy: bool) -> list[tuple]:
 def plan_max_seq(model: torch.nn.Module, make_inputs, memory_budget, allow: Iterable[str] = (), passes=None,
                  optimizer: str | None = "adamw", world_size: int = 1, *, step: int = 1024,
                  probes: tuple = (8192, 16384, 32768), max_len: int = 1 << 24, min_len: int | None = None,
-                 device=None, loss_fn=None, max_replays: int = 12, _cache: dict | None = None,
-                 **compile_options) -> MaxSeqResult:
+                 device=None, loss_fn=None, max_replays: int = 12, screen: bool = True,
+                 _cache: dict | None = None, **compile_options) -> MaxSeqResult:
     """The longest sequence (a multiple of ``step``) whose predicted training-step peak fits ``memory_budget``,
     and the plan that fits it. ``make_inputs(seq)`` builds the step's inputs at a sequence length.
 
@@ -891,6 +891,12 @@ def plan_max_seq(model: torch.nn.Module, make_inputs, memory_budget, allow: Iter
        restricted, then the fewest FLOPs and options. Guarantee: that pair, by the planner's own replays;
        the peak is not proved monotonic in the length (candidates out of the running are not replayed at
        ``L + step``).
+
+    ``screen`` (models replayed by depth extrapolation): the probes and the search use figures predicted from
+    two depths (``estimate_many(screen=True)``, provisional); the answer's pair is then confirmed at the third
+    depth (every candidate fitting ``L`` and every one replayed at ``L + step``, :func:`confirm_many`). When a
+    confirmed figure changes the verdict, the search is run again without screening (the cached replays
+    confirmed as they are used), so the answer is always guaranteed by full-depth figures.
 
     Raises :class:`MemoryBudgetError` when even ``min_len`` (default ``step``) fits no candidate; it names the
     smallest peak among all of them there (every candidate is replayed at ``min_len``: the same for any budget).
@@ -952,16 +958,23 @@ def plan_max_seq(model: torch.nn.Module, make_inputs, memory_budget, allow: Iter
 
     cache: dict = {} if _cache is None else _cache
 
-    def replay_many(cs, seq):
-        """Estimates (or exceptions) of the candidates ``cs`` at ``seq``: one shared replay."""
+    def replay_many(cs, seq, full=not screen):
+        """Estimates (or exceptions) of the candidates ``cs`` at ``seq``: one shared replay (``full``: every
+        provisional figure among them confirmed at the third depth)."""
         twins = [c.without_optimizer_option(replay_opt) if c.optimizer != replay_opt else c for c in cs]
         keys = list(dict.fromkeys(t.replay_key() for t in twins))
         by_key = {t.replay_key(): t for t in twins}
         todo = [k for k in keys if (seq, k) not in cache]
         if todo:
             res = estimate_many(model, make_inputs(seq), [pipeline_of(by_key[k]) for k in todo], replay_opt,
-                                device=dev, loss_fn=loss_fn, **compile_options)
+                                device=dev, loss_fn=loss_fn, screen=not full, **compile_options)
             cache.update({(seq, k): r for k, r in zip(todo, res)})
+        unsure = [k for k in keys if full and getattr(cache[(seq, k)], "provisional", False)]
+        if unsure:
+            opts = {k: v for k, v in compile_options.items() if k != "extrapolate"}
+            res = confirm_many(model, make_inputs(seq), [pipeline_of(by_key[k]) for k in unsure],
+                               [cache[(seq, k)] for k in unsure], replay_opt, device=dev, loss_fn=loss_fn, **opts)
+            cache.update({(seq, k): r for k, r in zip(unsure, res)})
         got = {k: cache[(seq, k)] for k in keys}
         out = []
         for c, t in zip(cs, twins):
@@ -1066,8 +1079,17 @@ def plan_max_seq(model: torch.nn.Module, make_inputs, memory_budget, allow: Iter
         if any(r[0] == nxt for r in replays):  # searched there already
             break
         s = nxt
+    def unscreened():
+        """The same search without screening: every figure it uses confirmed at the third depth (the cached
+        two-depth replays completed, not replayed again)."""
+        return plan_max_seq(model, make_inputs, memory_budget, allow, passes, optimizer, world_size, step=step,
+                            probes=probes, max_len=max_len, min_len=min_len, device=device, loss_fn=loss_fn,
+                            max_replays=max_replays, screen=False, _cache=cache, **compile_options)
+
     if lo is None:
         peak, best_c = at(min_len)
+        if peak > budget and screen:
+            return unscreened()  # the error names a confirmed figure
         if peak > budget:
             # NOTE(budget-independent): every candidate is replayed at min_len (none is out of the running
             # before some length fits), so the smallest peak named is the smallest any plan reaches there
@@ -1078,6 +1100,26 @@ def plan_max_seq(model: torch.nn.Module, make_inputs, memory_budget, allow: Iter
         lo = min_len
     if hi != lo + step and lo + step <= max_len:
         notes.append(f"search not converged in {max_replays} replays: {lo:,} fits; {lo + step:,} not replayed")
+    if screen:
+        # NOTE(screen): the pair that answers is confirmed at full depth (the third depth checks that every
+        # count is affine in the number of blocks, else the whole model is replayed): each plan fitting L and
+        # each plan replayed at L + step. If a confirmed figure changes the verdict, the search runs again
+        # without screening.
+        pair = [(lo, [c for c in live if id(c) in known[lo] and known[lo][id(c)].peak_bytes <= budget])]
+        if lo + step <= max_len:
+            pair.append((lo + step, [c for c in live if id(c) in known.get(lo + step, {})]))
+        for s_, cs_ in pair:
+            if not cs_:
+                continue
+            for c, r in zip(cs_, replay_many(cs_, s_, full=True)):
+                if isinstance(r, BaseException):
+                    return unscreened()
+                known[s_][id(c)] = r
+            peak_ = min(known[s_][id(c)].peak_bytes for c in cs_)
+            replays[:] = [(x, peak_, peak_ <= budget) if x == s_ else (x, p, f) for x, p, f in replays]
+        if not any(known[lo][id(c)].peak_bytes <= budget for c in pair[0][1]) or (
+                len(pair) > 1 and any(known[lo + step][id(c)].peak_bytes <= budget for c in pair[1][1])):
+            return unscreened()
     # the plan: among those fitting the longest length, lossless before lossy, unrestricted before restricted,
     # then the fewest FLOPs and options
     at_lo = [c for c in live if id(c) in known[lo] and known[lo][id(c)].peak_bytes <= budget]
