@@ -98,6 +98,22 @@ def _teacher(student):
     return t
 
 
+def _llama_student_teacher(vocab: int, seq: int, prompt: int):
+    """A one-layer Llama student (training mode) at ``vocab``, its perturbed frozen teacher, a batch of 2 x ``seq``
+    ids and a mask that drops each row's first ``prompt`` tokens."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    conf = tf.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max(128, 2 * seq),
+                          bos_token_id=0, eos_token_id=0)
+    student = tf.LlamaForCausalLM(conf).train()
+    ids = torch.randint(1, vocab, (2, seq), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, seq)
+    mask[:, :prompt] = 0
+    return student, _teacher(student), ids, mask
+
+
 def _compare(model, extra=()):
     """Compiles a copy with effpass, runs one step on both, checks loss and gradients; returns the pass's
     torch-IR record."""
@@ -343,23 +359,12 @@ def test_planner_counts_the_fused_distillation_step():
     row-wise op computes in its forward (its outputs) and is within the op's internal workspace (the block
     buffers of both heads' logits and of the logits' gradient, and one tile's autograd temporaries: a custom op's
     internals are not visible to the replay) of the measured peak."""
-    import transformers as tf
-
     from effpass.passes._fuse_ce_rowwise import CPU_ROW_TILE_BYTES, rowwise_rows
     from effpass.planning.estimate import estimate_memory
     from effpass.testing.memory import peak_memory
 
     vocab = 4096  # the logits (2 MiB per head) outweigh the model's activations
-    torch.manual_seed(0)
-    conf = tf.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, bos_token_id=0,
-                          eos_token_id=0)
-    student = tf.LlamaForCausalLM(conf).train()
-    teacher = _teacher(student)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, vocab, (2, 64), generator=g)
-    mask = torch.ones(2, 64)
-    mask[:, :5] = 0
+    student, teacher, ids, mask = _llama_student_teacher(vocab, 64, 5)
     n = ids.numel()
     logits = n * vocab * 4
     est = {}
@@ -430,21 +435,10 @@ def test_compiled_tile_program_inside_the_compiled_step():
     the distillation loss and every gradient equal eager's within 1e-5."""
     import warnings
 
-    import transformers as tf
-
     import effpass.passes._fuse_ce_rowwise as rw
 
     vocab = 8192  # 64-row tiles of 8,192 logits per head: the tile program runs
-    torch.manual_seed(0)
-    conf = tf.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0,
-                          eos_token_id=0)
-    student = tf.LlamaForCausalLM(conf).train()
-    teacher = _teacher(student)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, vocab, (2, 256), generator=g)
-    mask = torch.ones(2, 256)
-    mask[:, :7] = 0
+    student, teacher, ids, mask = _llama_student_teacher(vocab, 256, 7)
     eager = Loss(copy.deepcopy(student), copy.deepcopy(teacher), "kl")
     fused = Loss(copy.deepcopy(student), copy.deepcopy(teacher), "kl")
     before = dict(rw._PROGRAMS)
