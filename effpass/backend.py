@@ -665,6 +665,20 @@ def _none():
     return None
 
 
+def compiled_backend(model: torch.nn.Module) -> EffpassBackend | None:
+    """The backend of a model ``effpass.compile`` compiled in place (None for any other model, and for a copy of
+    one, which keeps the compiled call but not the registration)."""
+    if not isinstance(getattr(model, "_compiled_call_impl", None), _CompiledCall):
+        return None
+    return MODEL_BACKENDS.get(model)
+
+
+def pipeline_names(backend: EffpassBackend) -> list[str]:
+    """The names of the passes ``backend`` runs: its pipeline and the passes added to it (e.g. by Hugging Face
+    gradient checkpointing)."""
+    return [p.name for p in backend.manager.active] + [p.name for p in backend.extra_passes]
+
+
 def compile_in_place(model: torch.nn.Module, backend: EffpassBackend, *, fullgraph: bool = False,
                      dynamic: bool | None = None) -> None:
     """Compile ``model`` in place with ``backend`` (``nn.Module.compile``'s mechanism), replacing an

@@ -60,13 +60,6 @@ def _trl_function():
     return fn
 
 
-def head_has_adapter(model) -> bool:
-    """Whether ``model``'s output head carries a LoRA adapter (PEFT's or effpass's: ``lora_A`` over a
-    ``base_layer``), which TRL's fused head would leave untrained (it reads ``lm_head.weight`` directly)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return head is not None and hasattr(head, "lora_A") and hasattr(head, "base_layer")
-
-
 class _Ctx:
     """What TRL's forward/backward use of autograd's ``ctx``: attributes, saved tensors, flags."""
 

@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from ..backend import compiled_backend, pipeline_names
+
 __all__ = ["route", "routed", "concatenated_forward", "note"]
 
 _MODULE = "trl.experimental.orpo.orpo_trainer"
@@ -68,15 +70,6 @@ def route() -> bool:
     return True
 
 
-def _backend(model):
-    """The effpass backend that compiled ``model`` in place (None for a model effpass did not compile)."""
-    from ..backend import MODEL_BACKENDS, _CompiledCall
-
-    if not isinstance(getattr(model, "_compiled_call_impl", None), _CompiledCall):
-        return None
-    return MODEL_BACKENDS.get(model)
-
-
 def _unwrap(trainer, model):
     """The Hugging Face model under accelerate's and PEFT's wrappers (whose ``forward`` :func:`_install` wraps)."""
     acc = getattr(trainer, "accelerator", None)
@@ -90,10 +83,10 @@ def _why_not(trainer, model) -> tuple[str | None, Any]:
     if getattr(trainer, "is_encoder_decoder", False):
         return "an encoder-decoder model (its labels are the decoder's; only causal LMs are routed)", None
     inner = _unwrap(trainer, model)
-    be = next((b for b in map(_backend, (inner, model)) if b is not None), None)
+    be = next((b for b in map(compiled_backend, (inner, model)) if b is not None), None)
     if be is None:
         return "the model is not compiled by effpass", None
-    if "fuse_cross_entropy" not in [p.name for p in be.manager.active] + [p.name for p in be.extra_passes]:
+    if "fuse_cross_entropy" not in pipeline_names(be):
         return "the model's effpass pipeline has no fuse_cross_entropy (the logits are kept on request)", None
     return None, inner
 
@@ -128,7 +121,7 @@ def note(trainer, model, key: str, why: str | None = None) -> None:
     """Count a routed (``routed_calls``) or unrouted (``unrouted_calls``, with its reason) call in the report of
     the effpass-compiled model among ``model`` and what it wraps (nothing for a model effpass did not compile)."""
     for m in (model, _unwrap(trainer, model)):
-        be = _backend(m)
+        be = compiled_backend(m)
         if be is not None:
             notes = be.report.module.notes.setdefault("trl_orpo", {"routed_calls": 0, "unrouted_calls": 0,
                                                                   "reasons": []})

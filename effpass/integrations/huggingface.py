@@ -69,10 +69,10 @@ def is_effpass_compiled(model: torch.nn.Module) -> bool:
 
 
 def _pipeline_names(model) -> list[str]:
+    from ..backend import pipeline_names
+
     be = _backend(model)
-    if be is None:
-        return []
-    return [p.name for p in be.manager.active] + [p.name for p in be.extra_passes]
+    return [] if be is None else pipeline_names(be)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -351,9 +351,8 @@ def _check_trl_fused_head(model) -> None:
         obj = getattr(obj, "model_forward", None) or getattr(obj, "__wrapped__", None) or getattr(obj, "func", None)
     if not fused:
         return
-    from ._trl_kernels import head_has_adapter
-
-    if head_has_adapter(model):
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and hasattr(head, "lora_A") and hasattr(head, "base_layer"):
         raise ValueError("TRL's SFTTrainer computes the loss from lm_head.weight directly (its fused LM head), so a "
                          "LoRA adapter on lm_head would never be trained; leave it out: "
                          "InjectLoRA(..., exclude=['lm_head']) or targets that do not match 'lm_head'")
