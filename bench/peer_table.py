@@ -232,7 +232,7 @@ def table() -> str:
     out += ["", "Ratios below 1 favour effpass (except tokens/s). CPU figures come from the shared 2-core machine; "
             "compare within a row only. GPU rows: one H100 run (2026-11-27, bench/results/gpu_check_2026-11-27.md), taken "
             "before the fused head stopped keeping an fp32 weight-sized gradient buffer on bf16 models (not rerun on a "
-            "GPU since; docs/fuse_cross_entropy.md); the "
+            "GPU since; docs/passes/fuse_cross_entropy.md); the "
             "other scripts' GPU arms are written and have not run. bitsandbytes (0.50) and DeepSpeed's TiledMLP ran on "
             "the CPU."]
     return "\n".join(out)

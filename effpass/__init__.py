@@ -21,20 +21,31 @@ import types
 __version__ = "0.1.0"
 
 
-@functools.lru_cache(maxsize=None)
-def _source_digest() -> str:
-    """A hash of effpass's own source (core and built-in passes): part of every cache key. The files'
-    contents are hashed by torch's helper (``torch._inductor.custom_graph_pass.get_hash_for_files``, what
-    custom Inductor passes use for their ``uuid``)."""
-    from torch._inductor.custom_graph_pass import get_hash_for_files
-
+def _source_files() -> tuple[str, ...]:
+    """Every ``.py`` file of effpass (the core, its tools) and of the built-in passes, at any depth: a change in
+    any pass package's private module must change the cache keys too."""
     here = os.path.dirname(os.path.abspath(__file__))
     roots = [here]
     spec = importlib.util.find_spec("effpass.passes")
     if spec and spec.submodule_search_locations:
-        roots += list(spec.submodule_search_locations)
-    files = tuple(sorted(os.path.join(root, name) for root in roots for name in os.listdir(root)
-                         if name.endswith(".py")))
+        roots += [r for r in spec.submodule_search_locations if not os.path.abspath(r).startswith(here + os.sep)]
+    files = []
+    for root in roots:
+        for d, subdirs, names in os.walk(root):
+            subdirs[:] = sorted(s for s in subdirs if s != "__pycache__" and not s.startswith("."))
+            files += [os.path.join(d, n) for n in names if n.endswith(".py")]
+    return tuple(sorted(files))
+
+
+@functools.lru_cache(maxsize=None)
+def _source_digest() -> str:
+    """A hash of effpass's own source (core, tools and built-in passes): part of every cache key. The files'
+    contents are hashed by torch's helper (``torch._inductor.custom_graph_pass.get_hash_for_files``, what
+    custom Inductor passes use for their ``uuid``)."""
+    from torch._inductor.custom_graph_pass import get_hash_for_files
+
+    files = _source_files()
+    here = os.path.dirname(os.path.abspath(__file__))
     # NOTE: the helper hashes contents only; the relative names go into `extra` so a rename changes the key
     names = ",".join(os.path.relpath(f, os.path.dirname(here)) for f in files)
     return get_hash_for_files(files, extra=f"{__version__}:{names}").hex()

@@ -371,7 +371,7 @@ class EffpassBackend:
     def _lower_tensorrt(self, gm, example_inputs):
         """Hand the transformed torch-IR graph to torch_tensorrt's Dynamo backend (inference).
 
-        UNTESTED: written without a GPU or torch_tensorrt (tests/test_export_onnx.py has the GPU test).
+        UNTESTED: written without a GPU or torch_tensorrt (tests/tools/test_export_onnx.py has the GPU test).
         Joint and post-grad passes do not run: TensorRT does its own lowering without AOTAutograd's phases.
         """
         import warnings

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # effpass's Axolotl plugin inside the real Axolotl: builds a virtual environment with Axolotl 0.19.0 (the last
-# release that allows Python 3.11; 0.20+ need Python >= 3.12) and runs tests/test_axolotl_real.py in it.
+# release that allows Python 3.11; 0.20+ need Python >= 3.12) and runs tests/integrations/test_axolotl_real.py in it.
 #
 #   bash scripts/axolotl_check.sh [pytest options]   (AXOLOTL_VENV: the environment, default .axolotl-venv here)
 #
@@ -38,4 +38,4 @@ import importlib.metadata as m
 print("versions:", {p: m.version(p) for p in ("axolotl", "torch", "transformers", "peft", "accelerate", "trl",
                                                "datasets", "effpass")})
 EOF
-"$venv/bin/python" -m pytest -q -p no:cacheprovider -rs tests/test_axolotl_real.py "$@"
+"$venv/bin/python" -m pytest -q -p no:cacheprovider -rs tests/integrations/test_axolotl_real.py "$@"

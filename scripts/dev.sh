@@ -36,7 +36,7 @@ case "$cmd" in
       if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
         echo "effpass: installing chromium for the HTML report test (apt-get, ~2 min)" >&2
         (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
-          || echo "effpass: could not install chromium; tests/test_html_report.py will skip its browser checks" >&2
+          || echo "effpass: could not install chromium; tests/tools/test_html_report.py will skip its browser checks" >&2
       else
         echo "effpass: chromium not found (apt-get install chromium); the HTML report's browser checks will skip" >&2
       fi

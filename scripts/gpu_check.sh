@@ -14,8 +14,8 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUTD
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUTDIR/device.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUTDIR/device.txt"
 timeout 170 python3 -m pytest -q -rs -m gpu -p no:cacheprovider --junitxml="$OUTDIR/gpu_junit.xml" \
-  tests/test_export_onnx.py tests/test_memory_planner.py tests/test_offload_activations.py tests/test_pack_sequences.py \
-  tests/test_quantize_linear.py tests/test_shard_sequence.py 2>&1 | tee "$OUTDIR/pytest_gpu.log" | tail -25
+  tests/tools/test_export_onnx.py tests/planning/test_memory_planner.py tests/passes/offload_activations/test_offload_activations.py tests/passes/pack_sequences/test_pack_sequences.py \
+  tests/passes/quantize_linear/test_quantize_linear.py tests/passes/shard_sequence/test_shard_sequence.py 2>&1 | tee "$OUTDIR/pytest_gpu.log" | tail -25
 for b in "bench_cross_entropy.py --vocab 128256 --steps 5" "bench_attention.py --quick" \
          "bench_lora.py --steps 10 --repeats 1" "bench_mixed_precision.py --reps 1 --steps 10" "bench_checkpoint.py"; do
   name=${b%%.py*}

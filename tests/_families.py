@@ -1,8 +1,8 @@
 """Tiny random-weight Hugging Face models of many families, built from configs (no downloads).
 
 ``family_case(name)`` returns an :class:`effpass.testing.ModelCase` with inputs that produce a loss
-(labels; a padding mask where the family takes one). Shared by tests/test_families.py and
-tests/test_apply_autocast.py.
+(labels; a padding mask where the family takes one). Shared by tests/models/test_families.py and
+tests/passes/apply_autocast/test_apply_autocast.py.
 """
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def _specs():
     }
 
 
-#: MoE families kept out of FAMILIES (test_families' cross-family sweep): tests/test_inject_lora_moe.py
+#: MoE families kept out of FAMILIES (test_families' cross-family sweep): tests/passes/inject_lora/test_inject_lora_moe.py
 MOE_ONLY = ("gpt_oss", "llama4", "qwen2_moe", "olmoe")
 FAMILIES = tuple(n for n in _specs() if n not in MOE_ONLY)
 #: families whose attention takes the padding mask we pass (encoder or encoder-decoder models)

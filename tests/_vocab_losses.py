@@ -1,6 +1,6 @@
 """Preference / RL losses written as TRL writes them (logits -> log_softmax -> gather -> masked sum per sequence), for
 the packing and FSDP tests of fuse_cross_entropy's vocabulary losses (issue 27): shared by
-tests/test_fused_losses_packing.py and the 2-rank scenario in tests/test_wrap_fsdp.py.
+tests/passes/fuse_cross_entropy/test_fused_losses_packing.py and the 2-rank scenario in tests/passes/wrap_fsdp/test_wrap_fsdp.py.
 
 :class:`SeqLoss` holds a trained policy and a frozen reference (run under ``torch.no_grad``) and computes per-token
 log-probs of the labels, then per-*example* sums: on padded rows (one example per row) the masked row sum; on packed

@@ -1,5 +1,9 @@
 import os
+import sys
 
+# Tests live in folders by area (tests/passes/<name>/, tests/core/, ...); the shared helpers (_helpers, _families,
+# _vocab_losses, _paths) stay at tests/ and import by name from any depth.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # A stable Inductor cache directory keeps warm compiles warm between test runs (set before torch loads).
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
                       os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "inductor"))

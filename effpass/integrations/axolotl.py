@@ -25,11 +25,11 @@ or ``lora_o_kernel: true`` is an error naming the option (:func:`disable_auto_lo
 
 The plugin subclasses Axolotl's ``BasePlugin`` (``axolotl.integrations.base``) when Axolotl is importable.
 Tested with the real Axolotl 0.19.0 (the last release that allows Python 3.11), torch 2.13.0 CPU,
-transformers 5.16.1, peft 0.20.0: tests/test_axolotl_real.py (run by scripts/axolotl_check.sh, which builds
+transformers 5.16.1, peft 0.20.0: tests/integrations/test_axolotl_real.py (run by scripts/axolotl_check.sh, which builds
 that environment) trains a tiny Llama with LoRA through Axolotl's CLI entry point for 2 steps, with and
 without the plugin: the model is compiled (attention and loss fused) and the losses match (1e-5 relative).
 Not tested: Axolotl on a GPU, ``lowering: inductor``, QLoRA, sample packing, ``memory_budget``/``verify``
-through Axolotl, Axolotl 0.20+ (Python >= 3.12). tests/test_axolotl_plugin.py (in CI, without Axolotl)
+through Axolotl, Axolotl 0.20+ (Python >= 3.12). tests/integrations/test_axolotl_plugin.py (in CI, without Axolotl)
 drives the hooks in the order Axolotl's ``PluginManager`` calls them. Axolotl 0.19.0 calls ``post_train``
 twice (after ``trainer.train`` and at the end of ``train``): the report is written twice, the same.
 """

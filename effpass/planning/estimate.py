@@ -367,7 +367,7 @@ class _Tracker(TorchDispatchMode):
 #: ops whose CPU and CUDA kernels make their tensor inputs contiguous first (``input.contiguous()`` inside the
 #: kernel: a copy of each non-contiguous input, live beside the output until the op returns). A fake or meta
 #: kernel allocates only the outputs. Measured: a DPO step's ``log_softmax(logits[:, :-1])`` copies the sliced
-#: logits (one head's logits, 4 MiB in tests/test_fused_logprobs.py's planner test), which the replay missed.
+#: logits (one head's logits, 4 MiB in tests/passes/fuse_cross_entropy/test_fused_logprobs.py's planner test), which the replay missed.
 _CONTIGUOUS_INPUT_OPS = {
     "aten::_log_softmax": (0,), "aten::_softmax": (0,),
     "aten::_log_softmax_backward_data": (0, 1), "aten::_softmax_backward_data": (0, 1),

@@ -1,6 +1,6 @@
 """The sharded-state (ZeRO / FSDP2) arithmetic, once: per-rank model states under each sharding mode, and
 its fold onto a one-rank replay (``estimate_memory(world_size=N)``, the planner's sharding options).
-``passes/fsdp_estimate.py`` (``effpass estimate``, the paper estimate) uses the same function.
+``passes/wrap_fsdp/sizing.py`` (``effpass estimate``, the paper estimate) uses the same function.
 
 =========  ===========================================  ===============================================
 mode       per-rank model states                        what runs it

@@ -1,0 +1,341 @@
+"""The chunked linear + cross-entropy kernel of ``fuse_cross_entropy``: the chunk plan and the passes over the chunks.
+
+Plain torch (matmuls, ``log_softmax``, ``exp``; bf16 operands multiply in bf16), run eagerly inside the custom ops of
+``kernels.py``: the forward pass (loss, log-sum-exp and, for ``sum``/``mean``, every gradient), the
+frozen-head pass (the input gradient in the forward), the backward pass of the per-row op, and the gradient
+accumulators (a bf16/fp16 weight's in its own dtype, :func:`weight_grad_dtype`).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["MIN_FULL_ROWS", "MIN_CHUNK_ROWS", "TILE_ROWS", "CPU_ROWS_TILE_BYTES", "plan_chunks", "plan_row_tiles",
+           "default_chunk_bytes", "default_rows_chunk_bytes", "num_chunks", "weight_grad_dtype"]
+
+#: a full row block of logits is used when the budget holds at least this many rows (else 2-D tiles)
+MIN_FULL_ROWS = 128
+#: the default budget never holds fewer rows than this (or a quarter of the rows, so that a small batch is
+#: still cut in four): every chunk re-reads the head's weight
+#: and reads and writes its gradient, so the op's arithmetic intensity is about ``3 * rows / 8`` flops per
+#: byte (fp32) whatever the hidden size and vocabulary; below ~256 rows the step is bound by that traffic and
+#: by per-chunk overhead (docs/passes/fuse_cross_entropy.md, "Choosing the chunk")
+MIN_CHUNK_ROWS = 256
+#: the per-row ops' tiles (a budget smaller than full rows) hold at most this many rows
+TILE_ROWS = 256
+#: the per-row ops' default budget on CPU: a tile of fp32 logits that stays in the cache (bench, docs/fused_losses.md)
+CPU_ROWS_TILE_BYTES = 2 << 20
+_COMPUTE = {"": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+# ------------------------------------------------------------------------------------------------------
+# the chunked kernel (plain torch, run eagerly inside the custom ops)
+# ------------------------------------------------------------------------------------------------------
+def plan_chunks(rows: int, vocab: int, chunk_bytes: int, max_tile_rows: int = 0) -> tuple[int, int]:
+    """``(rows per chunk, vocabulary entries per chunk)`` for a fp32 logits tile of at most
+    ``chunk_bytes``: full rows when at least ``MIN_FULL_ROWS`` (or a quarter of the rows) fit, else a
+    near-square tile (of at most ``max_tile_rows`` rows when given: the per-row ops)."""
+    elems = max(1, chunk_bytes // 4)
+    rows = max(1, rows)
+    full = elems // vocab
+    if full >= min(-(-rows // 4), MIN_FULL_ROWS):
+        return max(1, min(rows, full)), vocab
+    r = max(1, min(rows, math.isqrt(elems), max_tile_rows or rows))
+    return r, max(1, min(vocab, elems // r))
+
+
+def plan_row_tiles(rows: int, vocab: int, chunk_bytes: int) -> tuple[int, int]:
+    """The per-row ops' plan: as :func:`plan_chunks`, tiles of at most ``TILE_ROWS`` rows. Cutting the vocabulary
+    costs these ops no matmul (their backward recomputes every tile whatever its shape: 4 matmul-equivalents for
+    a trained head either way), only an online log-sum-exp over the tiles' row maxima."""
+    return plan_chunks(rows, vocab, chunk_bytes, TILE_ROWS)
+
+
+def default_rows_chunk_bytes(rows: int, vocab: int, hidden_bytes: int, device_type: str) -> int:
+    """The per-row ops' default budget: on CPU a cache-sized tile (``CPU_ROWS_TILE_BYTES``: the elementwise work
+    of the log-softmax and its gradient then reads and writes the cache, not memory); elsewhere
+    :func:`default_chunk_bytes` (full row blocks: fewer, larger kernels)."""
+    if device_type == "cpu":
+        return CPU_ROWS_TILE_BYTES
+    return default_chunk_bytes(rows, vocab, hidden_bytes)
+
+
+def default_chunk_bytes(rows: int, vocab: int, hidden_bytes: int) -> int:
+    """The default budget: a chunk of fp32 logits no larger than the larger of the batch's hidden states
+    (``hidden_bytes``) and ``min(MIN_CHUNK_ROWS, rows / 4)`` full rows of logits."""
+    return max(int(hidden_bytes), min(-(-max(rows, 1) // 4), MIN_CHUNK_ROWS) * vocab * 4)
+
+
+def num_chunks(rows: int, vocab: int, chunk_bytes: int, per_row: bool = False) -> int:
+    r, v = (plan_row_tiles if per_row else plan_chunks)(rows, vocab, chunk_bytes)
+    return math.ceil(max(rows, 0) / r) * math.ceil(vocab / v) if rows > 0 else 0
+
+
+class _Spec:
+    """The per-call constants of the kernel."""
+
+    def __init__(self, vocab, ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute, per_row=False):
+        self.vocab, self.ignore_index, self.smoothing = vocab, ignore_index, smoothing
+        self.plan = plan_row_tiles if per_row else plan_chunks
+        self.pre, self.softcap, self.post = pre, softcap, post
+        self.chunk_bytes, self.compute = chunk_bytes, _COMPUTE[compute]
+        #: a constant factor of every row's gradient (``mean``: 1 / valid rows), applied to each tile of logit
+        #: gradients in fp32 before it is cast to the matmul dtype, as the unfused graph scales its logits' gradient
+        self.grad_scale = 1.0
+
+    def logits(self, xs, ws, bias, r0, r1, v0, v1):
+        """The transformed fp32 logits of rows ``r0:r1`` and vocabulary ``v0:v1`` (and tanh's output)."""
+        z = None
+        for x, w in zip(xs, ws):
+            part = x[r0:r1] @ w[v0:v1].t()
+            z = part if z is None else z.add_(part)
+        if bias is not None:
+            z = z.add_(bias[v0:v1])
+        z = z.float()
+        if self.softcap:
+            t = z.mul_(self.pre).tanh_()
+            return t * self.post, t
+        if self.pre != 1.0:
+            z = z.mul_(self.pre)
+        return z, None
+
+
+def _prepare(x, w, x2, w2, bias, target, spec: _Spec):
+    """Valid rows (label != ignore_index), their inputs in the compute dtype, and checks."""
+    valid = (target != spec.ignore_index).nonzero().squeeze(1)
+    tgt = target.index_select(0, valid)
+    if tgt.numel() and (int(tgt.min()) < 0 or int(tgt.max()) >= spec.vocab):
+        bad = int(tgt.min()) if int(tgt.min()) < 0 else int(tgt.max())
+        raise IndexError(f"cross_entropy: target {bad} is out of bounds for {spec.vocab} classes")
+    if spec.chunk_bytes <= 0:
+        # 0: the budget was left to run time (the graph's row count is symbolic: a packed length), the same
+        # default the pass computes for a static row count, from this call's rows
+        hb = x.numel() * x.element_size()
+        spec.chunk_bytes = (default_rows_chunk_bytes(x.shape[0], spec.vocab, hb, x.device.type)
+                            if spec.plan is plan_row_tiles else default_chunk_bytes(x.shape[0], spec.vocab, hb))
+    cd = spec.compute
+    xs = [x.index_select(0, valid)]
+    ws = [w]
+    if x2 is not None:
+        xs.append(x2.index_select(0, valid))
+        ws.append(w2)
+    if cd is None:
+        cd = torch.promote_types(x.dtype, w.dtype)
+    xs = [t.to(cd) for t in xs]
+    ws = [t.to(cd) for t in ws]
+    b = bias.to(cd) if bias is not None else None
+    return valid, tgt, xs, ws, b
+
+
+def _forward_pass(xs, ws, b, tgt, spec: _Spec, grads: Optional[dict], gscale: Optional[Tensor]):
+    """Per-row loss and log-sum-exp of the valid rows; with ``grads`` also accumulates the gradients
+    (``gscale``: per-row gradient of the loss, None for 1)."""
+    n, vocab, eps = tgt.shape[0], spec.vocab, spec.smoothing
+    loss = torch.empty(n, dtype=torch.float32, device=tgt.device)
+    lse_all = torch.empty(n, dtype=torch.float32, device=tgt.device)
+    if n == 0:
+        return loss, lse_all
+    rows, vt = spec.plan(n, vocab, spec.chunk_bytes)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        t = tgt[r0:r1]
+        if vt == vocab:  # one pass: the full rows fit in a chunk
+            # NOTE(speed): log_softmax is one vectorised kernel (max, sum of exp, write); logsumexp then
+            # z - lse then exp took three more passes over the chunk and a temporary of its size
+            z, th = spec.logits(xs, ws, b, r0, r1, 0, vocab)
+            zt = z.gather(1, t[:, None]).squeeze(1)
+            ls = torch.log_softmax(z, 1)
+            del z
+            lst = ls.gather(1, t[:, None]).squeeze(1)
+            lse = zt - lst
+            if eps:  # the smoothing term: lse - mean_v z_v = -mean_v log_softmax_v
+                smooth = ls.sum(1).div_(-vocab)
+        else:  # log-sum-exp over vocabulary tiles, combined with logaddexp (online softmax)
+            lse = torch.full((r1 - r0,), -math.inf, device=t.device)
+            zt = torch.zeros(r1 - r0, device=t.device)
+            zsum = torch.zeros(r1 - r0, device=t.device) if eps else None
+            for v0 in range(0, vocab, vt):
+                v1 = min(vocab, v0 + vt)
+                z, _ = spec.logits(xs, ws, b, r0, r1, v0, v1)
+                inside = (t >= v0) & (t < v1)
+                zt = torch.where(inside, z.gather(1, (t - v0).clamp(0, v1 - v0 - 1)[:, None]).squeeze(1), zt)
+                if eps:
+                    zsum += z.sum(1)
+                lse = torch.logaddexp(lse, torch.logsumexp(z, 1))
+            smooth = lse - zsum / vocab if eps else None
+        lse_all[r0:r1] = lse
+        l = lse - zt
+        if eps:
+            l = (1.0 - eps) * l + eps * smooth
+        loss[r0:r1] = l
+        if grads is not None:
+            g = gscale[r0:r1] if gscale is not None else None
+            if vt == vocab:
+                _grad_tile(ls.exp_(), th, t, g, xs, ws, r0, r1, 0, vocab, spec, grads)
+            else:
+                for v0 in range(0, vocab, vt):
+                    v1 = min(vocab, v0 + vt)
+                    z, th = spec.logits(xs, ws, b, r0, r1, v0, v1)
+                    _grad_tile(_softmax_(z, lse), th, t, g, xs, ws, r0, r1, v0, v1, spec, grads)
+        ls = None
+    return loss, lse_all
+
+
+def _x_grad_pass(xs, ws, b, tgt, spec: _Spec):
+    """Per-row loss, log-sum-exp and ``d loss / d x`` of a frozen head (only ``x`` needs a gradient), in the
+    forward's one pass over the tiles (online softmax, rescaled as the row maxima grow):
+    ``gx = sum_v (p_v - [v == t]) c_v W_v`` with ``c_v`` the transform's derivative. The backward then only
+    scales ``gx`` by the incoming per-row gradient: 2 matmul-equivalents in all, as unfused (logits, input
+    gradient), where recomputing in the backward costs 3."""
+    (x,), (w,) = xs, ws
+    n, vocab = tgt.shape[0], spec.vocab
+    f32, dev = torch.float32, tgt.device
+    loss = torch.empty(n, dtype=f32, device=dev)
+    lse_all = torch.empty(n, dtype=f32, device=dev)
+    gx = torch.zeros(n, x.shape[1], dtype=f32, device=dev)
+    if n == 0:
+        return loss, lse_all, gx
+    rows, vt = spec.plan(n, vocab, spec.chunk_bytes)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        t = tgt[r0:r1]
+        m = torch.full((r1 - r0,), -math.inf, device=dev)
+        ssum = torch.zeros(r1 - r0, device=dev)
+        zt = torch.zeros(r1 - r0, device=dev)
+        ct = torch.full((r1 - r0,), spec.pre, device=dev)
+        u = gx[r0:r1]
+        for v0 in range(0, vocab, vt):
+            v1 = min(vocab, v0 + vt)
+            z, th = spec.logits(xs, ws, b, r0, r1, v0, v1)
+            inside = (t >= v0) & (t < v1)
+            local = (t - v0).clamp(0, v1 - v0 - 1)[:, None]
+            zt = torch.where(inside, z.gather(1, local).squeeze(1), zt)
+            m_new = torch.maximum(m, z.amax(1))
+            scale = torch.exp(m - m_new)
+            e = z.sub_(m_new[:, None]).exp_()
+            ssum = ssum * scale + e.sum(1)
+            if th is not None:  # d softcap(z)/dz = pre * post * (1 - tanh^2)
+                deriv = th.mul_(th).neg_().add_(1.0).mul_(spec.pre * spec.post)
+                ct = torch.where(inside, deriv.gather(1, local).squeeze(1), ct)
+                e.mul_(deriv)
+            elif spec.pre != 1.0:
+                e.mul_(spec.pre)
+            u.mul_(scale[:, None])
+            _acc_mm(u, e.to(x.dtype), w[v0:v1])
+            m = m_new
+        lse = m + ssum.log()
+        u.div_(ssum[:, None])
+        u.sub_(ct[:, None] * w.index_select(0, t).float())
+        lse_all[r0:r1] = lse
+        loss[r0:r1] = lse - zt
+    return loss, lse_all, gx
+
+
+def _backward_pass(xs, ws, b, tgt, lse_all, gscale, spec: _Spec, grads: dict):
+    n, vocab = tgt.shape[0], spec.vocab
+    if n == 0:
+        return
+    rows, vt = spec.plan(n, vocab, spec.chunk_bytes)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        for v0 in range(0, vocab, vt):
+            v1 = min(vocab, v0 + vt)
+            z, th = spec.logits(xs, ws, b, r0, r1, v0, v1)
+            _grad_tile(_softmax_(z, lse_all[r0:r1]), th, tgt[r0:r1], gscale[r0:r1], xs, ws, r0, r1, v0, v1, spec,
+                       grads)
+
+
+def _softmax_(z: Tensor, lse: Tensor) -> Tensor:
+    """``exp(z - lse)`` in ``z``'s buffer: the softmax of a tile given its rows' log-sum-exp."""
+    return z.sub_(lse[:, None]).exp_()
+
+
+def _grad_tile(d, th, t, g, xs, ws, r0, r1, v0, v1, spec: _Spec, grads: dict):
+    """d loss / d logits for one tile (``d``: its softmax, overwritten: minus the smoothed one-hot, times
+    the row's gradient), pushed through the transform and the projection(s) into the accumulators."""
+    eps = spec.smoothing
+    if th is not None:  # d softcap(z)/dz = pre * post * (1 - tanh^2), computed in tanh's buffer
+        deriv = th.mul_(th).neg_().add_(1.0).mul_(spec.pre * spec.post)
+    inside = (t >= v0) & (t < v1)
+    rows = inside.nonzero().squeeze(1)
+    if rows.numel():
+        d.index_put_((rows, t[rows] - v0), torch.full((rows.numel(),), -(1.0 - eps), device=d.device),
+                     accumulate=True)
+    if eps:
+        d.sub_(eps / spec.vocab)
+    if th is not None:
+        d.mul_(deriv)
+    factor = spec.grad_scale * (spec.pre if th is None else 1.0)
+    if g is not None:
+        factor = g[:, None] * factor
+    cd = xs[0].dtype
+    if cd != d.dtype and grads["b"] is None:  # NOTE(speed): the row scale and the cast in one pass over the tile
+        dc = torch.mul(d, factor, out=torch.empty(d.shape, dtype=cd, device=d.device))
+    else:
+        if isinstance(factor, Tensor) or factor != 1.0:
+            d.mul_(factor)
+        dc = d.to(cd)
+    for i, (x, w) in enumerate(zip(xs, ws)):
+        if grads["x"][i] is not None:
+            _acc_mm(grads["x"][i][r0:r1], dc, w[v0:v1])
+        if grads["w"][i] is not None:
+            _acc_mm(grads["w"][i][v0:v1], dc.t(), x[r0:r1])
+    if grads["b"] is not None:
+        grads["b"][v0:v1] += d.sum(0)
+
+
+def _acc_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b``: one ``addmm_`` when the accumulator has the operands' dtype (a low-precision weight's
+    gradient: the GEMM accumulates in fp32 and rounds once per call), else the product is added (an fp32
+    accumulator of low-precision operands: autocast)."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    else:
+        acc.add_(a @ b)
+
+
+_LOW = (torch.bfloat16, torch.float16)
+
+
+def weight_grad_dtype(param_dtype: torch.dtype, compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a head weight's gradient is accumulated in: the weight's own dtype when it is bf16/fp16 and the
+    matmuls run in it (a bf16 model without autocast: the unfused graph's gradient is a bf16 matmul output, so
+    the accumulator is the gradient itself and no full-size fp32 buffer exists), else fp32 (an fp32 weight, or
+    an fp32 weight under autocast, whose gradient is fp32)."""
+    return param_dtype if (param_dtype in _LOW and compute_dtype == param_dtype) else torch.float32
+
+
+def _accumulators(xs, ws, has_bias, mask, vocab, device, w_dtypes=(None, None)):
+    """fp32 accumulators of the rows' and the bias's gradients; the weights' in :func:`weight_grad_dtype`
+    (``w_dtypes``: the weights' own dtypes, before the cast to the compute dtype)."""
+    f32 = torch.float32
+    return {"x": [torch.zeros(x.shape, dtype=f32, device=device) if mask[i] else None for i, x in enumerate(xs)],
+            "w": [torch.zeros(w.shape, dtype=weight_grad_dtype(w_dtypes[i] or f32, w.dtype), device=device)
+                  if mask[2 + i] else None for i, w in enumerate(ws)],
+            "b": torch.zeros(vocab, dtype=f32, device=device) if has_bias and mask[4] else None}
+
+
+def _scatter_grads(acc, valid, x, w, x2, w2, bias, scale):
+    """Full-size gradients in the inputs' dtypes (empty tensors for those not asked for)."""
+    def rows(a, like):
+        if a is None:
+            return like.new_empty(0)
+        out = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
+        out.index_copy_(0, valid, a)
+        if scale is not None:
+            out.mul_(scale)
+        return out.to(like.dtype)
+
+    def whole(a, like):
+        if a is None or like is None:
+            return (like if like is not None else x).new_empty(0)
+        if scale is not None:
+            a.mul_(scale)
+        return a.to(like.dtype)
+
+    dx2 = rows(acc["x"][1], x2) if x2 is not None else x.new_empty(0)
+    dw2 = whole(acc["w"][1], w2) if w2 is not None else x.new_empty(0)
+    return rows(acc["x"][0], x), whole(acc["w"][0], w), dx2, dw2, whole(acc["b"], bias)

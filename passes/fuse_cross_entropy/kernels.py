@@ -1,0 +1,220 @@
+"""The custom ops of ``fuse_cross_entropy``'s chunked head (opaque to Inductor, which can then neither fuse,
+reorder nor keep extra chunks alive):
+
+* ``effpass::linear_cross_entropy``: ``sum``/``mean`` loss; the gradients of the inputs are computed in the
+  forward, chunk by chunk (as Liger does); the registered backward only scales them by the incoming gradient;
+* ``effpass::linear_cross_entropy_rows`` (+ ``_backward``): per-row losses and log-sum-exp; the backward
+  recomputes each chunk;
+* ``effpass::linear_rowwise`` (+ ``_backward``): any row-wise function of one or two heads (``rowwise.py``).
+
+The chunked passes they run are in ``chunks.py``. :func:`linear_cross_entropy` is the eager entry point.
+The graph pass that inserts the ops is ``passes/fuse_cross_entropy/__init__.py``; the matcher that finds the sites is
+``passes/fuse_cross_entropy/matching.py``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+import effpass
+
+from .chunks import (CPU_ROWS_TILE_BYTES, MIN_CHUNK_ROWS, MIN_FULL_ROWS, TILE_ROWS,  # noqa: F401 (re-exported)
+                              _accumulators, _backward_pass, _forward_pass, _prepare,
+                              _scatter_grads, _Spec, _x_grad_pass, default_chunk_bytes, default_rows_chunk_bytes,
+                              num_chunks, plan_chunks, plan_row_tiles)
+from .rowwise import ROWWISE_OPS, register_row_fn, rowwise_rows  # noqa: F401 (re-exported)
+
+__all__ = ["MIN_FULL_ROWS", "MIN_CHUNK_ROWS", "TILE_ROWS", "CPU_ROWS_TILE_BYTES", "plan_chunks", "default_chunk_bytes",
+           "default_rows_chunk_bytes", "num_chunks", "register_row_fn", "rowwise_rows",
+           "linear_cross_entropy", "OPS", "NO_IGNORE"]
+
+
+# ------------------------------------------------------------------------------------------------------
+# the custom ops
+# ------------------------------------------------------------------------------------------------------
+@torch.library.custom_op("effpass::linear_cross_entropy", mutates_args=())
+def _lce_reduced(x: Tensor, w: Tensor, x2: Optional[Tensor], w2: Optional[Tensor], bias: Optional[Tensor],
+                 target: Tensor, ignore_index: int, smoothing: float, pre: float, softcap: bool, post: float,
+                 mean: bool, chunk_bytes: int, compute: str, grad_mask: list[bool]
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Summed (``mean``: averaged over valid rows) loss and the gradients of x, w, x2, w2, bias."""
+    spec = _Spec(w.shape[0], ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute)
+    valid, tgt, xs, ws, b = _prepare(x, w, x2, w2, bias, target, spec)
+    acc = _accumulators(xs, ws, bias is not None, grad_mask, spec.vocab, x.device,
+                        (w.dtype, w2.dtype if w2 is not None else None))
+    count = tgt.shape[0]
+    if mean and count:
+        spec.grad_scale = 1.0 / count  # applied to each tile's logit gradient (fp32), before the matmuls
+    loss, _ = _forward_pass(xs, ws, b, tgt, spec, acc, None)
+    total = loss.sum()
+    if mean:
+        total = total / count if count else total * float("nan")  # 0/0, as torch's mean
+    return (total,) + _scatter_grads(acc, valid, x, w, x2, w2, bias, None)
+
+
+@_lce_reduced.register_fake
+def _(x, w, x2, w2, bias, target, ignore_index, smoothing, pre, softcap, post, mean, chunk_bytes, compute,
+      grad_mask):
+    def like(t, on):
+        return torch.empty_like(t) if (t is not None and on) else x.new_empty(0)
+
+    loss = x.new_empty((), dtype=torch.float32)
+    return (loss, like(x, grad_mask[0]), like(w, grad_mask[2]), like(x2, grad_mask[1]), like(w2, grad_mask[3]),
+            like(bias, grad_mask[4]))
+
+
+def _reduced_setup(ctx, inputs, output):
+    ctx.save_for_backward(*output[1:])
+    ctx.present = [inputs[i] is not None for i in range(5)]
+
+
+def _reduced_backward(ctx, g, *_):
+    dx, dw, dx2, dw2, db = ctx.saved_tensors
+    out = []
+    for present, d in zip(ctx.present, (dx, dw, dx2, dw2, db)):
+        out.append(d * g.to(d.dtype) if present and d.numel() else None)
+    return (*out, None, None, None, None, None, None, None, None, None, None)
+
+
+_lce_reduced.register_autograd(_reduced_backward, setup_context=_reduced_setup)
+
+
+@torch.library.custom_op("effpass::linear_cross_entropy_rows", mutates_args=())
+def _lce_rows(x: Tensor, w: Tensor, x2: Optional[Tensor], w2: Optional[Tensor], bias: Optional[Tensor],
+              target: Tensor, ignore_index: int, smoothing: float, pre: float, softcap: bool, post: float,
+              chunk_bytes: int, compute: str, x_grad: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-row losses (0 on ignored rows, as ``reduction="none"``), per-row log-sum-exp, and with ``x_grad``
+    (a frozen head: only ``x`` needs a gradient; no second projection, no smoothing) ``d loss_i / d x_i``
+    computed in the same pass (else an empty tensor)."""
+    spec = _Spec(w.shape[0], ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute, True)
+    valid, tgt, xs, ws, b = _prepare(x, w, x2, w2, bias, target, spec)
+    n = target.shape[0]
+    if x_grad:
+        if x2 is not None or smoothing:
+            raise ValueError("linear_cross_entropy_rows(x_grad=True) takes one projection without label smoothing")
+        loss_v, lse_v, gx_v = _x_grad_pass(xs, ws, b, tgt, spec)
+        gx = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_copy_(0, valid, gx_v).to(x.dtype)
+    else:
+        loss_v, lse_v = _forward_pass(xs, ws, b, tgt, spec, None, None)
+        gx = x.new_empty(0)
+    loss = torch.zeros(n, dtype=torch.float32, device=x.device).index_copy_(0, valid, loss_v)
+    lse = torch.zeros(n, dtype=torch.float32, device=x.device).index_copy_(0, valid, lse_v)
+    return loss, lse, gx
+
+
+@_lce_rows.register_fake
+def _(x, w, x2, w2, bias, target, ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute, x_grad=False):
+    n = target.shape[0]
+    return (x.new_empty((n,), dtype=torch.float32), x.new_empty((n,), dtype=torch.float32),
+            torch.empty_like(x) if x_grad else x.new_empty(0))
+
+
+@torch.library.custom_op("effpass::linear_cross_entropy_rows_backward", mutates_args=())
+def _lce_rows_bwd(grad: Tensor, lse: Tensor, x: Tensor, w: Tensor, x2: Optional[Tensor], w2: Optional[Tensor],
+                  bias: Optional[Tensor], target: Tensor, ignore_index: int, smoothing: float, pre: float,
+                  softcap: bool, post: float, chunk_bytes: int, compute: str, grad_mask: list[bool]
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    spec = _Spec(w.shape[0], ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute, True)
+    valid, tgt, xs, ws, b = _prepare(x, w, x2, w2, bias, target, spec)
+    acc = _accumulators(xs, ws, bias is not None, grad_mask, spec.vocab, x.device,
+                        (w.dtype, w2.dtype if w2 is not None else None))
+    _backward_pass(xs, ws, b, tgt, lse.index_select(0, valid), grad.float().index_select(0, valid), spec, acc)
+    return _scatter_grads(acc, valid, x, w, x2, w2, bias, None)
+
+
+@_lce_rows_bwd.register_fake
+def _(grad, lse, x, w, x2, w2, bias, target, ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute,
+      grad_mask):
+    def like(t, on):
+        return torch.empty_like(t) if (t is not None and on) else x.new_empty(0)
+
+    return like(x, grad_mask[0]), like(w, grad_mask[2]), like(x2, grad_mask[1]), like(w2, grad_mask[3]), like(bias, grad_mask[4])
+
+
+def _head_flops(x, w, x2, w2, grad_mask=None) -> int:
+    """Matmul FLOPs of the chunked head: the logits (2*N*H*V, plus the adapter's 2*N*r*V; computed again
+    by the per-row form's backward) and one matmul per gradient computed (dx, dw; dx2, dw2)."""
+    n, v = x.shape[0], w.shape[0]
+    main, side = 2 * n * x.shape[-1] * v, (2 * n * x2.shape[-1] * v if x2 is not None and x2.numel() else 0)
+    m = grad_mask or [False] * 5
+    return main * (1 + m[0] + m[2]) + side * (1 + m[1] + m[3])
+
+
+# for the memory planner (effpass.memory_options): the per-row op also serves the log-probability sites
+effpass.register_flop_formula(torch.ops.effpass.linear_cross_entropy, lambda x, w, x2, w2, bias, target, *a, out_val=None, **k:
+                              _head_flops(x, w, x2, w2, list(a[8]) if len(a) > 8 else k.get("grad_mask")))
+effpass.register_flop_formula(torch.ops.effpass.linear_cross_entropy_rows,  # x_grad: the input gradient too
+                              lambda x, w, x2, w2, *a, out_val=None, **k: _head_flops(x, w, x2, w2) * (
+                                  2 if (a[9] if len(a) > 9 else k.get("x_grad", False)) else 1))
+effpass.register_flop_formula(torch.ops.effpass.linear_cross_entropy_rows_backward,
+                              lambda grad, lse, x, w, x2, w2, bias, target, *a, out_val=None, **k: _head_flops(
+                                  x, w, x2, w2, list(a[7]) if len(a) > 7 else k.get("grad_mask")))
+
+
+def _rows_setup(ctx, inputs, output):
+    x, w, x2, w2, bias, target = inputs[:6]
+    ctx.consts = inputs[6:13]
+    ctx.x_grad = bool(inputs[13]) if len(inputs) > 13 else False
+    ctx.present = [t is not None for t in (x, w, x2, w2, bias)]
+    ctx.mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[1],
+                ctx.needs_input_grad[3], ctx.needs_input_grad[4]]
+    if ctx.x_grad:
+        if any(ctx.mask[1:]):  # NOTE: a gradient the forward did not compute would silently be None
+            raise RuntimeError("linear_cross_entropy_rows(x_grad=True): only x may need a gradient (the head's "
+                               "weight, bias and second projection must be frozen)")
+        ctx.save_for_backward(output[2])
+    else:
+        ctx.save_for_backward(x, w, x2, w2, bias, target, output[1])
+
+
+def _rows_backward(ctx, g, _glse, _ggx):
+    if ctx.x_grad:
+        (gx,) = ctx.saved_tensors
+        dx = gx * g[:, None].to(gx.dtype) if ctx.mask[0] else None
+        return (dx, None, None, None, None, None, None, None, None, None, None, None, None, None)
+    x, w, x2, w2, bias, target, lse = ctx.saved_tensors
+    grads = _lce_rows_bwd(g, lse, x, w, x2, w2, bias, target, *ctx.consts, ctx.mask)
+    dx, dw, dx2, dw2, db = grads
+    out = [d if (p and d.numel()) else None for p, d in zip(ctx.present, (dx, dw, dx2, dw2, db))]
+    return (*out, None, None, None, None, None, None, None, None, None)
+
+
+_lce_rows.register_autograd(_rows_backward, setup_context=_rows_setup)
+
+
+def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None, *,
+                         ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                         scale: float = 1.0, softcap: float | None = None, chunk_bytes: int | None = None,
+                         compute_dtype: torch.dtype | None = None, x2: Tensor | None = None,
+                         weight2: Tensor | None = None) -> Tensor:
+    """``F.cross_entropy(transform(x @ weight.T + bias [+ x2 @ weight2.T]), target)`` in chunks.
+
+    ``transform`` is ``z * scale``, or ``softcap * tanh(z * scale / softcap)`` with ``softcap``.
+    ``x`` is ``(N, H)``, ``target`` ``(N,)``. The chunk budget defaults to ``default_chunk_bytes``: the
+    larger of the bytes of ``x`` and ``MIN_CHUNK_ROWS`` rows of logits.
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction {reduction!r} is not valid; choose one of ['mean', 'sum', 'none']")
+    if chunk_bytes is None:
+        chunk_bytes = default_chunk_bytes(x.shape[0], weight.shape[0], x.numel() * x.element_size())
+    pre, post, cap = (scale / softcap, softcap, True) if softcap else (scale, 1.0, False)
+    compute = "" if compute_dtype is None else str(compute_dtype).removeprefix("torch.")
+    if reduction == "none":
+        return _lce_rows(x, weight, x2, weight2, bias, target, ignore_index, float(label_smoothing), pre, cap,
+                         post, int(chunk_bytes), compute)[0]
+    mask = [x.requires_grad, x2 is not None and x2.requires_grad, weight.requires_grad,
+            weight2 is not None and weight2.requires_grad, bias is not None and bias.requires_grad]
+    return _lce_reduced(x, weight, x2, weight2, bias, target, ignore_index, float(label_smoothing), pre, cap, post,
+                        reduction == "mean", int(chunk_bytes), compute, mask)[0]
+
+
+
+#: the ``ignore_index`` of log-probability sites: no row is ignored (a negative index raises, as gather)
+NO_IGNORE = -(2 ** 63)
+
+#: the ops the graph pass inserts (the joint hook marks them never-recompute)
+OPS = (torch.ops.effpass.linear_cross_entropy.default, torch.ops.effpass.linear_cross_entropy_rows.default)
+
+OPS = OPS + ROWWISE_OPS

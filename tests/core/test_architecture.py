@@ -1,0 +1,231 @@
+"""The layout's rules, checked on the import graph (ast): the core never imports a pass or a tool, passes
+never import each other, and no module of the package takes part in an import circle.
+
+How a pass module is told from a pass's helper module: a *pass module* is a module of ``passes/`` whose
+code calls ``register_pass`` (it defines a registered pass); every other module there (``lora.py``,
+``fsdp_estimate.py``, ``formats.py``, ...) is a *helper module*. A pass module never imports another
+pass module; a helper module never imports a pass module and belongs to one pass: at most one pass module
+reaches it (directly or through other helpers). What two passes share is a contract and lives in the core.
+
+    effpass/ core: backend manager pass_api config scope graph report dump
+    effpass/<tool>/: cli, inspect, integrations, planning, testing, verification  -> may import the core
+    effpass/__init__.py, effpass/api.py: the public facade          -> may import the core and tools
+    passes/ (effpass.passes)                                        -> may import the core and tools
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import networkx as nx
+
+import effpass
+
+ROOT = pathlib.Path(effpass.__file__).resolve().parent
+PASSES = ROOT.parent / "passes"
+FACADE = {"effpass", "effpass.api"}
+CORE = {"effpass." + p.stem for p in ROOT.glob("*.py")} - {"effpass.__init__"} - FACADE
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    mods = {}
+    for base, pkg in ((ROOT, "effpass"), (PASSES, "effpass.passes")):
+        for f in base.rglob("*.py"):
+            parts = list(f.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            mods[".".join([pkg, *parts])] = f
+    return mods
+
+
+def _imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
+    """Every module of the package that ``name`` imports, at any depth of its code."""
+    is_pkg = path.name == "__init__.py"
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_pkg else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            # `from pkg import sub` imports the submodule when there is one
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in known else mod for a in node.names]
+        for t in targets:
+            while t and t not in known:  # `import effpass.passes.lora` -> the known module
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                out.add(t)
+    return out
+
+
+def _graph() -> nx.DiGraph:
+    mods = _modules()
+    g = nx.DiGraph()
+    for name, path in mods.items():
+        g.add_node(name)
+        for dep in _imports(name, path, set(mods)):
+            g.add_edge(name, dep)
+    return g
+
+
+def _registered_keys(path: pathlib.Path) -> list[str]:
+    """The registry keys a module registers (``@effpass.register_pass("name", ...)``)."""
+    keys = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            if name == "register_pass" and node.args and isinstance(node.args[0], ast.Constant):
+                keys.append(node.args[0].value)
+    return keys
+
+
+def pass_packages() -> list[str]:
+    """The folders of passes/ (one per built-in pass)."""
+    return sorted(d.name for d in PASSES.iterdir() if d.is_dir() and not d.name.startswith(("_", ".")))
+
+
+def owner(module: str) -> str | None:
+    """The pass package a module of effpass.passes belongs to (``effpass.passes.<name>[.sub]`` -> name)."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["effpass", "passes"] else None
+
+
+def pass_layout_violations(g: nx.DiGraph) -> list[str]:
+    """Edges from one pass's package into another's (or into the passes/ root, which imports every pass)."""
+    out = []
+    for a, b in g.edges:
+        oa, ob = owner(a), owner(b)
+        if oa is None:
+            continue
+        if b == "effpass.passes":
+            out.append(f"{a} imports effpass.passes (the root imports every pass): import from the core")
+        elif ob is not None and ob != oa:
+            out.append(f"{a} (pass {oa}) imports {b} (pass {ob}): put the contract in the core")
+    return sorted(out)
+
+
+def test_one_package_per_pass():
+    """passes/<name>/ for every built-in pass: the folder's __init__ registers the pass <name>; no module sits
+    loose in passes/ beside __init__.py; folder name = registry key = docs page = test folder."""
+    root = ROOT.parent
+    loose = sorted(p.name for p in PASSES.glob("*.py") if p.name != "__init__.py")
+    assert not loose, f"modules loose in passes/ (move them into their pass's package or out of passes/): {loose}"
+    names = pass_packages()
+    assert len(names) >= 14, names
+    import effpass.passes  # noqa: F401
+    from effpass.pass_api import _REGISTRY
+
+    for name in names:
+        pkg = PASSES / name
+        assert (pkg / "__init__.py").exists(), name
+        assert _registered_keys(pkg / "__init__.py") == [name], f"passes/{name}/__init__.py must register {name!r}"
+        for sub in pkg.rglob("*.py"):
+            if sub.name != "__init__.py":
+                assert not _registered_keys(sub), f"{sub}: only the package's __init__ registers its pass"
+        assert (root / "docs" / "passes" / f"{name}.md").exists(), f"docs/passes/{name}.md missing"
+        assert (root / "tests" / "passes" / name).is_dir(), f"tests/passes/{name}/ missing"
+        assert name in _REGISTRY, name
+    builtin = {k for k, v in _REGISTRY.items() if getattr(v, "__module__", "").startswith("effpass.passes.")}
+    assert builtin == set(names), f"registered built-ins without a package, or packages without a pass: {builtin ^ set(names)}"
+
+
+def test_passes_never_import_each_other():
+    bad = pass_layout_violations(_graph())
+    assert not bad, f"passes reach into each other: {bad}"
+
+
+def test_pass_layout_detector_can_fail():
+    g = nx.DiGraph([("effpass.passes.a", "effpass.passes.b.match"), ("effpass.passes.a.kv", "effpass.passes.a"),
+                    ("effpass.passes.c.x", "effpass.passes"), ("effpass.passes", "effpass.passes.a"),
+                    ("effpass.backend", "effpass.graph")])
+    assert pass_layout_violations(g) == [
+        "effpass.passes.a (pass a) imports effpass.passes.b.match (pass b): put the contract in the core",
+        "effpass.passes.c.x imports effpass.passes (the root imports every pass): import from the core"]
+
+
+def test_import_graph_sees_the_package():
+    g = _graph()
+    assert {"effpass", "effpass.backend", "effpass.passes", "effpass.passes.inject_lora.lora", "effpass.cli"} <= set(g)
+    assert g.has_edge("effpass.passes.inject_lora", "effpass.passes.inject_lora.lora")
+    assert any(d.startswith("effpass.") and not d.startswith("effpass.passes")
+               for d in g.successors("effpass.passes.inject_lora"))
+
+
+def test_core_and_tools_never_import_a_pass():
+    g = _graph()
+    bad = [(a, b) for a, b in g.edges if not a.startswith("effpass.passes") and b.startswith("effpass.passes")]
+    assert not bad, f"the core or a tool imports a pass module: {bad}"
+
+
+def test_core_never_imports_a_tool():
+    g = _graph()
+    bad = [(a, b) for a, b in g.edges if a in CORE and b not in CORE and b != "effpass" and not b.startswith("effpass.passes")]
+    assert not bad, f"a core module imports a tool above it: {bad}"
+
+
+def test_no_import_circles():
+    g = _graph()
+    # The package's __init__ re-exports the core (it imports every core module, and passes import it):
+    # circles through it are the ordinary package pattern, not design circles, so leave its edges out.
+    g.remove_edges_from([(a, b) for a, b in list(g.edges) if b == "effpass"])
+    cycles = list(nx.simple_cycles(g))
+    assert not cycles, f"import circles: {cycles}"
+
+
+def test_a_detector_that_can_fail(tmp_path):
+    """The walker resolves relative imports: a planted circle is found."""
+    a = tmp_path / "a.py"
+    a.write_text("from . import b\n")
+    b = tmp_path / "b.py"
+    b.write_text("def f():\n    from .a import x\n")
+    known = {"pkg.a", "pkg.b"}
+    assert _imports("pkg.a", a, known) == {"pkg.b"}
+    assert _imports("pkg.b", b, known) == {"pkg.a"}
+
+
+#: the longest a module of ``passes/`` or ``effpass/`` may be (lines); longer ones are named below with the reason
+MODULE_LINES = 500
+LONG_MODULES = {
+    "passes/step_in_backward/__init__.py": "the optimizer hooks, the in-graph step op and its fake kernel (the "
+                                           "planner's replay) share one per-parameter registry",
+    "effpass/planning/estimate.py": "being split (issue 35.3)",
+    "effpass/planning/planner.py": "being split (issue 35.3)",
+    "effpass/backend.py": "being split (issue 35.3)",
+    "effpass/graph.py": "being split (issue 35.3)",
+    "effpass/pass_api.py": "being split (issue 35.3)",
+    "effpass/inspect/html.py": "being split (issue 35.3)",
+}
+
+
+def test_modules_stay_a_few_hundred_lines():
+    """A module of passes/ or effpass/ longer than MODULE_LINES is split by responsibility (kernels, autograd
+    functions, matching, rewriting, reporting; capture, search, CLI) or named in LONG_MODULES with the reason;
+    a named one that got short is taken off the list."""
+    repo = ROOT.parent
+    lines = {str(p.relative_to(repo)): len(p.read_text().splitlines())
+             for base in (PASSES, ROOT) for p in base.rglob("*.py")}
+    too_long = sorted(f"{n} ({k} lines)" for n, k in lines.items() if k > MODULE_LINES and n not in LONG_MODULES)
+    assert not too_long, f"split these by responsibility or name them in LONG_MODULES: {too_long}"
+    short = sorted(n for n in LONG_MODULES if lines.get(n, 0) <= MODULE_LINES)
+    assert not short, f"no longer long (or gone), remove from LONG_MODULES: {short}"
+
+
+def test_fixed_sub_patterns_use_torch_pattern_matcher():
+    """The attention spine, repeat_kv and the linear/LoRA heads are torch pattern-matcher patterns (issue 22.1):
+    their matcher modules build on torch._inductor.pattern_matcher (through effpass.patterns)."""
+    from torch._inductor import pattern_matcher as pm
+
+    from effpass.passes.fuse_attention import kv as _attention_kv, matching as _attention_match
+    from effpass.passes.fuse_cross_entropy import matching as _fuse_ce_match
+
+    for mod in (_attention_kv, _attention_match, _fuse_ce_match):
+        assert _imports(mod.__name__, pathlib.Path(mod.__file__), {"effpass.patterns"}) >= {"effpass.patterns"}
+    heads = (*_fuse_ce_match.LORA_HEAD, _fuse_ce_match.LOW_RANK, _fuse_ce_match.PROJECTION, *_attention_match.SPINE,
+             *_attention_match.QK_ROOTS)
+    assert all(isinstance(p, pm.PatternExpr) for p in heads)
