@@ -14,6 +14,8 @@ import os
 import re
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _paths import ROOT  # noqa: E402  (the repository's root)
 
@@ -182,6 +184,13 @@ def page_problems(name: str) -> list[str]:
     if f"tests/passes/{name}/" not in text:
         problems.append(f"{rel}: does not name its tests folder tests/passes/{name}/")
     return problems
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Overrides conftest's autouse fixture of this name: these tests read files and need no Dynamo reset (whose
+    first call imports torch._dynamo, ~15 s on the shared 2-core machine)."""
+    yield
 
 
 def test_relative_links_resolve():
