@@ -1,7 +1,8 @@
 """The docs hold together: every relative link in README.md, docs/*.md and docs/passes/*.md points at a file
 (and a heading, for ``#anchor`` links into Markdown) that exists; every pass package under ``passes/`` has its
 page ``docs/passes/<name>.md``; each page's "At a glance" block states the pass's ``run_after`` and
-``conflicts_with`` exactly as ``register_pass`` declares them, and its options tables name every option field.
+``conflicts_with`` exactly as ``register_pass`` declares them and names the phases its hooks act in, and its
+options tables name every option field.
 
 Reads files only (no torch, no effpass import: the pass sources are parsed with ``ast``), so it runs in well
 under a second. ``python tests/tools/test_docs_links.py`` prints every problem without pytest.
@@ -129,6 +130,11 @@ def _literal_names(node) -> tuple[str, ...]:
     return tuple(ast.literal_eval(node)) if node is not None else ()
 
 
+#: effpass.pass_api.PHASE_HOOKS, restated (this test imports neither torch nor effpass)
+_PHASE_HOOKS = {"prepare_module": "module", "transform_torch_ir": "torch_ir", "transform_joint": "joint",
+                "transform_post_grad": "post_grad"}
+
+
 def declared(name: str) -> dict:
     """What ``passes/<name>/__init__.py`` declares for the pass registered as ``name``: run_after,
     conflicts_with (from the ``register_pass`` call) and the option fields (annotated class attributes)."""
@@ -143,7 +149,9 @@ def declared(name: str) -> dict:
                 fields = [s.target.id for s in cls.body if isinstance(s, ast.AnnAssign)
                           and isinstance(s.target, ast.Name) and not s.target.id.startswith("_")
                           and "ClassVar" not in ast.unparse(s.annotation)]
-                return {"run_after": _literal_names(kw.get("run_after")),
+                hooks = {f.name for f in cls.body if isinstance(f, ast.FunctionDef)}
+                return {"phases": tuple(ph for hook, ph in _PHASE_HOOKS.items() if hook in hooks),
+                        "run_after": _literal_names(kw.get("run_after")),
                         "conflicts_with": _literal_names(kw.get("conflicts_with")),
                         "options": fields + ["targets", "exclude"]}
     raise AssertionError(f"{os.path.relpath(src, ROOT)}: no class registered with register_pass({name!r})")
@@ -178,6 +186,11 @@ def page_problems(name: str) -> list[str]:
     missing = [o for o in decl["options"] if f"`{o}`" not in first_cells]
     if missing:
         problems.append(f"{rel}: options without a row of their own in an options table: {missing}")
+    row = _glance_row(text, "phases")
+    stated = set(re.findall(r"`([a-z_]+)`", row or ""))
+    if row is not None and not set(decl["phases"]) <= stated:
+        problems.append(f"{rel}: 'phases' does not name {sorted(set(decl['phases']) - stated)}, which the pass's "
+                        f"hooks act in")
     for label in ("phases", "statistics", "tests"):
         if _glance_row(text, label) is None:
             problems.append(f"{rel}: the 'At a glance' table has no '| {label} |' row")
