@@ -122,7 +122,8 @@ def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module, Any]]:
     for name, mod in model.named_modules():
         src = sys.modules.get(type(mod).__module__)
         eager = getattr(src, "eager_attention_forward", None)
-        if eager is not None and hasattr(mod, "head_dim") and "Attention" in type(mod).__name__:
+        # NOTE: GPT-NeoX (Pythia) names it head_size; both call the interface with q/k/v as [B, heads, S, D]
+        if eager is not None and (hasattr(mod, "head_dim") or hasattr(mod, "head_size")) and "Attention" in type(mod).__name__:
             out.append((name, mod, eager))
     return out
 
