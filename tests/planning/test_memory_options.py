@@ -134,11 +134,11 @@ def test_a_declared_option_is_planned_through_the_registry(monkeypatch):
 def test_cuda_prediction_rounds_to_the_allocator_block():
     """CUDA: every storage is counted as the caching allocator's 512-byte blocks hold it (as torch's
     MemTracker); the CPU keeps exact bytes. (Unit-level: the GPU path is untested without a GPU.)"""
-    from effpass.planning.estimate import _bytes
+    from effpass.planning.tracker import tracked_bytes
 
     ts = [torch.empty(3), torch.empty(200), torch.empty(128)]  # 12, 800, 512 bytes
-    assert _bytes(ts, "cpu") == 12 + 800 + 512
-    assert _bytes(ts, "cuda") == 512 + 1024 + 512
+    assert tracked_bytes(ts, "cpu") == 12 + 800 + 512
+    assert tracked_bytes(ts, "cuda") == 512 + 1024 + 512
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
