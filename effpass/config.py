@@ -308,3 +308,17 @@ def describe_options(opts: Options) -> dict[str, Any]:
     d = dataclasses.asdict(opts)
     d["passes"] = [{"name": p.name, "options": p.options()} for p in opts.passes]
     return d
+
+
+# ---- planning ----
+def plan_workers_setting() -> int | None:
+    """``EFFPASS_PLAN_WORKERS``: processes the memory planner may use to replay an extrapolation's depths
+    (forked from this one, Linux only; :func:`effpass.planning.pool.plan_workers`). None when unset or empty
+    (the planner's default: up to 2, as the cores allow); raises ``ValueError`` when not a whole number."""
+    env = os.environ.get("EFFPASS_PLAN_WORKERS")
+    if not env:
+        return None
+    try:
+        return max(1, int(env))
+    except ValueError:
+        raise ValueError(f"EFFPASS_PLAN_WORKERS={env!r}: expected a whole number of processes >= 1") from None

@@ -194,8 +194,6 @@ MODULE_LINES = 500
 LONG_MODULES = {
     "passes/step_in_backward/__init__.py": "the optimizer hooks, the in-graph step op and its fake kernel (the "
                                            "planner's replay) share one per-parameter registry",
-    "effpass/planning/estimate.py": "being split (issue 35.3)",
-    "effpass/planning/planner.py": "being split (issue 35.3)",
     "effpass/backend.py": "being split (issue 35.3)",
     "effpass/graph.py": "being split (issue 35.3)",
     "effpass/pass_api.py": "being split (issue 35.3)",
