@@ -194,7 +194,6 @@ MODULE_LINES = 500
 LONG_MODULES = {
     "passes/step_in_backward/__init__.py": "the optimizer hooks, the in-graph step op and its fake kernel (the "
                                            "planner's replay) share one per-parameter registry",
-    "effpass/backend.py": "being split (issue 35.3)",
     "effpass/graph.py": "being split (issue 35.3)",
     "effpass/pass_api.py": "being split (issue 35.3)",
     "effpass/inspect/html.py": "being split (issue 35.3)",
@@ -227,3 +226,107 @@ def test_fixed_sub_patterns_use_torch_pattern_matcher():
     heads = (*_fuse_ce_match.LORA_HEAD, _fuse_ce_match.LOW_RANK, _fuse_ce_match.PROJECTION, *_attention_match.SPINE,
              *_attention_match.QK_ROOTS)
     assert all(isinstance(p, pm.PatternExpr) for p in heads)
+
+
+# ------------------------------------------------------------------------------------------------------
+# configuration is data, read in one place (issue 35.4)
+# ------------------------------------------------------------------------------------------------------
+#: what touches the process environment: ``os.<name>`` or ``from os import <name>``
+ENV_NAMES = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
+#: modules of effpass/ or passes/ besides effpass/config.py that may touch ``os.environ``, with the reason
+ENV_ALLOWED = {
+    "effpass/cli/demo.py": "builds each arm's child-process environment ({**os.environ, ...}); reads no setting",
+}
+
+
+def environ_uses(path: pathlib.Path) -> list[str]:
+    """Where a module touches the process environment (``os.environ``, ``os.getenv``, ... through any alias of
+    ``os``, or a name imported from ``os``), as ``"line: code"`` in line order."""
+    src = path.read_text()
+    tree = ast.parse(src)
+    os_names = {"os"} | {a.asname for n in ast.walk(tree) if isinstance(n, ast.Import)
+                         for a in n.names if a.name == "os" and a.asname}
+    hits = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr in ENV_NAMES and isinstance(node.value, ast.Name)
+                and node.value.id in os_names) or (
+                isinstance(node, ast.ImportFrom) and node.module == "os" and {a.name for a in node.names} & ENV_NAMES):
+            hits.append((node.lineno, f"{node.lineno}: {ast.get_source_segment(src, node)}"))
+    return [h for _, h in sorted(hits)]
+
+
+def test_environment_is_read_in_config_only():
+    """Every environment variable is read in effpass/config.py (``ENV_VARS`` lists it, a function there reads it);
+    no other module of effpass/ or passes/ touches os.environ unless named in ENV_ALLOWED with the reason."""
+    repo = ROOT.parent
+    found = {}
+    for base in (ROOT, PASSES):
+        for p in sorted(base.rglob("*.py")):
+            rel = p.relative_to(repo).as_posix()
+            if rel != "effpass/config.py" and environ_uses(p):
+                found[rel] = environ_uses(p)
+    bad = {k: v for k, v in found.items() if k not in ENV_ALLOWED}
+    assert not bad, f"read environment variables in effpass/config.py (ENV_VARS and a function there), not in: {bad}"
+    stale = sorted(set(ENV_ALLOWED) - set(found))
+    assert not stale, f"no longer touch os.environ (or gone), remove from ENV_ALLOWED: {stale}"
+    assert environ_uses(ROOT / "config.py"), "config.py reads the environment: the walker must see it"
+
+
+def test_every_environment_variable_is_listed():
+    """Each EFFPASS_* name the code of effpass/ or passes/ spells (a whole string constant) is in ENV_VARS with
+    what it does."""
+    import re
+
+    from effpass.config import ENV_VARS
+
+    named = set()
+    for base in (ROOT, PASSES):
+        for p in base.rglob("*.py"):
+            named |= {n.value for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.Constant)
+                      and isinstance(n.value, str) and re.fullmatch(r"EFFPASS_[A-Z0-9_]+", n.value)}
+    assert {"EFFPASS_BISECT", "EFFPASS_PROGRESS", "EFFPASS_ROWWISE_COMPILE"} <= named
+    missing = sorted(named - set(ENV_VARS))
+    assert not missing, f"environment variables read but not in effpass.config.ENV_VARS: {missing}"
+    assert all(doc.strip() for doc in ENV_VARS.values()), ENV_VARS
+
+
+def test_environ_detector_can_fail(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("import os as o\nfrom os import getenv\nx = o.environ.get('A')\nimport os\n"
+                 "y = {**os.environ}\nz = os.path.join('a')\nenviron = {}\n")
+    assert [h.split(":")[0] for h in environ_uses(f)] == ["2", "3", "5"]
+
+
+def undocumented_fields(cls) -> list[str]:
+    """The fields of a dataclass of options without a doc (``field(metadata={"doc": ...})``)."""
+    import dataclasses
+
+    return [f.name for f in dataclasses.fields(cls) if not str(f.metadata.get("doc", "")).strip()]
+
+
+def test_every_option_is_documented_on_its_field():
+    """effpass's options and every registered pass's options carry their doc on the field; the tables that list
+    options (OPTION_DOCS, the keys parse_options accepts) are read from the fields."""
+    import dataclasses
+
+    from effpass.config import OPTION_DOCS, Options, option_docs
+    from effpass.pass_api import registered_passes
+
+    assert not undocumented_fields(Options), f"effpass.config.Options fields without a doc: {undocumented_fields(Options)}"
+    bad = {n: undocumented_fields(k) for n, k in registered_passes().items() if undocumented_fields(k)}
+    assert not bad, f"pass options without a doc (field(metadata={{'doc': ...}})): {bad}"
+    assert dict(OPTION_DOCS) == option_docs()
+    assert set(option_docs(keys_only=False)) == {f.name for f in dataclasses.fields(Options)}
+    assert {"passes", "lowering", "memory_budget"} <= set(OPTION_DOCS) and "default_pipeline" not in OPTION_DOCS
+
+
+def test_option_doc_detector_can_fail():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Planted:
+        documented: int = dataclasses.field(default=0, metadata={"doc": "a number"})
+        bare: int = 0
+        blank: str = dataclasses.field(default="", metadata={"doc": " "})
+
+    assert undocumented_fields(Planted) == ["bare", "blank"]
