@@ -190,6 +190,12 @@ class Pass:
     def validate(self) -> None:
         """Check option values beyond their types; raise ``ValueError`` naming the bad value."""
 
+    def facts(self) -> tuple:
+        """The facts (:mod:`effpass.facts`: ``MixedPrecision(dtype=...)``, ``LossScaling()``, ...) this pass,
+        with these options, establishes for the rest of its pipeline; other passes read them with
+        ``ctx.fact(kind)``, never this pass's options by name. Default: none."""
+        return ()
+
     # ---- hooks: override the ones the pass needs ---------------------------------------------------
     def prepare_module(self, model: torch.nn.Module, ctx) -> PassResult | None:  # pragma: no cover - default
         return None

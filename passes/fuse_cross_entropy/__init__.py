@@ -77,6 +77,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import effpass
+from effpass.facts import FusesLossHead
 from effpass.integrations.huggingface import set_hf_loss_type  # noqa: F401  (re-exported)
 from effpass.graph import is_static, same_shape, size_hint
 from effpass.quantized import dequantize, is_quantized
@@ -138,6 +139,10 @@ class FuseCrossEntropy(effpass.Pass):
         if self.chunk_bytes < 0:
             raise ValueError(f"fuse_cross_entropy.chunk_bytes must be >= 0 (0: the default budget), "
                              f"got {self.chunk_bytes}")
+
+    def facts(self) -> tuple:
+        """The head is fused with the loss in the graph holding both (read by wrap_fsdp)."""
+        return (FusesLossHead(),)
 
     @classmethod
     def enabled_by_default(cls, device=None) -> bool:
