@@ -47,7 +47,6 @@ tensor) appears in ``stats["modules"]`` as quantized or skipped with the reason.
 """
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -58,10 +57,11 @@ from torch import nn
 import effpass
 from effpass.graph import parameter_only_nodes, val
 from effpass.quantized import is_quantized, storage_bytes
+from effpass.scope import glob_match_within
 
 from .expert_sites import expert_tensors, quantize_experts
 from .linear import (conv1d_class, dequantized_weight, float8_linear, fp8_supported, is_float8_linear,
-                            outlier_hook, outlier_load_pre_hook, prefixes, probe_matches, set_submodule,
+                            outlier_hook, outlier_load_pre_hook, probe_matches, set_submodule,
                             with_linear_forward)
 
 SCHEMES = ("int8", "int4", "nf4", "fp8")
@@ -338,7 +338,7 @@ class QuantizeLinear(effpass.Pass):
         names = [n for n, _ in model.named_modules() if n] + [n for n, _ in model.named_parameters()]
 
         def hits(glob, pool):
-            return any(fnmatch.fnmatchcase(p, glob) for n in pool for p in prefixes(n))
+            return any(glob_match_within(n, glob) for n in pool)
 
         pool = candidates + experts
         for kind, globs, space in (("targets", self.targets, pool), ("exclude", self.exclude, names)):

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 __all__ = ["fp8_supported", "float8_linear", "is_float8_linear", "outlier_hook", "outlier_load_pre_hook",
-           "dequantized_weight", "with_linear_forward", "conv1d_class", "probe_matches", "prefixes", "set_submodule"]
+           "dequantized_weight", "with_linear_forward", "conv1d_class", "probe_matches", "set_submodule"]
 
 
 def fp8_supported(device: torch.device | str | None = None) -> bool:
@@ -106,11 +106,6 @@ def probe_matches(fn, ref, atol=1e-5) -> str | None:
     err = (got.float() - ref.float()).abs().max().item()
     scale = ref.float().abs().max().item()
     return None if err <= atol * max(1.0, scale) else f"max difference {err:.3g}"
-
-
-def prefixes(path: str) -> list[str]:
-    parts = path.split(".")
-    return [".".join(parts[: i + 1]) for i in range(len(parts))]
 
 
 def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
