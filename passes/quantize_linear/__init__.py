@@ -62,7 +62,7 @@ from effpass.scope import glob_match_within
 from .expert_sites import expert_tensors, quantize_experts
 from .linear import (conv1d_class, dequantized_weight, float8_linear, fp8_supported, is_float8_linear,
                             outlier_hook, outlier_load_pre_hook, probe_matches, set_submodule,
-                            with_linear_forward)
+                            weight_problem, with_linear_forward)
 
 SCHEMES = ("int8", "int4", "nf4", "fp8")
 KERNELS = ("auto", "torchao", "triton")
@@ -233,21 +233,10 @@ class QuantizeLinear(effpass.Pass):
             return f"fp8 matmuls need in/out features divisible by 16, got {k}x{n}"
         return None
 
-    def _weight_problem(self, w: torch.Tensor, tied: set[int]) -> str | None:
-        if is_quantized(w):
-            return f"already quantized ({type(w).__name__})"
-        if id(w) in tied:
-            return "weight is tied to another parameter (quantizing it would untie them)"
-        if w.device.type == "meta":
-            return "weight is on the meta device"
-        if not w.is_floating_point():
-            return f"weight dtype {w.dtype} is not floating point"
-        return None
-
     def _linear_problem(self, lin: nn.Linear, tied: set[int]) -> str | None:
         if is_float8_linear(lin) or getattr(lin, "__effpass_linear__", False):
             return "already quantized"
-        problem = self._weight_problem(lin.weight, tied)
+        problem = weight_problem(lin.weight, tied)
         if problem:
             return problem
         problem = self._shape_problem(lin.in_features, lin.out_features, lin.weight.numel())
@@ -387,7 +376,7 @@ class QuantizeLinear(effpass.Pass):
             kind = "conv1d" if not isinstance(mod, nn.Linear) else (
                 "linear" if type(mod) is nn.Linear else "linear_subclass")
             if kind == "conv1d":
-                problem = self._weight_problem(mod.weight, tied)
+                problem = weight_problem(mod.weight, tied)
                 if problem:
                     skip(name, kind, problem)
                     continue
