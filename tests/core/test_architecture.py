@@ -197,8 +197,6 @@ LONG_MODULES = {
     "effpass/planning/estimate.py": "being split (issue 35.3)",
     "effpass/planning/planner.py": "being split (issue 35.3)",
     "effpass/backend.py": "being split (issue 35.3)",
-    "effpass/pass_api.py": "being split (issue 35.3)",
-    "effpass/inspect/html.py": "being split (issue 35.3)",
 }
 
 
