@@ -66,6 +66,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import effpass
+from effpass.facts import ShardsParameters
 from effpass.graph import transformer_blocks
 
 from .attention import kv_replication, sp_attention, sp_sdpa_mask
@@ -210,7 +211,7 @@ class ShardSequence(effpass.Pass):
         mesh = self._mesh()
         reduce = self.reduce_gradients
         if reduce is None:
-            reduce = ctx.find_pass("wrap_fsdp") is None
+            reduce = ctx.fact(ShardsParameters) is None
         state = State(mesh, self.mesh_dim, reduce)
         n = state.size
         heads = getattr(cfg, "num_attention_heads", None)
