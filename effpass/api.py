@@ -24,6 +24,7 @@ def _device_of_model(model: torch.nn.Module) -> torch.device:
 
 def prepare(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None = None, *,
             dump_dir: str | None = None, lowering: str = "inductor", strict: bool = False,
+            allow_fallback: bool = False,
             bisect: int | None = None, disable: Iterable[str] = (), inductor_config: dict | None = None,
             mode: str | None = None, detailed_stats: bool = False) -> torch.nn.Module:
     """Run the module-level phase of the pipeline on ``model`` in place and return it (as PEFT does).
@@ -33,7 +34,8 @@ def prepare(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None =
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"effpass expects an nn.Module, got {type(model).__name__}")
-    opts = compile_options(passes=passes, dump_dir=dump_dir, lowering=lowering, strict=strict, bisect=bisect,
+    opts = compile_options(passes=passes, dump_dir=dump_dir, lowering=lowering, strict=strict,
+                           allow_fallback=allow_fallback, bisect=bisect,
                            disable=disable, inductor_config=inductor_config, detailed_stats=detailed_stats,
                            mode=mode, device=_device_of_model(model))
     backend = EffpassBackend(opts, model=model)
@@ -59,6 +61,7 @@ def _run_module_phase(model: torch.nn.Module, backend: EffpassBackend, compile_k
 
 def compile(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None = None, *,
             dump_dir: str | None = None, lowering: str = "inductor", strict: bool = False,
+            allow_fallback: bool = False,
             bisect: int | None = None, disable: Iterable[str] = (), inductor_config: dict | None = None,
             mode: str | None = None, fullgraph: bool = False, dynamic: bool | None = None,
             detailed_stats: bool = False, memory_budget: str | int | None = None, allow: Iterable[str] = (),
@@ -113,7 +116,8 @@ def compile(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None =
             passes, plan = planner.plan_for_compile(model, passes, memory_budget, allow, example_inputs,
                                                     optimizer=optimizer, world_size=world_size, lowering=lowering,
                                                     strict=strict, disable=disable)
-    opts = compile_options(passes=passes, dump_dir=dump_dir, lowering=lowering, strict=strict, bisect=bisect,
+    opts = compile_options(passes=passes, dump_dir=dump_dir, lowering=lowering, strict=strict,
+                           allow_fallback=allow_fallback, bisect=bisect,
                            disable=disable, inductor_config=inductor_config, detailed_stats=detailed_stats,
                            mode=mode, device=_device_of_model(model))
     backend = EffpassBackend(opts, model=model)

@@ -41,6 +41,9 @@ class Options:
         "doc": "folder for per-graph dumps (input graph, one file per changing pass, index.json)"})
     strict: bool = field(default=False, metadata={
         "doc": "raise when a pass fails instead of falling back to the graph before it"})
+    allow_fallback: bool = field(default=False, metadata={
+        "doc": "when every lowering fails on a graph, run it as captured (torch-IR passes applied) with a warning, "
+               "although its joint/post-grad passes (checkpointing, ...) then do not run; False: raise, naming them"})
     bisect: int | None = field(default=None, metadata={
         "doc": "run only the first N passes of the ordered pipeline (debugging)"})
     disable: tuple[str, ...] = field(default=(), metadata={"doc": "pass names to leave out of the pipeline"})
@@ -273,6 +276,11 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {type(strict).__name__} {strict!r}")
     out.strict = strict
+
+    allow_fallback = options.get("allow_fallback", False)
+    if not isinstance(allow_fallback, bool):
+        raise TypeError(f"allow_fallback must be a bool, got {type(allow_fallback).__name__} {allow_fallback!r}")
+    out.allow_fallback = allow_fallback
 
     detailed = options.get("detailed_stats", False)
     if not isinstance(detailed, bool):

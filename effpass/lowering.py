@@ -102,6 +102,13 @@ class Lowering:
             # the values stay right, but the memory plan's promise would not hold
             raise RuntimeError(f"effpass: lowering failed on {report.graph_id} ({'; '.join(errors)}) and the graph "
                                f"cannot run as captured: it would skip {late}, which the memory plan relies on")
+        if late and not self.options.allow_fallback:
+            # NOTE(failures): running as captured would silently turn these passes off: an error unless allowed
+            raise RuntimeError(
+                f"effpass: every lowering failed on {report.graph_id} ({'; '.join(errors)}); running the graph as "
+                f"captured would skip the passes {late} (values unchanged, their memory or speed gains lost). "
+                "Pass allow_fallback=True (effpass.compile / options={'allow_fallback': True}) to run it that way "
+                "with a warning, or strict=True for the full traceback")
         errors.append(f"not run without a lowering (memory only, values unchanged): {late}" if late else "")
         self._fell_back(report, "none", [e for e in errors if e])
         return _run_graph_as_is(gm)
