@@ -351,3 +351,47 @@ def test_cuda_prediction_matches_max_memory_allocated():  # pragma: no cover - n
     est = estimate_memory(model, inputs, passes=[], lowering="eager")
     meas = _measure(model, inputs, [])
     assert abs(est.peak_bytes - meas.peak_bytes) <= 0.01 * meas.peak_bytes, (est.summary(), meas)
+
+
+def test_replay_patches_are_confined_to_one_context_manager():
+    """Every patch of a private torch function the replay needs is made by ``replay_patches`` and undone when it
+    exits (numerical: the functions before, inside, after); no other module of effpass/planning assigns to an
+    attribute of something imported from torch (structural, on the source)."""
+    import ast
+    import pathlib
+
+    from torch._dynamo.backends import common
+    from torch._functorch import aot_autograd
+    from torch._functorch._aot_autograd import graph_compile
+    from torch._inductor.output_code import CompiledFxGraph
+    from torch._subclasses import fake_tensor as ft
+
+    from effpass.planning.patches import replay_patches
+
+    targets = [(common, "aot_module_simplified"), (graph_compile, "aot_dispatch_autograd_graph"),
+               (aot_autograd, "run_functionalized_fw_and_collect_metadata"), (CompiledFxGraph, "__call__"),
+               (ft.FakeTensorMode, "__init__")]
+    before = [getattr(o, n) for o, n in targets]
+    with replay_patches("cpu", inductor=True):
+        inside = [getattr(o, n) for o, n in targets]
+    after = [getattr(o, n) for o, n in targets]
+    assert all(a is not b for a, b in zip(before, inside)) and all(a is b for a, b in zip(before, after))
+
+    planning = pathlib.Path(effpass.__file__).parent / "planning"
+    offenders = []
+    for path in sorted(planning.glob("*.py")):
+        if path.name == "patches.py":
+            continue
+        tree = ast.parse(path.read_text())
+        from_torch = {a.asname or a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+                      for a in n.names if a.name.split(".")[0] == "torch"}
+        from_torch |= {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                       and (n.module or "").split(".")[0] == "torch" for a in n.names}
+        for n in ast.walk(tree):
+            for t in getattr(n, "targets", []) if isinstance(n, ast.Assign) else []:
+                base = t
+                while isinstance(base, ast.Attribute):
+                    base = base.value
+                if isinstance(t, ast.Attribute) and isinstance(base, ast.Name) and base.id in from_torch:
+                    offenders.append(f"{path.name}:{n.lineno}")
+    assert not offenders, f"patch torch only inside effpass.planning.patches.replay_patches: {offenders}"
