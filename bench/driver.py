@@ -189,6 +189,8 @@ def append_row(stem: str, run_id: str, run: dict, row: dict, markdown=None, titl
         if mine is None:
             mine = {**run, "run_id": run_id, "results": []}
             doc["runs"].append(mine)
+        else:  # the caller's header may have grown (a finished flag, the load at the end)
+            mine.update({k: v for k, v in run.items() if k != "results"})
         if row is not None:
             mine["results"].append(row)
         write(stem, doc, markdown, title)
@@ -339,13 +341,16 @@ def run(script: str, *, workload: str, jobs: list[tuple[str, dict]], cfg: dict, 
         repeats: int = 1, deadline_s: float | None = None, label: str = "", packages: tuple[str, ...] = (),
         requires: dict[str, tuple[str, ...]] | None = None, env: dict | None = None,
         markdown: Callable[[dict], str] | None = None, title: str | None = None,
-        after_arm: Callable[[dict], None] | None = None, log: Callable[[dict], dict] | None = None) -> dict:
+        after_arm: Callable[[dict], None] | None = None, log: Callable[[dict], dict] | None = None,
+        meta_extra: Callable[[str], dict] | None = None) -> dict:
     """Run ``jobs`` (``(arm, extra cfg)`` pairs) ``repeats`` times interleaved, each in a fresh process under
     ``deadline_s``, appending each row to ``stem.json``/``.md`` as it ends. Returns the run."""
     run_id = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S") + f"-{os.getpid()}"
     header = {"label": label, "meta": meta(workload, device, packages), "shape": cfg}
     header["meta"]["deadline_s"] = deadline_s
     header["meta"]["repeats"] = repeats
+    if meta_extra is not None:
+        header["meta"].update(meta_extra(device))
     current = append_row(stem, run_id, header, None, markdown, title)
     for rep in range(repeats):
         for arm, extra in jobs:
@@ -375,7 +380,8 @@ def main(script: str, *, workload: str, arms: tuple[str, ...], worker: Callable[
          log: Callable[[dict], dict] | None = None, deadline_s: float = 1800, repeats: int = 1,
          gpu_repeats: int | None = None, extra_args: Callable[[argparse.ArgumentParser], None] | None = None,
          configure: Callable[[argparse.Namespace, dict], None] | None = None,
-         jobs: Callable[[list[str], dict], list[tuple[str, dict]]] | None = None, name: str | None = None) -> None:
+         jobs: Callable[[list[str], dict], list[tuple[str, dict]]] | None = None, name: str | None = None,
+         meta_extra: Callable[[str], dict] | None = None) -> None:
     """The command line of every bench script (see the module docstring for the contract).
 
     ``worker(arm, cfg, device) -> dict`` measures one arm in the worker process. ``cpu_shape`` / ``gpu_shape``:
@@ -384,7 +390,8 @@ def main(script: str, *, workload: str, arms: tuple[str, ...], worker: Callable[
     values). ``sweep``: a list-valued shape key whose values each arm runs over (a row field, e.g. ``vocab``).
     ``requires``: arm -> the packages it needs (absent ones: the row says "not installed", nothing starts).
     ``jobs(chosen_arms, cfg)``: the (arm, extra cfg) pairs of one round, when arms x sweep is not enough.
-    ``extra_args`` / ``configure(args, cfg)``: script options beyond the shape keys."""
+    ``extra_args`` / ``configure(args, cfg)``: script options beyond the shape keys. ``meta_extra(device)``:
+    fields added to the run's meta once, in the driver's process (a method check, a model name)."""
     workload = workload or name
     doc = (sys.modules["__main__"].__doc__ or "").strip().split("\n")[0]
     ap = argparse.ArgumentParser(description=doc)
@@ -444,7 +451,7 @@ def main(script: str, *, workload: str, arms: tuple[str, ...], worker: Callable[
     stem = args.out or result_stem(workload, device)
     r = run(script, workload=workload, jobs=plan, cfg=cfg, device=device, stem=stem, repeats=reps,
             deadline_s=args.deadline, label=label, packages=packages, requires=requires, env=env, markdown=markdown,
-            title=title, after_arm=after_arm, log=log)
+            title=title, after_arm=after_arm, log=log, meta_extra=meta_extra)
     if markdown is not None:
         try:
             print(markdown(r))
