@@ -193,7 +193,7 @@ def main() -> None:
                 cpu_shape=dict(vocab=[32000], steps=0, seq=None), quick=dict(vocab=[4096], steps=1, seq=256),
                 overrides=("vocab", "steps"), sweep="vocab", packages=("cut_cross_entropy", "liger_kernel", "trl"),
                 requires={"cce": ("cut_cross_entropy",), "liger": ("liger_kernel",), "trl_chunked": ("trl",)},
-                meta_extra=lambda device: {"method_check_64MiB": check_method(device)},
+                meta_extra=lambda cfg: {"method_check_64MiB": check_method(cfg["_device"])},
                 markdown=lambda run: markdown(run["meta"], run["results"]),
                 log=lambda r: {k: v for k, v in r.items() if k not in ("shape", "steps_s", "steps_cpu_s")})
 

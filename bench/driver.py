@@ -342,7 +342,7 @@ def run(script: str, *, workload: str, jobs: list[tuple[str, dict]], cfg: dict, 
         requires: dict[str, tuple[str, ...]] | None = None, env: dict | None = None,
         markdown: Callable[[dict], str] | None = None, title: str | None = None,
         after_arm: Callable[[dict], None] | None = None, log: Callable[[dict], dict] | None = None,
-        meta_extra: Callable[[str], dict] | None = None) -> dict:
+        meta_extra: Callable[[dict], dict] | None = None) -> dict:
     """Run ``jobs`` (``(arm, extra cfg)`` pairs) ``repeats`` times interleaved, each in a fresh process under
     ``deadline_s``, appending each row to ``stem.json``/``.md`` as it ends. Returns the run."""
     run_id = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S") + f"-{os.getpid()}"
@@ -350,7 +350,7 @@ def run(script: str, *, workload: str, jobs: list[tuple[str, dict]], cfg: dict, 
     header["meta"]["deadline_s"] = deadline_s
     header["meta"]["repeats"] = repeats
     if meta_extra is not None:
-        header["meta"].update(meta_extra(device))
+        header["meta"].update(meta_extra({**cfg, "_device": device}))
     current = append_row(stem, run_id, header, None, markdown, title)
     for rep in range(repeats):
         for arm, extra in jobs:
@@ -381,7 +381,7 @@ def main(script: str, *, workload: str, arms: tuple[str, ...], worker: Callable[
          gpu_repeats: int | None = None, extra_args: Callable[[argparse.ArgumentParser], None] | None = None,
          configure: Callable[[argparse.Namespace, dict], None] | None = None,
          jobs: Callable[[list[str], dict], list[tuple[str, dict]]] | None = None, name: str | None = None,
-         meta_extra: Callable[[str], dict] | None = None) -> None:
+         meta_extra: Callable[[dict], dict] | None = None) -> None:
     """The command line of every bench script (see the module docstring for the contract).
 
     ``worker(arm, cfg, device) -> dict`` measures one arm in the worker process. ``cpu_shape`` / ``gpu_shape``:
@@ -390,7 +390,7 @@ def main(script: str, *, workload: str, arms: tuple[str, ...], worker: Callable[
     values). ``sweep``: a list-valued shape key whose values each arm runs over (a row field, e.g. ``vocab``).
     ``requires``: arm -> the packages it needs (absent ones: the row says "not installed", nothing starts).
     ``jobs(chosen_arms, cfg)``: the (arm, extra cfg) pairs of one round, when arms x sweep is not enough.
-    ``extra_args`` / ``configure(args, cfg)``: script options beyond the shape keys. ``meta_extra(device)``:
+    ``extra_args`` / ``configure(args, cfg)``: script options beyond the shape keys. ``meta_extra(cfg)``:
     fields added to the run's meta once, in the driver's process (a method check, a model name)."""
     workload = workload or name
     doc = (sys.modules["__main__"].__doc__ or "").strip().split("\n")[0]
