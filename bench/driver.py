@@ -342,7 +342,8 @@ def run(script: str, *, workload: str, jobs: list[tuple[str, dict]], cfg: dict, 
         requires: dict[str, tuple[str, ...]] | None = None, env: dict | None = None,
         markdown: Callable[[dict], str] | None = None, title: str | None = None,
         after_arm: Callable[[dict], None] | None = None, log: Callable[[dict], dict] | None = None,
-        meta_extra: Callable[[dict], dict] | None = None, alternate: bool = False) -> dict:
+        meta_extra: Callable[[dict], dict] | None = None, alternate: bool = False,
+        once: tuple[str, ...] = ()) -> dict:
     """Run ``jobs`` (``(arm, extra cfg)`` pairs) ``repeats`` times interleaved, each in a fresh process under
     ``deadline_s``, appending each row to ``stem.json``/``.md`` as it ends. Returns the run."""
     run_id = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S") + f"-{os.getpid()}"
@@ -354,6 +355,8 @@ def run(script: str, *, workload: str, jobs: list[tuple[str, dict]], cfg: dict, 
     current = append_row(stem, run_id, header, None, markdown, title)
     for rep in range(repeats):
         for arm, extra in (jobs[::-1] if alternate and rep % 2 else jobs):  # alternate: odd rounds reversed
+            if rep and arm in once:  # a deterministic arm (an accuracy check): the first round only
+                continue
             need = missing(tuple((requires or {}).get(arm, ())))
             if need:
                 row = {"arm": arm, **extra, "status": "not installed",
@@ -381,7 +384,8 @@ def main(script: str, *, workload: str, arms: tuple[str, ...], worker: Callable[
          gpu_repeats: int | None = None, extra_args: Callable[[argparse.ArgumentParser], None] | None = None,
          configure: Callable[[argparse.Namespace, dict], None] | None = None,
          jobs: Callable[[list[str], dict], list[tuple[str, dict]]] | None = None, name: str | None = None,
-         meta_extra: Callable[[dict], dict] | None = None, alternate: bool = False) -> None:
+         meta_extra: Callable[[dict], dict] | None = None, alternate: bool = False,
+         once: tuple[str, ...] = ()) -> None:
     """The command line of every bench script (see the module docstring for the contract).
 
     ``worker(arm, cfg, device) -> dict`` measures one arm in the worker process. ``cpu_shape`` / ``gpu_shape``:
@@ -392,7 +396,7 @@ def main(script: str, *, workload: str, arms: tuple[str, ...], worker: Callable[
     ``jobs(chosen_arms, cfg)``: the (arm, extra cfg) pairs of one round, when arms x sweep is not enough.
     ``extra_args`` / ``configure(args, cfg)``: script options beyond the shape keys. ``meta_extra(cfg)``:
     fields added to the run's meta once, in the driver's process (a method check, a model name). ``alternate``:
-    odd rounds run the arms in reverse order."""
+    odd rounds run the arms in reverse order. ``once``: arms run in the first round only (deterministic checks)."""
     workload = workload or name
     doc = (sys.modules["__main__"].__doc__ or "").strip().split("\n")[0]
     ap = argparse.ArgumentParser(description=doc)
@@ -452,7 +456,7 @@ def main(script: str, *, workload: str, arms: tuple[str, ...], worker: Callable[
     stem = args.out or result_stem(workload, device)
     r = run(script, workload=workload, jobs=plan, cfg=cfg, device=device, stem=stem, repeats=reps,
             deadline_s=args.deadline, label=label, packages=packages, requires=requires, env=env, markdown=markdown,
-            title=title, after_arm=after_arm, log=log, meta_extra=meta_extra, alternate=alternate)
+            title=title, after_arm=after_arm, log=log, meta_extra=meta_extra, alternate=alternate, once=once)
     if markdown is not None:
         try:
             print(markdown(r))
