@@ -347,7 +347,8 @@ def run(script: str, *, workload: str, jobs: list[tuple[str, dict]], cfg: dict, 
     """Run ``jobs`` (``(arm, extra cfg)`` pairs) ``repeats`` times interleaved, each in a fresh process under
     ``deadline_s``, appending each row to ``stem.json``/``.md`` as it ends. Returns the run."""
     run_id = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S") + f"-{os.getpid()}"
-    header = {"label": label, "meta": meta(workload, device, packages), "shape": cfg}
+    header = {"label": label, "meta": meta(workload, device, packages),
+              "shape": {k: v for k, v in cfg.items() if not k.startswith("_")}}  # _keys: the process's own
     header["meta"]["deadline_s"] = deadline_s
     header["meta"]["repeats"] = repeats
     if meta_extra is not None:
