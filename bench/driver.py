@@ -307,7 +307,7 @@ def run_arm(script: str, arm: str, cfg: dict, *, deadline_s: float | None, env: 
         res = dict(objs[-1])
         res.setdefault("arm", arm)
         res.setdefault("status", "error" if "error" in res else "ok")
-        return {**res, **book}
+        return {**book, **res}  # the arm's own figures (a wall_s of its own) win over the driver's
     lines = [ln for ln in stderr.splitlines() if ln.strip() and "_pytree" not in ln and "Failed to load" not in ln]
     return {"arm": arm, "status": "error", "error": "\n".join(lines[-15:]) or f"exit code {p.returncode}",
             "partial": objs[-1] if objs else None, **book}
