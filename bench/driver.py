@@ -379,7 +379,7 @@ def main(script: str, *, workload: str, arms: tuple[str, ...], worker: Callable[
          cpu_shape: dict, gpu_shape: dict | None = None, quick: dict | None = None,
          markdown: Callable[[dict], str] | None = None, title: str | None = None,
          packages: tuple[str, ...] = (), requires: dict[str, tuple[str, ...]] | None = None,
-         overrides: tuple[str, ...] = ("steps",), sweep: str | None = None, default_arms: tuple[str, ...] | None = None,
+         overrides: tuple[str, ...] | None = None, sweep: str | None = None, default_arms: tuple[str, ...] | None = None,
          env: dict | None = None, after_arm: Callable[[dict], None] | None = None,
          log: Callable[[dict], dict] | None = None, deadline_s: float = 1800, repeats: int = 1,
          gpu_repeats: int | None = None, extra_args: Callable[[argparse.ArgumentParser], None] | None = None,
@@ -399,6 +399,8 @@ def main(script: str, *, workload: str, arms: tuple[str, ...], worker: Callable[
     fields added to the run's meta once, in the driver's process (a method check, a model name). ``alternate``:
     odd rounds run the arms in reverse order. ``once``: arms run in the first round only (deterministic checks)."""
     workload = workload or name
+    if overrides is None:  # the common knob, where the script has it
+        overrides = ("steps",) if "steps" in cpu_shape else ()
     doc = (sys.modules["__main__"].__doc__ or "").strip().split("\n")[0]
     ap = argparse.ArgumentParser(description=doc)
     ap.add_argument("--arms", default=",".join(default_arms or arms), help=f"comma-separated, from {','.join(arms)}")
