@@ -4,7 +4,6 @@ results files named by workload and device. A fake script stands in for a bench 
 import importlib.util
 import json
 import os
-import sys
 import textwrap
 
 import pytest
