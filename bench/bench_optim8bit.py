@@ -156,9 +156,12 @@ def markdown(doc: dict) -> str:
 
 
 def main() -> None:
-    driver.main(__file__, arms=ARMS, quick=dict(vocab=512, hidden=64, ffn=64, layers=1, heads=2, kv_heads=2, seq=32, steps=1, warmup=0), requires={"torchao_adamw8bit": ("torchao",), "bnb_adamw8bit": ("bitsandbytes",)}, cpu_shape=CPU_SHAPE, gpu_shape=GPU_SHAPE, worker=worker, markdown=markdown,
-             workload="optim8bit", packages=("torchao", "bitsandbytes"),
-             log=lambda r: {k: v for k, v in r.items() if k != "losses"})
+    driver.main(__file__, arms=ARMS,
+                quick=dict(vocab=512, hidden=64, ffn=64, layers=1, heads=2, kv_heads=2, seq=32, steps=1, warmup=0),
+                requires={"torchao_adamw8bit": ("torchao",), "bnb_adamw8bit": ("bitsandbytes",)},
+                cpu_shape=CPU_SHAPE, gpu_shape=GPU_SHAPE, worker=worker, markdown=markdown,
+                workload="optim8bit", packages=("torchao", "bitsandbytes"),
+                log=lambda r: {k: v for k, v in r.items() if k != "losses"})
 
 
 if __name__ == "__main__":

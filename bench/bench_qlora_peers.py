@@ -176,8 +176,12 @@ def markdown(doc: dict) -> str:
 
 
 def main() -> None:
-    driver.main(__file__, arms=ARMS, quick=dict(vocab=512, hidden=128, ffn=256, layers=1, heads=2, kv_heads=1, seq=32, steps=1, warmup=0), requires={"peft_lora": ("peft",), "peft_torchao_nf4": ("peft", "torchao"), "peft_bnb_nf4": ("peft", "bitsandbytes"), "effpass_nf4": ("torchao",)}, cpu_shape=CPU_SHAPE, gpu_shape=GPU_SHAPE, worker=worker, markdown=markdown,
-             workload="qlora_peers", packages=("peft", "torchao", "bitsandbytes"), overrides=("steps", "lowering"))
+    driver.main(__file__, arms=ARMS,
+                quick=dict(vocab=512, hidden=128, ffn=256, layers=1, heads=2, kv_heads=1, seq=32, steps=1, warmup=0),
+                requires={"peft_lora": ("peft",), "peft_torchao_nf4": ("peft", "torchao"),
+                          "peft_bnb_nf4": ("peft", "bitsandbytes"), "effpass_nf4": ("torchao",)},
+                cpu_shape=CPU_SHAPE, gpu_shape=GPU_SHAPE, worker=worker, markdown=markdown,
+                workload="qlora_peers", packages=("peft", "torchao", "bitsandbytes"), overrides=("steps", "lowering"))
 
 
 if __name__ == "__main__":

@@ -175,9 +175,12 @@ def main() -> None:
         def diff(r: dict) -> None:
             r["grad_rel_diff"] = grad_diff(gpath, r["arm"])
 
-        driver.main(__file__, arms=ARMS, quick=dict(vocab=256, hidden=64, ffn=128, layers=1, heads=2, kv_heads=1, seq=512, steps=1, warmup=0), requires={"alst_tiled_mlp": ("deepspeed",)}, cpu_shape=CPU_SHAPE, gpu_shape=GPU_SHAPE, worker=worker, markdown=markdown,
-                 workload="tiled_mlp", packages=("deepspeed",), overrides=("seq", "steps", "lowering"),
-                 env={"TILED_MLP_GRADS": gpath}, after_arm=diff)
+        driver.main(__file__, arms=ARMS,
+                    quick=dict(vocab=256, hidden=64, ffn=128, layers=1, heads=2, kv_heads=1, seq=512, steps=1, warmup=0),
+                    requires={"alst_tiled_mlp": ("deepspeed",)},
+                    cpu_shape=CPU_SHAPE, gpu_shape=GPU_SHAPE, worker=worker, markdown=markdown,
+                    workload="tiled_mlp", packages=("deepspeed",), overrides=("seq", "steps", "lowering"),
+                    env={"TILED_MLP_GRADS": gpath}, after_arm=diff)
 
 
 if __name__ == "__main__":
