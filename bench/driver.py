@@ -177,9 +177,11 @@ def append_row(stem: str, run_id: str, run: dict, row: dict, markdown=None, titl
     """Append ``row`` to the run ``run_id`` of ``stem.json`` (adding the run if the file lacks it), re-reading
     the file first so that rows another process appended meanwhile are kept; rewrite ``.json`` and ``.md``."""
     import fcntl
+    import hashlib
 
     os.makedirs(os.path.dirname(os.path.abspath(stem)), exist_ok=True)
-    with open(stem + ".lock", "w") as lock:
+    key = hashlib.sha1(os.path.abspath(stem).encode()).hexdigest()[:16]  # the lock lives outside results/
+    with open(os.path.join(tempfile.gettempdir(), f"effpass-bench-{key}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         doc = load(stem) or {"workload": run["meta"]["workload"], "device": run["meta"]["device_tag"], "runs": []}
         if "runs" not in doc:  # a file from before the driver: keep it as the first (historical) run
@@ -194,10 +196,6 @@ def append_row(stem: str, run_id: str, run: dict, row: dict, markdown=None, titl
         if row is not None:
             mine["results"].append(row)
         write(stem, doc, markdown, title)
-    try:
-        os.unlink(stem + ".lock")
-    except OSError:
-        pass
     return mine
 
 
