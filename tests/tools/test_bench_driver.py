@@ -105,3 +105,17 @@ def test_results_files_follow_the_scheme(driver):
             assert not n.endswith((".py", ".sh")), f"a script under bench/results/: {os.path.join(dirpath, n)}"
             with open(os.path.join(dirpath, n), errors="replace") as f:
                 assert "/work/" not in f.read(), f"a machine path in {os.path.join(dirpath, n)}"
+
+
+def test_every_bench_script_is_on_the_driver():
+    """No bench script spawns and records its own arms: each one goes through bench/driver.py."""
+    import re
+
+    bench = os.path.join(ROOT, "bench")
+    scripts = sorted(n for n in os.listdir(bench) if n.startswith("bench_") and n.endswith(".py")) + ["suite_times.py"]
+    assert len(scripts) > 20
+    for n in scripts:
+        with open(os.path.join(bench, n)) as f:
+            src = f.read()
+        assert "import driver" in src and "driver." in src, f"bench/{n} is not on bench/driver.py"
+        assert not re.search(r"RESULTS|os\.path\.join\([^)]*\"results\"", src), f"bench/{n} writes its own results file"
