@@ -211,7 +211,12 @@ def render(doc: dict, markdown: Callable[[dict], str] | None = None, title: str 
         head = f"## {date[:16].replace('T', ' ')}" + (f" · {run['label']}" if run.get("label") else "")
         if run.get("historical"):
             out += [head + f" · historical (`{run['historical']}`)", ""]
-            body = run.get("markdown") or "(no markdown was written for this run; the data is in the .json)"
+            body = run.get("markdown")
+            if not body:  # a run that wrote JSON only: its figures, as written
+                data = json.dumps({k: v for k, v in run.items() if k not in ("historical", "label")}, indent=1)
+                body = ("No table was written for this run; its JSON as written"
+                        + (" (first 6,000 characters)" if len(data) > 6000 else "") + ":\n\n```json\n"
+                        + data[:6000] + "\n```")
             out += [_demote(body).rstrip(), ""]
             continue
         dirty = " (dirty tree)" if m.get("dirty") else ""
