@@ -31,7 +31,7 @@ Exactness (lossy; the forward is unchanged, so the loss is exact)
     by at most 2^-10 of the scale), plus the rounding of a bf16/fp16 result (half an ulp of ``x``);
     ``absmax_g`` is the absolute maximum of the element's group. Gradients computed from a compressed
     tensor inherit it linearly: a linear layer's weight gradient ``dW = dy^T x`` errs elementwise by at most
-    ``sum_t |dy_ti| * absmax_g(t,j) / 254`` (tested exactly); whole-model bounds are in docs/long_sequence.md.
+    ``sum_t |dy_ti| * absmax_g(t,j) / 254`` (tested exactly); whole-model figures are in docs/passes/compress_activations.md.
 
 Phases
     ``lowering_context`` (the hooks), ``post_grad`` (placement; statistics).
