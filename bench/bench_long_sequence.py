@@ -325,6 +325,7 @@ def main():
 
     label = args.label if args.label is not None else ("quick" if args.quick else "")
     stem = args.out or driver.result_stem("long_sequence", "cpu")
+    driver.stop_on_sigterm()
     run_id = f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S}-{os.getpid()}"
     head = driver.meta("long_sequence", "cpu")
     head.update(lowering_effpass=args.lowering, lowering_hand_built_compiled="inductor", deadline_s=args.deadline)

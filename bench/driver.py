@@ -288,6 +288,13 @@ def run_arm(script: str, arm: str, cfg: dict, *, deadline_s: float | None, env: 
             except subprocess.TimeoutExpired:
                 _signal_group(p.pid, signal.SIGKILL)
                 out, _ = p.communicate()
+        except BaseException:  # the driver itself is stopped (Ctrl-C, SIGTERM from `timeout`): end the arm too
+            _signal_group(p.pid, signal.SIGTERM)
+            try:
+                p.wait(timeout=KILL_GRACE_S)
+            finally:
+                _signal_group(p.pid, signal.SIGKILL)
+            raise
         _signal_group(p.pid, signal.SIGKILL)  # anything the arm left behind in its group
         err.seek(0)
         stderr = err.read()
@@ -323,6 +330,18 @@ def _signal_group(pid: int, sig: int) -> None:
         pass
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM to the driver (``timeout``, a job scheduler) raises SystemExit, so that the running arm's process
+    group, which lives in a session of its own, is ended with it rather than left running (main thread only)."""
+    import threading
+
+    def _stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _stop)
+
+
 def missing(packages: tuple[str, ...]) -> list[str]:
     """Those of ``packages`` that are not installed (not importable by name)."""
     import importlib.util
@@ -349,6 +368,7 @@ def run(script: str, *, workload: str, jobs: list[tuple[str, dict]], cfg: dict, 
         once: tuple[str, ...] = ()) -> dict:
     """Run ``jobs`` (``(arm, extra cfg)`` pairs) ``repeats`` times interleaved, each in a fresh process under
     ``deadline_s``, appending each row to ``stem.json``/``.md`` as it ends. Returns the run."""
+    stop_on_sigterm()
     run_id = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S") + f"-{os.getpid()}"
     header = {"label": label, "meta": meta(workload, device, packages),
               "shape": {k: v for k, v in cfg.items() if not k.startswith("_")}}  # _keys: the process's own

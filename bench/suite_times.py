@@ -78,6 +78,7 @@ def main(argv=None) -> int:
         print(json.dumps({"arm": args.worker, **time_file(args.worker, json.loads(args.cfg)["top"])}), flush=True)
         return 0
     files = args.files or sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py"))
+    driver.stop_on_sigterm()
     run_id = f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S}-{os.getpid()}"
     header = {"label": args.label, "meta": driver.meta("suite_times", "cpu"), "shape": {"top": args.top}}
     header["meta"]["deadline_s"] = args.deadline

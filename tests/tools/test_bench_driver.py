@@ -119,3 +119,39 @@ def test_every_bench_script_is_on_the_driver():
             src = f.read()
         assert "import driver" in src and "driver." in src, f"bench/{n} is not on bench/driver.py"
         assert not re.search(r"RESULTS|os\.path\.join\([^)]*\"results\"", src), f"bench/{n} writes its own results file"
+
+
+def test_a_stopped_driver_ends_its_running_arm(tmp_path):
+    """SIGTERM to the driver (as `timeout` sends it) ends the arm's process group too: a GPU is never left busy."""
+    import signal
+    import subprocess
+    import time
+
+    script = tmp_path / "bench_fake.py"
+    script.write_text(FAKE.format(bench=os.path.join(ROOT, "bench")))
+    parent = tmp_path / "parent.py"
+    parent.write_text(textwrap.dedent(f'''
+        import sys
+        sys.path.insert(0, {os.path.join(ROOT, "bench")!r})
+        import driver
+        driver.meta = lambda workload, device, packages=(): {{"workload": workload, "device_tag": "cpu", "date": "x"}}
+        driver.run({str(script)!r}, workload="fake", jobs=[("slow", {{}})], device="cpu", deadline_s=600,
+                   stem={str(tmp_path / "fake_cpu")!r}, cfg={{"x": 1, "pidfile": {str(tmp_path / "pid")!r}}})
+    '''))
+    import sys
+
+    p = subprocess.Popen([sys.executable, str(parent)])
+    pidfile = tmp_path / "pid"
+    for _ in range(600):
+        if pidfile.exists() and pidfile.read_text():
+            break
+        time.sleep(0.1)
+    grandchild = int(pidfile.read_text())
+    assert _alive(grandchild)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=60) != 0
+    for _ in range(100):
+        if not _alive(grandchild):
+            break
+        time.sleep(0.1)
+    assert not _alive(grandchild), "the arm's process group outlived the stopped driver"
