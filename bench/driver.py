@@ -12,6 +12,7 @@ Contract (what a script gets by calling :func:`main`, and what a caller such as 
   group gets SIGTERM, then SIGKILL 10 s later; the row says ``"status": "killed"`` and keeps the last partial
   result the arm printed (``"partial"``). A crash is ``"status": "error"`` with the end of stderr in
   ``"error"``; an arm whose peer package does not import is ``"status": "not installed"`` and is not started.
+  SIGTERM or Ctrl-C to the driver ends the running arm's process group before the driver exits.
 * **Appended after every arm**, atomically (write to a temporary file, then rename), so a killed or
   interrupted run keeps what it measured: ``bench/results/<workload>_<device>.json`` and its ``.md``, with
   ``device`` = ``cpu`` or ``cuda-<model>`` (``cuda-h100``, ``cuda-h200``) from the device name. A file holds
