@@ -383,7 +383,8 @@ def main() -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.getcwd(), ".cache", "inductor"))
     driver.main(__file__, workload=f"memory_plan_{section}", arms=arms, worker=worker, markdown=markdown,
                 cpu_shape=dict(cfg, section=section), quick=quick, overrides=tuple(k for k in cfg if k != "model"),
-                deadline_s=4 * 3600)
+                deadline_s=4 * 3600,
+                meta_extra=lambda cfg: {"argv": ["bench/bench_memory_plan.py", section] + sys.argv[1:]})
 
 
 if __name__ == "__main__":
