@@ -305,7 +305,9 @@ def main():
         sys.argv.remove("--predict")
         return driver.main(__file__, workload="sequence_parallel_predict", arms=tuple(PREDICT_ARMS),
                            worker=lambda arm, cfg, device: {"arm": arm, **predict_row(*PREDICT_ARMS[arm])},
-                           markdown=predict_markdown, cpu_shape={}, overrides=(), deadline_s=3 * 3600)
+                           markdown=predict_markdown, cpu_shape={}, overrides=(), deadline_s=3 * 3600,
+                           meta_extra=lambda cfg: {"argv": ["bench/bench_sequence_parallel.py", "--predict"]
+                                                   + sys.argv[1:]})
 
     def jobs(chosen, cfg):
         if chosen == list(ARMS):  # no --arms: 1n,1,2,4 on CPU; on GPUs those with at most as many ranks as GPUs
