@@ -27,7 +27,6 @@ for k in common:
         if len(sa) != len(sb): print("  records", len(sb), len(sa))
     if a[k]["loss"] == b[k]["loss"] and a[k]["grads"] == b[k]["grads"]: same_num += 1
     else:
-        import math
         dl = max([abs(x - y) for x, y in zip(a[k]["loss"], b[k]["loss"])] or [0])
         print("NUM DIFF", k, "max loss diff", dl, len(a[k]["loss"]), len(b[k]["loss"]))
 print("same stats", same_stats, "/", len(common), " identical loss+grads", same_num, "/", len(common))

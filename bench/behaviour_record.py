@@ -10,12 +10,14 @@ recordings with ``bench/behaviour_compare.py``. From a checkout's root:
 Records, per test: every pass record's statistics and skip reasons, every ``effpass.testing.loss_of`` value and
 every ``grads_of`` result (sum and abs-sum per parameter, float64).
 """
-import json, os, sys
-import pytest, torch
-import effpass.testing
-T = sys.modules["effpass.testing"]
-import sys, effpass.report
-R = sys.modules["effpass.report"]
+import importlib
+import json
+import os
+
+import pytest
+
+T = importlib.import_module("effpass.testing")
+R = importlib.import_module("effpass.report")
 
 _cur = {"id": None}
 _data = {}
