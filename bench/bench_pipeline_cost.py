@@ -139,6 +139,8 @@ def markdown(run: dict) -> str:
              "each). CPU timings on a shared 2-core machine are noisy.", "",
              "| arm | cold compiles (s) | median (s) | effpass's share of the backend call |", "|---|---|---|---|"]
     for a, v in s["cold_compile_s"].items():
+        if not v:  # the arm did not run (or not to the end) in this run
+            continue
         share = s["effpass_share_of_backend_call"].get(a)
         lines.append(f"| {a} | {', '.join(f'{x:.1f}' for x in v)} | {s['median_s'].get(a, float('nan')):.1f} | "
                      f"{'-' if share is None else f'{share * 100:.1f}%'} |")
