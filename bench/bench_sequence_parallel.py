@@ -301,8 +301,9 @@ def main():
         ap.add_argument("--attn", default="sdpa")
         ap.add_argument("--out", default=None)
         return worker(ap.parse_args())
-    if "--predict" in sys.argv:
-        sys.argv.remove("--predict")
+    if "--predict" in sys.argv or any(a in PREDICT_ARMS for a in sys.argv):  # (an arm's worker: its name says)
+        if "--predict" in sys.argv:
+            sys.argv.remove("--predict")
         return driver.main(__file__, workload="sequence_parallel_predict", arms=tuple(PREDICT_ARMS),
                            worker=lambda arm, cfg, device: {"arm": arm, **predict_row(*PREDICT_ARMS[arm])},
                            markdown=predict_markdown, cpu_shape={}, overrides=(), deadline_s=3 * 3600,
