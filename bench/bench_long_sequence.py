@@ -92,7 +92,7 @@ def _planned_passes(m, seq: int):
     so its MemoryBudgetError carries the smallest plan (``plan_memory`` otherwise picks the cheapest fitting
     one)."""
     from effpass.planning import MemoryBudgetError, plan_memory
-    from effpass.planning.planner import _pipeline
+    from effpass.planning.candidates import pipeline_with
 
     ids = torch.zeros(1, seq, dtype=torch.long)
     floor = sum(p.numel() * p.element_size() for p in m.parameters())
@@ -101,7 +101,7 @@ def _planned_passes(m, seq: int):
         return plan.passes, plan.chosen.name, plan.chosen.peak_bytes
     except MemoryBudgetError as e:
         base = list(effpass.default_pipeline("cpu", torch.float32))
-        return _pipeline(base, e.plan), e.plan.name, e.plan.peak_bytes
+        return pipeline_with(base, e.plan), e.plan.name, e.plan.peak_bytes
 
 
 def make_arm(name: str, seq: int):

@@ -205,7 +205,7 @@ def table(models=None, budgets=(24, 48, 80), batch=1, seq=2048, lora=None):
             t0 = time.perf_counter()
             try:
                 plan = plan_memory(model, inputs, f"{gib}GiB", allow=["nf4", "adamw8bit"], passes=pipeline,
-                                   lowering="eager", _cache=cache)
+                                   lowering="eager", cache=cache)
                 row = dict(model=name, budget_gib=gib, plan=plan.chosen.name, peak=plan.peak_bytes,
                            alternatives={c.name: c.peak_bytes for c in plan.candidates if c.estimate})
             except MemoryBudgetError as e:
@@ -290,7 +290,7 @@ def maxseq(modes=("full", "lora", "qlora"), budgets=(24, 48, 80), step=1024, pro
             t0 = time.perf_counter()
             try:
                 res = plan_max_seq(model, make_inputs, f"{gib}GiB", passes=pipeline, step=step, probes=probes,
-                                   lowering="eager", screen=screen, _cache=cache)
+                                   lowering="eager", screen=screen, cache=cache)
                 row = dict(mode=mode, budget_gib=gib, seq=res.seq, plan=res.plan.chosen.name,
                            pipeline=[p.name for p in res.plan.passes], peak=res.plan.peak_bytes,
                            next_peak=res.next_peak, replays=res.replays, fits=[list(f[:4]) for f in res.fits],

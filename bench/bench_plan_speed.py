@@ -86,13 +86,10 @@ def measure(args) -> dict:
         r = resource.getrusage(resource.RUSAGE_CHILDREN)
         return r.ru_utime + r.ru_stime
     if args.no_share:  # every candidate replayed alone
-        import effpass.planning.estimate as est_mod
+        import effpass.planning.search as search_mod  # the candidate search's estimate_many
 
-        real = est_mod.estimate_many
-        est_mod.estimate_many = lambda *a, **k: real(*a, **{**k, "share": False})
-        import effpass.planning.planner as planner_mod
-
-        planner_mod.estimate_many = est_mod.estimate_many
+        real = search_mod.estimate_many
+        search_mod.estimate_many = lambda *a, **k: real(*a, **{**k, "share": False})
     load0 = os.getloadavg()
     cfg = dict(LLAMA_3_8B)
     if args.tiny:
@@ -124,9 +121,9 @@ def measure(args) -> dict:
             "load_before": load0, "load_after": load1, "shared": not args.no_share,
             "pruned": not args.no_prune, "budget": args.budget,
             "model": "Llama-3-8B shapes at hidden 64 (--tiny)" if args.tiny else "Llama-3-8B"}
-    from effpass.planning.estimate import _plan_workers
+    from effpass.planning.pool import plan_workers
 
-    head["workers"] = _plan_workers()
+    head["workers"] = plan_workers()
     out = {"header": head, "seconds": round(seconds, 1), "cpu_seconds": round(cpu + child_cpu, 1),
            "cpu_seconds_workers": round(child_cpu, 1), "candidates": len(cands),
            "replayed": sum(1 for c in cands if c.estimate is not None), "answer": answer,
