@@ -168,6 +168,29 @@ def _call(model, inputs):
     return model(*inputs)
 
 
+def _copy_model(model, fake_mode):
+    """A copy of ``model`` to compile (module passes change it); fake tensors are made again, not deep-copied
+    (tied parameters stay tied: each tensor object is copied once)."""
+    if fake_mode is None:
+        return copy.deepcopy(model)
+    memo: dict[int, Any] = {}
+
+    def fresh(t):
+        with fake_mode:
+            return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=t.device)
+
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in memo:
+            ft = fresh(t)
+            memo[id(t)] = torch.nn.Parameter(ft, requires_grad=t.requires_grad) if isinstance(
+                t, torch.nn.Parameter) else ft
+    for m in model.modules():  # tensors held as plain attributes (rotary embeddings' original_inv_freq)
+        for v in m.__dict__.values():
+            if isinstance(v, torch.Tensor) and id(v) not in memo:
+                memo[id(v)] = fresh(v)
+    return copy.deepcopy(model, memo)
+
+
 def _record_step(model, inputs, pipeline, vocab, loss_fn, fake_mode, expand) -> tuple[CostMode, list[str]]:
     """Compile a copy of ``model`` with ``pipeline`` (eager lowering), run a warm step, record a second."""
     import effpass
@@ -182,7 +205,7 @@ def _record_step(model, inputs, pipeline, vocab, loss_fn, fake_mode, expand) -> 
         ctx.enter_context(fake_mode)
     try:
         with ctx:
-            work = copy.deepcopy(model)
+            work = _copy_model(model, fake_mode)
             with mode:
                 compiled = effpass.compile(work, passes=list(pipeline), lowering="eager")
                 for record in (False, True):

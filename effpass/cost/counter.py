@@ -84,7 +84,10 @@ def _has_implicit(func) -> bool:
     if name is None:
         return False
     full = name + (f".{func._schema.overload_name}" if func._schema.overload_name else "")
-    return torch._C._dispatch_has_kernel_for_dispatch_key(full, "CompositeImplicitAutograd")
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(full, "CompositeImplicitAutograd")
+    except RuntimeError:  # an op the dispatcher does not know (prim::device)
+        return False
 
 
 def _is_sync(func, args) -> bool:
