@@ -1,5 +1,15 @@
-"""Cost of effpass's pipeline machinery (issue: at most +5% on a cold Inductor compile of the demo model
-on CPU, growing linearly with graph size).
+"""Cost of effpass's pipeline: (1) its machinery on a cold Inductor compile (issue: at most +5% on the demo
+model on CPU, growing linearly with graph size); (2) with ``--step-cost``, the cost model of one training step
+(``effpass.cost``, issue 36.3): a Llama-3-8B-width model (2 layers, bf16, fake tensors), plain compile vs
+effpass's default pipeline vs each pass alone: FLOPs, bytes, host syncs, kernels and the estimated time on a GPU;
+(3) with ``--head``, the loss head alone at hidden 2,048, vocabulary 128,256, 2,048 tokens, bf16 (one decoder
+layer; the baseline issue 36.2 must beat), unfused vs fused.
+
+    python bench/bench_pipeline_cost.py --step-cost [--device h100] [--seq 8192]
+    python bench/bench_pipeline_cost.py --head [--device h100]
+
+Each arm of (2) and (3) runs in a fresh process (bench/_common.py); results are written after every arm to
+bench/results/step_cost_llama3_8b_width_<device>.json / .md and step_cost_head_h2048_v128k_<device>.json / .md.
 
 Arms, each in a fresh subprocess with a fresh Inductor cache (a cold compile), interleaved and repeated:
   plain      torch.compile(model)                                   (Inductor)
@@ -108,12 +118,116 @@ def manager_scaling(sizes=(1, 2, 4, 8, 16)) -> list[dict]:
     return rows
 
 
+# ------------------------------------------------------------------------------------------------------
+# (2), (3): the cost model of one step (effpass.cost)
+# ------------------------------------------------------------------------------------------------------
+LLAMA3_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+             "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0,
+             "max_position_embeddings": 8192, "tie_word_embeddings": False, "rms_norm_eps": 1e-5}
+#: the head shape of the one H100 run (issue 36): hidden 2,048 (Llama-3.2-1B's width), vocabulary 128,256
+HEAD_2048 = {**LLAMA3_8B, "hidden_size": 2048, "intermediate_size": 8192, "num_key_value_heads": 8}
+#: passes that need torch.distributed (not replayed by the one-process cost model)
+DISTRIBUTED = ("shard_sequence", "wrap_fsdp")
+
+
+def _cost_worker(arm: str, workload: str, device: str, seq: int) -> None:
+    import effpass
+    from effpass.cost import config_step_cost
+
+    cfg = LLAMA3_8B if workload == "pipeline" else HEAD_2048
+    layers = 2 if workload == "pipeline" else 1
+    passes = [] if arm == "plain" else None if arm == "default" else [arm]
+    t0 = time.process_time()
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(cfg, f)
+    try:
+        cost = config_step_cost(f.name, 1, seq, dtype="bfloat16", passes=passes, device=device, layers=layers,
+                                tensors="fake", per_pass=arm == "default")
+    finally:
+        os.unlink(f.name)
+    out = {"arm": arm, "pipeline": cost.pipeline, "totals": cost.totals, "head": cost.head, "graphs": cost.graphs,
+           "passes": cost.passes, "notes": cost.notes, "cpu_s": round(time.process_time() - t0, 1),
+           "top_ops": dict(sorted(cost.ops.items(), key=lambda kv: -kv[1]["est_time_s"])[:15])}
+    if effpass.registered_passes():
+        print(json.dumps(out, default=str))
+
+
+def _cost_table(results: list[dict], base: str = "plain") -> str:
+    ref = next((r for r in results if r.get("arm") == base and "totals" in r), None)
+    rows = ["| arm | passes | FLOPs | bytes | host syncs | kernels | est. time (ms) | loss head: time (ms) | vs plain: "
+            "FLOPs, bytes, syncs, kernels |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in results:
+        if "totals" not in r:
+            rows.append(f"| {r['arm']} | error: {r.get('error', '?').splitlines()[-1][:120]} | | | | | | | |")
+            continue
+        t, h = r["totals"], r["head"]
+        delta = "" if ref is None or r is ref else ", ".join(
+            f"{t[k] - ref['totals'][k]:+,}" for k in ("flops", "bytes", "host_syncs", "kernels"))
+        rows.append(f"| {r['arm']} | {', '.join(r['pipeline']) or '-'} | {t['flops']:.4g} | {t['bytes']:.4g} | "
+                    f"{t['host_syncs']} | {t['kernels']} | {t['est_time_s'] * 1e3:.3f} | {h['est_time_s'] * 1e3:.3f} | "
+                    f"{delta} |")
+    return "\n".join(rows)
+
+
+def step_cost_main(args) -> None:
+    import torch
+
+    import effpass
+    from _common import meta, run_arm_subprocess
+
+    workload = "head" if args.head else "pipeline"
+    if workload == "pipeline":
+        alone = [n for n in sorted(effpass.registered_passes()) if n not in DISTRIBUTED]
+        arms = ["plain", "default"] + alone
+        seq = args.seq or 8192
+        name = f"step_cost_llama3_8b_width_{args.device}"
+        what = (f"one training step (forward + backward) of a Llama-3-8B-width model, 2 layers, bf16, batch 1 x "
+                f"{seq} tokens, fake tensors, cost model (effpass.cost) on {args.device}: plain compile vs the default "
+                f"pipeline vs each pass alone (passes needing torch.distributed left out: {', '.join(DISTRIBUTED)})")
+    else:
+        arms = ["plain", "fuse_cross_entropy"]
+        seq = args.seq or 2048
+        name = f"step_cost_head_h2048_v128k_{args.device}"
+        what = (f"one training step of one Llama decoder layer at hidden 2,048, vocabulary 128,256, batch 1 x {seq} "
+                f"tokens, bf16, fake tensors, cost model (effpass.cost) on {args.device}: unfused head vs "
+                f"fuse_cross_entropy")
+    out = os.path.join(HERE, "results", name)
+    import subprocess as _sp
+
+    commit = _sp.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip()
+    result = {"benchmark": what, **meta("cpu"), "commit": commit, "estimates_for": args.device, "seq": seq,
+              "note": "estimates of the cost model (docs/cost_model.md), not measurements; FLOPs as FlopCounterMode "
+                      "counts them", "arms": []}
+    for arm in arms:
+        res = run_arm_subprocess(os.path.abspath(__file__), arm, ["--workload", workload, "--device", args.device,
+                                                                  "--seq", str(seq)])
+        print(f"{arm}: {json.dumps(res.get('totals', res.get('error')), default=str)[:300]}", file=sys.stderr)
+        result["arms"].append(res)
+        with open(out + ".json", "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        with open(out + ".md", "w") as f:
+            f.write(f"# {what}\n\ncommit {commit}, torch {torch.__version__}; estimates, not measurements "
+                    f"(docs/cost_model.md)\n\n{_cost_table(result['arms'])}\n")
+    print(f"wrote {out}.json and .md")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "pipeline_cost.json"))
+    ap.add_argument("--step-cost", action="store_true", help="the cost model: plain vs default vs each pass alone")
+    ap.add_argument("--head", action="store_true", help="the cost model: the loss head at hidden 2,048, 128K vocab")
+    ap.add_argument("--device", default="h100")
+    ap.add_argument("--seq", type=int, default=0)
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--workload", default="pipeline", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.worker:
+        return _cost_worker(args.worker, args.workload, args.device, args.seq)
+    if args.step_cost or args.head:
+        sys.path.insert(0, HERE)
+        return step_cost_main(args)
     import torch
 
     arms = ["plain", "effpass", "noop4"]
