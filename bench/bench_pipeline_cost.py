@@ -131,7 +131,6 @@ DISTRIBUTED = ("shard_sequence", "wrap_fsdp")
 
 
 def _cost_worker(arm: str, workload: str, device: str, seq: int) -> None:
-    import effpass
     from effpass.cost import config_step_cost
 
     cfg = LLAMA3_8B if workload == "pipeline" else HEAD_2048
@@ -148,8 +147,7 @@ def _cost_worker(arm: str, workload: str, device: str, seq: int) -> None:
     out = {"arm": arm, "pipeline": cost.pipeline, "totals": cost.totals, "head": cost.head, "graphs": cost.graphs,
            "passes": cost.passes, "notes": cost.notes, "cpu_s": round(time.process_time() - t0, 1),
            "top_ops": dict(sorted(cost.ops.items(), key=lambda kv: -kv[1]["est_time_s"])[:15])}
-    if effpass.registered_passes():
-        print(json.dumps(out, default=str))
+    print(json.dumps(out, default=str))
 
 
 def _cost_table(results: list[dict], base: str = "plain") -> str:
