@@ -150,21 +150,39 @@ def _cost_worker(arm: str, workload: str, device: str, seq: int) -> None:
     print(json.dumps(out, default=str))
 
 
-def _cost_table(results: list[dict], base: str = "plain") -> str:
-    ref = next((r for r in results if r.get("arm") == base and "totals" in r), None)
-    rows = ["| arm | passes | FLOPs | bytes | host syncs | kernels | est. time (ms) | loss head: time (ms) | vs plain: "
-            "FLOPs, bytes, syncs, kernels |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+def _cost_table(results: list[dict], part: str = "totals", base: str = "plain") -> str:
+    """A markdown table of ``part`` ("totals" or "head") per arm, with the difference from ``base``."""
+    ref = next((r for r in results if r.get("arm") == base and part in r), None)
+    rows = ["| arm | passes | FLOPs | bytes | host syncs | kernels | est. time (ms) | vs plain: FLOPs, bytes, syncs, "
+            "kernels |", "|---|---|---:|---:|---:|---:|---:|---|"]
     for r in results:
-        if "totals" not in r:
-            rows.append(f"| {r['arm']} | error: {r.get('error', '?').splitlines()[-1][:120]} | | | | | | | |")
+        if part not in r:
+            rows.append(f"| {r['arm']} | error: {r.get('error', '?').splitlines()[-1][:120]} | | | | | | |")
             continue
-        t, h = r["totals"], r["head"]
+        t = r[part]
         delta = "" if ref is None or r is ref else ", ".join(
-            f"{t[k] - ref['totals'][k]:+,}" for k in ("flops", "bytes", "host_syncs", "kernels"))
+            f"{t[k] - ref[part][k]:+,}" for k in ("flops", "bytes", "host_syncs", "kernels"))
         rows.append(f"| {r['arm']} | {', '.join(r['pipeline']) or '-'} | {t['flops']:.4g} | {t['bytes']:.4g} | "
-                    f"{t['host_syncs']} | {t['kernels']} | {t['est_time_s'] * 1e3:.3f} | {h['est_time_s'] * 1e3:.3f} | "
-                    f"{delta} |")
+                    f"{t['host_syncs']} | {t['kernels']} | {t['est_time_s'] * 1e3:.3f} | {delta} |")
     return "\n".join(rows)
+
+
+def _write_md(path: str, what: str, result: dict) -> None:
+    import torch
+
+    text = (f"# {what}\n\ncommit {result['commit']}, torch {torch.__version__}; estimates, not measurements "
+            f"(docs/cost_model.md)\n\n## The whole step\n\n{_cost_table(result['arms'])}\n\n"
+            f"## The loss head\n\n{_cost_table(result['arms'], 'head')}\n")
+    if result.get("head_gemms"):
+        g = result["head_gemms"]
+        text += (f"\nThe head's 3 GEMMs (logits, input gradient, weight gradient): {g['flops']:.4g} FLOPs; their "
+                 f"operands and results at least once: {g['min_bytes']:.4g} bytes; at the matmul ceiling and HBM "
+                 f"bandwidth: {g['est_time_s'] * 1e3:.3f} ms.\n")
+    for r in result["arms"]:
+        if r.get("notes"):
+            text += f"\n{r['arm']}: " + "; ".join(r["notes"]) + "\n"
+    with open(path, "w") as f:
+        f.write(text)
 
 
 def step_cost_main(args) -> None:
@@ -196,6 +214,15 @@ def step_cost_main(args) -> None:
     result = {"benchmark": what, **meta("cpu"), "commit": commit, "estimates_for": args.device, "seq": seq,
               "note": "estimates of the cost model (docs/cost_model.md), not measurements; FLOPs as FlopCounterMode "
                       "counts them", "arms": []}
+    if workload == "head":  # the floor: 3 GEMMs of 2*N*H*V, operands (x, W, dlogits-free) read and results written once
+        from effpass.cost import get_device, kernel_seconds
+
+        n, h, v = seq, HEAD_2048["hidden_size"], HEAD_2048["vocab_size"]
+        flops = 3 * 2 * n * h * v
+        min_bytes = 2 * (n * h + v * h) + 2 * (n * h + v * h)  # read x and W; write dx and dW (bf16)
+        gpu = get_device(args.device)
+        result["head_gemms"] = {"flops": flops, "min_bytes": min_bytes,
+                                "est_time_s": kernel_seconds(gpu, flops, min_bytes, torch.bfloat16)}
     for arm in arms:
         res = run_arm_subprocess(os.path.abspath(__file__), arm, ["--workload", workload, "--device", args.device,
                                                                   "--seq", str(seq)])
@@ -203,9 +230,7 @@ def step_cost_main(args) -> None:
         result["arms"].append(res)
         with open(out + ".json", "w") as f:
             json.dump(result, f, indent=1, default=str)
-        with open(out + ".md", "w") as f:
-            f.write(f"# {what}\n\ncommit {commit}, torch {torch.__version__}; estimates, not measurements "
-                    f"(docs/cost_model.md)\n\n{_cost_table(result['arms'])}\n")
+        _write_md(out + ".md", what, result)
     print(f"wrote {out}.json and .md")
 
 
