@@ -20,10 +20,11 @@ def _tiny_llama():
 
     cfg = tf.LlamaConfig(**{k: v for k, v in TINY.items() if k != "model_type"})
     cfg._attn_implementation = "sdpa"
+    cfg.use_cache = False
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(cfg).train()
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
-    return model, {"input_ids": ids, "labels": ids}
+    return model, {"input_ids": ids, "labels": ids, "use_cache": False}  # as config_step_cost (and trainers) run
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +92,23 @@ def test_loss_head_share_is_counted_fused_or_not(fused, plain):
     assert sum(r.work_flops for r in fused.records if r.inside) == gemms * (n - BATCH) // n
     # the chunked op synchronises with the host today (nonzero, int(min/max)); the unfused loss does not
     assert fused.head["host_syncs"] > 0 and plain.totals["host_syncs"] == 0
+
+
+def test_fake_tensors_give_the_real_step_cost(fused, tmp_path):
+    """The full-size path (fake tensors: shapes only) counts what the real step does: the same FLOPs, kernels and
+    syncs; bytes within the rows the fake replay assumes labelled (Hugging Face's shift leaves 1 row in 32 out)."""
+    from effpass.cost import config_step_cost
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(TINY))
+    fake = config_step_cost(str(cfg), BATCH, SEQ, passes=["fuse_cross_entropy"], tensors="fake", per_pass=False)
+    assert fake.tensors == "fake" and fused.tensors == "real"
+    for key in ("flops", "kernels", "host_syncs"):
+        assert fake.totals[key] == fused.totals[key], key
+        assert fake.head[key] == fused.head[key], key
+    assert fake.totals["bytes"] == pytest.approx(fused.totals["bytes"], rel=0.02)
+    assert fake.graphs.keys() == fused.graphs.keys()
+    assert any("nonzero keeps every element" in n for n in fake.notes) and not fused.notes
 
 
 # ------------------------------------------------------------------------------------------------------
