@@ -222,3 +222,15 @@ def test_unknown_device_is_a_clear_error(tmp_path):
     assert "effpass cost" in msg and "'a100x'" in msg and "h100" in msg and "h200" in msg
     with pytest.raises(ValueError, match=r"effpass cost: device 'tpu' is not known; choose one of \['h100', 'h200'\]"):
         get_device("tpu")
+
+
+def test_roofline_takes_the_slower_of_compute_and_memory_plus_a_launch():
+    from effpass.cost import kernel_seconds
+
+    h100, h200 = get_device("h100"), get_device("H200")
+    gemm = 2 * 8192 * 4096 * 4096           # compute-bound in bf16: FLOPs at the 790 TFLOP/s ceiling
+    assert kernel_seconds(h100, gemm, 10 ** 6, torch.bfloat16) == pytest.approx(gemm / 790e12 + 4e-6)
+    assert kernel_seconds(h100, gemm, 10 ** 6, torch.float32) == pytest.approx(gemm / 67e12 + 4e-6)
+    copy_bytes = 2 * 2 ** 30                # memory-bound: bytes at the HBM bandwidth (H200's is 4.8/3.35 faster)
+    assert kernel_seconds(h100, 0, copy_bytes, torch.bfloat16) == pytest.approx(copy_bytes / 3.35e12 + 4e-6)
+    assert kernel_seconds(h200, 0, copy_bytes, torch.bfloat16) == pytest.approx(copy_bytes / 4.8e12 + 4e-6)
