@@ -52,7 +52,8 @@ class StepCost:
 
     ``totals``, ``head`` and every entry of ``graphs``, ``ops`` and ``passes`` hold :data:`KEYS`: FLOPs (as
     ``FlopCounterMode`` counts them), bytes read and written by kernels, host synchronisations, kernel launches
-    and the roofline time in seconds. ``graphs`` and ``ops`` add up to ``totals``; ``passes[name]`` is the step
+    and the roofline time in seconds. ``graphs`` and ``ops`` add up to ``totals`` (an op's
+    ``kernels`` are those it starts, its ``bytes`` and ``est_time_s`` its share of its kernel's); ``passes[name]`` is the step
     with the pipeline minus the step without ``name``.
     """
 
@@ -237,6 +238,15 @@ def _summarise(mode: CostMode, gpu: GPU, names) -> StepCost:
             _add(head, kern)
         _add(graphs.setdefault(kern.graph, _zero()), kern)
     first_of = {kern.ops[0]: kern for kern in kernels}
+    # a kernel's time is shared among its ops by the bytes credited to them (all of it to its first op when it
+    # moves none): a fused chain's time is not all its first op's
+    seconds = [0.0] * len(mode.records)
+    for kern in kernels:
+        if kern.bytes:
+            for i in kern.ops:
+                seconds[i] += kern.seconds * share[i] / kern.bytes
+        else:
+            seconds[kern.ops[0]] += kern.seconds
     for i, rec in enumerate(mode.records):
         if rec.kind == "free":
             continue
@@ -246,10 +256,10 @@ def _summarise(mode: CostMode, gpu: GPU, names) -> StepCost:
         d["flops"] += rec.flops
         d["bytes"] += share[i]
         d["host_syncs"] += int(rec.sync)
+        d["est_time_s"] += seconds[i]
         kern = first_of.get(i)
         if kern is not None:
             d["kernels"] += kern.launches
-            d["est_time_s"] += kern.seconds
     notes = []
     if mode.assumed:
         notes.append("fake tensors: data-dependent values assumed (" +
