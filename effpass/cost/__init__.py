@@ -110,17 +110,15 @@ def _num(n: float) -> str:
 
 
 def _size(n: float) -> str:
-    n = float(n)
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
+    from effpass.planning import format_bytes
+
+    return format_bytes(n)
 
 
 def _table(rows) -> str:
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(str(c).rjust(w) if j else str(c).ljust(w) for j, (c, w) in enumerate(zip(r, widths)))
-                     for r in rows)
+    from effpass.inspect import table
+
+    return table([tuple(str(c) for c in r) for r in rows])
 
 
 # ------------------------------------------------------------------------------------------------------
