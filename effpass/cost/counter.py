@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["OpRecord", "CostMode", "operand_bytes"]
+__all__ = ["OpRecord", "CostMode", "operand_bytes", "indexed_bytes"]
 
 _SCALAR_READ = torch.ops.aten._local_scalar_dense.default
 _NONZERO = torch.ops.aten.nonzero.default
@@ -70,6 +70,65 @@ def operand_bytes(t: torch.Tensor) -> int:
                 n *= size
         total += n * inner.element_size()
     return total
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def indexed_bytes(func, args) -> dict[int, int]:
+    """Bytes of the operands an indexed op touches only in part, by ``id`` of the operand: a gather reads the
+    rows (elements) it selects, not its whole source (an embedding lookup reads tokens x hidden of a vocabulary x
+    hidden table; ``nll_loss`` reads one logit per row); a scatter writes (and reads, to accumulate) only the
+    positions it updates. Every other operand: :func:`operand_bytes`."""
+    name = getattr(getattr(func, "_schema", None), "name", "")
+    a = list(args)
+
+    def t(i):
+        return a[i] if i < len(a) and isinstance(a[i], torch.Tensor) else None
+
+    out: dict[int, int] = {}
+    src = None
+    if name == "aten::embedding" and t(0) is not None and t(1) is not None:
+        src, n = t(0), t(1).numel() * _numel(t(0).shape[1:])
+    elif name == "aten::gather" and t(0) is not None and t(2) is not None:
+        src, n = t(0), t(2).numel()
+    elif name == "aten::index_select" and t(0) is not None and t(2) is not None:
+        dim = a[1] % max(t(0).dim(), 1)
+        src, n = t(0), t(2).numel() * _numel(t(0).shape[:dim] + t(0).shape[dim + 1:])
+    elif name in ("aten::nll_loss_forward", "aten::nll_loss2d_forward") and t(0) is not None and t(1) is not None:
+        src, n = t(0), t(1).numel()
+    elif name == "aten::index" and t(0) is not None:
+        idx = [i for i in (a[1] if len(a) > 1 else ()) if isinstance(i, torch.Tensor)]
+        if idx and all(i.dtype not in (torch.bool, torch.uint8) for i in idx):
+            try:
+                rows = _numel(torch.broadcast_shapes(*[i.shape for i in idx]))
+            except RuntimeError:
+                rows = max(i.numel() for i in idx)
+            src, n = t(0), rows * _numel(t(0).shape[len(idx):])
+    elif name in ("aten::index_put", "aten::index_put_", "aten::_index_put_impl", "aten::_index_put_impl_") \
+            and t(0) is not None:
+        idx = [i for i in (a[1] if len(a) > 1 else ()) if isinstance(i, torch.Tensor)]
+        if idx and all(i.dtype not in (torch.bool, torch.uint8) for i in idx):
+            try:
+                rows = _numel(torch.broadcast_shapes(*[i.shape for i in idx]))
+            except RuntimeError:
+                rows = max(i.numel() for i in idx)
+            src, n = t(0), rows * _numel(t(0).shape[len(idx):])
+            if t(2) is not None:
+                out[id(t(2))] = min(operand_bytes(t(2)), n * t(2).element_size())
+    elif name in ("aten::index_copy", "aten::index_copy_", "aten::index_add", "aten::index_add_") \
+            and t(0) is not None and t(3) is not None:
+        src, n = t(0), t(3).numel()
+    elif name in ("aten::scatter", "aten::scatter_", "aten::scatter_add", "aten::scatter_add_",
+                  "aten::scatter_reduce", "aten::scatter_reduce_") and t(0) is not None and t(2) is not None:
+        src, n = t(0), t(2).numel()
+    if src is not None:
+        out[id(src)] = min(operand_bytes(src), n * src.element_size())
+    return out
 
 
 def _storage_key(t: torch.Tensor):
@@ -261,6 +320,7 @@ class CostMode(TorchDispatchMode):
                         if isinstance(t, torch.Tensor):
                             written.add(id(t))
         alloc = schema is not None and schema.name in _ALLOC
+        part = indexed_bytes(func, args)
         in_keys = {}
         for a in flat_args:
             st = _storage_key(a)
@@ -268,10 +328,10 @@ class CostMode(TorchDispatchMode):
             vid = self._value(a, new=False)
             in_keys[key] = vid
             if not alloc:
-                rec.reads.append((vid, operand_bytes(a)))
+                rec.reads.append((vid, part.get(id(a), operand_bytes(a))))
         for a in flat_args:
             if id(a) in written:
-                rec.writes.append((self._value(a, new=True), operand_bytes(a)))
+                rec.writes.append((self._value(a, new=True), part.get(id(a), operand_bytes(a))))
         for o in outs:
             st = _storage_key(o)
             key = st._cdata if st is not None else id(o)

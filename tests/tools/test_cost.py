@@ -156,6 +156,22 @@ def test_views_are_free_and_a_broadcast_operand_is_read_once():
     assert [kn.bytes for kn in kernels if kn.launches] == [2 * 64 * 32 * 4, 64 * 32 * 4 + 32 * 4 + 64 * 32 * 4]
 
 
+def test_gathers_and_scatters_touch_only_the_rows_they_index():
+    vocab, hidden, tokens = 1000, 16, 32
+    w, ids = torch.randn(vocab, hidden), torch.randint(0, vocab, (tokens,))
+    kernels, _ = _record(torch.nn.functional.embedding, ids, w)
+    [emb] = [kn for kn in kernels if kn.launches]
+    assert emb.bytes == 8 * tokens + 2 * 4 * tokens * hidden  # the ids, the rows read, the rows written
+    logits = torch.randn(tokens, vocab)
+    kernels, _ = _record(lambda z, t: z.gather(1, t[:, None]), logits, ids)
+    assert [kn.bytes for kn in kernels if kn.launches] == [8 * tokens + 4 * tokens + 4 * tokens]
+    grad = torch.zeros(tokens, vocab)
+    kernels, _ = _record(lambda d, t: d.index_put_((torch.arange(tokens), t), torch.ones(tokens), accumulate=True),
+                         grad, ids)
+    put = [kn for kn in kernels if kn.launches][-1]   # after arange and ones: reads/writes one element per row
+    assert put.bytes == 8 * tokens * 2 + 4 * tokens + 4 * tokens * 2
+
+
 # ------------------------------------------------------------------------------------------------------
 # host synchronisations
 # ------------------------------------------------------------------------------------------------------
