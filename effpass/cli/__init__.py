@@ -258,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("demo", help="train the embedded Llama-style model eagerly and with effpass", add_help=False)
 
     from ..planning import cli as _plan_cli  # noqa: F401  (registers ``effpass plan``)
+    from ..cost import cli as _cost_cli  # noqa: F401  (registers ``effpass cost``)
 
     # Commands that passes and plugins contribute through the registry (e.g. wrap_fsdp's ``estimate``).
     for name, command in sorted(registered_commands().items()):
