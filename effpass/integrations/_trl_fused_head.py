@@ -44,7 +44,8 @@ __all__ = ["route", "routed", "install", "check_reference", "is_trl_fused_forwar
 
 #: the per-token outputs TRL's fused head can be asked for (``add_fused_lm_head(outputs=...)``)
 OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-_QUALNAME = "add_fused_lm_head.<locals>._fused_forward"
+#: the code name of TRL's fused forward (``functools.wraps`` gives it the model's ``forward``'s qualified name)
+_CODE_NAME = "_fused_forward"
 #: the names of TRL's fused forward's closure this module reads
 _CELLS = ("original_forward", "text_config", "temperature", "cast_lm_head_to_fp32", "outputs",
           "final_logit_softcapping", "logit_scale", "backbone_attr")
@@ -87,8 +88,9 @@ def route() -> bool:
 def is_trl_fused_forward(model) -> bool:
     """Whether ``model.forward`` is TRL's fused forward (this instance's, not yet routed)."""
     fwd = getattr(model, "__dict__", {}).get("forward")
-    func = getattr(fwd, "__func__", None)
-    return getattr(func, "__qualname__", None) == _QUALNAME and getattr(fwd, "__self__", None) is model
+    code = getattr(getattr(fwd, "__func__", None), "__code__", None)
+    return (getattr(code, "co_name", None) == _CODE_NAME and "original_forward" in code.co_freevars
+            and getattr(fwd, "__self__", None) is model)
 
 
 def _cells(fwd) -> dict:
