@@ -1,0 +1,139 @@
+"""TRL's DPO, KTO and GRPO trainers on effpass's fused ops (issue 40): the fused LM head TRL adds to the policy and
+the reference (``add_fused_lm_head``) is routed for effpass-compiled models (effpass/integrations/_trl_fused_head.py),
+so its per-token outputs are computed in the compiled graph and fused by fuse_cross_entropy (no logits, and not
+TRL's kernel); the trainer's loss, every metric it logs and every gradient equal TRL's own method (fp32, 1e-5);
+what cannot be routed runs TRL's kernel and the report says why."""
+import copy
+
+import pytest
+import torch
+
+import effpass
+from effpass.integrations import _trl_fused_head, _trl_kernels
+from effpass.passes import FuseAttention, FuseCrossEntropy, InjectLoRA
+from _trl_models import tiny_model
+
+trl = pytest.importorskip("trl")
+
+
+def _words(g, n):
+    from effpass.testing.hf import VOCAB
+
+    return " ".join(f"w{i}" for i in torch.randint(0, VOCAB - 6, (n,), generator=g).tolist())
+
+
+def _dataset(kind, n=4):
+    """Prompts and answers of different lengths: rows are padded, so masks matter."""
+    import datasets
+
+    g = torch.Generator().manual_seed(0)
+    if kind == "kto":
+        return datasets.Dataset.from_dict({"prompt": [_words(g, 3 + i) for i in range(n)],
+                                           "completion": [_words(g, 5 - i % 3) for i in range(n)],
+                                           "label": [bool(i % 2) for i in range(n)]})
+    if kind == "grpo":
+        return datasets.Dataset.from_dict({"prompt": [_words(g, 3 + i % 2) for i in range(n)]})
+    return datasets.Dataset.from_dict({"prompt": [_words(g, 3 + i) for i in range(n)],
+                                       "chosen": [_words(g, 5 - i % 3) for i in range(n)],
+                                       "rejected": [_words(g, 2 + i) for i in range(n)]})
+
+
+def _reward(completions, **kwargs):
+    return [float(len(c)) / 10.0 for c in completions]
+
+
+def _trainer(kind, policy, ref, tmp_path, **extra):
+    from effpass.testing.hf import tiny_tokenizer
+
+    common = dict(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, learning_rate=0.1,
+                  optim="sgd", logging_steps=1, report_to=[], seed=0, save_strategy="no", use_cpu=True,
+                  disable_tqdm=True, bf16=False, gradient_checkpointing=False, **extra)
+    tok, data = tiny_tokenizer(), _dataset(kind)
+    if kind == "dpo":
+        tr = trl.DPOTrainer(model=policy, ref_model=ref, args=trl.DPOConfig(**common, beta=0.1), train_dataset=data,
+                            processing_class=tok)
+    elif kind == "kto":
+        tr = trl.KTOTrainer(model=policy, ref_model=ref, args=trl.KTOConfig(**common, beta=0.1), train_dataset=data,
+                            processing_class=tok)
+    else:
+        cfg = trl.GRPOConfig(**common, beta=0.04, num_generations=2, max_completion_length=4, generation_batch_size=4,
+                             temperature=0.7)
+        tr = trl.GRPOTrainer(model=policy, reward_funcs=_reward, args=cfg, train_dataset=data, processing_class=tok)
+    tr.current_gradient_accumulation_steps = 1  # set by train(); the step is called alone here
+    return tr
+
+
+def _perturbed(model, seed=1):
+    """A reference that differs from the policy (so the log-ratios, rewards and margins are not all zero)."""
+    ref = copy.deepcopy(model).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    return ref
+
+
+def _step(tr, model, batch):
+    model.zero_grad(set_to_none=True)
+    loss = tr.training_step(model, batch)
+    metrics = {k: list(v) for k, v in tr._metrics["train"].items() if k != "step_time"}
+    return float(loss), metrics, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same(want, got):
+    (wl, wm, wg), (gl, gm, gg) = want, got
+    assert abs(wl - gl) <= 1e-5 * max(abs(wl), 1e-2), (wl, gl)
+    assert set(wm) == set(gm) and wm, (sorted(wm), sorted(gm))
+    for k in wm:
+        torch.testing.assert_close(torch.tensor(gm[k], dtype=torch.float64), torch.tensor(wm[k], dtype=torch.float64),
+                                   rtol=1e-5, atol=1e-6, msg=k)
+    assert set(gg) == set(wg) and gg
+    for n in wg:
+        torch.testing.assert_close(gg[n], wg[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+def _fused_stats(model):
+    recs = [r for r in effpass.report(model).records("fuse_cross_entropy") if r.phase == "torch_ir"
+            and (r.stats.get("logprob_sites") or r.stats.get("rowwise_sites") or r.stats.get("trl_logprob_sites"))]
+    assert recs, [r.stats for r in effpass.report(model).records("fuse_cross_entropy")]
+    return recs
+
+
+def _assert_routed(model, outputs):
+    """Structural: the model's head routed, its graph(s) fused with nothing skipped, TRL's kernel not in them."""
+    notes = effpass.report(model).module.notes["trl_fused_head"]
+    assert notes["routed_models"] == 1 and notes["unrouted_models"] == 0 and notes["reasons"] == [], notes
+    assert notes["outputs"] == list(outputs), notes
+    for r in _fused_stats(model):
+        st = r.stats
+        assert st["trl_logprob_sites"] == 0 and st["skipped"] == 0 and st["logits_returned"] == 0, (st, r.skipped)
+        assert st["logprob_sites"] + st["rowwise_sites"] == 1, st
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "mixtral"])
+def test_dpo_step_routed_equals_trls(family, tmp_path, monkeypatch):
+    """One DPOTrainer step, policy and a separate reference both effpass-compiled: the loss, every logged metric
+    (rewards, margins, log-probs, entropy, mean logits, token accuracy, the router's loss for Mixtral) and every
+    gradient equal TRL's own step on eager copies (its fused kernel), within 1e-5; both heads routed and fused
+    (the policy's outputs in one trained row-wise op, the reference's log-probs in the log-prob op), TRL's kernel
+    never called. Padded rows of different lengths; Qwen2 and Gemma 2 have tied heads, Gemma 2's soft-capped."""
+    monkeypatch.setattr(_trl_kernels, "CALLS", {"forward": 0, "backward": 0})
+    torch._dynamo.reset()
+    base = tiny_model(family)
+    ref_base = _perturbed(base)
+    want_tr = _trainer("dpo", copy.deepcopy(base), copy.deepcopy(ref_base), tmp_path / "eager")
+    batch = want_tr._prepare_inputs(next(iter(want_tr.get_train_dataloader())))
+    assert (batch["attention_mask"] == 0).any()  # padded
+    want = _step(want_tr, want_tr.model, batch)
+    assert _trl_kernels.CALLS["forward"] == 0  # eager: TRL's Function itself, not through effpass's op
+
+    policy = effpass.compile(copy.deepcopy(base), lowering="eager")
+    ref = effpass.compile(copy.deepcopy(ref_base), lowering="eager")
+    tr = _trainer("dpo", policy, ref, tmp_path / "effpass")
+    got = _step(tr, policy, batch)
+    _assert_same(want, got)
+    assert family != "mixtral" or got[1]["aux_loss"][0] > 0, got[1]
+    assert abs(got[1]["rewards/margins"][0]) > 0, got[1]
+    _assert_routed(policy, ("log_probs", "entropy", "mean_logits", "is_top1"))
+    _assert_routed(ref, ("log_probs",))
+    assert _trl_kernels.CALLS == {"forward": 0, "backward": 0}, _trl_kernels.CALLS
