@@ -115,7 +115,11 @@ def install(model) -> bool:
     why, be = _common.fused_backend(model, containing=True)
     if be is None:
         return False
-    cells = _cells(model.__dict__["forward"])
+    fwd = model.__dict__["forward"]
+    if getattr(model, "_effpass_fused_head_seen", None) is fwd:
+        return False  # this head was left to TRL (and counted) already
+    model._effpass_fused_head_seen = fwd
+    cells = _cells(fwd)
     missing = [c for c in _CELLS if c not in cells]
     if why is None and missing:
         why = f"TRL's fused LM head is not the one effpass knows (no {', '.join(missing)} in its closure)"
@@ -126,7 +130,7 @@ def install(model) -> bool:
     if why is not None:
         _common.note(be, _KEY, "unrouted_models", why, _COUNTERS)
         return False
-    model.forward = types.MethodType(_routed_forward(model, model.__dict__["forward"], cells), model)
+    model.forward = types.MethodType(_routed_forward(model, fwd, cells), model)
     model._effpass_fused_head = True
     _common.note(be, _KEY, "routed_models", None, _COUNTERS)
     notes = be.report.module.notes[_KEY]

@@ -137,3 +137,57 @@ def test_dpo_step_routed_equals_trls(family, tmp_path, monkeypatch):
     _assert_routed(policy, ("log_probs", "entropy", "mean_logits", "is_top1"))
     _assert_routed(ref, ("log_probs",))
     assert _trl_kernels.CALLS == {"forward": 0, "backward": 0}, _trl_kernels.CALLS
+
+
+def test_dpo_step_routed_with_lora_on_the_head(tmp_path):
+    """LoRA on q/v and on the head (effpass's inject_lora): the routed head calls the head as a module, so the
+    head's adapter is trained (TRL's own kernel reads ``lm_head.weight`` alone and cannot be the oracle here). The
+    oracle is the routed forward run eagerly on the prepared model's eager copy (the logits built, unfused): loss,
+    metrics and the adapters' gradients within 1e-5; fused: the head's adapter counted in ``lora_heads``."""
+    torch._dynamo.reset()
+    base = tiny_model("llama")
+    ref_base = _perturbed(base)
+    lora = InjectLoRA(rank=4, init="gaussian", targets=["*.q_proj", "*.v_proj", "lm_head"])
+    policy = effpass.compile(base, passes=[lora, FuseAttention(), FuseCrossEntropy()], lowering="eager")
+    eager = copy.deepcopy(policy)  # the prepared model (adapters in place), eager
+    want_tr = _trainer("dpo", eager, copy.deepcopy(ref_base), tmp_path / "eager")
+    for m in (want_tr.model, want_tr.ref_model):
+        fwd = m.__dict__["forward"]
+        m.forward = type(fwd)(_trl_fused_head._routed_forward(m, fwd, _trl_fused_head._cells(fwd)), m)
+    batch = want_tr._prepare_inputs(next(iter(want_tr.get_train_dataloader())))
+    want = _step(want_tr, want_tr.model, batch)
+
+    ref = effpass.compile(copy.deepcopy(ref_base), lowering="eager")
+    tr = _trainer("dpo", policy, ref, tmp_path / "effpass")
+    got = _step(tr, policy, batch)
+    _assert_same(want, got)
+    assert all("lora" in n for n in got[2]) and any("lm_head" in n for n in got[2]), sorted(got[2])
+    _assert_routed(policy, ("log_probs", "entropy", "mean_logits", "is_top1"))
+    assert sum(r.stats["lora_heads"] for r in _fused_stats(policy)) == 1
+
+
+def test_unrouted_cases_run_trls_kernel_and_say_why(tmp_path):
+    """A pipeline without fuse_cross_entropy keeps TRL's kernel (through effpass's op) and its report says why; a
+    routed policy whose trainer's reference effpass did not compile says so in its report (TRL's kernel scores the
+    reference); a model effpass did not compile gets no note. Results as TRL's in every case."""
+    torch._dynamo.reset()
+    base = tiny_model("llama")
+    ref_base = _perturbed(base)
+    want_tr = _trainer("dpo", copy.deepcopy(base), copy.deepcopy(ref_base), tmp_path / "eager")
+    batch = want_tr._prepare_inputs(next(iter(want_tr.get_train_dataloader())))
+    want = _step(want_tr, want_tr.model, batch)
+
+    optout = effpass.compile(copy.deepcopy(base), passes=[FuseAttention()], lowering="eager")
+    tr = _trainer("dpo", optout, copy.deepcopy(ref_base), tmp_path / "optout")
+    _assert_same(want, _step(tr, optout, batch))
+    notes = effpass.report(optout).module.notes["trl_fused_head"]
+    assert notes["routed_models"] == 0 and notes["unrouted_models"] == 1, notes
+    assert "no fuse_cross_entropy" in notes["reasons"][0], notes
+
+    policy = effpass.compile(copy.deepcopy(base), lowering="eager")
+    tr = _trainer("dpo", policy, copy.deepcopy(ref_base), tmp_path / "eager_ref")
+    _assert_same(want, _step(tr, policy, batch))
+    notes = effpass.report(policy).module.notes["trl_fused_head"]
+    assert notes["routed_models"] == 1 and notes["unrouted_models"] == 1, notes
+    assert "reference model is not compiled by effpass" in notes["reasons"][0], notes
+    assert not getattr(tr.ref_model, "_effpass_fused_head", False)
