@@ -191,3 +191,51 @@ def test_unrouted_cases_run_trls_kernel_and_say_why(tmp_path):
     assert notes["routed_models"] == 1 and notes["unrouted_models"] == 1, notes
     assert "reference model is not compiled by effpass" in notes["reasons"][0], notes
     assert not getattr(tr.ref_model, "_effpass_fused_head", False)
+
+
+def _grpo_inputs(tr):
+    """One generation batch, scored: completions sampled by the eager policy, rewards, advantages, reference log-probs."""
+    torch.manual_seed(0)
+    return tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_grpo_step_routed_equals_trls(family, tmp_path, monkeypatch):
+    """GRPOTrainer (temperature 0.7, beta 0.04): on the same sampled completions, the reference's per-token log-probs
+    (the reference TRL loads from the policy's path, compiled with effpass after the trainer built it: its fused head
+    was added before the compile) and the policy's step (loss, logged metrics incl. entropy and KL, every gradient)
+    equal TRL's own (eager) within 1e-5; both heads routed and fused, TRL's kernel never called."""
+    monkeypatch.setattr(_trl_kernels, "CALLS", {"forward": 0, "backward": 0})
+    torch._dynamo.reset()
+    base = tiny_model(family)
+    base.save_pretrained(tmp_path / "base")  # GRPO loads its reference from the policy's path
+    base.config._name_or_path = str(tmp_path / "base")
+    want_tr = _trainer("grpo", copy.deepcopy(base), None, tmp_path / "eager")
+    inputs = _grpo_inputs(want_tr)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    keep = inputs["completion_ids"].shape[1]
+    want_ref = want_tr._get_per_token_logps_and_entropies(want_tr.ref_model, ids, mask, keep)[0]
+    want_tr._metrics["train"].clear()
+
+    def step(tr, model):
+        model.zero_grad(set_to_none=True)
+        loss = tr.compute_loss(model, inputs)
+        loss.backward()
+        metrics = {k: list(v) for k, v in tr._metrics["train"].items()}
+        return float(loss), metrics, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want = step(want_tr, want_tr.model)
+    policy = effpass.compile(copy.deepcopy(base), lowering="eager")
+    tr = _trainer("grpo", policy, None, tmp_path / "effpass")
+    effpass.compile(tr.ref_model, lowering="eager")
+    tr._metrics["train"].clear()
+    with torch.no_grad():
+        got_ref = tr._get_per_token_logps_and_entropies(tr.ref_model, ids, mask, keep)[0]
+    torch.testing.assert_close(got_ref, want_ref, rtol=1e-5, atol=1e-6)
+    got = step(tr, policy)
+    _assert_same(want, got)
+    assert {"entropy", "kl"} <= set(got[1]), sorted(got[1])
+    _assert_routed(policy, ("log_probs", "entropy"))
+    _assert_routed(tr.ref_model, ("log_probs",))
+    assert _trl_kernels.CALLS == {"forward": 0, "backward": 0}, _trl_kernels.CALLS
