@@ -47,7 +47,8 @@ def _trainer(kind, policy, ref, tmp_path, **extra):
 
     common = dict(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, learning_rate=0.1,
                   optim="sgd", logging_steps=1, report_to=[], seed=0, save_strategy="no", use_cpu=True,
-                  disable_tqdm=True, bf16=False, gradient_checkpointing=False, **extra)
+                  disable_tqdm=True, bf16=False, gradient_checkpointing=False)
+    common.update(extra)
     tok, data = tiny_tokenizer(), _dataset(kind)
     if kind == "dpo":
         tr = trl.DPOTrainer(model=policy, ref_model=ref, args=trl.DPOConfig(**common, beta=0.1), train_dataset=data,
@@ -262,3 +263,32 @@ def test_kto_step_routed_equals_trls(family, tmp_path, monkeypatch):
     _assert_routed(policy, tuple(_trl_fused_head._cells(want_tr.model.__dict__["forward"])["outputs"]))
     _assert_routed(ref, ("log_probs",))
     assert _trl_kernels.CALLS == {"forward": 0, "backward": 0}, _trl_kernels.CALLS
+
+
+def test_dpo_step_routed_under_bf16_autocast(tmp_path):
+    """The step under bf16 autocast (what accelerate wraps the forward in with ``bf16=True``; entered explicitly
+    here, as ``training_step`` alone does not prepare the model): the routed heads are fused with bf16 matmuls inside
+    the ops (TRL's kernel projects in the autocast dtype too) and the loss and metrics agree with TRL's own step
+    within bf16 rounding (1e-2 relative), while TRL's bf16 and fp32 steps differ."""
+    torch._dynamo.reset()
+    base = tiny_model("llama")
+    ref_base = _perturbed(base)
+    want_tr = _trainer("dpo", copy.deepcopy(base), copy.deepcopy(ref_base), tmp_path / "eager")
+    batch = want_tr._prepare_inputs(next(iter(want_tr.get_train_dataloader())))
+    fp32 = _step(want_tr, want_tr.model, batch)
+    want_tr._metrics["train"].clear()
+    want_tr._total_train_tokens = 0  # the num_tokens metric counts every step's tokens
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = _step(want_tr, want_tr.model, batch)
+    assert want[1]["logps/chosen"] != fp32[1]["logps/chosen"]  # autocast really changed TRL's step
+    policy = effpass.compile(copy.deepcopy(base), lowering="eager")
+    ref = effpass.compile(copy.deepcopy(ref_base), lowering="eager")
+    tr = _trainer("dpo", policy, ref, tmp_path / "effpass")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = _step(tr, policy, batch)
+    assert abs(want[0] - got[0]) <= 1e-2 * abs(want[0]), (want[0], got[0])
+    for k in want[1]:
+        torch.testing.assert_close(torch.tensor(got[1][k]), torch.tensor(want[1][k]), rtol=1e-2, atol=1e-3, msg=k)
+    for m in (policy, ref):
+        assert sum(r.stats["low_precision_matmuls"] for r in _fused_stats(m)) >= 1, [r.stats for r in _fused_stats(m)]
+        assert all(r.stats["skipped"] == 0 for r in _fused_stats(m))
