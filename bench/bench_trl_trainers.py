@@ -24,11 +24,12 @@ during the step above those live at its start (``effpass.testing.memory.peak_mem
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import arm_main, time_steps  # noqa: E402
+from _common import arm_main, llama, time_steps  # noqa: E402
 
 ARMS = ("eager", "compile", "liger", "effpass")
 TRAINERS = ("dpo", "kto", "grpo")
@@ -49,19 +50,16 @@ def _tokenizer(vocab):
 
 
 def _models(cfg):
+    """The policy (``_common.llama``: seed 0) and a reference that differs from it."""
     import torch
     import transformers as tf
 
     tf.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    conf = tf.LlamaConfig(vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["ffn"],
-                          num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
-                          num_key_value_heads=cfg["kv_heads"], max_position_embeddings=4096,
-                          tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    policy = tf.LlamaForCausalLM(conf).train()
-    ref = tf.LlamaForCausalLM(conf).eval()
-    ref.load_state_dict(policy.state_dict())
-    with torch.no_grad():  # a reference that differs from the policy
+    shape = {**cfg, "seq": 4096}
+    policy = llama(shape, "cpu", tie=False)
+    policy.config.pad_token_id = 0
+    ref = copy.deepcopy(policy).eval()
+    with torch.no_grad():
         g = torch.Generator().manual_seed(1)
         for p in ref.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.02)
@@ -222,7 +220,7 @@ def main() -> None:
     smoke = "_smoke" if os.environ.get("BENCH_TRL_SMOKE") else ""
     arm_main(__file__, arms=ARMS, cpu_shape={**CPU, "trainer": known.trainer}, gpu_shape={**CPU, "trainer": known.trainer},
              worker=worker, markdown=markdown, name=f"{known.trainer}_trainer{smoke}", packages=("trl", "liger_kernel"),
-             overrides=("trainer", "steps"))
+             overrides=("trainer", "steps", "warmup"))
 
 
 if __name__ == "__main__":

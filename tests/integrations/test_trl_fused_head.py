@@ -111,6 +111,27 @@ def _assert_routed(model, outputs):
         assert st["logprob_sites"] + st["rowwise_sites"] == 1, st
 
 
+def _trls_step(kind, family, tmp_path):
+    """TRL's own step on eager copies of a policy and a perturbed reference: ``(policy, reference, TRL's trainer,
+    the batch, the step's loss, metrics and gradients)``."""
+    base = tiny_model(family)
+    ref_base = _perturbed(base)
+    want_tr = _trainer(kind, copy.deepcopy(base), copy.deepcopy(ref_base), tmp_path / "eager")
+    batch = want_tr._prepare_inputs(next(iter(want_tr.get_train_dataloader())))
+    assert (batch["attention_mask"] == 0).any()  # padded
+    return base, ref_base, want_tr, batch, _step(want_tr, want_tr.model, batch)
+
+
+def _eager_and_routed(kind, family, tmp_path):
+    """TRL's step (:func:`_trls_step`), then the routed step on effpass-compiled copies, on the same batch:
+    ``(TRL's trainer, its step, the routed trainer, its step)``."""
+    base, ref_base, want_tr, batch, want = _trls_step(kind, family, tmp_path)
+    policy = effpass.compile(copy.deepcopy(base), lowering="eager")
+    ref = effpass.compile(copy.deepcopy(ref_base), lowering="eager")
+    tr = _trainer(kind, policy, ref, tmp_path / "effpass")
+    return want_tr, want, tr, _step(tr, policy, batch)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "mixtral"])
 def test_dpo_step_routed_equals_trls(family, tmp_path, monkeypatch):
     """One DPOTrainer step, policy and a separate reference both effpass-compiled: the loss, every logged metric
@@ -120,18 +141,8 @@ def test_dpo_step_routed_equals_trls(family, tmp_path, monkeypatch):
     never called. Padded rows of different lengths; Qwen2 and Gemma 2 have tied heads, Gemma 2's soft-capped."""
     monkeypatch.setattr(_trl_kernels, "CALLS", {"forward": 0, "backward": 0})
     torch._dynamo.reset()
-    base = tiny_model(family)
-    ref_base = _perturbed(base)
-    want_tr = _trainer("dpo", copy.deepcopy(base), copy.deepcopy(ref_base), tmp_path / "eager")
-    batch = want_tr._prepare_inputs(next(iter(want_tr.get_train_dataloader())))
-    assert (batch["attention_mask"] == 0).any()  # padded
-    want = _step(want_tr, want_tr.model, batch)
-    assert _trl_kernels.CALLS["forward"] == 0  # eager: TRL's Function itself, not through effpass's op
-
-    policy = effpass.compile(copy.deepcopy(base), lowering="eager")
-    ref = effpass.compile(copy.deepcopy(ref_base), lowering="eager")
-    tr = _trainer("dpo", policy, ref, tmp_path / "effpass")
-    got = _step(tr, policy, batch)
+    want_tr, want, tr, got = _eager_and_routed("dpo", family, tmp_path)
+    policy, ref = tr.model, tr.ref_model
     _assert_same(want, got)
     assert family != "mixtral" or got[1]["aux_loss"][0] > 0, got[1]
     assert abs(got[1]["rewards/margins"][0]) > 0, got[1]
@@ -172,11 +183,7 @@ def test_unrouted_cases_run_trls_kernel_and_say_why(tmp_path):
     routed policy whose trainer's reference effpass did not compile says so in its report (TRL's kernel scores the
     reference); a model effpass did not compile gets no note. Results as TRL's in every case."""
     torch._dynamo.reset()
-    base = tiny_model("llama")
-    ref_base = _perturbed(base)
-    want_tr = _trainer("dpo", copy.deepcopy(base), copy.deepcopy(ref_base), tmp_path / "eager")
-    batch = want_tr._prepare_inputs(next(iter(want_tr.get_train_dataloader())))
-    want = _step(want_tr, want_tr.model, batch)
+    base, ref_base, _, batch, want = _trls_step("dpo", "llama", tmp_path)
 
     optout = effpass.compile(copy.deepcopy(base), passes=[FuseAttention()], lowering="eager")
     tr = _trainer("dpo", optout, copy.deepcopy(ref_base), tmp_path / "optout")
@@ -249,15 +256,8 @@ def test_kto_step_routed_equals_trls(family, tmp_path, monkeypatch):
     within 1e-5; both heads routed and fused, TRL's kernel never called."""
     monkeypatch.setattr(_trl_kernels, "CALLS", {"forward": 0, "backward": 0})
     torch._dynamo.reset()
-    base = tiny_model(family)
-    ref_base = _perturbed(base)
-    want_tr = _trainer("kto", copy.deepcopy(base), copy.deepcopy(ref_base), tmp_path / "eager")
-    batch = want_tr._prepare_inputs(next(iter(want_tr.get_train_dataloader())))
-    want = _step(want_tr, want_tr.model, batch)
-    policy = effpass.compile(copy.deepcopy(base), lowering="eager")
-    ref = effpass.compile(copy.deepcopy(ref_base), lowering="eager")
-    tr = _trainer("kto", policy, ref, tmp_path / "effpass")
-    got = _step(tr, policy, batch)
+    want_tr, want, tr, got = _eager_and_routed("kto", family, tmp_path)
+    policy, ref = tr.model, tr.ref_model
     _assert_same(want, got)
     assert want_tr.calculate_KL and "kl" in got[1], sorted(got[1])
     _assert_routed(policy, tuple(_trl_fused_head._cells(want_tr.model.__dict__["forward"])["outputs"]))
@@ -271,11 +271,7 @@ def test_dpo_step_routed_under_bf16_autocast(tmp_path):
     the ops (TRL's kernel projects in the autocast dtype too) and the loss and metrics agree with TRL's own step
     within bf16 rounding (1e-2 relative), while TRL's bf16 and fp32 steps differ."""
     torch._dynamo.reset()
-    base = tiny_model("llama")
-    ref_base = _perturbed(base)
-    want_tr = _trainer("dpo", copy.deepcopy(base), copy.deepcopy(ref_base), tmp_path / "eager")
-    batch = want_tr._prepare_inputs(next(iter(want_tr.get_train_dataloader())))
-    fp32 = _step(want_tr, want_tr.model, batch)
+    base, ref_base, want_tr, batch, fp32 = _trls_step("dpo", "llama", tmp_path)
     want_tr._metrics["train"].clear()
     want_tr._total_train_tokens = 0  # the num_tokens metric counts every step's tokens
     with torch.autocast("cpu", dtype=torch.bfloat16):
