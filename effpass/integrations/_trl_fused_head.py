@@ -22,6 +22,7 @@ methods are unchanged: they receive TRL's ``FusedCausalLMOutput`` with the same 
 
 Installed (``install``) when TRL's head is added to an effpass-compiled model (:func:`route` wraps
 ``add_fused_lm_head``), when ``effpass.compile`` finds TRL's head already on the model, or at the model's first call.
+``SFTTrainer``'s head is left to TRL's kernel (run as effpass's custom op, ``_trl_kernels``), as before.
 Left to TRL's kernel, with the reason in the model's report (``notes["trl_fused_head"]``): a pipeline without
 ``fuse_cross_entropy``, a model without an output head, a TRL head this module does not know (its closure is
 read by name, feature-tested), an output it does not know. Models effpass did not compile: no note.
@@ -50,6 +51,9 @@ _CODE_NAME = "_fused_forward"
 _CELLS = ("original_forward", "text_config", "temperature", "cast_lm_head_to_fp32", "outputs",
           "final_logit_softcapping", "logit_scale", "backbone_attr")
 _KEY = "trl_fused_head"
+#: the TRL modules whose fused head is left to TRL's kernel (run as effpass's custom op, ``_trl_kernels``):
+#: SFTTrainer's (no reference model; its kernel path is the one tested bit for bit, padding-free included)
+_LEFT_TO_TRL = frozenset({"trl.trainer.sft_trainer"})
 _COUNTERS = ("routed_models", "unrouted_models")
 _STATE: dict = {"original": None}
 
@@ -73,7 +77,10 @@ def route() -> bool:
         @functools.wraps(fn)
         def add_fused_lm_head(model, *args, **kwargs):
             out = fn(model, *args, **kwargs)
-            install(model)
+            if sys._getframe(1).f_globals.get("__name__") in _LEFT_TO_TRL:
+                model._effpass_fused_head_seen = model.__dict__.get("forward")  # never routed later either
+            else:
+                install(model)
             return out
 
         add_fused_lm_head._effpass_routed = True
