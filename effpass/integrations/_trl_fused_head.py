@@ -41,7 +41,7 @@ import torch
 
 from . import _trl_common as _common
 
-__all__ = ["route", "routed", "install", "check_reference", "is_trl_fused_forward", "OUTPUTS"]
+__all__ = ["route", "routed", "install", "install_in", "check_reference", "is_trl_fused_forward", "OUTPUTS"]
 
 #: the per-token outputs TRL's fused head can be asked for (``add_fused_lm_head(outputs=...)``)
 OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -146,6 +146,17 @@ def install(model) -> bool:
         if o not in notes["outputs"]:
             notes["outputs"].append(o)
     return True
+
+
+def install_in(trainer, model) -> None:
+    """At a model's first call inside ``trainer``: route its TRL head if that was added before :func:`route` could
+    wrap ``add_fused_lm_head`` (TRL's trainer module imported after ``effpass.compile``), unless the trainer's
+    heads are left to TRL; then check the reference (:func:`check_reference`)."""
+    if type(trainer).__module__ in _LEFT_TO_TRL or any(c.__module__ in _LEFT_TO_TRL for c in type(trainer).__mro__):
+        model._effpass_fused_head_seen = getattr(model, "__dict__", {}).get("forward")
+        return
+    install(model)
+    check_reference(trainer, model)
 
 
 def check_reference(trainer, model) -> None:

@@ -369,8 +369,6 @@ def _check_calling_trainer(model) -> None:
 
     allow_trl_kernels()
     _trl_fused_head.route()
-    _trl_fused_head.install(model)  # TRL's trainer module imported after effpass.compile
-    _check_trl_fused_head(model)
     late_orpo = not _trl_orpo.routed() and _trl_orpo.route()
     trainer_mod = sys.modules.get("transformers.trainer")
     if trainer_mod is None:
@@ -380,14 +378,16 @@ def _check_calling_trainer(model) -> None:
     while frame is not None:
         obj = frame.f_locals.get("self")
         if trainer_cls is not None and isinstance(obj, trainer_cls):
+            _trl_fused_head.install_in(obj, model)  # TRL's trainer module was imported after effpass.compile
+            _check_trl_fused_head(model)
             check_training_args(obj.args, model)
-            _trl_fused_head.check_reference(obj, model)
             if late_orpo and isinstance(obj, _trl_orpo._STATE["cls"]):
                 # this call is already inside TRL's own method: routed from the next step on
                 _trl_orpo.note(obj, model, "unrouted_calls", "trl.experimental.orpo was imported after "
                                "effpass.compile: the first step ran TRL's own method (import it first)")
             return
         frame = frame.f_back
+    _check_trl_fused_head(model)
 
 
 # ------------------------------------------------------------------------------------------------------
