@@ -43,7 +43,8 @@ from typing import Any
 
 import torch
 
-from ..backend import compiled_backend, pipeline_names
+from . import _trl_common as _common
+from ._trl_common import backend_of, fused_backend, unwrap
 
 __all__ = ["route", "routed", "concatenated_forward", "note"]
 
@@ -70,25 +71,13 @@ def route() -> bool:
     return True
 
 
-def _unwrap(trainer, model):
-    """The Hugging Face model under accelerate's and PEFT's wrappers (whose ``forward`` :func:`_install` wraps)."""
-    acc = getattr(trainer, "accelerator", None)
-    inner = acc.unwrap_model(model) if acc is not None else model
-    get_base = getattr(inner, "get_base_model", None)
-    return get_base() if callable(get_base) and hasattr(inner, "peft_config") else inner
-
-
 def _why_not(trainer, model) -> tuple[str | None, Any]:
     """Why this call cannot be routed (None when it can), and the model to patch."""
     if getattr(trainer, "is_encoder_decoder", False):
         return "an encoder-decoder model (its labels are the decoder's; only causal LMs are routed)", None
-    inner = _unwrap(trainer, model)
-    be = next((b for b in map(compiled_backend, (inner, model)) if b is not None), None)
-    if be is None:
-        return "the model is not compiled by effpass", None
-    if "fuse_cross_entropy" not in pipeline_names(be):
-        return "the model's effpass pipeline has no fuse_cross_entropy (the logits are kept on request)", None
-    return None, inner
+    inner = unwrap(trainer, model)
+    why, _ = fused_backend(inner, model)
+    return why, (inner if why is None else None)
 
 
 def _install(model) -> None:
@@ -120,15 +109,8 @@ def _install(model) -> None:
 def note(trainer, model, key: str, why: str | None = None) -> None:
     """Count a routed (``routed_calls``) or unrouted (``unrouted_calls``, with its reason) call in the report of
     the effpass-compiled model among ``model`` and what it wraps (nothing for a model effpass did not compile)."""
-    for m in (model, _unwrap(trainer, model)):
-        be = compiled_backend(m)
-        if be is not None:
-            notes = be.report.module.notes.setdefault("trl_orpo", {"routed_calls": 0, "unrouted_calls": 0,
-                                                                  "reasons": []})
-            notes[key] += 1
-            if why and why not in notes["reasons"]:
-                notes["reasons"].append(why)
-            return
+    _common.note(backend_of(model, unwrap(trainer, model)), "trl_orpo", key, why,
+                 counters=("routed_calls", "unrouted_calls"))
 
 
 def concatenated_forward(self, model, batch):

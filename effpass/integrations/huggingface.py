@@ -4,7 +4,9 @@
 model itself (same class, ``forward`` signature, ``config``, ``save_pretrained``, ``generate``). For a
 ``transformers.PreTrainedModel`` it also calls :func:`attach`, which gives that one model instance (no
 class, no library code is patched, except TRL's ``ORPOTrainer.concatenated_forward`` when TRL's ORPO module is
-loaded: ``_trl_orpo`` routes it through fused log-probs for effpass-compiled models, TRL's method otherwise):
+loaded: ``_trl_orpo`` routes it through fused log-probs for effpass-compiled models, TRL's method otherwise; and
+TRL's ``add_fused_lm_head``: ``_trl_fused_head`` routes the head it adds to an effpass-compiled model, used by
+DPO/KTO/GRPO/RLOO, through effpass's fused ops):
 
 * **gradient checkpointing** taken over: ``model.gradient_checkpointing_enable()`` /
   ``activation_checkpointing_enable()`` (what ``Trainer`` calls for ``gradient_checkpointing=True``, TRL's
@@ -96,9 +98,11 @@ def attach(model: torch.nn.Module) -> bool:
     set_hf_loss_type(model)
     install_output_capturing_hooks(model)
     _install_first_call_check(model)
-    from . import _trl_orpo  # TRL's ORPOTrainer without logits, when its module is loaded
+    from . import _trl_fused_head, _trl_orpo  # TRL's trainers without logits, when their modules are loaded
 
     _trl_orpo.route()
+    _trl_fused_head.route()
+    _trl_fused_head.install(model)  # TRL's fused head added before effpass.compile (GRPO's reference)
     return True
 
 
@@ -349,7 +353,7 @@ def _check_trl_fused_head(model) -> None:
             fused = True
             break
         obj = getattr(obj, "model_forward", None) or getattr(obj, "__wrapped__", None) or getattr(obj, "func", None)
-    if not fused:
+    if not fused or getattr(model, "_effpass_fused_head", False):  # routed: the head is called as a module
         return
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None and hasattr(head, "lora_A") and hasattr(head, "base_layer"):
@@ -361,10 +365,10 @@ def _check_trl_fused_head(model) -> None:
 def _check_calling_trainer(model) -> None:
     """Called once, eagerly, before the model's first compiled call: when a ``transformers.Trainer`` is on
     the call stack, check its arguments against the model's pipeline."""
-    from . import _trl_orpo
+    from . import _trl_fused_head, _trl_orpo
 
     allow_trl_kernels()
-    _check_trl_fused_head(model)
+    _trl_fused_head.route()
     late_orpo = not _trl_orpo.routed() and _trl_orpo.route()
     trainer_mod = sys.modules.get("transformers.trainer")
     if trainer_mod is None:
@@ -374,6 +378,8 @@ def _check_calling_trainer(model) -> None:
     while frame is not None:
         obj = frame.f_locals.get("self")
         if trainer_cls is not None and isinstance(obj, trainer_cls):
+            _trl_fused_head.install_in(obj, model)  # TRL's trainer module was imported after effpass.compile
+            _check_trl_fused_head(model)
             check_training_args(obj.args, model)
             if late_orpo and isinstance(obj, _trl_orpo._STATE["cls"]):
                 # this call is already inside TRL's own method: routed from the next step on
@@ -381,6 +387,7 @@ def _check_calling_trainer(model) -> None:
                                "effpass.compile: the first step ran TRL's own method (import it first)")
             return
         frame = frame.f_back
+    _check_trl_fused_head(model)
 
 
 # ------------------------------------------------------------------------------------------------------

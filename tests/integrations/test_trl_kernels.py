@@ -237,9 +237,8 @@ def _train_trl(kind, policy, ref, tmp_path, compile_ref=False):
                                   pytest.param("grpo", marks=pytest.mark.slow), "orpo"])
 def test_trl_trainer_end_to_end(kind, tmp_path, monkeypatch):
     """TRL's DPO / KTO / GRPO / ORPO trainer, 2 SGD steps on a tiny Llama: the effpass-compiled policy (and
-    reference, compiled with effpass) gives the eager run's losses; DPO/KTO/GRPO's log-probs run as TRL's
-    chunked op inside the compiled graph (the logits are never built: no vocabulary-sized projection is left
-    in the policy's graph); ORPO's trainer-side forward is routed so that the model returns log-probs, which
+    reference, compiled with effpass) gives the eager run's losses; DPO/KTO/GRPO's fused LM head is routed to
+    effpass's fused ops (effpass/integrations/_trl_fused_head.py: TRL's kernel never runs); ORPO's trainer-side forward is routed so that the model returns log-probs, which
     fuse_cross_entropy fuses (effpass/integrations/_trl_orpo.py)."""
     import transformers as tf
 
@@ -265,9 +264,10 @@ def test_trl_trainer_end_to_end(kind, tmp_path, monkeypatch):
             if kind == "orpo":  # TRL's trainer-side forward routed to effpass's own fused log-probs (_trl_orpo)
                 assert st["logprob_sites"] >= 1 and st["rowwise_sites"] >= 1, st
                 assert effpass.report(policy).module.notes["trl_orpo"]["routed_calls"] == 2
-            else:
-                assert st["trl_logprob_sites"] >= 1, st
-                assert _trl_kernels.CALLS["forward"] >= 2 and _trl_kernels.CALLS["backward"] >= 2, _trl_kernels.CALLS
+            else:  # TRL's fused head routed to effpass's fused ops (_trl_fused_head): TRL's kernel never runs
+                assert st["trl_logprob_sites"] == 0 and st["logprob_sites"] + st["rowwise_sites"] >= 1, st
+                assert effpass.report(policy).module.notes["trl_fused_head"]["routed_models"] == 1
+                assert _trl_kernels.CALLS == {"forward": 0, "backward": 0}, _trl_kernels.CALLS
     eager, fused = runs["eager"], runs["effpass"]
     assert len(eager) == len(fused) == 2, (eager, fused)
     for a, b in zip(eager, fused):

@@ -10,28 +10,14 @@ import torch
 import effpass
 from effpass.integrations import _trl_kernels, _trl_orpo
 from effpass.passes import FuseAttention, FuseCrossEntropy, InjectLoRA
+from _trl_models import tiny_model
 
 pytest.importorskip("trl")
 orpo = pytest.importorskip("trl.experimental.orpo")
 
 
 def _model(family):
-    import transformers as tf
-
-    tf.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    common = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    if family == "llama":
-        m = tf.LlamaForCausalLM(tf.LlamaConfig(**common, tie_word_embeddings=False))
-    elif family == "mixtral":  # MoE: ORPO adds the router's load-balancing loss (aux_loss_enabled)
-        m = tf.MixtralForCausalLM(tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
-                                                   output_router_logits=True, router_aux_loss_coef=0.01))
-    else:  # gemma2: tied head, soft-capped logits
-        m = tf.Gemma2ForCausalLM(tf.Gemma2Config(**common, head_dim=8, final_logit_softcapping=5.0,
-                                                 attn_logit_softcapping=None, query_pre_attn_scalar=8))
-    m.config._attn_implementation = "eager"
-    return m.train()
+    return tiny_model(family)
 
 
 def _trainer(model, tmp_path, beta=0.1):
