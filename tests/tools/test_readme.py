@@ -79,3 +79,25 @@ def test_readme_example_runs(block, tmp_path, fork_server):
     status = json.loads(line)["status"]
     why = "timed out after 600 s" if status == -14 else f"exit status {status}"
     assert status == 0, f"{why}\n" + (tmp_path / "stderr.txt").read_text()[-3000:]
+
+
+FIRST_HOUR = re.search(r"## The first hour\n(.*?)\n## ", open(os.path.join(ROOT, "README.md")).read(), re.S).group(1)
+
+
+def test_first_hour_runs_every_command(tmp_path):
+    """The "first hour" walk-through: its Python block, then each `effpass` command of its bash block, in one
+    folder; the adapter, the report and the dump exist, and fuse_attention says why it changed nothing."""
+    (code,) = re.findall(r"```python\n(.*?)```", FIRST_HOUR, re.S)
+    (shell,) = re.findall(r"```bash\n(.*?)```", FIRST_HOUR, re.S)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                         env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "step 4: loss" in out.stdout and "already call F.scaled_dot_product_attention" in out.stdout
+    assert (tmp_path / "adapter" / "adapter_config.json").exists() and (tmp_path / "report.html").exists()
+    commands = [line.split("#")[0].split() for line in shell.splitlines() if line.strip()]
+    assert commands and all(c[0] == "effpass" for c in commands)
+    for c in commands:
+        run = subprocess.run([sys.executable, "-m", "effpass.cli", *c[1:]], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=300, env=env)
+        assert run.returncode == 0, (c, run.stderr[-2000:])
