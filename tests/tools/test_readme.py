@@ -101,3 +101,22 @@ def test_first_hour_runs_every_command(tmp_path):
         run = subprocess.run([sys.executable, "-m", "effpass.cli", *c[1:]], cwd=tmp_path, capture_output=True,
                              text=True, timeout=300, env=env)
         assert run.returncode == 0, (c, run.stderr[-2000:])
+
+
+def test_demo_sample_is_what_the_demo_prints_for_its_results():
+    """The README's demo block equals effpass.cli.demo.render of bench/results/demo_cpu.json (a real run's
+    --json): it goes stale when the demo's format or fields change (rerun: scripts/demo_readme.py)."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import demo_readme
+    finally:
+        sys.path.pop(0)
+    text = open(os.path.join(ROOT, "README.md")).read()
+    m = demo_readme.BLOCK.search(text)
+    assert m, "README.md lost its <!-- demo:begin --> block"
+    assert m.group(2) == demo_readme.block(), "stale: run `python scripts/demo_readme.py`"
+    res = json.load(open(demo_readme.RESULTS))
+    runs = res["runs"]
+    assert len(runs["eager"]) == len(runs["effpass"]) == res["config"]["repeats"] >= 2
+    assert all(len(r["step_times_s"]) == res["config"]["steps"] - 1 for rs in runs.values() for r in rs)
+    assert "verdict: " in m.group(2)
