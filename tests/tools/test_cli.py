@@ -77,7 +77,8 @@ def test_demo_runs_end_to_end(tmp_path):
     out = subprocess.run(args + ["--json", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "tokens/s" in out.stdout and "median (range of 2)" in out.stdout and "load average" in out.stdout
-    (verdict,) = [l for l in out.stdout.splitlines() if l.startswith("verdict: ")]
+    text = out.stdout.replace("\n  ", " ")  # wrapped lines continue with two spaces
+    (verdict,) = [l for l in text.splitlines() if l.startswith("verdict: ")]
     assert "peak memory" in verdict and "losses agree" in verdict
     res = json.loads((tmp_path / "r.json").read_text())
     assert [len(res["runs"][a]) for a in ("eager", "effpass")] == [2, 2]
