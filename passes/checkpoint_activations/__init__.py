@@ -157,12 +157,16 @@ class CheckpointActivations(effpass.Pass):
     def transform_joint(self, gm: fx.GraphModule, ctx) -> effpass.PassResult:
         if ctx.graph_kind != "joint":
             return effpass.PassResult(skipped=[{"site": "graph", "reason": "inference graph: nothing is saved "
-                                                "for a backward"}])
+                                                "for a backward"}],
+                                      why_unchanged="an inference graph (no gradient needed): nothing is saved for a "
+                                                    "backward, so there is nothing to checkpoint")
         graph = gm.graph
         fwd = forward_nodes(graph)
         in_scope = ctx.scope.select_nodes(gm, [n for n in fwd if n.op == "call_function"], what="forward op")
         if not in_scope:
-            return effpass.PassResult(skipped=[{"site": "graph", "reason": "no forward node in targets"}])
+            return effpass.PassResult(skipped=[{"site": "graph", "reason": "no forward node in targets"}],
+                                      why_unchanged="no forward op of this graph is in targets/exclude's scope: "
+                                                    "widen targets (module-name globs) if this graph should be checkpointed")
         block_of = find_blocks(in_scope, self.targets, ctx.model)
         num_fwd = num_forward_outputs(gm)
         # NOTE(cost): partitioning a copy of the graph costs about as much as the real partition; it is

@@ -463,4 +463,6 @@ class FuseCrossEntropy(effpass.Pass):
                 for m in [n, *n.users]:
                     m.meta["recompute"] = CheckpointPolicy.MUST_SAVE
                 marked += 1
-        return effpass.PassResult(changed=marked > 0, stats={"marked_save": marked}) if marked else None
+        return effpass.PassResult(changed=marked > 0, stats={"marked_save": marked}) if marked else effpass.PassResult(
+            why_unchanged="no fused op here carries a checkpoint mark (this hook only keeps fused ops saved, never "
+                          "recomputed, under checkpoint_activations)")
