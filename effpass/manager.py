@@ -229,6 +229,7 @@ class PassManager:
             record.ms = (time.perf_counter() - t0) * 1e3
             result = result or PassResult()
             record.changed, record.stats, record.skipped = bool(result.changed), dict(result.stats), list(result.skipped)
+            record.why_unchanged = "" if record.changed else (result.why_unchanged or _default_why(record))
             record.live_stats = result.live_stats
             report.add(record)
             for inst in self.instruments:
@@ -344,6 +345,7 @@ class PassManager:
         record.changed = bool(result.changed)
         record.stats = dict(result.stats)
         record.skipped = list(result.skipped)
+        record.why_unchanged = "" if record.changed else (result.why_unchanged or _default_why(record))
         if record.changed:
             for n in graph.nodes:
                 if n not in before_nodes:
@@ -354,3 +356,11 @@ class PassManager:
         for inst in self.instruments:
             inst.after_pass(report, record, gm)
         return record.changed
+
+
+def _default_why(record: PassRecord) -> str:
+    """Why an unchanged pass changed nothing, when its hook did not say."""
+    if record.skipped:
+        return f"{len(record.skipped)} site(s) left alone (reasons below)"
+    where = "model" if record.graph == "module" else f"{record.graph} graph"
+    return f"its {record.phase} hook found nothing to act on in this {where}"

@@ -49,6 +49,9 @@ class PassResult:
     stats: dict[str, Any] = field(default_factory=dict)
     #: Sites the pass looked at and left alone, with the reason (shown in the dump).
     skipped: list[dict[str, Any]] = field(default_factory=list)
+    #: When the hook changed nothing: why, in one sentence, and what to do if the user expected a change
+    #: ("2 attention sites already call SDPA: nothing to fuse"); shown in summaries, dumps and reports.
+    why_unchanged: str = ""
     #: statistics that keep changing after the hook ran (e.g. per-step counters a pass keeps on device):
     #: a callable returning a dict, called only when a report or dump is read (see PassRecord.current_stats)
     live_stats: Callable[[], dict[str, Any]] | None = None

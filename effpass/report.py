@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from numbers import Number
 from typing import Any
 
-__all__ = ["PassRecord", "GraphReport", "CompileReport", "register_renderer"]
+__all__ = ["PassRecord", "GraphReport", "CompileReport", "register_renderer", "nonzero_stats", "explain"]
 
 
 @dataclass
@@ -26,6 +26,8 @@ class PassRecord:
     error: str | None = None
     traceback: str | None = None
     fell_back: bool = False
+    #: why an unchanged pass changed nothing (``PassResult.why_unchanged``)
+    why_unchanged: str = ""
     #: True when this record was replayed from effpass's record store on a compile-cache hit
     from_cache: bool = False
     #: a callable returning statistics that change after the hook ran (``PassResult.live_stats``)
@@ -124,6 +126,8 @@ class CompileReport:
         return [r for r in self.records() if r.error]
 
     def summary(self) -> str:
+        """One line per pass and graph with its non-zero statistics (zero counters are in ``stats()`` and the
+        dump's JSON), then why an unchanged pass changed nothing and every reason a site was left alone."""
         lines = []
         for g in [self.module, *self.graphs]:
             if not g.records:
@@ -132,6 +136,7 @@ class CompileReport:
             for r in g.records:
                 flag = "ERROR " + r.error if r.error else ("changed" if r.changed else "unchanged")
                 lines.append(f"  {r.graph:<9} {r.name:<24} {flag:<10} {r.ms:8.1f} ms  {_fmt_stats(r.current_stats())}")
+                lines += [f"      {line}" for line in explain(r.why_unchanged if not r.changed else "", r.skipped)]
             fb = g.notes.get("lowering_fallback")
             if fb:
                 lines.append(f"  lowering fell back to {fb['to']!r}: {'; '.join(fb['errors'])}")
@@ -192,10 +197,32 @@ def _merge(dicts: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def nonzero_stats(stats: dict[str, Any]) -> dict[str, Any]:
+    """The statistics a summary line shows: numbers other than 0 (booleans and text always; lists and
+    dicts when not empty). Zero counters stay in ``stats()`` and the JSON."""
+    return {k: v for k, v in stats.items()
+            if isinstance(v, bool) or not (isinstance(v, Number) and v == 0 or isinstance(v, (list, dict)) and not v)}
+
+
+def explain(why_unchanged: str, skipped: list[Any]) -> list[str]:
+    """Lines saying why a pass changed nothing and every distinct reason a site was left alone (with how
+    many sites and the first of them)."""
+    lines = [f"why unchanged: {why_unchanged}"] if why_unchanged else []
+    reasons: dict[str, list[str]] = {}
+    for item in skipped:
+        reason = str(item.get("reason", item)) if isinstance(item, dict) else str(item)
+        site = str(item.get("site", "")) if isinstance(item, dict) else ""
+        reasons.setdefault(reason, []).append(site)
+    for reason, sites in reasons.items():
+        where = f"{len(sites)} sites, e.g. {sites[0]}" if len(sites) > 1 else (sites[0] or "1 site")
+        lines.append(f"left alone ({where}): {reason}")
+    return lines
+
+
 def _fmt_stats(stats: dict[str, Any]) -> str:
     parts = []
-    for k, v in stats.items():
+    for k, v in nonzero_stats(stats).items():
         if isinstance(v, (dict, list)):
             continue
         parts.append(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}")
-    return " ".join(parts)
+    return " ".join(parts) or "(all statistics 0)"

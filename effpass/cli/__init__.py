@@ -1,88 +1,170 @@
 """The ``effpass`` command line: ``passes``, ``options``, ``inspect``, ``demo``, and the commands passes register
-(``effpass estimate`` comes from wrap_fsdp)."""
+(``effpass estimate`` comes from wrap_fsdp).
+
+Start-up is kept short: ``effpass --help`` and ``effpass passes`` read the built-in registry from data
+(:mod:`effpass.cli.index`) and import nothing heavy; a command imports what it needs when it runs. Errors are
+one line (``effpass CMD: ...``); ``--debug`` shows the traceback."""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-
-from ..inspect import table as _table
-from ..pass_api import registered_commands
+import textwrap
 
 __all__ = ["main"]
+
+WIDTH = 100  # tables fit this many columns (the last column wraps)
+
+
+def _table(rows: list[tuple[str, ...]], width: int = WIDTH) -> str:
+    """A plain-text table, the first row the header; the last column wraps at word boundaries so that every
+    line fits ``width`` columns."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    room = max(width - sum(w + 2 for w in widths[:-1]), 16)
+    widths[-1] = min(widths[-1], room)
+    out = []
+    for i, r in enumerate(rows):
+        last = textwrap.wrap(r[-1], room) or [""]
+        lead = "  ".join(c.ljust(w) for c, w in zip(r[:-1], widths))
+        out.append(f"{lead}  {last[0]}".rstrip())
+        out += [(" " * (len(lead) + 2) + more).rstrip() for more in last[1:]]
+        if i == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def _plugins() -> list[str]:
+    """Modules of ``effpass.passes`` entry points other than the built-ins (cheap: metadata only)."""
+    import importlib.metadata as md
+
+    try:
+        return sorted({ep.value.split(":")[0] for ep in md.entry_points(group="effpass.passes")} - {"effpass.passes"})
+    except Exception:  # pragma: no cover - broken metadata must not break the CLI
+        return []
+
+
+def _registry() -> dict:
+    """Pass name -> what ``effpass passes`` shows: from the generated index (fast), or, with plugins installed,
+    from the live registry (imports every pass)."""
+    if not _plugins():
+        from .index import load_index
+
+        return load_index()["passes"]
+    from ..pass_api import registered_passes
+    import dataclasses
+
+    out = {}
+    for n, k in registered_passes().items():
+        docs = k.option_docs()
+        out[n] = {"summary": k.summary, "class": f"{k.__module__}.{k.__qualname__}",
+                  "phases": [p.value for p in k.phases()], "run_after": list(k.run_after),
+                  "conflicts_with": list(k.conflicts_with), "default": k.default_note(), "default_on_cpu": None,
+                  "options": [[f.name, repr(f.default) if f.default is not dataclasses.MISSING else "...", docs[f.name]]
+                              for f in dataclasses.fields(k)]}
+    return out
+
+
+def _command_names() -> dict[str, str]:
+    """Name -> help of the commands passes register (built-ins from the index; plugins' read live)."""
+    from .index import load_index
+
+    out = dict(load_index()["commands"])
+    if _plugins():
+        from ..pass_api import registered_commands
+
+        out.update({n: c.help for n, c in registered_commands().items()})
+    return out
+
+
+def unknown(kind: str, name: str, valid, cmd: str) -> SystemExit:
+    """A one-line error for an unknown name, with a did-you-mean and the valid names."""
+    import difflib
+
+    close = difflib.get_close_matches(str(name), list(valid), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return SystemExit(f"effpass {cmd}: unknown {kind} {name!r}{hint}; valid: {', '.join(sorted(valid))}")
+
+
+def check_pass_list(text: str | None, cmd: str) -> None:
+    """``--passes`` (comma-separated names, or JSON ``{name: {option: value}}``): every name registered, checked
+    before any work starts. Options are checked by effpass itself when the pipeline is built."""
+    if text is None:
+        return
+    if text.strip().startswith("{"):
+        try:
+            names = list(json.loads(text))
+        except (json.JSONDecodeError, TypeError) as e:
+            raise SystemExit(f"effpass {cmd}: --passes is not valid JSON ({e}); give comma-separated names or "
+                             '{"name": {"option": value}}') from None
+    else:
+        names = [p.strip() for p in text.split(",") if p.strip()]
+    valid = _registry()
+    for n in names:
+        if n not in valid:
+            raise unknown("pass", n, valid, cmd)
+
+
+def _device_type(name: str | None) -> str:
+    """The device ``effpass passes`` describes: the one named, else cuda when torch sees a GPU. Without a GPU
+    driver on the machine that is the CPU, known without importing torch."""
+    if name:
+        if name.split(":")[0] not in ("cpu", "cuda", "xpu", "mps", "meta"):
+            raise SystemExit(f"effpass passes: unknown device {name!r}; valid: cpu, cuda (cuda:N), xpu, mps")
+        return name.split(":")[0]
+    if not any(os.path.exists(p) for p in ("/proc/driver/nvidia", "/dev/kfd", "/dev/nvidiactl")):
+        return "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 # ------------------------------------------------------------------------------------------------------
 def cmd_passes(args) -> int:
-    import torch
+    passes = _registry()
+    if args.name and args.name not in passes:
+        raise unknown("pass", args.name, passes, "passes")
+    device = _device_type(args.device)
+    if device == "cpu" and all(v["default_on_cpu"] is not None for v in passes.values()):
+        defaults = [n for n, v in sorted(passes.items()) if v["default_on_cpu"]]
+    else:  # another device (or plugins): ask the passes themselves
+        import torch
 
-    from ..config import default_pipeline
-    from ..manager import order_passes
-    from ..pass_api import registered_passes
+        from ..config import default_pipeline
+        from ..quantized import quiet_torchao_import
 
-    passes = registered_passes()
-    device = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    defaults = [p.name for p in default_pipeline(device)]
+        with quiet_torchao_import():
+            defaults = [p.name for p in default_pipeline(torch.device(args.device or device))]
     if args.name:
-        from ..pass_api import get_pass_class
-
-        klass = get_pass_class(args.name)
-        print(f"{klass.name}: {klass.summary}")
-        print(f"  class: {klass.__module__}.{klass.__qualname__}")
-        print(f"  phases: {', '.join(p.value for p in klass.phases())}")
-        print(f"  run after: {', '.join(klass.run_after) or '-'};  conflicts with: {', '.join(klass.conflicts_with) or '-'}")
-        print(f"  default: {klass.default_note()}")
+        k = passes[args.name]
+        print(f"{args.name}: {k['summary']}")
+        print(f"  class: {k['class']}")
+        print(f"  phases: {', '.join(k['phases'])}")
+        print(f"  run after: {', '.join(k['run_after']) or '-'};  conflicts with: {', '.join(k['conflicts_with']) or '-'}")
+        print(f"  default: {k['default']}")
         print("  options:")
-        import dataclasses
-
-        docs = klass.option_docs()
-        for f in dataclasses.fields(klass):
-            default = f.default if f.default is not dataclasses.MISSING else (
-                f.default_factory() if f.default_factory is not dataclasses.MISSING else "required")
-            print(f"    {f.name} = {default!r}: {docs[f.name]}")
+        for name, default, doc in k["options"]:
+            print(textwrap.fill(f"{name} = {default}: {doc}", WIDTH, initial_indent="    ", subsequent_indent="      "))
         return 0
     if args.json:
-        print(json.dumps({n: {"phases": [p.value for p in k.phases()], "run_after": list(k.run_after),
-                               "conflicts_with": list(k.conflicts_with), "default": k.default_note(),
-                               "in_default_pipeline": n in defaults, "summary": k.summary}
+        print(json.dumps({n: {"phases": k["phases"], "run_after": k["run_after"], "conflicts_with": k["conflicts_with"],
+                              "default": k["default"], "in_default_pipeline": n in defaults, "summary": k["summary"]}
                           for n, k in sorted(passes.items())}, indent=1))
         return 0
-    ordered = order_passes([k() for k in passes.values()], check_conflicts=False) if passes else []
-    rows = [("#", "pass", "phases", "runs after", "conflicts", f"on ({device.type})", "default")]
-    for i, p in enumerate(ordered):
-        k = type(p)
-        rows.append((str(i), k.name, ",".join(ph.value for ph in k.phases()), ",".join(k.run_after) or "-",
-                     ",".join(k.conflicts_with) or "-", "yes" if k.name in defaults else "no", k.default_note()[:80]))
+    rows = [("#", "pass", "phases", f"on ({device})", "default")]
+    for i, (n, k) in enumerate(passes.items()):
+        rows.append((str(i), n, ",".join(k["phases"]), "yes" if n in defaults else "no", k["default"]))
     print(_table(rows) if len(rows) > 1 else "(no passes registered)")
-    print(f"\ndefault pipeline on {device.type} (torch.compile(model, backend=\"effpass\")): "
-          f"{', '.join(defaults) or '(empty)'}")
+    print()
+    for label, key in (("runs after", "run_after"), ("conflicts with", "conflicts_with")):
+        edges = [f"{n} after {', '.join(k[key])}" if key == "run_after" else f"{n} x {', '.join(k[key])}"
+                 for n, k in passes.items() if k[key]]
+        if edges:
+            print(textwrap.fill(f"{label}: " + "; ".join(edges), WIDTH, subsequent_indent="  "))
+    print(textwrap.fill(f"default pipeline on {device} (torch.compile(model, backend=\"effpass\")): "
+                        f"{', '.join(defaults) or '(empty)'}", WIDTH))
     print("order: passes run in the order above within each phase: module, torch_ir, joint, post_grad")
     print("summaries and options: effpass passes NAME")
-    return 0
-
-
-# ------------------------------------------------------------------------------------------------------
-def cmd_options(args) -> int:
-    """effpass's options and environment variables, read from ``effpass.config`` (each option's doc is on its
-    field of ``Options``)."""
-    import dataclasses
-
-    from ..config import ENV_VARS, Options
-
-    fields = [f for f in dataclasses.fields(Options) if f.metadata.get("key", True)]
-    if args.json:
-        print(json.dumps({"options": {f.name: {"doc": f.metadata["doc"], **(
-                              {"default": f.default} if f.default is not dataclasses.MISSING else {})}
-                                      for f in fields},
-                          "environment": ENV_VARS}, indent=1, default=repr))
-        return 0
-    print("options (effpass.compile(model, ...) keywords; torch.compile(..., backend='effpass', options={...}) keys):")
-    for f in fields:
-        default = f" = {f.default!r}" if f.default is not dataclasses.MISSING else ""
-        print(f"  {f.name}{default}: {f.metadata['doc']}")
-    print("environment variables (read in effpass/config.py):")
-    for name, doc in ENV_VARS.items():
-        print(f"  {name}: {doc}")
     return 0
 
 
@@ -144,6 +226,7 @@ def cmd_export(args) -> int:
 
     from ..export import OnnxExportError, export_onnx
 
+    check_pass_list(args.passes, "export")
     passes = None
     if args.passes is not None:
         passes = json.loads(args.passes) if args.passes.strip().startswith("{") else \
@@ -169,6 +252,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_verify(args) -> int:
+    check_pass_list(args.passes, "verify")
     from ..verification import hf_inputs, model_from_hf_config, verify
 
     passes = None
@@ -204,9 +288,36 @@ def cmd_verify(args) -> int:
     return 0 if rep.ok else 1
 
 
+def cmd_options(args) -> int:
+    """effpass's options and environment variables, read from ``effpass.config`` (each option's doc is on its
+    field of ``Options``)."""
+    import dataclasses
+
+    from ..config import ENV_VARS, Options
+
+    fields = [f for f in dataclasses.fields(Options) if f.metadata.get("key", True)]
+    if args.json:
+        print(json.dumps({"options": {f.name: {"doc": f.metadata["doc"], **(
+                              {"default": f.default} if f.default is not dataclasses.MISSING else {})}
+                                      for f in fields},
+                          "environment": ENV_VARS}, indent=1, default=repr))
+        return 0
+    print("options (effpass.compile(model, ...) keywords; torch.compile(..., backend='effpass', options={...}) keys):")
+    for f in fields:
+        default = f" = {f.default!r}" if f.default is not dataclasses.MISSING else ""
+        print(f"  {f.name}{default}: {f.metadata['doc']}")
+    print("environment variables (read in effpass/config.py):")
+    for name, doc in ENV_VARS.items():
+        print(f"  {name}: {doc}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="effpass", description="effpass: graph passes for faster, leaner training")
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    p = argparse.ArgumentParser(prog="effpass", description="effpass: graph passes for faster, leaner training",
+                                epilog="--debug (anywhere): show the traceback of an error")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     sp = sub.add_parser("passes", help="list registered passes: phases, ordering, defaults")
@@ -214,10 +325,6 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--device", help="say what the default pipeline is on this device (cpu, cuda)")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_passes)
-
-    sp = sub.add_parser("options", help="effpass's options and environment variables, with what each does")
-    sp.add_argument("--json", action="store_true")
-    sp.set_defaults(func=cmd_options)
 
     sp = sub.add_parser("inspect", help="show the graphs and passes of a dump, with statistics")
     sp.add_argument("dump_dir")
@@ -255,21 +362,67 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_verify)
 
-    sub.add_parser("demo", help="train the embedded Llama-style model eagerly and with effpass", add_help=False)
+    sp = sub.add_parser("options", help="effpass's options and environment variables, with what each does")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_options)
 
-    from ..planning import cli as _plan_cli  # noqa: F401  (registers ``effpass plan``)
-    from ..cost import cli as _cost_cli  # noqa: F401  (registers ``effpass cost``)
+    sub.add_parser("demo", help="train the embedded Llama-style model eagerly and with effpass, interleaved and "
+                                "repeated, with a verdict", add_help=False)
 
-    # Commands that passes and plugins contribute through the registry (e.g. wrap_fsdp's ``estimate``).
-    for name, command in sorted(registered_commands().items()):
-        sp = sub.add_parser(name, help=command.help)
-        command.add_arguments(sp)
-        sp.set_defaults(func=command.run)
+    # Commands that passes and plugins contribute through the registry (e.g. wrap_fsdp's ``estimate``): listed
+    # from the index; their arguments (and the passes that define them) load only when one of them runs.
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, help_text in sorted(_command_names().items()):
+        sp = sub.add_parser(name, help=help_text)
+        if name == chosen:
+            import importlib
 
-    if argv and argv[0] == "demo":
+            from ..pass_api import registered_commands
+
+            importlib.import_module("effpass.planning.cli")  # registers ``effpass plan``
+            importlib.import_module("effpass.cost.cli")  # registers ``effpass cost``
+
+            command = registered_commands()[name]
+            command.add_arguments(sp)
+            sp.set_defaults(func=command.run)
+
+    if chosen == "demo":
         from .demo import main as demo_main
 
-        return demo_main(argv[1:])
+        rest = argv[argv.index("demo") + 1:]
+        for i, a in enumerate(rest):  # checked before anything is imported or trained
+            if a == "--passes" and i + 1 < len(rest):
+                check_pass_list(rest[i + 1], "demo")
+            elif a.startswith("--passes="):
+                check_pass_list(a.split("=", 1)[1], "demo")
+        return _run(lambda: demo_main(rest), "demo", debug)
     args = p.parse_args(argv)
-    return args.func(args)
+    check_pass_list(getattr(args, "passes", None), args.cmd)  # before any work (and before torch loads)
+    return _run(lambda: args.func(args), args.cmd, debug)
+
+
+def _run(fn, cmd: str, debug: bool) -> int:
+    """Run a command: a user error is one line on stderr (exit status 1 or 2), the traceback only with --debug."""
+    import contextlib
+
+    try:
+        if cmd == "passes" and not _plugins():
+            quiet = contextlib.nullcontext()  # reads the index: no torch (cmd_passes quiets its slow path itself)
+        else:
+            from ..quantized import quiet_torchao_import
+
+            quiet = quiet_torchao_import()  # torchao's import noise, wherever a command first imports it
+        with quiet:
+            return fn()
+    except SystemExit:
+        raise
+    except KeyboardInterrupt:
+        print(f"effpass {cmd}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if debug:
+            raise
+        first = (str(e).strip().splitlines() or [""])[0]
+        print(f"effpass {cmd}: {type(e).__name__}: {first} (run with --debug for the traceback)", file=sys.stderr)
+        return 1
 

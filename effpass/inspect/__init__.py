@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from ..dump import INDEX
+from ..report import explain
 
 __all__ = ["DumpError", "load_dump", "format_dump", "diff_pass", "to_json", "table"]
 
@@ -52,8 +53,11 @@ def load_dump(path: str) -> list[dict[str, Any]]:
 
 
 def _fmt_stats(stats: dict[str, Any], width: int = 100) -> str:
+    """Non-zero statistics (``effpass.report.nonzero_stats``; ``--json`` has them all)."""
+    from ..report import nonzero_stats
+
     parts = []
-    for k, v in stats.items():
+    for k, v in nonzero_stats(stats).items():
         if isinstance(v, dict):
             v = "{" + ", ".join(f"{kk}: {vv}" for kk, vv in list(v.items())[:6]) + (", ..." if len(v) > 6 else "") + "}"
         elif isinstance(v, list):
@@ -61,7 +65,7 @@ def _fmt_stats(stats: dict[str, Any], width: int = 100) -> str:
         elif isinstance(v, float):
             v = f"{v:.4g}"
         parts.append(f"{k}={v}")
-    s = " ".join(parts)
+    s = " ".join(parts) or "(all statistics 0)"
     return s if len(s) <= width else s[: width - 3] + "..."
 
 
@@ -125,8 +129,8 @@ def format_dump(graphs: list[dict[str, Any]], ops: bool = False) -> str:
         for r in g["passes"]:
             if r.get("error"):
                 lines.append(f"  ! {r['name']} ({r['graph']}): {r['error']} -> fell back to the graph before the pass")
-            for s in r.get("skipped", [])[:10]:
-                lines.append(f"  - {r['name']} left alone: {s}")
+            for line in explain("" if r.get("changed") else r.get("why_unchanged", ""), r.get("skipped", [])):
+                lines.append(f"  - {r['name']} ({r['graph']}) {line}")
             if ops and r.get("changed"):
                 before, after = r.get("ops_before", {}), r.get("ops_after", {})
                 delta = {k: after.get(k, 0) - before.get(k, 0) for k in set(before) | set(after)}

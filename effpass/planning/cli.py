@@ -175,6 +175,7 @@ def _run(args) -> int:
           + (f", {args.world_size} ranks" if args.world_size > 1 else "")
           + (f", sequence parallel {args.sequence_parallel} (seq/{args.sequence_parallel} tokens per rank)"
              if args.sequence_parallel > 1 else "") + " (predictions, not measurements)")
+    print(_assumptions(model, args))
     print(plan.summary())
     return 0
 
@@ -200,8 +201,18 @@ def _run_max_seq(args, passes) -> int:
     n = sum(p.numel() for p in model.parameters())
     print(f"{type(model).__name__}: {n / 1e9:.3g}B parameters, batch {args.batch}"
           + (f", {args.world_size} ranks" if args.world_size > 1 else "") + " (predictions, not measurements)")
+    print(_assumptions(model, args))
     print(res.summary())
     return 0
+
+
+def _assumptions(model, args) -> str:
+    """One line with what the prediction assumes beyond the shape: dtype, optimizer, adapters, device."""
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    lora = getattr(args, "lora", None)
+    return (f"assumes: {dtype} weights ({'--dtype' if getattr(args, 'dtype', None) else 'the config'}), optimizer "
+            f"{getattr(args, 'optimizer', None) or 'none'}, {f'LoRA rank {lora} (base frozen)' if lora else 'full fine-tuning'}"
+            f", device {getattr(args, 'device', None) or 'the default'}")
 
 
 def _write_pictures(plan, args) -> None:

@@ -50,23 +50,26 @@ class ModelCase:
 def _hf_model(name: str, attn: str, layers: int, dropout: float, **overrides):
     import transformers as tf
 
-    if name == "llama":
-        cfg = tf.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                             attention_dropout=dropout, bos_token_id=0, eos_token_id=0, **overrides)
-        model = tf.LlamaForCausalLM(cfg)
-    elif name == "gpt2":
-        cfg = tf.GPT2Config(vocab_size=256, n_embd=64, n_layer=layers, n_head=4, n_positions=128,
-                            resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0,
-                            eos_token_id=0, **overrides)
-        model = tf.GPT2LMHeadModel(cfg)
-    elif name == "bert":
-        cfg = tf.BertConfig(vocab_size=256, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
-                            intermediate_size=128, max_position_embeddings=128, hidden_dropout_prob=dropout,
-                            attention_probs_dropout_prob=dropout, pad_token_id=0, **overrides)
-        model = tf.BertForMaskedLM(cfg)
-    else:  # pragma: no cover
-        raise ValueError(name)
+    from ..quantized import quiet_torchao_import
+
+    with quiet_torchao_import():  # transformers' model code imports torchao, whose first import logs on a CPU build
+        if name == "llama":
+            cfg = tf.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                 attention_dropout=dropout, bos_token_id=0, eos_token_id=0, **overrides)
+            model = tf.LlamaForCausalLM(cfg)
+        elif name == "gpt2":
+            cfg = tf.GPT2Config(vocab_size=256, n_embd=64, n_layer=layers, n_head=4, n_positions=128,
+                                resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0,
+                                eos_token_id=0, **overrides)
+            model = tf.GPT2LMHeadModel(cfg)
+        elif name == "bert":
+            cfg = tf.BertConfig(vocab_size=256, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                                intermediate_size=128, max_position_embeddings=128, hidden_dropout_prob=dropout,
+                                attention_probs_dropout_prob=dropout, pad_token_id=0, **overrides)
+            model = tf.BertForMaskedLM(cfg)
+        else:  # pragma: no cover
+            raise ValueError(name)
     model.config._attn_implementation = attn
     try:
         model.set_attn_implementation(attn)

@@ -32,7 +32,7 @@ Statistics (per joint graph; ``effpass.report(m).stats("checkpoint_activations")
     joint graph partitioned on a copy); ``saved_bytes_after``: the same with this pass's marks;
     ``saved_bytes_measured``: read from the real backward graph's inputs after partitioning;
     ``recompute_flops_before/after`` and ``recompute_flops_added``: FLOPs of forward ops that the
-    backward graph recomputes; ``marked_save``, ``marked_recompute``, ``blocks``; budget mode adds
+    backward graph recomputes; ``recompute_flops_measured``: the same, counted in the real backward graph; ``marked_save``, ``marked_recompute``, ``blocks``; budget mode adds
     ``budget_bytes`` and ``budget_met``. Activation bytes exclude parameters and graph inputs (they
     are alive anyway) and count a storage once.
 
@@ -88,6 +88,9 @@ class CheckpointMarked(effpass.Note):
 
     stats: dict
     input_storages: frozenset
+    #: forward op name -> its FLOPs (with detailed statistics only): the post-grad hook counts the ones the
+    #: real backward graph recomputes
+    forward_flops: dict = field(default_factory=dict)
 
 
 @effpass.register_pass("checkpoint_activations", run_after=("fuse_attention", "apply_autocast"))
@@ -154,12 +157,16 @@ class CheckpointActivations(effpass.Pass):
     def transform_joint(self, gm: fx.GraphModule, ctx) -> effpass.PassResult:
         if ctx.graph_kind != "joint":
             return effpass.PassResult(skipped=[{"site": "graph", "reason": "inference graph: nothing is saved "
-                                                "for a backward"}])
+                                                "for a backward"}],
+                                      why_unchanged="an inference graph (no gradient needed): nothing is saved for a "
+                                                    "backward, so there is nothing to checkpoint")
         graph = gm.graph
         fwd = forward_nodes(graph)
         in_scope = ctx.scope.select_nodes(gm, [n for n in fwd if n.op == "call_function"], what="forward op")
         if not in_scope:
-            return effpass.PassResult(skipped=[{"site": "graph", "reason": "no forward node in targets"}])
+            return effpass.PassResult(skipped=[{"site": "graph", "reason": "no forward node in targets"}],
+                                      why_unchanged="no forward op of this graph is in targets/exclude's scope: "
+                                                    "widen targets (module-name globs) if this graph should be checkpointed")
         block_of = find_blocks(in_scope, self.targets, ctx.model)
         num_fwd = num_forward_outputs(gm)
         # NOTE(cost): partitioning a copy of the graph costs about as much as the real partition; it is
@@ -202,7 +209,8 @@ class CheckpointActivations(effpass.Pass):
         # the backward graph sees only the inputs it keeps; views of other inputs are not activations either
         ctx.leave(CheckpointMarked(stats=dict(stats), input_storages=frozenset(
             _storage_key(tensor_meta(n)) for n in graph.find_nodes(op="placeholder")
-            if isinstance(tensor_meta(n), torch.Tensor))))
+            if isinstance(tensor_meta(n), torch.Tensor)), forward_flops={} if before is None else {
+                n.name: node_flops(n) for n in fwd if n.op == "call_function"}))
         return effpass.PassResult(changed=True, stats=stats)
 
     # -- post-grad phase: measure ------------------------------------------------------------------------
@@ -212,4 +220,12 @@ class CheckpointActivations(effpass.Pass):
             return None
         saved = [n for n in gm.graph.find_nodes(op="placeholder") if not is_tangent(n)]
         inputs = [n for n in saved if is_primal(n)]
-        return effpass.PassResult(stats={"saved_bytes_measured": activation_bytes(saved, inputs, marked.input_storages)})
+        stats = {"saved_bytes_measured": activation_bytes(saved, inputs, marked.input_storages)}
+        if marked.forward_flops:
+            # the forward ops this backward graph runs again (names survive partitioning), and random ops it
+            # replays from their saved RNG state: what recompute_flops_after predicted
+            stats["recompute_flops_measured"] = sum(
+                marked.forward_flops[n.name] if n.name in marked.forward_flops else node_flops(n)
+                for n in gm.graph.nodes if n.op == "call_function" and (
+                    n.name in marked.forward_flops or "run_with_rng_state" in str(n.target)))
+        return effpass.PassResult(stats=stats)

@@ -12,7 +12,7 @@ import torch.fx as fx
 from effpass.graph import forward_nodes, tensor_meta
 
 from .measure import _nbytes, _storage_key, node_flops, partition_stats
-from .plan import (MUST_SAVE, RECOMPUTE, Plan, _block_ids, _copy_to_getitems, _is_view_or_free,
+from .plan import (MUST_SAVE, is_opaque, RECOMPUTE, Plan, _block_ids, _copy_to_getitems, _is_view_or_free,
                                _multi_output_parent, _packet)
 
 
@@ -193,7 +193,8 @@ def _trim(model: "_CostModel", saved: set[fx.Node], budget: int) -> set[fx.Node]
 
 
 def _plan_from_saved(nodes: list[fx.Node], ids: dict[fx.Node, int], saved: set[fx.Node]) -> Plan:
-    plan = {n: (MUST_SAVE if n in saved else RECOMPUTE, ids[n]) for n in nodes if _multi_output_parent(n) is None}
+    plan = {n: (MUST_SAVE if n in saved or is_opaque(n) else RECOMPUTE, ids[n])
+            for n in nodes if _multi_output_parent(n) is None}
     # NOTE(partitioner): MUST_SAVE on a view is not honoured (views are never banned from recompute), so
     # a saved view would drag its recomputable base into the backward: save the base it views instead.
     for n in list(plan):

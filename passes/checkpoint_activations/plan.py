@@ -131,6 +131,15 @@ def _is_random(node: fx.Node) -> bool:
     return isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
 
 
+def is_opaque(node: fx.Node) -> bool:
+    """A custom op outside aten/prims (e.g. ``fuse_cross_entropy``'s loss, which computes its gradients in its
+    forward): its cost is unknown here, and torch's partitioner never recomputes one unless a mark tells it to
+    ("non-builtin op"). The "ops" policy and the budget plans save it, so no statistic predicts a recompute
+    that the backward graph will not do (or that a later joint pass forbids)."""
+    t = node.target
+    return isinstance(t, torch._ops.OpOverload) and t.namespace not in ("aten", "prims")
+
+
 def _is_view_or_free(node: fx.Node) -> bool:
     t = node.target
     if t is operator.getitem:
@@ -164,8 +173,8 @@ def plan_policy(nodes: list[fx.Node], block_of: dict[fx.Node, str], policy: str,
                 continue  # outside blocks: the partitioner decides
             plan[n] = (RECOMPUTE, ids[n])
         else:
-            save = _packet(n) in _SAVE_PACKETS or _packet(n) in extra_save
-            if save and recompute_modules and _packet(n) not in extra_save:
+            save = _packet(n) in _SAVE_PACKETS or _packet(n) in extra_save or is_opaque(n)
+            if save and recompute_modules and _packet(n) not in extra_save and not is_opaque(n):
                 path = module_path_of_node(n)
                 save = not glob_match(path, recompute_modules)
             plan[n] = (MUST_SAVE if save else RECOMPUTE, ids[n])

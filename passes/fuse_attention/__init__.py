@@ -101,6 +101,20 @@ from .proofs import ConstEval, is_causal, rows_nonempty, sdpa_mask_causal
 __all__ = ["FuseAttention"]
 
 
+def _why_unchanged(stats: dict, model_sdpa: list) -> str:
+    """Why the hook changed nothing, and what to do where a user would expect it to act."""
+    if model_sdpa:
+        n = len(model_sdpa)
+        return (f"{n} attention site{'s' if n > 1 else ''} already call{'' if n > 1 else 's'} "
+                "F.scaled_dot_product_attention (Hugging Face's default attn_implementation='sdpa'): nothing to fuse; "
+                "SDPA picks its fused kernel itself" + ("" if stats["skipped"] else
+                                                        " (their masks are not provably causal constants)"))
+    if stats["skipped"]:
+        return f"{stats['skipped']} hand-written attention site(s) found, none fusable (reasons below)"
+    return ("no attention in this graph (no softmax in targets, no SDPA call); a model's attention in another "
+            "graph is reported there")
+
+
 # ------------------------------------------------------------------------------------------------------
 # the pass
 # ------------------------------------------------------------------------------------------------------
@@ -172,7 +186,8 @@ class FuseAttention(effpass.Pass):
             graph.lint()
         # NOTE: rewritten sites whose SDPA call will not run a fused kernel are listed with the left-alone ones
         # (flag "unfused"), so the dump and report show every site that does not get a fused kernel, and why
-        return effpass.PassResult(changed=changed, stats=stats, skipped=skipped + unfused)
+        return effpass.PassResult(changed=changed, stats=stats, skipped=skipped + unfused,
+                                  why_unchanged="" if changed else _why_unchanged(stats, model_sdpa))
 
     def _causal_sdpa_masks(self, gm: fx.GraphModule, ctx, const: ConstEval, stats: dict, sites: list) -> list:
         """SDPA calls the model made itself (e.g. transformers' ``sdpa`` attention, which under torch.compile

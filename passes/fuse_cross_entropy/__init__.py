@@ -213,7 +213,18 @@ class FuseCrossEntropy(effpass.Pass):
         changed = stats["fused"] > 0 or stats["logprob_sites"] > 0 or stats["rowwise_sites"] > 0
         if changed:
             graph.lint()
-        return effpass.PassResult(changed=changed, stats=stats, skipped=skipped)
+        why = ""
+        if not changed:
+            if stats["trl_logprob_sites"]:
+                why = f"{stats['trl_logprob_sites']} TRL chunked log-prob site(s): the head is already chunked"
+            elif stats["left_alone_no_grad"] and not stats["skipped"]:
+                why = "the loss needs no gradient (evaluation or no labels): the logits are returned unchanged"
+            elif skipped:
+                why = f"{len(skipped)} loss site(s) found, none fusable (reasons below)"
+            else:
+                why = ("no cross-entropy, log-prob or row-wise function of a linear head in this graph (a model called "
+                       "without labels computes no loss: pass labels=, or compute the loss inside the compiled call)")
+        return effpass.PassResult(changed=changed, stats=stats, skipped=skipped, why_unchanged=why)
 
     # -- shared by the rewriters ---------------------------------------------------------------------
     @staticmethod
@@ -359,4 +370,6 @@ class FuseCrossEntropy(effpass.Pass):
                 for m in [n, *n.users]:
                     m.meta["recompute"] = CheckpointPolicy.MUST_SAVE
                 marked += 1
-        return effpass.PassResult(changed=marked > 0, stats={"marked_save": marked}) if marked else None
+        return effpass.PassResult(changed=marked > 0, stats={"marked_save": marked}) if marked else effpass.PassResult(
+            why_unchanged="no fused op here carries a checkpoint mark (this hook only keeps fused ops saved, never "
+                          "recomputed, under checkpoint_activations)")

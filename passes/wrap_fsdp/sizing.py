@@ -173,11 +173,24 @@ def estimate_table(model: nn.Module | str | None = None, batch: int = 1, seq: in
     (the ``effpass estimate`` command calls it so). Extra keyword arguments go to :func:`estimate`."""
     est = estimate(model, batch, seq, world_size, params=params, replicate=replicate, **kwargs)
     n_all, n_train, _, what = _counts(model, params, kwargs.get("trainable_only", True))
+    mixed, states = kwargs.get("mixed_precision", True), kwargs.get("optimizer_states", 2)
+    optim = {2: "AdamW (2 fp32 states)", 1: "SGD with momentum (1 fp32 state)", 0: "SGD (no state)"}.get(
+        states, f"{states} fp32 optimizer states")
+    assumes = (f"assumes: {'bf16 parameters and gradients, fp32 master weights' if mixed else 'fp32 parameters and gradients'}"
+               f"; optimizer {optim} per trainable parameter; "
+               f"{'only trainable parameters get gradients and states' if kwargs.get('trainable_only', True) else 'every parameter trains'}; "
+               f"activations for micro-batch {batch} x seq {seq} with {'fused' if kwargs.get('fused_attention', True) else 'unfused'} "
+               f"attention, {'with' if kwargs.get('checkpointing', False) else 'no'} activation checkpointing; "
+               "GiB = 2^30 bytes")
     cols = ("params", "grads", "optimizer", "gathered", "activations", "total")
     lines = [f"memory per rank (GiB): {what}: {n_all / 1e9:.3g}B params ({n_train / 1e9:.3g}B trainable), "
              f"micro-batch {batch} x seq {seq} per rank, world size {world_size}"
              + (f", {replicate} replica groups" if replicate > 1 else ""),
              f"{'mode':<6}" + "".join(f"{c:>12}" for c in cols)]
+    import textwrap
+
+    lines[:1] = textwrap.wrap(lines[0], 100, subsequent_indent="  ", break_on_hyphens=False) + textwrap.wrap(
+        assumes, 100, subsequent_indent="  ", break_on_hyphens=False)
     for mode, row in est.items():
         lines.append(f"{mode:<6}" + "".join(f"{row[c] / _GIB:>12.3f}" for c in cols))
     text = "\n".join(lines)

@@ -319,6 +319,7 @@ def test_cli_plan(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "memory plan for a budget of 64.00 MiB:" in out and "predicted peak" in out
     assert "(predictions, not measurements)" in out
+    assert "assumes: float32 weights (the config), optimizer adamw, full fine-tuning, device cpu" in out
     assert main(["plan", str(path), "--batch", "2", "--seq", "32", "--budget", "1.2MiB", "--allow", "adamw8bit"]
                 + full) == 2
     err = capsys.readouterr().err

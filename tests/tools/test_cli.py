@@ -69,15 +69,37 @@ def test_dump_files_are_runnable(dump):
 
 
 def test_demo_runs_end_to_end(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "effpass.cli", "demo", "--steps", "3", "--layers", "1", "--dim", "32",
-                          "--heads", "2", "--kv-heads", "1", "--vocab", "64", "--seq", "16", "--batch", "2",
-                          "--lowering", "eager", "--dump-dir", str(tmp_path / "dump"), "--json", str(tmp_path / "r.json"),
-                          "--quiet"], capture_output=True, text=True, timeout=600)
+    """Arms interleaved and repeated in fresh processes; the verdict line; loss agreement; a fresh dump folder
+    (a rerun into the same folder fails at once instead of mixing two runs' graphs)."""
+    args = [sys.executable, "-m", "effpass.cli", "demo", "--steps", "3", "--layers", "1", "--dim", "32", "--heads", "2",
+            "--kv-heads", "1", "--vocab", "64", "--seq", "16", "--batch", "2", "--repeats", "2", "--lowering", "eager",
+            "--dump-dir", str(tmp_path / "dump"), "--quiet"]
+    out = subprocess.run(args + ["--json", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "tokens/s" in out.stdout and "final-loss difference" in out.stdout
+    assert "tokens/s" in out.stdout and "median (range of 2)" in out.stdout and "load average" in out.stdout
+    text = out.stdout.replace("\n  ", " ")  # wrapped lines continue with two spaces
+    (verdict,) = [l for l in text.splitlines() if l.startswith("verdict: ")]
+    assert "peak memory" in verdict and "losses agree" in verdict
     res = json.loads((tmp_path / "r.json").read_text())
-    assert abs(res["eager"]["final_loss"] - res["effpass"]["final_loss"]) < 1e-3
-    assert os.path.isdir(tmp_path / "dump")
+    assert [len(res["runs"][a]) for a in ("eager", "effpass")] == [2, 2]
+    for e, f in zip(res["runs"]["eager"], res["runs"]["effpass"]):
+        assert abs(e["final_loss"] - f["final_loss"]) < 1e-3
+    assert os.path.isdir(tmp_path / "dump" / "graph_000")
+    again = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert again.returncode != 0 and "is not an empty folder" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_demo_verdict_says_when_within_noise():
+    from effpass.cli.demo import verdict
+
+    def s(e, f):
+        return {"eager": {"step_s": e[1], "min_s": e[0], "max_s": e[2], "peak_bytes": 100, "final_loss": 7.0},
+                "effpass": {"step_s": f[1], "min_s": f[0], "max_s": f[2], "peak_bytes": 80, "final_loss": 7.0},
+                "loss_diff": 1e-6}
+    assert "within noise" in verdict(s((1.0, 1.1, 1.3), (0.9, 1.0, 1.05)))
+    v = verdict(s((1.2, 1.25, 1.3), (0.9, 1.0, 1.05)))
+    assert "1.25x faster" in v and "within noise" not in v and "peak memory 0.80x" in v and "losses agree" in v
+    assert "LOSSES DIFFER" in verdict({**s((1, 1, 1), (1, 1, 1)), "loss_diff": 0.5})
 
 
 def test_options_lists_every_option_and_environment_variable(capsys):

@@ -94,3 +94,44 @@ def test_readme_lists_every_option_and_environment_variable():
     assert options - {"mode"} == set(OPTION_DOCS), f"README options table vs effpass.config.Options: {options ^ set(OPTION_DOCS)}"
     env = {r for r in rows if r.startswith("EFFPASS_")}
     assert env == set(ENV_VARS), f"README environment table vs effpass.config.ENV_VARS: {env ^ set(ENV_VARS)}"
+
+
+FIRST_HOUR = re.search(r"## The first hour\n(.*?)\n## ", open(os.path.join(ROOT, "README.md")).read(), re.S).group(1)
+
+
+def test_first_hour_runs_every_command(tmp_path):
+    """The "first hour" walk-through: its Python block, then each `effpass` command of its bash block, in one
+    folder; the adapter, the report and the dump exist, and fuse_attention says why it changed nothing."""
+    (code,) = re.findall(r"```python\n(.*?)```", FIRST_HOUR, re.S)
+    (shell,) = re.findall(r"```bash\n(.*?)```", FIRST_HOUR, re.S)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                         env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "step 4: loss" in out.stdout and "already call F.scaled_dot_product_attention" in out.stdout
+    assert (tmp_path / "adapter" / "adapter_config.json").exists() and (tmp_path / "report.html").exists()
+    commands = [line.split("#")[0].split() for line in shell.splitlines() if line.strip()]
+    assert commands and all(c[0] == "effpass" for c in commands)
+    for c in commands:
+        run = subprocess.run([sys.executable, "-m", "effpass.cli", *c[1:]], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=300, env=env)
+        assert run.returncode == 0, (c, run.stderr[-2000:])
+
+
+def test_demo_sample_is_what_the_demo_prints_for_its_results():
+    """The README's demo block equals effpass.cli.demo.render of bench/results/demo_cpu.json (a real run's
+    --json): it goes stale when the demo's format or fields change (rerun: scripts/demo_readme.py)."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import demo_readme
+    finally:
+        sys.path.pop(0)
+    text = open(os.path.join(ROOT, "README.md")).read()
+    m = demo_readme.BLOCK.search(text)
+    assert m, "README.md lost its <!-- demo:begin --> block"
+    assert m.group(2) == demo_readme.block(), "stale: run `python scripts/demo_readme.py`"
+    res = json.load(open(demo_readme.RESULTS))
+    runs = res["runs"]
+    assert len(runs["eager"]) == len(runs["effpass"]) == res["config"]["repeats"] >= 2
+    assert all(len(r["step_times_s"]) == res["config"]["steps"] - 1 for rs in runs.values() for r in rs)
+    assert "verdict: " in m.group(2)

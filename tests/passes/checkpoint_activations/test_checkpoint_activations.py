@@ -90,6 +90,7 @@ def test_policies_keep_gradients_and_cut_saved_bytes(policy):
     st = rep.stats(NAME)
     assert st["blocks"] == case.num_layers, st
     assert st["saved_bytes_measured"] == st["saved_bytes_after"], st  # plan == real partition
+    assert st["recompute_flops_measured"] == st["recompute_flops_after"], st
     assert st["saved_bytes_after"] < st["saved_bytes_before"], st
     if label != "ops":  # "ops" may even recompute less than the unmarked partitioner (it saves softmax outputs)
         assert st["recompute_flops_added"] > 0, st
@@ -336,3 +337,26 @@ def test_statistics_that_cost_partitions_only_when_asked(monkeypatch):
     assert calls == [] and "saved_bytes_before" not in st and st["saved_bytes_measured"] > 0, st
     _, rep, _ = _train_step(case, [CheckpointActivations()], detailed_stats=True)
     assert len(calls) == 2 and rep.stats(NAME)["saved_bytes_after"] == rep.stats(NAME)["saved_bytes_measured"]
+
+
+# ------------------------------------------------------------------------------------------------------
+# recompute statistics count only what the backward graph recomputes
+# ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("options", [{}, {"budget": 0.5}], ids=["ops", "budget"])
+def test_fused_loss_is_not_counted_as_recompute(options):
+    """``fuse_cross_entropy``'s op computes the head's gradients in its forward and is never recomputed (it
+    marks the op MUST_SAVE in its own joint hook, after this pass): the predicted recompute equals the FLOPs
+    of the forward ops the real backward graph runs, and the fused head adds no recompute of its own (the
+    unfused head's backward recomputes its elementwise log-softmax; the fused one nothing)."""
+    from effpass.passes import FuseCrossEntropy
+
+    case = model_case("llama", train=True)
+    _, plain, _ = _train_step(case, [CheckpointActivations(**options)])
+    _, fused, _ = _train_step(case, [CheckpointActivations(**options), FuseCrossEntropy()])
+    assert fused.stats("fuse_cross_entropy")["fused"] == 1
+    st, ref = fused.stats(NAME), plain.stats(NAME)
+    assert st["recompute_flops_measured"] == st["recompute_flops_after"], st
+    assert ref["recompute_flops_measured"] == ref["recompute_flops_after"], ref
+    if not options:  # (a budget is a fraction of bytes that differ with the fused head: other choices)
+        assert st["recompute_flops_after"] <= ref["recompute_flops_after"], (st, ref)
+        assert st["recompute_flops_added"] <= ref["recompute_flops_added"], (st, ref)

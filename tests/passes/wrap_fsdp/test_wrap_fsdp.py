@@ -815,6 +815,12 @@ def test_estimate_table_and_max_model_params():
         model = tf.LlamaForCausalLM(cfg)
     text = estimate_table(model, 1, 2048, 8)
     assert "zero3" in text and "activations" in text and "1.24B params" in text
+    # every assumption stated, in lines that fit 100 columns
+    assert "assumes: bf16 parameters and gradients" in text and "AdamW (2 fp32 states)" in text
+    assert "micro-batch 1 x seq 2048" in text and "GiB = 2^30 bytes" in text
+    assert all(len(line) <= 100 for line in text.splitlines())
+    text = estimate_table(model, 1, 2048, 8, mixed_precision=False, optimizer_states=0)
+    assert "assumes: fp32 parameters and gradients" in text and "SGD (no state)" in text
     assert max_model_params(8, 80e9) == 40e9 and max_model_params(64, 80e9) == 320e9
     assert max_model_params(1, 80e9, mode="none") == 5e9
 
