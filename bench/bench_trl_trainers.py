@@ -29,14 +29,14 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import arm_main, llama, time_steps  # noqa: E402
+from _common import llama, time_steps  # noqa: E402
 
 ARMS = ("eager", "compile", "liger", "effpass")
 TRAINERS = ("dpo", "kto", "grpo")
 CPU = dict(trainer="dpo", hidden=64, layers=1, heads=4, kv_heads=2, ffn=128, vocab=128256, prompt=64, answer=448,
            rows=4, dtype="float32", warmup=1, steps=2)
-if os.environ.get("BENCH_TRL_SMOKE"):
-    CPU.update(vocab=1024, prompt=8, answer=24)
+#: --quick: a smoke run
+QUICK = dict(vocab=1024, prompt=8, answer=24)
 
 
 def _tokenizer(vocab):
@@ -214,13 +214,16 @@ def markdown(doc: dict) -> str:
 
 
 def main() -> None:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import driver
+
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--trainer", choices=TRAINERS, default="dpo")
     known, _ = pre.parse_known_args()
-    smoke = "_smoke" if os.environ.get("BENCH_TRL_SMOKE") else ""
-    arm_main(__file__, arms=ARMS, cpu_shape={**CPU, "trainer": known.trainer}, gpu_shape={**CPU, "trainer": known.trainer},
-             worker=worker, markdown=markdown, name=f"{known.trainer}_trainer{smoke}", packages=("trl", "liger_kernel"),
-             overrides=("trainer", "steps", "warmup"))
+    shape = {**CPU, "trainer": known.trainer}
+    driver.main(__file__, workload=f"{known.trainer}_trainer", arms=ARMS, worker=worker, markdown=markdown,
+                cpu_shape=shape, quick=QUICK, packages=("trl", "liger_kernel"), requires={"liger": ("liger_kernel",)},
+                overrides=("trainer", "steps", "warmup"))
 
 
 if __name__ == "__main__":

@@ -155,17 +155,11 @@ def latest(path: str, label: str | None = None, *, historical: str | None = None
 
 
 def _write_atomic(path: str, text: str) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """Write ``text`` to ``path`` atomically (effpass's own writer: a temporary file, then a rename)."""
+    from effpass.dump import write_atomic
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    write_atomic(os.path.abspath(path), text)
 
 
 def write(stem: str, doc: dict, markdown: Callable[[dict], str] | None = None, title: str | None = None) -> None:
