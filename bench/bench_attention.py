@@ -12,23 +12,21 @@ Reported per shape and mode (fwd, fwd+bwd): median time, TFLOP/s with flash-attn
 GPU (when present): B*S = 16k tokens, S in 4k/8k/16k, head dim 64 and 128 (hidden 2048), bf16, MHA and GQA
 (4 query heads per KV head). CPU (now): small shapes only, fp32 - CPU numbers say nothing about GPU speed.
 
-    python bench/bench_attention.py                 # all arms, writes bench/results/attention_<device>.{json,md}
+    python bench/bench_attention.py                 # all arms, appends to bench/results/attention_<device>.{json,md}
     python bench/bench_attention.py --quick         # fewer shapes
+
+Each arm runs in a fresh process under bench/driver.py (deadline, interleaving, results appended per arm).
 """
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import driver  # noqa: E402
 from _common import timed  # noqa: E402
 
 ARMS = ("naive", "sdpa", "compile", "effpass")
@@ -137,34 +135,8 @@ def run_arm(arm: str, device: str, quick: bool, reps: int) -> list[dict]:
             except Exception as e:  # noqa: BLE001 - a failing arm is recorded, not fatal
                 row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             results.append(row)
-            print(json.dumps(row), file=sys.stderr, flush=True)
+            driver.partial({"arm": arm, "rows": results})
     return results
-
-
-def environment(device: str) -> dict:
-    import torch
-
-    env = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), torch=torch.__version__,
-               python=platform.python_version(), machine=platform.machine(), cpu_count=os.cpu_count())
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except Exception:  # noqa: BLE001
-        pass
-    if device == "cuda":
-        env["gpu"] = torch.cuda.get_device_name()
-        env["cuda"] = torch.version.cuda
-    else:
-        env["device"] = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, shared)"
-        env["torch_threads"] = torch.get_num_threads()
-    try:
-        import flash_attn
-
-        env["flash_attn"] = flash_attn.__version__
-    except Exception:  # noqa: BLE001
-        env["flash_attn"] = None
-    return env
 
 
 def to_markdown(env: dict, rows: list[dict]) -> str:
@@ -179,38 +151,27 @@ def to_markdown(env: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--arm", choices=ARMS, help="run one arm in this process (used by the driver)")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--reps", type=int, default=0, help="timed repetitions (default 20 on CUDA, 5 on CPU)")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
-    args = ap.parse_args()
-    import torch
+def worker(arm: str, cfg: dict, device: str) -> dict:
+    reps = cfg["reps"] or (20 if device == "cuda" else 5)
+    return {"arm": arm, "reps": reps, "rows": run_arm(arm, device, cfg["quick"], reps)}
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    reps = args.reps or (20 if device == "cuda" else 5)
-    if args.arm:
-        print(json.dumps(run_arm(args.arm, device, args.quick, reps)))
-        return
+
+def markdown(run: dict) -> str:
     rows = []
-    for arm in ARMS:  # a fresh process per arm: no allocator, cache or Dynamo state shared between arms
-        cmd = [sys.executable, os.path.abspath(__file__), "--arm", arm, "--reps", str(reps)] + (["--quick"] if args.quick else [])
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        if out.returncode != 0:
-            rows.append(dict(arm=arm, B=0, S=0, H=0, H_kv=0, D=0, mode="-", error=out.stderr.strip()[-300:]))
-            continue
-        rows += json.loads(out.stdout.strip().splitlines()[-1])
+    for res in run["results"]:
+        got = res.get("rows") or (res.get("partial") or {}).get("rows")
+        rows += got or [dict(arm=res["arm"], B=0, S=0, H=0, H_kv=0, D=0, mode="-",
+                             error=str(res.get("error", "")).strip()[-300:])]
     key = lambda r: (r["D"], r["S"], r["H_kv"], r["mode"], ARMS.index(r["arm"]))  # noqa: E731
-    rows.sort(key=key)
-    env = environment(device)
-    os.makedirs(args.out, exist_ok=True)
-    tag = "cuda" if device == "cuda" else "cpu"
-    with open(os.path.join(args.out, f"attention_{tag}.json"), "w") as f:
-        json.dump({"environment": env, "results": rows}, f, indent=1)
-    with open(os.path.join(args.out, f"attention_{tag}.md"), "w") as f:
-        f.write(to_markdown(env, rows))
-    print(to_markdown(env, rows))
+    m = run["meta"]
+    env = {k: m.get(k) for k in ("date", "torch", "triton", "flash_attn", "python", "cpu_count")}
+    return to_markdown({"device": m["device"], **env}, sorted(rows, key=key))
+
+
+def main() -> None:
+    driver.main(__file__, workload="attention", arms=ARMS, worker=worker, markdown=markdown,
+                cpu_shape=dict(quick=False, reps=0), quick=dict(quick=True), overrides=("reps",),
+                packages=("flash_attn",))
 
 
 if __name__ == "__main__":

@@ -24,22 +24,20 @@ GPU (when present): a ~1B Llama shape (hidden 2048, 16 layers, GQA 32/8 heads, f
 fp32, eager lowering (Inductor cold compiles cost minutes on the 2-core machines): the CPU numbers are for
 the saved-bytes figures; CPU step times are noisy and only comparable as ratios within one run.
 
-    python bench/bench_checkpoint.py                 # all arms, writes bench/results/checkpoint_<device>.{json,md}
-    python bench/bench_checkpoint.py --arm effpass_ops --json   # one arm (used by the driver)
+    python bench/bench_checkpoint.py                 # all arms, appends to bench/results/checkpoint_<device>.{json,md}
+    python bench/bench_checkpoint.py --arms none,effpass_ops --repeats 3 --quick
+
+Each arm runs in a fresh process under bench/driver.py (deadline, interleaving, results appended per arm).
 """
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import driver  # noqa: E402
 from _common import timed  # noqa: E402
 
 ARMS = ("none", "torch_block_ckpt", "torch_sac", "torch_budget", "effpass_ops", "effpass_full", "effpass_budget")
@@ -70,14 +68,14 @@ def build(cfg: dict, device: str):
     return model, {"input_ids": tokens, "labels": tokens}
 
 
-def run_arm(arm: str, device: str) -> dict:
+def run_arm(arm: str, device: str, cfg: dict | None = None) -> dict:
     import torch
 
     import effpass
     from effpass.passes import CheckpointActivations
     from torch._functorch import config as fconfig
 
-    cfg = shape(device)
+    cfg = cfg or shape(device)
     model, inputs = build(cfg, device)
     passes: list = []
     budget = 1.0
@@ -197,49 +195,19 @@ def _analyse_budget(gm, model, budget, compare, find_blocks, forward_nodes, part
     return out
 
 
-def versions(device: str) -> dict:
-    import torch
-    import transformers
-
-    info = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "load_average": list(os.getloadavg()),
-            "device": torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or platform.machine()}, "
-                                                                             f"{os.cpu_count()} cores)"}
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        pass
-    return info
+QUICK = dict(hidden=64, layers=1, heads=2, kv_heads=1, ffn=128, vocab=256, seq=64, steps=1, warmup=0)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--arm", choices=ARMS)
-    ap.add_argument("--arms", default=",".join(ARMS))
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--repeats", type=int, default=1, help="interleaved repetitions of every arm")
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    args = ap.parse_args()
-    import torch
+def worker(arm: str, cfg: dict, device: str) -> dict:
+    return {"arm": arm, **run_arm(arm, device, {k: v for k, v in cfg.items() if not k.startswith("_")})}
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.arm:
-        print(json.dumps(run_arm(args.arm, device)))
-        return
+
+def summarize(run: dict) -> dict:
+    """The per-arm summary of a run (the median step over its repeats) in the form ``markdown`` reads."""
     rows: dict[str, list[dict]] = {}
-    for _ in range(args.repeats):
-        for arm in args.arms.split(","):
-            proc = subprocess.run([sys.executable, __file__, "--arm", arm, "--device", device, "--json"],
-                                  capture_output=True, text=True)
-            if proc.returncode:
-                print(f"{arm}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
-                continue
-            rows.setdefault(arm, []).append(json.loads(proc.stdout.strip().splitlines()[-1]))
-            print(arm, rows[arm][-1], flush=True)
+    for r in run["results"]:
+        if r.get("status") == "ok":
+            rows.setdefault(r["arm"], []).append(r)
     summary = {arm: {**rs[0], "step_s_median": statistics.median(r["step_s_median"] for r in rs)}
                for arm, rs in rows.items()}
     base = summary.get("none", {})
@@ -247,14 +215,14 @@ def main() -> None:
         if base:
             r["saved_vs_none"] = r["saved_bytes_hook"] / max(base["saved_bytes_hook"], 1)
             r["step_vs_none"] = r["step_s_median"] / base["step_s_median"]
-    doc = {"versions": versions(device), "shape": shape(device), "arms": summary}
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"checkpoint_{device}")
-    with open(stem + ".json", "w") as f:
-        json.dump(doc, f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(markdown(doc))
-    print(markdown(doc))
+    failed = [r for r in run["results"] if r.get("status") != "ok"]
+    return {"versions": run["meta"], "shape": run["shape"], "arms": summary, "failed": failed}
+
+
+def main() -> None:
+    driver.main(__file__, workload="checkpoint", arms=ARMS, worker=worker, cpu_shape=shape("cpu"),
+                gpu_shape=shape("cuda"), quick=QUICK, markdown=lambda run: markdown(summarize(run)),
+                overrides=("steps", "seq", "lowering"))
 
 
 def markdown(doc: dict) -> str:
@@ -286,6 +254,9 @@ def markdown(doc: dict) -> str:
             lines.append(f"| {r['fraction']} | {r['torch_saved_bytes']:,} | {r['torch_recompute_flops']:,} | "
                          f"{r['effpass_saved_bytes']:,} | {r['effpass_recompute_flops']:,} | "
                          f"{'effpass' if r['effpass_recompute_flops'] < r['torch_recompute_flops'] else 'torch'} |")
+    for r in doc.get("failed", []):
+        why = str(r.get("error", "")).strip().splitlines()[-1:] or ["crashed"]
+        lines.append(f"\n{r['arm']} did not run ({r.get('status')}): {why[0][:200]}")
     lines += ["", "Recompute FLOPs: forward ops the backward graph recomputes (torch's FLOP formulas for "
               "matmul/attention, attention by its q/k/v shapes, one per element otherwise); for torch_budget analysed "
               "on the same joint graph. "

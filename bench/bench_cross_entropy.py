@@ -30,20 +30,19 @@ CPU: fp32, hidden 256, 2 layers, heads 4/2, ffn 688, batch 1 x 2048 tokens, voca
 GPU (when present; not run yet): bf16 weights with the same shapes scaled to hidden 2048, 4 layers.
 
     python bench/bench_cross_entropy.py --vocab 32000             # all arms, one vocabulary
-    python bench/bench_cross_entropy.py --vocab 32000 128256      # writes bench/results/cross_entropy_<device>.{json,md}
-    python bench/bench_cross_entropy.py --arm effpass --vocab 32000 --json   # one arm (used by the driver)
+    python bench/bench_cross_entropy.py --vocab 32000 128256      # appends to bench/results/cross_entropy_<device>.{json,md}
+    python bench/bench_cross_entropy.py --quick                   # smoke run: small vocabulary, one step
+
+Each (arm, vocabulary) runs in a fresh process under bench/driver.py (deadline, interleaving, results appended per
+arm); the vocabulary is a field of each row.
 """
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import os
-import platform
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import driver  # noqa: E402
 from _common import time_steps  # noqa: E402
 
 ARMS = ("eager", "effpass", "compile", "effpass_off", "effpass_64m", "effpass_2m", "torch_lce", "cce", "liger",
@@ -77,7 +76,7 @@ def build(cfg: dict, device: str):
     return model, ids
 
 
-def run_arm(arm: str, vocab: int, device: str, steps: int | None = None) -> dict:
+def run_arm(arm: str, vocab: int, device: str, steps: int | None = None, seq: int | None = None) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -87,6 +86,8 @@ def run_arm(arm: str, vocab: int, device: str, steps: int | None = None) -> dict
     cfg = shape(device, vocab)
     if steps:
         cfg["steps"] = steps
+    if seq:  # --quick: a short sequence, no warm-up
+        cfg.update(seq=seq, warmup=0)
     model, ids = build(cfg, device)
     stats = {}
     if arm == "eager":
@@ -144,7 +145,6 @@ def run_arm(arm: str, vocab: int, device: str, steps: int | None = None) -> dict
 
 def _peer_loss(arm: str, model, ids, labels, device: str):
     """The peer's fused loss over the model's hidden states, wired as its documentation shows."""
-    import torch
 
     W = model.lm_head.weight
 
@@ -184,58 +184,18 @@ def check_method(device: str) -> int:
     return peak
 
 
+def worker(arm: str, cfg: dict, device: str) -> dict:
+    return run_arm(arm, cfg["vocab"], device, cfg["steps"] or None, cfg.get("seq"))
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--arm", choices=ARMS)
-    ap.add_argument("--arms", nargs="*", default=list(DEFAULT_ARMS), choices=ARMS)
-    ap.add_argument("--vocab", type=int, nargs="+", default=[32000])
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per arm (default: 2 on CPU, 10 on GPU)")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    import torch
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.arm:
-        print(json.dumps(run_arm(args.arm, args.vocab[0], device, args.steps)))
-        return
-    results = []
-    for vocab in args.vocab:
-        for arm in args.arms:
-            cmd = [sys.executable, os.path.abspath(__file__), "--arm", arm, "--vocab", str(vocab), "--json"]
-            cmd += ["--steps", str(args.steps)] if args.steps else []
-            p = subprocess.run(cmd, capture_output=True, text=True)
-            line = next((l for l in reversed(p.stdout.splitlines()) if l.startswith("{")), None)
-            err = "\n".join(l for l in p.stderr.splitlines() if "torchao" not in l and "_pytree" not in l)
-            res = json.loads(line) if line else {"arm": arm, "vocab": vocab, "error": err[-2000:]}
-            print(json.dumps({k: v for k, v in res.items() if k not in ("shape", "steps_s", "steps_cpu_s")}),
-                  flush=True)
-            results.append(res)
-            write(args.out, device, results)  # after every arm: a run cut short keeps what it measured
-    print(write(args.out, device, results))
-
-
-def write(out: str | None, device: str, results: list[dict]) -> str:
-    meta = meta_info(device)
-    meta["method_check_64MiB"] = check_method(device)
-    tag = "cuda" if device == "cuda" else "cpu"
-    out = out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"cross_entropy_{tag}")
-    with open(out + ".json", "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
-    text = markdown(meta, results)
-    with open(out + ".md", "w") as f:
-        f.write(text)
-    return text
-
-
-def meta_info(device: str) -> dict:
-    import torch
-    import transformers
-
-    dev = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
-    return {"device": dev, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None}
+    driver.main(__file__, workload="cross_entropy", arms=ARMS, default_arms=DEFAULT_ARMS, worker=worker,
+                cpu_shape=dict(vocab=[32000], steps=0, seq=None), quick=dict(vocab=[4096], steps=1, seq=256),
+                overrides=("vocab", "steps"), sweep="vocab", packages=("cut_cross_entropy", "liger_kernel", "trl"),
+                requires={"cce": ("cut_cross_entropy",), "liger": ("liger_kernel",), "trl_chunked": ("trl",)},
+                meta_extra=lambda cfg: {"method_check_64MiB": check_method(cfg["_device"])},
+                markdown=lambda run: markdown(run["meta"], run["results"]),
+                log=lambda r: {k: v for k, v in r.items() if k not in ("shape", "steps_s", "steps_cpu_s")})
 
 
 def markdown(meta: dict, results: list[dict]) -> str:

@@ -1,6 +1,7 @@
 """ONNX export figures: accuracy in onnxruntime (CPU) and stored weight bytes, fp32 and int8.
 
-    python bench/bench_export_onnx.py [--out bench/results/export_onnx.json]
+    python bench/bench_export_onnx.py     # appends to bench/results/export_onnx_<device>.{json,md}
+    python bench/bench_export_onnx.py --arms llama_fp32     # (--quick: the same, one arm)
 
 Per model (tiny random-weight Hugging Face Llama (GQA) and GPT-2 from configs, 2 layers, hidden 64,
 vocabulary 256, batch 2 x 16 tokens): export with ``fuse_attention`` (fp32), with
@@ -9,15 +10,12 @@ vocabulary 256, batch 2 x 16 tokens): export with ``fuse_attention`` (fp32), wit
 (max |ort - eager| / max |eager|), logit SQNR vs the fp32 eager model, and the arithmetic of stored
 bytes: int8 weights (1 B/element) + their fp32 scales (4 B/row) + the rest of the model in fp32
 (4 B/element), against the bytes of the file's initializers (not the file size, which adds metadata).
+Each (model, arm) runs in a fresh process under bench/driver.py (deadline, results appended per arm).
 """
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import math
 import os
-import platform
 import sys
 import tempfile
 import warnings
@@ -26,6 +24,10 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import driver  # noqa: E402
+
+ARMS = ("llama_fp32", "llama_int8", "llama_torchao_int8", "gpt2_fp32")
 
 
 def _sqnr(ref, approx):
@@ -87,26 +89,38 @@ def measure(name: str, arm: str, d: str) -> dict:
     return out
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "export_onnx.json"))
-    args = p.parse_args()
-    import onnx
-    import onnxruntime
-
-    rows = []
+def worker(arm: str, cfg: dict, device: str) -> dict:
+    name, kind = arm.split("_", 1)
     with tempfile.TemporaryDirectory() as d:
-        for name, arm in (("llama", "fp32"), ("llama", "int8"), ("llama", "torchao_int8"), ("gpt2", "fp32")):
-            r = measure(name, arm, d)
-            print(json.dumps(r))
-            rows.append(r)
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
-            "torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    print(f"wrote {args.out}")
+        r = measure(name, kind, d)
+    r["arm"] = arm
+    return r
+
+
+def markdown(run: dict) -> str:
+    lines = ["# ONNX export: onnxruntime (CPU) accuracy and stored bytes", "",
+             "| model | arm | max rel. error vs eager | SQNR vs fp32 eager (dB) | int8 linears | stored bytes "
+             "(initializers) | implied (int8 + scales + fp32 rest) | file bytes |", "|---|---|---|---|---|---|---|---|"]
+    for r in run["results"]:
+        if r.get("status") != "ok":
+            lines.append(f"| {r['arm']} | {r.get('status')}: "
+                         f"{(str(r.get('error', '')).strip().splitlines() or ['?'])[-1][:160]} ||||||")
+            continue
+        stored = sum(r["stored_bytes"].values()) if isinstance(r["stored_bytes"], dict) else r["stored_bytes"]
+        implied = (r.get("arithmetic") or {}).get("implied_total", "-")
+        lines.append(f"| {r['model']} | {r['arm']} | {r['max_rel_error_vs_eager']:.2e} | "
+                     f"{r['sqnr_db_vs_fp32_eager']:.1f} | {r['int8_linears']} | {stored:,} | {implied:,} | "
+                     f"{r['file_bytes']:,} |" if implied != "-" else
+                     f"| {r['model']} | {r['arm']} | {r['max_rel_error_vs_eager']:.2e} | "
+                     f"{r['sqnr_db_vs_fp32_eager']:.1f} | {r['int8_linears']} | {stored:,} | - | {r['file_bytes']:,} |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    driver.main(__file__, workload="export_onnx", arms=ARMS, worker=worker, markdown=markdown, cpu_shape=dict(quick=False),
+                quick=dict(quick=True), overrides=(), packages=("onnx", "onnxruntime", "onnxscript", "torchao"),
+                requires={a: ("onnx", "onnxruntime", "onnxscript") for a in ARMS},
+                jobs=lambda chosen, cfg: [(a, {}) for a in (chosen[:1] if cfg["quick"] else chosen)])
 
 
 if __name__ == "__main__":

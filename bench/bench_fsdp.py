@@ -12,22 +12,29 @@ On CPU (no GPU here): a 4-layer hidden-256 Llama, batch 2 x 128, fp32, ``lowerin
 Inductor: the CPU number measures FSDP2's hook and copy overhead, not kernels), 10 steps after 3.
 CPU timings on the shared 2-core machines are noisy; only the ratio measured in one run means anything.
 
-    python bench/bench_fsdp.py                 # writes bench/results/fsdp_<device>.{json,md}
+    python bench/bench_fsdp.py                 # appends to bench/results/fsdp_<device>.{json,md}
+    python bench/bench_fsdp.py --quick --repeats 1
+
+Each arm runs in a fresh process under bench/driver.py (deadline, interleaving, results appended per arm).
 """
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import os
-import platform
 import socket
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import driver  # noqa: E402
+
+ARMS = ("effpass", "wrap_fsdp")
+GPU_SHAPE = dict(vocab=128256, hidden=2048, ffn=8192, layers=16, heads=32, kv_heads=8, batch=1, seq=2048,
+                 lowering="inductor", warmup=5, steps=20)
+CPU_SHAPE = dict(vocab=1024, hidden=256, ffn=512, layers=4, heads=8, kv_heads=4, batch=2, seq=128,
+                 lowering="eager", warmup=3, steps=10)
+QUICK = dict(vocab=256, hidden=64, ffn=128, layers=1, heads=2, kv_heads=1, batch=1, seq=32, warmup=0, steps=1)
 
 
 def _arm(arm: str, cfg: dict) -> dict:
@@ -101,63 +108,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def worker(arm: str, cfg: dict, device: str) -> dict:
+    os.environ["MASTER_PORT"] = str(_free_port())  # a fresh port per arm process
+    return _arm(arm, {k: v for k, v in cfg.items() if not k.startswith("_")})
+
+
+def markdown(run: dict) -> str:
+    m, cfg = run["meta"], run["shape"]
+    ok = [x for x in run["results"] if x.get("status") == "ok"]
+    med = {arm: statistics.median(x["median_s"] for x in ok if x["arm"] == arm)
+           for arm in ARMS if any(x["arm"] == arm for x in ok)}
+    cuda = m.get("device_tag", "cpu") != "cpu"
+    md = [f"# wrap_fsdp overhead at world size 1 ({m.get('device_tag')})", "",
+          f"device: {m['device']}; torch {m['torch']}; transformers {m['transformers']}; {m['date']}",
+          f"config: { {k: v for k, v in cfg.items() if not k.startswith('_')} }", "",
+          "| arm | median step (ms) | tokens/s |", "|---|---|---|"]
+    for arm, s in med.items():
+        md.append(f"| {arm} | {s * 1e3:.1f} | {cfg['batch'] * cfg['seq'] / s:.0f} |")
+    for x in run["results"]:
+        if x.get("status") != "ok":
+            md.append(f"| {x['arm']} | did not run ({x.get('status')}): "
+                      f"{(str(x.get('error', '')).strip().splitlines() or ['?'])[-1][:160]} | |")
+    if len(med) == 2:
+        md += ["", f"overhead of wrap_fsdp: {(med['wrap_fsdp'] / med['effpass'] - 1) * 100:+.1f}%"]
+    md += ["", "GPU: the Llama-1B shape, bf16 autocast, Inductor" if cuda else
+           "CPU stand-in (no GPU in this session): small Llama, fp32, lowering=eager; noisy shared "
+           "2-core machine, ratio only; the issue's target (<= 3%) is about the GPU run"]
+    return "\n".join(md) + "\n"
+
+
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--arm", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--cfg", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.arm:  # a child: run one arm, print its JSON
-        print("RESULT " + json.dumps(_arm(args.arm, json.loads(args.cfg))), flush=True)
-        return
-
-    import torch
-
-    cuda = torch.cuda.is_available()
-    if cuda:
-        cfg = dict(vocab=128256, hidden=2048, ffn=8192, layers=16, heads=32, kv_heads=8, batch=1, seq=2048,
-                   lowering="inductor", warmup=5, steps=20)
-        device = torch.cuda.get_device_name()
-    else:
-        cfg = dict(vocab=1024, hidden=256, ffn=512, layers=4, heads=8, kv_heads=4, batch=2, seq=128,
-                   lowering="eager", warmup=3, steps=10)
-        device = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-    runs = []
-    for r in range(args.repeats):
-        for arm in ("effpass", "wrap_fsdp"):
-            env = {**os.environ, "MASTER_PORT": str(_free_port())}
-            proc = subprocess.run([sys.executable, __file__, "--arm", arm, "--cfg", json.dumps(cfg)],
-                                  capture_output=True, text=True, env=env)
-            line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-            if proc.returncode or not line:
-                raise SystemExit(f"arm {arm} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-            res = json.loads(line[0][7:])
-            res["repeat"] = r
-            runs.append(res)
-            print(f"{arm:<10} repeat {r}: median {res['median_s'] * 1e3:.1f} ms/step, compile {res['compile_s']:.1f} s")
-    med = {arm: statistics.median(x["median_s"] for x in runs if x["arm"] == arm) for arm in ("effpass", "wrap_fsdp")}
-    overhead = med["wrap_fsdp"] / med["effpass"] - 1
-    import transformers
-
-    meta = {"device": device, "torch": torch.__version__, "transformers": transformers.__version__,
-            "date": datetime.date.today().isoformat(), "config": cfg, "runs": runs,
-            "median_step_s": med, "overhead": overhead,
-            "note": ("GPU: the Llama-1B shape, bf16 autocast, Inductor" if cuda else
-                     "CPU stand-in (no GPU in this session): small Llama, fp32, lowering=eager; noisy shared "
-                     "2-core machine, ratio only; the issue's target (<= 3%) is about the GPU run")}
-    tag = "gpu" if cuda else "cpu"
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", f"fsdp_{tag}.json"), "w") as f:
-        json.dump(meta, f, indent=1)
-    md = [f"# wrap_fsdp overhead at world size 1 ({tag})", "",
-          f"device: {device}; torch {torch.__version__}; transformers {transformers.__version__}; {meta['date']}",
-          f"config: {cfg}", "", "| arm | median step (ms) | tokens/s |", "|---|---|---|"]
-    for arm in ("effpass", "wrap_fsdp"):
-        md.append(f"| {arm} | {med[arm] * 1e3:.1f} | {cfg['batch'] * cfg['seq'] / med[arm]:.0f} |")
-    md += ["", f"overhead of wrap_fsdp: {overhead * 100:+.1f}%", "", meta["note"]]
-    with open(os.path.join(HERE, "results", f"fsdp_{tag}.md"), "w") as f:
-        f.write("\n".join(md) + "\n")
-    print("\n".join(md))
+    driver.main(__file__, workload="fsdp", arms=ARMS, worker=worker, cpu_shape=CPU_SHAPE, gpu_shape=GPU_SHAPE,
+                quick=QUICK, markdown=markdown, repeats=2, overrides=("steps", "seq"))
 
 
 if __name__ == "__main__":

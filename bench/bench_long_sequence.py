@@ -20,7 +20,11 @@ fp32), batch 1, random tokens, AdamW(lr=1e-4). Arms (all in one run, same weight
 
 Peak = bytes live at the step's start (weights, AdamW states, inputs) + the profiler's peak during one
 steady-state step (forward, backward, ``opt.step()``, ``opt.zero_grad()``). The loss history of every arm
-is recorded over ``--steps`` steps. Results: bench/results/long_sequence_cpu*.json and .md.
+is recorded over ``--steps`` steps. Each (arm, length) and each budget probe runs in a fresh process under
+bench/driver.py (deadline per process, rows appended as each ends) into bench/results/long_sequence_cpu.{json,md};
+``--label`` names the run inside the file (e.g. ``planned8k``).
+
+    python bench/bench_long_sequence.py --quick      # smoke run: 256 tokens, one step, eager lowering
 """
 from __future__ import annotations
 
@@ -29,7 +33,6 @@ import datetime
 import gc
 import json
 import os
-import platform
 import sys
 import time
 
@@ -41,7 +44,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import effpass  # noqa: E402
 from effpass.testing.memory import live_tensor_bytes, peak_memory  # noqa: E402
 
-RESULTS = os.environ.get("EFFPASS_BENCH_RESULTS") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import driver  # noqa: E402
+
+#: effpass's lowering in the worker (``--lowering``; the hand-built compiled arm always uses Inductor)
+LOWERING = "inductor"
 ARMS = ("hf_eager", "hand_built", "hand_built_compiled", "effpass_planned", "effpass_ckpt", "effpass_tiled",
         "effpass_step")
 #: hf_eager keeps every layer's attention probabilities (heads x seq^2 fp32): past this length one layer's
@@ -85,16 +92,16 @@ def _planned_passes(m, seq: int):
     so its MemoryBudgetError carries the smallest plan (``plan_memory`` otherwise picks the cheapest fitting
     one)."""
     from effpass.planning import MemoryBudgetError, plan_memory
-    from effpass.planning.planner import _pipeline
+    from effpass.planning.candidates import pipeline_with
 
     ids = torch.zeros(1, seq, dtype=torch.long)
     floor = sum(p.numel() * p.element_size() for p in m.parameters())
     try:
-        plan = plan_memory(m, {"input_ids": ids, "labels": ids}, floor + 1, lowering=os.environ.get("LOWERING", "inductor"))
+        plan = plan_memory(m, {"input_ids": ids, "labels": ids}, floor + 1, lowering=LOWERING)
         return plan.passes, plan.chosen.name, plan.chosen.peak_bytes
     except MemoryBudgetError as e:
         base = list(effpass.default_pipeline("cpu", torch.float32))
-        return _pipeline(base, e.plan), e.plan.name, e.plan.peak_bytes
+        return pipeline_with(base, e.plan), e.plan.name, e.plan.peak_bytes
 
 
 def make_arm(name: str, seq: int):
@@ -131,7 +138,7 @@ def make_arm(name: str, seq: int):
         if name == "effpass_step":
             extra.append(StepInBackward())
         notes["step_in_backward"] = True
-    effpass.compile(m, passes=passes + extra, lowering=os.environ.get("LOWERING", "inductor"))
+    effpass.compile(m, passes=passes + extra, lowering=LOWERING)
     return m, m, lambda out: out.loss, notes
 
 
@@ -225,30 +232,27 @@ def longest_fitting(name: str, budget: int, known: dict[int, int], probe, grain:
     return lo, hi, probes, {str(k): v for k, v in sorted(pts.items())}
 
 
-def _worker_cmd(arm: str, seq: int, steps: int) -> list[str]:
-    return [sys.executable, os.path.abspath(__file__), "--worker", arm, "--seq", str(seq), "--steps", str(steps)]
+def _run_worker(arm: str, seq: int, steps: int, deadline: float | None, lowering: str) -> dict:
+    """One (arm, length) in its own process (bench/driver.py); its row, or ``{"failed": reason, "row": ...}``."""
+    r = driver.run_arm(os.path.abspath(__file__), arm, {"seq": seq, "steps": steps, "lowering": lowering},
+                       deadline_s=deadline)
+    if r.get("status") != "ok":
+        tail = str(r.get("error", "")).strip().splitlines()[-3:]
+        return {"failed": f"{r.get('status')}, rc {r.get('returncode')}: " + " | ".join(tail), "row": r}
+    return r
 
 
-def _run_worker(arm: str, seq: int, steps: int) -> dict:
-    """One (arm, length) in its own process; its row, or ``{"failed": reason}``."""
-    import subprocess
-    import tempfile
-
-    log = os.path.join(tempfile.gettempdir(), f"long_sequence_{arm}_{seq}.log")
-    with open(log, "w+") as err:
-        p = subprocess.run(_worker_cmd(arm, seq, steps), stdout=subprocess.PIPE, stderr=err, text=True)
-        err.seek(0)
-        tail = err.read().strip().splitlines()[-3:]
-    line = next((ln for ln in reversed(p.stdout.splitlines()) if ln.startswith("{")), None)
-    if line is None:
-        return {"failed": f"rc {p.returncode}: " + " | ".join(tail)}
-    return json.loads(line)
+def markdown(run: dict) -> str:
+    res = run["results"]
+    rows = [dict(r) for r in res if r.get("status") == "ok" and r.get("kind") != "fit"]
+    skipped = [r for r in res if r.get("status") != "ok"]
+    fits = [r for r in res if r.get("kind") == "fit"]
+    return _markdown(run["meta"], run["shape"], rows, skipped, fits)
 
 
-def _write(base: str, head: dict, args, rows: list, skipped: list, fits: list, done: bool) -> None:
-    """JSON + MD of what has finished so far (rewritten after every job: a stopped run keeps its rows)."""
-    head = dict(head, load_now=[round(x, 1) for x in os.getloadavg()], finished=done,
-                written=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+def _markdown(head: dict, args: dict, rows: list, skipped: list, fits: list) -> str:
+    """The tables of one run (per-length rows against the hand-built stack, what did not run, the budget fits)."""
+    done = head.get("finished", False)
     rows = sorted(rows, key=lambda r: (r["seq"], ARMS.index(r["arm"])))
     for r in rows:  # the same loss history: every arm against the hand-built stack's, per length
         ref = next((x for x in rows if x["seq"] == r["seq"] and x["arm"] == "hand_built"), None)
@@ -256,13 +260,9 @@ def _write(base: str, head: dict, args, rows: list, skipped: list, fits: list, d
             n = min(len(ref["losses"]), len(r["losses"]))
             r["loss_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"][:n], ref["losses"][:n]))
             r["x_hand_built"] = r["peak"] / ref["peak"]
-    os.makedirs(os.path.dirname(base), exist_ok=True)
-    with open(base + ".json", "w") as f:
-        json.dump({"header": head, "args": vars(args), "rows": rows, "not_run": skipped, "fits": fits}, f, indent=1)
     md = ["# Long sequences: whole-step peak of full fine-tuning with AdamW (CPU)\n",
-          f"Run: `{' '.join(['LOWERING=' + head['lowering_effpass'], 'python'] + sys.argv)}`"
+          f"Run: `python {' '.join(head.get('argv', []))}` (effpass lowering {args.get('lowering')})"
           + ("" if done else " (**partial: the run had not finished when this was written**)") + "\n",
-          f"{json.dumps(head)}\n",
           "Llama-shaped (hidden 512, intermediate 1408, 4 layers, 8 heads / 2 KV heads, vocabulary 32,000), fp32, "
           "batch 1, AdamW(lr=1e-4). Peak = bytes live at the step's start (weights, AdamW states, batch) + the "
           "profiler's peak of one steady-state step (forward, backward, opt.step(), zero_grad). Step time: the "
@@ -277,22 +277,19 @@ def _write(base: str, head: dict, args, rows: list, skipped: list, fits: list, d
         md.append(f"| {r['seq']} | {name} | {r['peak'] / 2**20:.0f} MiB | {ratio} | {r['start'] / 2**20:.0f} MiB | "
                   f"{st} | {r['load'][0]} | {', '.join(f'{x:.6f}' for x in r['losses'])} | {r.get('loss_rel_diff', 0):.1e} |")
     for s_ in skipped:
-        md.append(f"| {s_['seq']} | {s_['arm']} | - | - | - | - | - | {s_['reason']} | - |")
+        md.append(f"| {s_['seq']} | {s_['arm']} | - | - | - | - | - | {s_.get('reason') or s_.get('error')} | - |")
     if fits:
-        md += ["", f"Longest sequence fitting {args.budget} (measured peaks; multiples of 1,024):", "",
+        md += ["", f"Longest sequence fitting {args.get('budget')} (measured peaks; multiples of 1,024):", "",
                "| arm | fits | does not fit | probes | measured points (seq: MiB) |", "|---|---|---|---|---|"]
         for f_ in fits:
             pts = ", ".join(f"{k}: {v / 2**20:.0f}" for k, v in f_["points"].items())
             md.append(f"| {f_['arm']} | {f_['longest_fitting']} | {f_['shortest_over']} | {f_['probes']} | {pts} |")
-    with open(base + ".md", "w") as f:
-        f.write("\n".join(md) + "\n")
+    return "\n".join(md) + "\n"
 
 
 def main():
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _common import meta
-
-    ap = argparse.ArgumentParser()
+    global LOWERING
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seq", type=int, nargs="+", default=[8192, 16384])
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--steps", type=int, default=2, help="steps per arm; the first (AdamW states created before "
@@ -300,55 +297,67 @@ def main():
     ap.add_argument("--budget", default=None, help="e.g. 1GiB: also search the longest sequence each arm fits")
     ap.add_argument("--fit-arms", default=None, help="arms for the budget search (default: --arms)")
     ap.add_argument("--max-probes", type=int, default=4)
-    ap.add_argument("--tag", default="")
+    ap.add_argument("--label", default=None, help="names this run inside the results file (e.g. planned8k)")
+    ap.add_argument("--lowering", default="inductor", help="effpass's lowering (eager: no Inductor compiles)")
+    ap.add_argument("--deadline", type=float, default=3600, help="seconds per (arm, length) process")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 256 tokens, one step, eager lowering")
+    ap.add_argument("--out", default=None, help="results stem (default bench/results/long_sequence_cpu)")
     ap.add_argument("--steps-at", default="", help="per-length steps, e.g. 16384:1 (else --steps)")
     ap.add_argument("--arms-at", default="", help="per-length arms, e.g. 16384:hand_built+effpass_tiled (else --arms)")
     ap.add_argument("--parallel", type=int, default=1, help="at most this many (arm, length) processes at once "
                     "(every (arm, length) and every budget probe runs in its own process: same code, weights and "
                     "batches); memory peaks are allocator bytes, independent of this; times are not")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--cfg", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.quick:
+        args.seq, args.steps, args.lowering = [256], 1, "eager"
     torch.set_num_threads(2)
     steps_at = {int(k): int(v) for k, v in (x.split(":") for x in args.steps_at.split(",") if x)}
     arms_at = {int(k): v.replace("+", ",") for k, v in (x.split(":") for x in args.arms_at.split(";") if x)}
     if args.worker:
-        print(json.dumps(run_arm(args.worker, args.seq[0], args.steps)), flush=True)
+        cfg = json.loads(args.cfg)
+        LOWERING = cfg["lowering"]
+        print(json.dumps(run_arm(args.worker, cfg["seq"], cfg["steps"])), flush=True)
         return
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    head = meta("cpu")
-    head["lowering_effpass"] = os.environ.get("LOWERING", "inductor")
-    head["lowering_hand_built_compiled"] = "inductor"
-    base = os.path.join(RESULTS, f"long_sequence_cpu{args.tag}")
-    t_start = time.perf_counter()
-    rows, skipped, jobs, fits = [], [], [], []
+    label = args.label if args.label is not None else ("quick" if args.quick else "")
+    stem = args.out or driver.result_stem("long_sequence", "cpu")
+    driver.stop_on_sigterm()
+    run_id = f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S}-{os.getpid()}"
+    head = driver.meta("long_sequence", "cpu")
+    head.update(lowering_effpass=args.lowering, lowering_hand_built_compiled="inductor", deadline_s=args.deadline)
+    header = {"label": label, "meta": head, "shape": {k: v for k, v in vars(args).items() if k not in ("worker", "cfg")}}
+    rows, jobs = [], []
     lock = threading.Lock()
+
+    def save(row):
+        with lock:
+            driver.append_row(stem, run_id, header, row, markdown, "Long sequences (bench_long_sequence.py)")
+
+    save(None)
     for seq in args.seq:
         for arm in arms_at.get(seq, args.arms).split(","):
             if arm == "hf_eager" and seq > HF_EAGER_MAX_SEQ:
-                skipped.append({"arm": arm, "seq": seq, "reason": f"not run: its saved attention probabilities alone "
-                                f"are {4 * 8 * seq * seq * 4 / 2**30:.0f} GiB (4 layers x 8 heads x seq^2 x 4 B), "
-                                "more than this shared machine holds"})
+                save({"arm": arm, "seq": seq, "status": "not run", "reason": f"not run: its saved attention probabilities alone "
+                      f"are {4 * 8 * seq * seq * 4 / 2**30:.0f} GiB (4 layers x 8 heads x seq^2 x 4 B), "
+                      "more than this shared machine holds"})
                 continue
             jobs.append((arm, seq, steps_at.get(seq, args.steps)))
 
-    def save(done=False):
-        with lock:
-            head["minutes"] = round((time.perf_counter() - t_start) / 60, 1)
-            _write(base, head, args, rows, skipped, fits, done)
-
     def job(a, s_, n):
-        r = _run_worker(a, s_, n)
-        with lock:
-            if "failed" in r:
-                skipped.append({"arm": a, "seq": s_, "reason": "failed: " + r["failed"]})
-                print(f"{a} @ {s_} failed: {r['failed']}", flush=True)
-            else:
+        r = _run_worker(a, s_, n, args.deadline, args.lowering)
+        if "failed" in r:
+            print(f"{a} @ {s_} failed: {r['failed']}", flush=True)
+            save({**r["row"], "seq": s_, "reason": "failed: " + r["failed"]})
+        else:
+            with lock:
                 rows.append(r)
-                print(f"{a} @ {s_}: peak {r['peak'] / 2**20:.0f} MiB (start {r['start'] / 2**20:.0f}) "
-                      f"losses {r['losses']}", flush=True)
-        save()
+            print(f"{a} @ {s_}: peak {r['peak'] / 2**20:.0f} MiB (start {r['start'] / 2**20:.0f}) "
+                  f"losses {r['losses']}", flush=True)
+            save(r)
 
     pool = ThreadPoolExecutor(max(1, args.parallel))
     jobs.sort(key=lambda j: (j[1], j[0] == "hf_eager"))  # shortest first; per length hf_eager (the most memory) last
@@ -360,7 +369,7 @@ def main():
         budget = parse_size(args.budget)
 
         def probe(arm, s_):
-            r = _run_worker(arm, s_, 1)
+            r = _run_worker(arm, s_, 1, args.deadline, args.lowering)
             if "failed" in r:
                 raise RuntimeError(f"{arm} @ {s_}: {r['failed']}")
             return r["peak"]
@@ -373,16 +382,16 @@ def main():
             except RuntimeError as e:
                 print(f"  fit {arm} failed: {e}", flush=True)
                 return
-            with lock:
-                fits.append(dict(arm=arm, budget=budget, longest_fitting=lo, shortest_over=hi, probes=n, points=pts))
+            fit_row = dict(arm=arm, kind="fit", status="ok", budget=budget, longest_fitting=lo, shortest_over=hi,
+                           probes=n, points=pts)
             print(f"  {arm}: fits {lo}, not {hi} ({n} probes)", flush=True)
-            save()
+            save(fit_row)
 
         for f in [pool.submit(fit, a) for a in (args.fit_arms or args.arms).split(",")]:
             f.result()
-    head["load_after"] = [round(x, 1) for x in os.getloadavg()]
-    save(done=True)
-    print(open(base + ".md").read())
+    head.update(load_after=[round(x, 1) for x in os.getloadavg()], finished=True)
+    save(None)
+    print(f"wrote {stem}.json and .md")
 
 
 if __name__ == "__main__":

@@ -13,20 +13,22 @@ bf16, T=2048, batch 1, LoRA r=16 on all attention and MLP projections. On a CPU 
 MFU convention (anchors.md): FLOPs/token = 4N + 12*L*H*Q*T + 6*N_adapter (N: matmul parameters of the
 frozen base, embedding lookup excluded); peak 989 TFLOP/s bf16 dense (H100/H200 spec).
 
-    python bench/bench_lora.py                 # all arms, writes bench/results/lora_<device>.json and .md
+    python bench/bench_lora.py                 # all arms, appends to bench/results/lora_<device>.{json,md}
     python bench/bench_lora.py --arms effpass --steps 5
+    python bench/bench_lora.py --quick         # smoke run: one layer, short sequence, one step
+
+Each arm runs in a fresh process under bench/driver.py (deadline, interleaving, results appended per arm).
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import driver  # noqa: E402
 
 ARMS = ("peft_eager", "peft_compile", "effpass")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -137,73 +139,20 @@ def worker(arm: str, shape: dict, steps: int, warmup: int, rank: int, dropout: f
     return out
 
 
-def versions() -> dict:
-    import peft
-    import torch
-    import transformers
-
-    d = {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
-         "python": platform.python_version(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat()}
-    try:
-        import triton
-
-        d["triton"] = triton.__version__
-    except Exception:
-        pass
-    if torch.cuda.is_available():
-        d["device"] = torch.cuda.get_device_name()
-        d["driver"] = torch.version.cuda
-    else:
-        d["device"] = f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} logical cores (shared)"
-    return d
+QUICK = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1, seq=32, steps=1, warmup=0)
+def driver_worker(arm: str, cfg: dict, device: str) -> dict:
+    shape = {k: v for k, v in cfg.items() if k in CPU_SHAPE}
+    return worker(arm, shape, cfg["steps"] or (20 if device == "cuda" else 5), cfg["warmup"], cfg["rank"],
+                  cfg["dropout"])
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arms", default=",".join(ARMS))
-    ap.add_argument("--steps", type=int, default=None, help="timed steps (default: 20 GPU, 5 CPU)")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=None, help="rounds over the arms (default: 2 GPU, 1 CPU)")
-    ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--dropout", type=float, default=0.0)
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--shape", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-
-    if args.worker:
-        res = worker(args.worker, json.loads(args.shape), args.steps, args.warmup, args.rank, args.dropout)
-        print("RESULT " + json.dumps(res))
-        return
-
-    import torch
-
-    gpu = torch.cuda.is_available()
-    shape = GPU_SHAPE if gpu else CPU_SHAPE
-    steps = args.steps or (20 if gpu else 5)
-    repeats = args.repeats or (2 if gpu else 1)
-    arms = [a for a in args.arms.split(",") if a]
-    bad = [a for a in arms if a not in ARMS]
-    if bad:
-        raise SystemExit(f"unknown arm(s) {bad}; choose from {list(ARMS)}")
-    runs: dict[str, list[dict]] = {a: [] for a in arms}
-    for _ in range(repeats):
-        for arm in arms:
-            cmd = [sys.executable, __file__, "--worker", arm, "--shape", json.dumps(shape), "--steps", str(steps),
-                   "--warmup", str(args.warmup), "--rank", str(args.rank), "--dropout", str(args.dropout)]
-            p = subprocess.run(cmd, capture_output=True, text=True)
-            line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
-            if line is None:
-                print(f"arm {arm} failed:\n{p.stderr[-3000:]}", file=sys.stderr)
-                runs[arm].append({"arm": arm, "error": p.stderr[-500:]})
-                continue
-            r = json.loads(line[7:])
-            runs[arm].append(r)
-            print(f"{arm:13s} {r['median_step_s'] * 1e3:9.1f} ms/step  {r['tokens_per_s']:10.0f} tok/s  "
-                  f"breaks={r['graph_breaks']}  first step {r['first_step_s']:.1f} s", file=sys.stderr)
+def summarize(run: dict) -> dict:
+    """The best round of each arm (lowest median step), in the form the tables read."""
+    cfg = run["shape"]
     summary = {}
-    for arm, rs in runs.items():
-        ok = [r for r in rs if "error" not in r]
+    for arm in dict.fromkeys(r["arm"] for r in run["results"]):
+        rs = [r for r in run["results"] if r["arm"] == arm]
+        ok = [r for r in rs if r.get("status") == "ok"]
         if not ok:
             summary[arm] = {"error": rs[-1].get("error")}
             continue
@@ -213,34 +162,46 @@ def main():
     for s in summary.values():
         if base and "tokens_per_s" in s:
             s["speedup_vs_peft_eager"] = s["tokens_per_s"] / base
-    result = {"versions": versions(), "shape": shape, "rank": args.rank, "dropout": args.dropout, "steps": steps,
-              "repeats": repeats, "note": ("GPU run at the issue's shape" if gpu else
-                                           "CPU run at a small Llama shape: noisy, says nothing about GPU speed"),
-              "arms": summary}
-    tag = "gpu" if gpu else "cpu"
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"lora_{tag}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
+    gpu = run["meta"].get("device_tag", "cpu") != "cpu"
+    return {"versions": run["meta"], "shape": {k: v for k, v in cfg.items() if k in CPU_SHAPE}, "rank": cfg["rank"],
+            "dropout": cfg["dropout"], "steps": cfg["steps"], "repeats": run["meta"].get("repeats"),
+            "gpu": gpu, "note": ("GPU run at the issue's shape" if gpu else
+                                 "CPU run at a small Llama shape: noisy, says nothing about GPU speed"),
+            "arms": summary}
+
+
+def markdown(run: dict) -> str:
+    result = summarize(run)
+    gpu, shape, summary, steps, repeats = (result["gpu"], result["shape"], result["arms"], result["steps"],
+                                           result["repeats"])
+    tag = run["meta"].get("device_tag")
     lines = [f"# inject_lora benchmark ({tag})", "", f"{result['note']}. Device: {result['versions']['device']}; "
              f"torch {result['versions']['torch']}, transformers {result['versions']['transformers']}, "
              f"peft {result['versions']['peft']}; {result['versions']['date'][:10]}.", "",
-             f"Shape: {json.dumps(shape)}; LoRA r={args.rank}, alpha={2 * args.rank}, dropout={args.dropout} on "
-             f"{', '.join(TARGETS)}; {steps} timed steps, best median of {repeats} round(s).", "",
+             f"Shape: {json.dumps(shape)}; LoRA r={result['rank']}, alpha={2 * result['rank']}, "
+             f"dropout={result['dropout']} on {', '.join(TARGETS)}; {steps} timed steps, best median of {repeats} "
+             "round(s).", "",
              "| arm | median step (ms) | tokens/s | vs PEFT eager | first step (s) | graph breaks | recompiles |"
              + (" MFU | peak mem (GiB) |" if gpu else " peak RSS (GiB) |"),
              "|---|---|---|---|---|---|---|" + ("---|---|" if gpu else "---|")]
     for arm, s in summary.items():
         if "error" in s:
-            lines.append(f"| {arm} | failed | | | | | |")
+            why = (str(s["error"] or "").strip().splitlines() or ["crashed"])[-1][:160]
+            lines.append(f"| {arm} | failed: {why} | | | | | |")
             continue
         extra = (f" {s['mfu'] * 100:.1f}% | {s['peak_mem_gib']:.2f} |" if gpu else f" {s['peak_rss_gib']:.2f} |")
         lines.append(f"| {arm} | {s['median_step_s'] * 1e3:.1f} | {s['tokens_per_s']:.0f} | "
                      f"{s.get('speedup_vs_peft_eager', 1.0):.2f}x | {s['first_step_s']:.1f} | {s['graph_breaks']} | "
                      f"{s['recompiles']} |" + extra)
-    with open(out.replace(".json", ".md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    driver.main(__file__, workload="lora", arms=ARMS, worker=driver_worker, markdown=markdown,
+                cpu_shape=dict(CPU_SHAPE, steps=0, warmup=3, rank=16, dropout=0.0),
+                gpu_shape=dict(GPU_SHAPE, steps=0, warmup=3, rank=16, dropout=0.0), quick=QUICK, repeats=1,
+                gpu_repeats=2, overrides=("steps", "warmup", "rank", "dropout", "seq"), packages=("peft",),
+                requires={"peft_eager": ("peft",), "peft_compile": ("peft",)})
 
 
 if __name__ == "__main__":

@@ -3,18 +3,21 @@
     .venv/bin/python bench/bench_memory_plan.py accuracy   # predicted vs measured peak, 5 families x 3 combos
     .venv/bin/python bench/bench_memory_plan.py budget     # budget = 60% of the plain step's measured peak
     .venv/bin/python bench/bench_memory_plan.py table      # Llama-3-8B, Llama-3.2-1B, Qwen2.5-7B at 24/48/80 GiB
+    .venv/bin/python bench/bench_memory_plan.py maxseq     # longest sequence of Llama-3.1-8B per mode and budget
+    .venv/bin/python bench/bench_memory_plan.py accuracy --quick --arms llama   # smoke run
+
+Each section is a workload of its own (``memory_plan_<section>``); its arms are the families (accuracy, budget),
+the models (table) or the modes (maxseq), each in a fresh process under bench/driver.py (deadline, results
+appended per arm to bench/results/memory_plan_<section>_cpu.{json,md}).
 
 Measured = bytes live at the step's start + the profiler's peak during one steady-state step
 (``effpass.planning.measure.measure_step``; forward, backward, AdamW step, zero_grad). Results go to
-bench/results/memory_plan_*.json and .md, with device, versions and date.
+bench/results/memory_plan_<section>_cpu.json and .md, with device, versions, commit and date.
 """
 from __future__ import annotations
 
 import copy
-import datetime
-import json
 import os
-import platform
 import sys
 import time
 
@@ -26,7 +29,8 @@ import effpass  # noqa: E402
 from effpass.planning import estimate_memory, format_bytes, plan_memory  # noqa: E402
 from effpass.planning.measure import measure_step  # noqa: E402
 
-RESULTS = os.environ.get("EFFPASS_BENCH_RESULTS") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import driver  # noqa: E402
 
 #: family -> (config class, model class, LoRA targets)
 FAMILIES = {
@@ -69,35 +73,17 @@ def combos(family: str):
     return out
 
 
-def header() -> dict:
-    import transformers
-
-    return {"device": f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, shared with other jobs)",
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-
-
-def _write(name: str, data: dict, md: str) -> None:
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, f"memory_plan_{name}.json"), "w") as f:
-        json.dump(data, f, indent=1, default=str)
-    with open(os.path.join(RESULTS, f"memory_plan_{name}.md"), "w") as f:
-        f.write(md)
-    print(md)
+def _emit(rows: list) -> None:
+    """The rows so far, as the arm's partial result (kept if the arm is killed at its deadline)."""
+    driver.partial({"rows": rows})
 
 
 def accuracy(families=None, inductor_combos=None, inductor_families=None, hidden=512, layers=4, vocab=32000, seq=512, batch=2,
-             resume=False):
-    rows, done = [], set()
-    if resume and os.path.exists(os.path.join(RESULTS, "memory_plan_accuracy.json")):
-        with open(os.path.join(RESULTS, "memory_plan_accuracy.json")) as f:
-            rows = json.load(f)["rows"]
-        done = {(r["family"], r["combo"], r["lowering"]) for r in rows}
+             lowerings=("eager", "inductor")):
+    rows = []
     for fam in families or FAMILIES:
         for combo, passes in combos(fam).items():
-            for lowering in ("eager", "inductor"):
-                if (fam, combo, lowering) in done:
-                    continue
+            for lowering in lowerings:
                 if lowering == "inductor" and ((inductor_combos is not None and combo not in inductor_combos)
                                                or (inductor_families is not None and fam not in inductor_families)):
                     continue
@@ -119,13 +105,13 @@ def accuracy(families=None, inductor_combos=None, inductor_families=None, hidden
                 rows.append(row)
                 del model, compiled
                 torch._dynamo.reset()
-                _write_accuracy(rows, hidden, layers, vocab, seq, batch)
+                _emit(rows)
     return rows
 
 
-def _write_accuracy(rows, hidden, layers, vocab, seq, batch):
-    md = [f"# Memory planner: predicted vs measured peak of one training step (CPU)\n",
-          f"{header()}\n", f"Shapes: hidden {hidden}, {layers} layers, vocabulary {vocab}, batch {batch} x seq {seq}, "
+def md_accuracy(rows, hidden, layers, vocab, seq, batch, **_):
+    md = ["# Memory planner: predicted vs measured peak of one training step (CPU)\n",
+          f"Shapes: hidden {hidden}, {layers} layers, vocabulary {vocab}, batch {batch} x seq {seq}, "
           f"fp32, SDPA attention, AdamW (for-loop, as on CPU). Prediction: fake-tensor replay with the row's "
           f"lowering (eager: the partitioned graphs op by op; inductor: Inductor's generated wrapper with fake "
           f"allocations and no kernels); measured: live at the step's start + profiler peak during it, same "
@@ -136,7 +122,7 @@ def _write_accuracy(rows, hidden, layers, vocab, seq, batch):
         md.append(f"| {r['family']} | {r['combo']} | {r['lowering']} | {format_bytes(r['predicted'])} | "
                   f"{format_bytes(r['measured'])} | {r['error_pct']:+.3f}% | {r['predict_s']} s ({r.get('load1', '-')}) | "
                   f"{r['peak_at'][:60]} |")
-    _write("accuracy", {"header": header(), "rows": rows}, "\n".join(md) + "\n")
+    return "\n".join(md) + "\n"
 
 
 def budget(families=None, hidden=512, layers=4, vocab=32000, seq=2048, batch=1, fraction=0.6):
@@ -170,12 +156,12 @@ def budget(families=None, hidden=512, layers=4, vocab=32000, seq=2048, batch=1, 
         print(row, flush=True)
         rows.append(row)
         torch._dynamo.reset()
-        _write_budget(rows, hidden, layers, vocab, seq, batch, fraction)
+        _emit(rows)
     return rows
 
 
-def _write_budget(rows, hidden, layers, vocab, seq, batch, fraction):
-    md = [f"# Memory planner: a budget of {fraction:.0%} of the plain step's measured peak (CPU)\n", f"{header()}\n",
+def md_budget(rows, hidden, layers, vocab, seq, batch, fraction, **_):
+    md = [f"# Memory planner: a budget of {fraction:.0%} of the plain step's measured peak (CPU)\n",
           f"Shapes: hidden {hidden}, {layers} layers, vocabulary {vocab}, batch {batch} x seq {seq}, fp32, eager "
           f"(unfused) attention, passes=[] as given, AdamW, lowering='eager'. Gradients compared with the plain "
           f"step's at atol 1e-6, rtol 1e-5.\n",
@@ -185,7 +171,7 @@ def _write_budget(rows, hidden, layers, vocab, seq, batch, fraction):
         md.append(f"| {r['family']} | {format_bytes(r['plain_measured'])} | {format_bytes(r['budget'])} | {r['plan']} | "
                   f"{format_bytes(r['predicted']) if r['predicted'] else '-'} | "
                   f"{format_bytes(r['measured']) if r['measured'] else '-'} | {r['fits']} | {r['grads_equal']} |")
-    _write("budget", {"header": header(), "rows": rows}, "\n".join(md) + "\n")
+    return "\n".join(md) + "\n"
 
 
 CONFIGS = {  # published config.json fields (Hugging Face hub), written out: nothing is downloaded
@@ -219,7 +205,7 @@ def table(models=None, budgets=(24, 48, 80), batch=1, seq=2048, lora=None):
             t0 = time.perf_counter()
             try:
                 plan = plan_memory(model, inputs, f"{gib}GiB", allow=["nf4", "adamw8bit"], passes=pipeline,
-                                   lowering="eager", _cache=cache)
+                                   lowering="eager", cache=cache)
                 row = dict(model=name, budget_gib=gib, plan=plan.chosen.name, peak=plan.peak_bytes,
                            alternatives={c.name: c.peak_bytes for c in plan.candidates if c.estimate})
             except MemoryBudgetError as e:
@@ -228,13 +214,13 @@ def table(models=None, budgets=(24, 48, 80), batch=1, seq=2048, lora=None):
             row["seconds"] = round(time.perf_counter() - t0, 1)
             print(row, flush=True)
             rows.append(row)
-            _write_table(rows, batch, seq, lora)
+            _emit(rows)
     return rows
 
 
-def _write_table(rows, batch, seq, lora):
-    md = ["# Memory plans for full-size models (predictions only, not measured)\n", f"{header()}\n",
-          f"bf16 parameters and AdamW states (the configs' dtype), full fine-tuning"
+def md_table(rows, batch, seq, lora, **_):
+    md = ["# Memory plans for full-size models (predictions only, not measured)\n",
+          "bf16 parameters and AdamW states (the configs' dtype), full fine-tuning"
           + (f" with LoRA rank {lora}" if lora else "") + f", batch {batch} x seq {seq}, SDPA, "
           f"allow=['nf4', 'adamw8bit'], predicted for the CPU kernels on fake tensors (no weights).\n",
           "`seconds`: planning time for that budget on the shared 2-core CPU (the first budget of a model replays "
@@ -249,7 +235,7 @@ def _write_table(rows, batch, seq, lora):
             continue
         seen.add(r["model"])
         md.append(f"- {r['model']}: " + "; ".join(f"{k}: {format_bytes(v)}" for k, v in r["alternatives"].items()))
-    _write("table" + (f"_lora{lora}" if lora else ""), {"header": header(), "rows": rows}, "\n".join(md) + "\n")
+    return "\n".join(md) + "\n"
 
 
 LLAMA_31_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -268,18 +254,13 @@ PUBLISHED = {
 
 
 def maxseq(modes=("full", "lora", "qlora"), budgets=(24, 48, 80), step=1024, probes=(16384, 32768),
-           lossless_pipeline=True, resume=False, screen=True):
-    """The longest sequence (batch 1) of Llama-3.1-8B that the planner predicts fits each budget, per mode.
-    ``resume``: keep the rows of the results file and run only the (mode, budget) pairs it lacks."""
+           lossless_pipeline=True, screen=True):
+    """The longest sequence (batch 1) of Llama-3.1-8B that the planner predicts fits each budget, per mode."""
     from effpass.planning.cli import LORA_TARGETS, model_from_config
     from effpass.planning.planner import MemoryBudgetError, plan_max_seq
 
     rows = []
-    path = os.path.join(RESULTS, "memory_plan_maxseq_llama31_8b.json")
-    if resume and os.path.exists(path):
-        with open(path) as f:
-            rows = json.load(f)["rows"]
-    done = {(r["mode"], r["budget_gib"]) for r in rows}
+    done: set = set()
     for mode in modes:
         if all((mode, gib) in done for gib in budgets):
             continue
@@ -309,7 +290,7 @@ def maxseq(modes=("full", "lora", "qlora"), budgets=(24, 48, 80), step=1024, pro
             t0 = time.perf_counter()
             try:
                 res = plan_max_seq(model, make_inputs, f"{gib}GiB", passes=pipeline, step=step, probes=probes,
-                                   lowering="eager", screen=screen, _cache=cache)
+                                   lowering="eager", screen=screen, cache=cache)
                 row = dict(mode=mode, budget_gib=gib, seq=res.seq, plan=res.plan.chosen.name,
                            pipeline=[p.name for p in res.plan.passes], peak=res.plan.peak_bytes,
                            next_peak=res.next_peak, replays=res.replays, fits=[list(f[:4]) for f in res.fits],
@@ -323,12 +304,12 @@ def maxseq(modes=("full", "lora", "qlora"), budgets=(24, 48, 80), step=1024, pro
             row["screen"] = screen
             print(row, flush=True)
             rows.append(row)
-            _write_maxseq(rows, step, probes)
+            _emit(rows)
     return rows
 
 
-def _write_maxseq(rows, step, probes):
-    md = ["# Longest sequence that fits, Llama-3.1-8B, one device (predictions, not measured)\n", f"{header()}\n",
+def md_maxseq(rows, step, probes, **_):
+    md = ["# Longest sequence that fits, Llama-3.1-8B, one device (predictions, not measured)\n",
           f"`effpass.planning.plan_max_seq` (what `effpass plan CONFIG --max-seq` runs), batch 1, bf16 parameters, "
           f"AdamW (torch's, bf16 states as for bf16 parameters), SDPA, eager lowering replayed on fake CPU tensors "
           f"(no CUDA caching-allocator rounding; activation offload, a CUDA-only option, is not among the "
@@ -345,22 +326,66 @@ def _write_maxseq(rows, step, probes):
         md.append(f"| {r['mode']} | {r['budget_gib']} GiB | {r['seq']:,} | {r['plan']} | {format_bytes(r['peak'])} | "
                   f"{format_bytes(r['next_peak']) if r['next_peak'] else '-'} | "
                   f"{PUBLISHED[r['mode']] if r['budget_gib'] == 80 else ''} | {r['seconds']} ({r['load']:.0f}{', screened' if r.get('screen') else ''}) |")
-    _write("maxseq_llama31_8b", {"header": header(), "rows": rows}, "\n".join(md) + "\n")
+    return "\n".join(md) + "\n"
+
+
+#: section -> (arms, its configuration, the --quick overrides, the function, its markdown)
+SECTIONS = {
+    "accuracy": (tuple(FAMILIES), dict(hidden=512, layers=4, vocab=32000, seq=512, batch=2,
+                                        lowerings=["eager", "inductor"]),
+                 dict(hidden=128, layers=1, vocab=512, seq=32, batch=1, lowerings=["eager"])),
+    "budget": (tuple(FAMILIES), dict(hidden=512, layers=4, vocab=32000, seq=2048, batch=1, fraction=0.6),
+               dict(hidden=128, layers=1, vocab=512, seq=64, batch=1)),
+    "table": (tuple(CONFIGS), dict(budgets=[24, 48, 80], batch=1, seq=2048, lora=0),
+              dict(budgets=[80], seq=256)),
+    "maxseq": (("full", "lora", "qlora"), dict(model="Llama-3.1-8B", budgets=[24, 48, 80], step=1024,
+                                             probes=[16384, 32768], screen=True),
+               dict(budgets=[80], probes=[4096], step=4096)),
+}
+
+
+def worker(arm: str, cfg: dict, device: str) -> dict:
+    section = cfg["section"]
+    if section == "accuracy":
+        rows = accuracy(families=[arm], hidden=cfg["hidden"], layers=cfg["layers"], vocab=cfg["vocab"], seq=cfg["seq"],
+                        batch=cfg["batch"], lowerings=tuple(cfg["lowerings"]))
+    elif section == "budget":
+        rows = budget(families=[arm], hidden=cfg["hidden"], layers=cfg["layers"], vocab=cfg["vocab"], seq=cfg["seq"],
+                      batch=cfg["batch"], fraction=cfg["fraction"])
+    elif section == "table":
+        rows = table(models=[arm], budgets=tuple(cfg["budgets"]), batch=cfg["batch"], seq=cfg["seq"],
+                     lora=cfg["lora"] or None)
+    else:
+        rows = maxseq(modes=(arm,), budgets=tuple(cfg["budgets"]), step=cfg["step"], probes=tuple(cfg["probes"]),
+                      screen=cfg["screen"])
+    return {"arm": arm, "rows": rows}
+
+
+def markdown(run: dict) -> str:
+    cfg = run["shape"]
+    rows = []
+    for r in run["results"]:
+        rows += r.get("rows") or (r.get("partial") or {}).get("rows") or []
+    md = {"accuracy": md_accuracy, "budget": md_budget, "table": md_table, "maxseq": md_maxseq}[cfg["section"]]
+    text = md(rows, **cfg)
+    failed = [r for r in run["results"] if r.get("status") != "ok"]
+    for r in failed:
+        text += (f"\n{r['arm']}: {r.get('status')} ("
+                 f"{(str(r.get('error', '')).strip().splitlines() or ['?'])[-1][:200]}); its finished rows are above.\n")
+    return text
+
+
+def main() -> None:
+    section = sys.argv.pop(1) if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else "accuracy"
+    if section not in SECTIONS:
+        raise SystemExit(f"bench_memory_plan: unknown section {section!r}; choose one of {', '.join(SECTIONS)}")
+    arms, cfg, quick = SECTIONS[section]
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.getcwd(), ".cache", "inductor"))
+    driver.main(__file__, workload=f"memory_plan_{section}", arms=arms, worker=worker, markdown=markdown,
+                cpu_shape=dict(cfg, section=section), quick=quick, overrides=tuple(k for k in cfg if k != "model"),
+                deadline_s=4 * 3600,
+                meta_extra=lambda cfg: {"argv": ["bench/bench_memory_plan.py", section] + sys.argv[1:]})
 
 
 if __name__ == "__main__":
-    what = sys.argv[1] if len(sys.argv) > 1 else "accuracy"
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.getcwd(), ".cache", "inductor"))
-    if what == "accuracy":
-        fams = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--families=")), None)
-        accuracy(families=fams, resume="--resume" in sys.argv)
-    elif what == "budget":
-        budget()
-    elif what == "table":
-        table()
-    elif what == "maxseq":
-        modes = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--modes=")), None)
-        maxseq(modes=modes or ("full", "lora", "qlora"), resume="--resume" in sys.argv,
-               screen="--no-screen" not in sys.argv)
-    else:
-        raise SystemExit(f"unknown section {what!r}; choose accuracy, budget or table")
+    main()

@@ -19,18 +19,18 @@ first-step (compile) time, graph breaks/recompiles, and loss drift against the f
 
     python bench/bench_mixed_precision.py                 # GPU if present (GPT-2-124M, T=1024), else CPU small
     python bench/bench_mixed_precision.py --arms fp32_eager,effpass_bf16 --reps 3
+    python bench/bench_mixed_precision.py --quick            # smoke run: one layer, one step
+
+Each arm runs in a fresh process under bench/driver.py (deadline, interleaving, results appended per arm to
+bench/results/mixed_precision_<device>.{json,md}).
 
 On CPU the shapes are small and the numbers say nothing about GPU speed; the result file says so.
 """
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -39,6 +39,10 @@ ARMS = ("fp32_eager", "eager_autocast_bf16", "eager_autocast_fp16_gradscaler", "
 GPU_SHAPE = dict(n_layer=12, n_embd=768, n_head=12, vocab=50257, seq=1024, batch=8)
 CPU_SHAPE = dict(n_layer=2, n_embd=128, n_head=4, vocab=2048, seq=128, batch=4)
 PEAK_FLOPS = 989e12  # H100/H200 bf16 dense spec
+QUICK = dict(n_layer=1, n_embd=64, n_head=2, vocab=256, seq=32, batch=1, steps=1, warmup=0)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import driver  # noqa: E402
 
 
 def build_model(shape, device):
@@ -153,99 +157,42 @@ def run_arm(arm: str, shape: dict, device: str, steps: int, warmup: int) -> dict
     return out
 
 
-def environment(device: str) -> dict:
-    import torch
-    import transformers
-
-    env = {"device": device, "torch": torch.__version__, "transformers": transformers.__version__,
-           "python": platform.python_version(), "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-           "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-           "load_average_1m": round(os.getloadavg()[0], 1)}
-    try:
-        import triton
-        env["triton"] = triton.__version__
-    except Exception:
-        pass
-    if device == "cuda":
-        env["gpu"] = torch.cuda.get_device_name()
-        env["driver"] = torch.version.cuda
-    return env
+SHAPE_KEYS = tuple(CPU_SHAPE)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    ap.add_argument("--arms", default=",".join(ARMS))
-    ap.add_argument("--reps", type=int, default=None, help="repetitions of every arm (default: 3 GPU, 1 CPU)")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per arm (default: 20 GPU, 8 CPU)")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--out", default=None, help="result file stem (default bench/results/mixed_precision_<device>)")
-    ap.add_argument("--render", default=None, help="re-summarize a result .json and rewrite its .md")
-    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+def worker(arm: str, cfg: dict, device: str) -> dict:
+    shape = {k: cfg[k] for k in SHAPE_KEYS}
+    steps = cfg["steps"] or (20 if device == "cuda" else 8)
+    return run_arm(arm=arm, shape=shape, device=device, steps=steps, warmup=cfg["warmup"])
 
-    if args.child:
-        spec = json.loads(args.child)
-        print("RESULT " + json.dumps(run_arm(**spec)), flush=True)
-        return 0
 
-    if args.render:
-        with open(args.render) as f:
-            result = json.load(f)
-        result["summary"] = summarize(result["runs"], result["shape"])
-        with open(args.render, "w") as f:
-            json.dump(result, f, indent=1)
-        with open(args.render.removesuffix(".json") + ".md", "w") as f:
-            f.write(markdown(result))
-        print(markdown(result))
-        return 0
+def to_result(run: dict) -> dict:
+    """A run of the driver in the form ``summarize`` and ``markdown`` read."""
+    m, cfg = run["meta"], run["shape"]
+    runs: dict[str, list[dict]] = {}
+    for r in run["results"]:
+        runs.setdefault(r["arm"], []).append(r if r.get("status") == "ok" else {"arm": r["arm"], "error": r.get("error")})
+    shape = {k: cfg[k] for k in SHAPE_KEYS}
+    cpu = m.get("device_tag", "cpu") == "cpu"
+    env = {"device": m["device"], "date": m["date"], "torch": m.get("torch"), "transformers": m.get("transformers"),
+           "triton": m.get("triton"), "cpu": platform.machine(), "cpu_count": m.get("cpu_count"),
+           "load_average_1m": (m.get("load_average") or ["?"])[0]}
+    if not cpu:
+        env["gpu"] = m["device"]
+    return {"benchmark": "mixed_precision", "environment": env, "shape": shape, "reps": m.get("repeats"),
+            "steps": cfg["steps"] or (8 if cpu else 20), "warmup": cfg["warmup"], "summary": summarize(runs, shape),
+            "note": ("CPU run at small shapes: the GPU target shape is GPT-2-124M at T=1024. CPU numbers do not "
+                     "predict GPU speed (no bf16/fp16 tensor cores; fp16 matmuls on CPU are emulated).")
+            if cpu else "GPU run at the GPT-2-124M shape."}
 
-    import torch
 
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    shape = GPU_SHAPE if device == "cuda" else CPU_SHAPE
-    reps = args.reps or (3 if device == "cuda" else 1)
-    steps = args.steps or (20 if device == "cuda" else 8)
-    arms = [a for a in args.arms.split(",") if a]
-    bad = [a for a in arms if a not in ARMS]
-    if bad:
-        raise SystemExit(f"unknown arm(s) {bad}; choose from {list(ARMS)}")
-    here = os.path.dirname(os.path.abspath(__file__))
-    stem = args.out or os.path.join(here, "results", f"mixed_precision_{device}")
-    env_vars = dict(os.environ)
-    env_vars.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join("/tmp", f"effpass-bench-inductor-{os.getpid()}"))
-
-    runs: dict[str, list[dict]] = {a: [] for a in arms}
-    for rep in range(reps):  # interleaved: every arm once per repetition, each in a fresh process
-        for arm in arms:
-            spec = {"arm": arm, "shape": shape, "device": device, "steps": steps, "warmup": args.warmup}
-            t0 = time.time()
-            p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
-                               capture_output=True, text=True, env=env_vars)
-            line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
-            if line is None:
-                print(f"[{rep}] {arm}: FAILED\n{p.stderr[-3000:]}", file=sys.stderr)
-                runs[arm].append({"arm": arm, "error": p.stderr[-2000:]})
-                continue
-            r = json.loads(line[len("RESULT "):])
-            r["cold"] = rep == 0
-            runs[arm].append(r)
-            print(f"[{rep}] {arm:36s} {r['median_step_s'] * 1e3:9.1f} ms/step  {r['tokens_per_s']:10.0f} tok/s  "
-                  f"first step {r['first_step_s']:.1f}s  ({time.time() - t0:.0f}s)", flush=True)
-
-    summary = summarize(runs, shape)
-    result = {"benchmark": "mixed_precision", "environment": environment(device), "shape": shape, "reps": reps,
-              "steps": steps, "warmup": args.warmup, "summary": summary, "runs": runs,
-              "note": ("CPU run at small shapes: the GPU target shape is GPT-2-124M at T=1024. CPU numbers do not "
-                       "predict GPU speed (no bf16/fp16 tensor cores; fp16 matmuls on CPU are emulated).")
-              if device == "cpu" else "GPU run at the GPT-2-124M shape."}
-    os.makedirs(os.path.dirname(stem), exist_ok=True)
-    with open(stem + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(markdown(result))
-    print(markdown(result))
-    return 0
+def main() -> None:
+    driver.main(__file__, workload="mixed_precision", arms=ARMS, worker=worker,
+                markdown=lambda run: markdown(to_result(run)),
+                cpu_shape=dict(CPU_SHAPE, steps=0, warmup=3), gpu_shape=dict(GPU_SHAPE, steps=0, warmup=3),
+                quick=QUICK, repeats=1, gpu_repeats=3, overrides=("steps", "warmup"),
+                env={"TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR") or
+                     os.path.join("/tmp", f"effpass-bench-inductor-{os.getpid()}")})
 
 
 def summarize(runs: dict, shape: dict) -> dict:
@@ -265,6 +212,8 @@ def summarize(runs: dict, shape: dict) -> dict:
              "first_step_warm_s": statistics.median([r["first_step_s"] for r in ok[1:]]) if len(ok) > 1 else None,
              "graph_breaks": max(r["graph_breaks"] for r in ok), "recompiles": max(r["recompiles"] for r in ok),
              "final_loss": ok[0]["losses"][-1]}
+        for i, r in enumerate(ok):
+            r.setdefault("cold", i == 0)
         if ok[0].get("mfu") is not None:
             s["mfu"] = statistics.median(r["mfu"] for r in ok)
             s["peak_mem_gib"] = max(r["peak_mem_gib"] for r in ok)
@@ -318,4 +267,4 @@ def markdown(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -17,17 +17,15 @@ Peak memory: the profiler method (effpass.testing.memory.peak_memory, bytes allo
 those live at its start). Also reported: the delta-weight bytes PEFT allocates per forward (one expert-stack
 sized tensor per adapted parameter) that effpass never allocates.
 
-    python bench/bench_moe.py            # all arms, writes bench/results/moe_cpu.json and .md
+    python bench/bench_moe.py            # all arms, appends to bench/results/moe_<device>.{json,md}
+    python bench/bench_moe.py --quick    # smoke run: one step, no warm-up
+
+Each arm runs in a fresh process under bench/driver.py (deadline, interleaving, results appended per arm).
 """
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -37,6 +35,9 @@ SHAPE = dict(vocab_size=4096, hidden_size=512, num_hidden_layers=4, num_attentio
              decoder_sparse_step=1, seq=256, batch=2)
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import driver  # noqa: E402
 
 
 def build_model():
@@ -110,51 +111,20 @@ def worker(arm: str, steps: int, warmup: int, rank: int) -> dict:
             "expert_weight_bytes": delta_bytes, **counters, **extra}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--arms", nargs="*", default=list(ARMS))
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--worker", default=None)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "moe_cpu"))
-    a = ap.parse_args()
-    if a.worker:
-        print("RESULT " + json.dumps(worker(a.worker, a.steps, a.warmup, a.rank)))
-        return
-    load = os.getloadavg()
-    results = []
-    for arm in a.arms:
-        cmd = [sys.executable, __file__, "--worker", arm, "--steps", str(a.steps), "--warmup", str(a.warmup),
-               "--rank", str(a.rank)]
-        p = subprocess.run(cmd, capture_output=True, text=True)
-        line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-        if not line:
-            results.append({"arm": arm, "error": p.stderr[-2000:]})
-            print(arm, "FAILED", p.stderr[-800:])
-            continue
-        results.append(json.loads(line[0][7:]))
-        print(arm, {k: v for k, v in results[-1].items() if k != "steps_s"})
-    import peft
-    import torch
-    import transformers
-
-    meta = {"date": datetime.datetime.utcnow().isoformat(timespec="seconds") + "Z", "device": "cpu",
-            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "loadavg_start": load,
-            "loadavg_end": os.getloadavg(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "peft": peft.__version__, "shape": SHAPE, "rank": a.rank, "steps": a.steps, "warmup": a.warmup}
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out + ".json", "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=2)
+def markdown(run: dict) -> str:
+    m, cfg = run["meta"], run["shape"]
+    results = [r if r.get("status") == "ok" else {"arm": r["arm"], "error": r.get("error")} for r in run["results"]]
     base = next((r for r in results if r["arm"] == "peft_eager" and "error" not in r), None)
-    lines = [f"# LoRA on attention + MoE experts (Qwen3-MoE shape), CPU fp32, {meta['date']}",
-             f"torch {meta['torch']}, transformers {meta['transformers']}, peft {meta['peft']}; load average "
-             f"{load[0]:.2f} at start, {meta['loadavg_end'][0]:.2f} at end ({meta['cores']} cores, shared)", "",
+    lines = [f"# LoRA on attention + MoE experts (Qwen3-MoE shape), {m['device']} fp32, {m['date']}",
+             f"torch {m['torch']}, transformers {m['transformers']}, peft {m.get('peft')}; load average "
+             f"{m['load_average'][0]:.2f} at start ({m['cpu_count']} cores, shared); rank {cfg['rank']}, "
+             f"{cfg['steps']} steps after {cfg['warmup']}", "",
              "| arm | median step | vs PEFT eager | step peak (MiB) | vs PEFT eager | graph breaks | recompiles |",
              "|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['arm']} | failed | | | | | |")
+            why = (str(r["error"] or "").strip().splitlines() or ["crashed"])[-1][:160]
+            lines.append(f"| {r['arm']} | failed: {why} | | | | | |")
             continue
         if not base:
             base = r  # a run without peft_eager: ratios against the first arm
@@ -172,9 +142,16 @@ def main() -> None:
         lines += ["", f"QLoRA (effpass_qlora): expert weights {q['expert_bytes_before'] / 2**20:.2f} MiB fp32 before, "
                   f"{q['expert_bytes_after'] / 2**20:.2f} MiB NF4 after, as storage holds them "
                   f"({q['expert_bytes_after'] / q['expert_bytes_before']:.3f}x; loss {q['loss']:.5f})."]
-    with open(a.out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    driver.main(__file__, workload="moe", arms=ARMS, markdown=markdown, packages=("peft",),
+                worker=lambda arm, cfg, device: worker(arm, cfg["steps"], cfg["warmup"], cfg["rank"]),
+                cpu_shape=dict(steps=5, warmup=2, rank=16), quick=dict(steps=1, warmup=0),
+                overrides=("steps", "warmup", "rank"),
+                requires={"peft_eager": ("peft",), "peft_compile": ("peft",)},
+                log=lambda r: {k: v for k, v in r.items() if k != "steps_s"})
 
 
 if __name__ == "__main__":

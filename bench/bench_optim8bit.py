@@ -33,7 +33,8 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import arm_main, llama, time_steps, timed, token_batches  # noqa: E402
+import driver  # noqa: E402
+from _common import llama, time_steps, timed, token_batches  # noqa: E402
 
 ARMS = ("adamw", "torchao_adamw8bit", "bnb_adamw8bit", "effpass_adamw8bit")
 CPU_SHAPE = dict(vocab=4096, hidden=512, ffn=512, layers=4, heads=8, kv_heads=8, seq=256, batch=1,
@@ -155,9 +156,12 @@ def markdown(doc: dict) -> str:
 
 
 def main() -> None:
-    arm_main(__file__, arms=ARMS, cpu_shape=CPU_SHAPE, gpu_shape=GPU_SHAPE, worker=worker, markdown=markdown,
-             name="optim8bit", packages=("torchao", "bitsandbytes"),
-             log=lambda r: {k: v for k, v in r.items() if k != "losses"})
+    driver.main(__file__, arms=ARMS,
+                quick=dict(vocab=512, hidden=64, ffn=64, layers=1, heads=2, kv_heads=2, seq=32, steps=1, warmup=0),
+                requires={"torchao_adamw8bit": ("torchao",), "bnb_adamw8bit": ("bitsandbytes",)},
+                cpu_shape=CPU_SHAPE, gpu_shape=GPU_SHAPE, worker=worker, markdown=markdown,
+                workload="optim8bit", packages=("torchao", "bitsandbytes"),
+                log=lambda r: {k: v for k, v in r.items() if k != "losses"})
 
 
 if __name__ == "__main__":

@@ -14,24 +14,24 @@ Shape: a Llama-shaped policy (fp32, hidden 64, 1 layer, vocabulary 128,256) so t
 Peak: ``effpass.testing.memory.peak_memory`` of ``trainer.training_step`` (tensors allocated above those live at the
 step's start), after one warm-up step.
 
-    python bench/bench_orpo_trainer.py        # -> bench/results/orpo_trainer_cpu.{json,md}
+    python bench/bench_orpo_trainer.py          # appends to bench/results/orpo_trainer_<device>.{json,md}
+    python bench/bench_orpo_trainer.py --quick  # smoke run: vocabulary 1,024, 8 + 24 tokens
+
+Each arm runs in a fresh process under bench/driver.py (deadline, interleaving, results appended per arm).
 """
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import os
-import platform
-import subprocess
 import sys
 import time
 
 ARMS = ("eager", "compile", "effpass")
 SHAPE = dict(hidden=64, layers=1, heads=4, kv_heads=2, ffn=128, vocab=128256, prompt=64, answer=448, pairs=2,
              dtype="float32")
-if os.environ.get("BENCH_ORPO_SMOKE"):
-    SHAPE.update(vocab=1024, prompt=8, answer=24)
+QUICK = dict(vocab=1024, prompt=8, answer=24)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import driver  # noqa: E402
 
 
 def run_arm(arm: str) -> dict:
@@ -102,40 +102,17 @@ def run_arm(arm: str) -> dict:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--arm", choices=ARMS)
-    ap.add_argument("--arms", nargs="*", default=list(ARMS), choices=ARMS)
-    args = ap.parse_args()
-    if args.arm:
-        print(json.dumps(run_arm(args.arm)))
-        return
-    results = []
-    for arm in args.arms:
-        p = subprocess.run([sys.executable, os.path.abspath(__file__), "--arm", arm], capture_output=True, text=True)
-        line = next((l for l in reversed(p.stdout.splitlines()) if l.startswith("{")), None)
-        res = json.loads(line) if line else {"arm": arm, "error": p.stderr[-1500:]}
-        print(json.dumps(res), flush=True)
-        results.append(res)
-    print(write(results))
+def worker(arm: str, cfg: dict, device: str) -> dict:
+    SHAPE.update({k: v for k, v in cfg.items() if k in SHAPE})
+    return run_arm(arm)
 
 
-def write(results) -> str:
-    import importlib.metadata
-
-    import torch
-    import transformers
-
-    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    out = os.path.join(root, "orpo_trainer_cpu" + ("_smoke" if os.environ.get("BENCH_ORPO_SMOKE") else ""))
-    meta = {"device": "cpu", "cpus": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "trl": importlib.metadata.version("trl"), "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "shape": SHAPE}
-    with open(out + ".json", "w") as fh:
-        json.dump({"meta": meta, "results": results}, fh, indent=1)
-    lines = [f"# TRL ORPOTrainer, one training step (issue 27), CPU, {meta['date'][:16]}", "",
-             f"torch {meta['torch']}, transformers {meta['transformers']}, trl {meta['trl']}, {meta['cpus']} CPUs, "
-             f"shape {SHAPE}", "",
+def markdown(run: dict) -> str:
+    meta, shape = run["meta"], {k: v for k, v in run["shape"].items() if k in SHAPE}
+    results = [r if r.get("status") == "ok" else {"arm": r["arm"], "error": r.get("error")} for r in run["results"]]
+    lines = [f"# TRL ORPOTrainer, one training step (issue 27), {meta['device']}, {meta['date'][:16]}", "",
+             f"torch {meta['torch']}, transformers {meta['transformers']}, trl {meta.get('trl')}, "
+             f"{meta['cpu_count']} CPUs, shape {shape}", "",
              "peak: tensors allocated during `trainer.training_step` above those live at its start (after a warm-up "
              "step); step s / CPU s: the second step's wall time and the arm's process CPU time; load: 1-minute load "
              "average then", "",
@@ -152,9 +129,13 @@ def write(results) -> str:
                      f"{r['step_s'] / c['step_s'] if c else float('nan'):.2f} | {r['step_cpu_s']:.2f} | "
                      f"{r['first_call_s']:.1f} | {r['load_at_step']:.1f} | {r['loss']:.6f} | "
                      f"{r.get('trl_orpo') or ''} |")
-    with open(out + ".md", "w") as fh:
-        fh.write("\n".join(lines) + "\n")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    driver.main(__file__, workload="orpo_trainer", arms=ARMS, worker=worker, markdown=markdown, cpu_shape=dict(SHAPE),
+                quick=QUICK, overrides=("vocab",), packages=("trl", "datasets"),
+                requires={a: ("trl", "datasets") for a in ARMS})
 
 
 if __name__ == "__main__":

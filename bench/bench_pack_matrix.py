@@ -1,21 +1,25 @@
 """Packing matrix: for each Hugging Face decoder family built from a config (random weights, 2 layers, eager
 attention, training mode, fp32), one packed row of three examples (5, 9, 7 tokens) through
 ``FuseAttention`` + ``PackSequences`` (lowering="eager"): each example's logits, the loss and every gradient
-against the examples run alone; or the error the pass raised. Writes ``bench/results/pack_matrix.md``.
+against the examples run alone; or the error the pass raised. Each family is an arm, in a fresh process under
+bench/driver.py; rows appended to ``bench/results/pack_matrix_<device>.{json,md}``.
 
-    python bench/bench_pack_matrix.py [family ...]
+    python bench/bench_pack_matrix.py                      # every family
+    python bench/bench_pack_matrix.py --arms llama,gpt2    # some (--quick: llama only)
 """
 from __future__ import annotations
 
-import datetime
 import os
-import platform
+import re
 import sys
 import time
 import traceback
 import warnings
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import driver  # noqa: E402
 
 V = 128
 BASE = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -119,7 +123,7 @@ def run(names=None) -> list[dict]:
 
     rows = []
     for name, (cfg, cls, kw) in families().items():
-        if names and not any(n in name for n in names):
+        if names and name not in names:
             continue
         t0 = time.time()
         row = {"family": name}
@@ -147,16 +151,30 @@ def run(names=None) -> list[dict]:
     return rows
 
 
-def write(rows: list[dict], path: str) -> None:
-    import transformers
+def arm_key(family: str) -> str:
+    """The arm name of a family (``"falcon (ALiBi)"`` -> ``falcon_alibi``)."""
+    return re.sub(r"[^a-z0-9]+", "_", family.lower()).strip("_")
 
-    load = os.getloadavg()
-    lines = [f"# Packing matrix ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)", "",
-             f"torch {torch.__version__}, transformers {transformers.__version__}, {platform.machine()} CPU, "
-             f"load average {load[0]:.1f}. `bench/bench_pack_matrix.py`: 2 layers, eager attention, training mode "
-             "(dropout 0), fp32, `FuseAttention` + `PackSequences`, lowering eager, one packed row of 5 + 9 + 7 "
-             "tokens. worst = max relative error over each example's logits, the loss and every gradient against "
-             "the examples run alone; plain HF = relative error of plain HF's logits on the same packed row "
+
+ARMS = {arm_key(name): name for name in families()}
+
+
+def worker(arm: str, cfg: dict, device: str) -> dict:
+    rows = [r for r in run([ARMS[arm]]) if r["family"] == ARMS[arm]]
+    return {"arm": arm, **rows[0]}
+
+
+def markdown(run_: dict) -> str:
+    m = run_["meta"]
+    rows = [r if r.get("status") == "ok" else {"family": ARMS.get(r["arm"], r["arm"]), "result": r.get("status"),
+                                                "reason": (str(r.get("error", "")).strip().splitlines() or ["?"])[-1][:200]}
+            for r in run_["results"]]
+    lines = [f"# Packing matrix ({m['date'][:16].replace('T', ' ')} UTC)", "",
+             f"torch {m['torch']}, transformers {m['transformers']}, {m['device']}, "
+             f"load average {m['load_average'][0]:.1f}. `bench/bench_pack_matrix.py`: 2 layers, eager attention, "
+             "training mode (dropout 0), fp32, `FuseAttention` + `PackSequences`, lowering eager, one packed row of "
+             "5 + 9 + 7 tokens. worst = max relative error over each example's logits, the loss and every gradient "
+             "against the examples run alone; plain HF = relative error of plain HF's logits on the same packed row "
              "(examples 2-3) against the packed effpass ones.", "",
              "| family | result | worst rel. error | plain HF | how (pass statistics) |", "|---|---|---|---|---|"]
     for r in rows:
@@ -164,11 +182,10 @@ def write(rows: list[dict], path: str) -> None:
             lines.append(f"| {r['family']} | {r['result']} | {r['worst']:.1e} | {r['plain']:.2f} | {r['how']} |")
         else:
             lines.append(f"| {r['family']} | {r['result']} | - | - | {r.get('reason', '')} |")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
-    rows = run(sys.argv[1:])
-    if not sys.argv[1:]:
-        write(rows, os.path.join(os.path.dirname(__file__), "results", "pack_matrix.md"))
+    driver.main(__file__, workload="pack_matrix", arms=tuple(ARMS), worker=worker, markdown=markdown,
+                cpu_shape=dict(quick=False), quick=dict(quick=True), overrides=(), deadline_s=900,
+                jobs=lambda chosen, cfg: [(a, {}) for a in (chosen[:1] if cfg["quick"] else chosen)])

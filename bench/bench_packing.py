@@ -21,23 +21,26 @@ The padded arms and packed_effpass run effpass.compile (lowering ``--lowering``)
 (effpass.testing.memory.peak_memory: allocator events, above what is live at the step's start), and the
 largest per-example relative logit error against the example run alone.
 
-    python bench/bench_packing.py            # full run, writes bench/results/packing_<device>.{json,md}
-    python bench/bench_packing.py --quick    # small smoke run
+    python bench/bench_packing.py            # full run, appends to bench/results/packing_<device>.{json,md}
+    python bench/bench_packing.py --quick    # small smoke run (24 examples, budget 1,024, eager lowering)
+
+Each arm runs in a fresh process under bench/driver.py (deadline, interleaving, results appended per arm); every
+arm rebuilds the same examples and weights from the seed.
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import json
 import math
 import os
-import platform
 import sys
 import time
 import warnings
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import driver  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -162,68 +165,53 @@ def per_example_error(model, ref, tokens, idx) -> float:
     return err
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--examples", type=int, default=64)
-    ap.add_argument("--budget", type=int, default=2048)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--vocab", type=int, default=1024)
-    ap.add_argument("--lowering", default="inductor")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    args = ap.parse_args()
-    if args.quick:
-        args.examples, args.budget, args.lowering = 24, 1024, "eager"
+ARMS = ("padded_unsorted", "padded_sorted", "packed_plain_hf", "hf_flattening", "packed_effpass")
+CPU_SHAPE = dict(examples=64, budget=2048, hidden=128, layers=2, vocab=1024, lowering="inductor", seed=0)
+QUICK = dict(examples=24, budget=1024, lowering="eager")
+
+
+def worker(arm: str, cfg: dict, device: str) -> dict:
+    """One arm: the same examples (from the seed) and weights in every arm's process."""
+    args = argparse.Namespace(**{k: v for k, v in cfg.items() if k in CPU_SHAPE})
     warnings.filterwarnings("ignore")
     lens = lengths(args.examples, args.seed, hi=min(2048, args.budget))
     g = torch.Generator().manual_seed(args.seed + 1)
     tokens = [torch.randint(1, args.vocab, (n,), generator=g) for n in lens]
     base = build_model(args)
-    results = []
-
-    # padded: one compiled model serves both orders (dynamic shapes after the first new shape)
-    for sort in (False, True):
+    if arm in ("padded_unsorted", "padded_sorted"):
+        sort = arm == "padded_sorted"
         steps = padded_batches(lens, args.budget, sort)
         model = copy.deepcopy(base)
         torch._dynamo.reset()
         compiled = effpass.compile(model, passes=[FuseAttention()], lowering=args.lowering)
-        res = run_arm("padded_sorted" if sort else "padded_unsorted", compiled, steps, padded_inputs, tokens,
-                      warm=steps[:2])
+        res = run_arm(arm, compiled, steps, padded_inputs, tokens, warm=steps[:2])
         res["peak_bytes"] = peak_over(compiled, steps, padded_inputs, tokens)
         res["per_example_rel_error"] = None
-        results.append(res)
-        print(json.dumps(res), flush=True)
-
+        return res
     rows = packed_rows(lens, args.budget)
-    # packed, plain Hugging Face (eager model, no pass): the examples attend to each other
-    plain = copy.deepcopy(base)
-    res = run_arm("packed_plain_hf", plain, rows, packed_inputs, tokens, warm=rows[:1])
-    res["peak_bytes"] = peak_over(plain, rows, packed_inputs, tokens)
-    res["per_example_rel_error"] = per_example_error(plain, base, tokens, rows[0])
-    results.append(res)
-    print(json.dumps(res), flush=True)
+    if arm == "packed_plain_hf":  # packed, plain Hugging Face (eager model, no pass): the examples attend to each other
+        plain = copy.deepcopy(base)
+        res = run_arm("packed_plain_hf", plain, rows, packed_inputs, tokens, warm=rows[:1])
+        res["peak_bytes"] = peak_over(plain, rows, packed_inputs, tokens)
+        res["per_example_rel_error"] = per_example_error(plain, base, tokens, rows[0])
+        return res
+    if arm == "hf_flattening":  # the peer: Hugging Face's own flattening collator, SDPA, no cache
+        from transformers import DataCollatorWithFlattening
 
-    # the peer: Hugging Face's own flattening collator, SDPA, no cache (its packed-sequence masks)
-    from transformers import DataCollatorWithFlattening
+        collator = DataCollatorWithFlattening()
 
-    collator = DataCollatorWithFlattening()
+        def flattened_inputs(tokens, idx):
+            b = collator([{"input_ids": tokens[i].tolist()} for i in idx])
+            inp = {k: b[k] for k in ("input_ids", "position_ids", "labels")}
+            return inp, inp["input_ids"].numel(), inp["input_ids"].numel()
 
-    def flattened_inputs(tokens, idx):
-        b = collator([{"input_ids": tokens[i].tolist()} for i in idx])
-        inp = {k: b[k] for k in ("input_ids", "position_ids", "labels")}
-        return inp, inp["input_ids"].numel(), inp["input_ids"].numel()
-
-    hf = copy.deepcopy(base)
-    hf.config.use_cache = False
-    hf.set_attn_implementation("sdpa")
-    res = run_arm("hf_flattening", hf, rows, flattened_inputs, tokens, warm=rows[:1])
-    res["peak_bytes"] = peak_over(hf, rows, flattened_inputs, tokens)
-    res["per_example_rel_error"] = per_example_error(hf, base, tokens, rows[0])
-    results.append(res)
-    print(json.dumps(res), flush=True)
-
+        hf = copy.deepcopy(base)
+        hf.config.use_cache = False
+        hf.set_attn_implementation("sdpa")
+        res = run_arm("hf_flattening", hf, rows, flattened_inputs, tokens, warm=rows[:1])
+        res["peak_bytes"] = peak_over(hf, rows, flattened_inputs, tokens)
+        res["per_example_rel_error"] = per_example_error(hf, base, tokens, rows[0])
+        return res
     model = copy.deepcopy(base)
     torch._dynamo.reset()
     compiled = effpass.compile(model, passes=[FuseAttention(), PackSequences()], lowering=args.lowering)
@@ -231,43 +219,49 @@ def main():
     res["peak_bytes"] = peak_over(compiled, rows, packed_inputs, tokens)
     res["per_example_rel_error"] = per_example_error(compiled, base, tokens, rows[0])
     res["pack_sequences_stats"] = effpass.report(compiled).stats("pack_sequences")
-    results.append(res)
-    print(json.dumps(res), flush=True)
+    return res
 
-    import transformers
 
-    base_tps = results[0]["useful_tokens_per_s"]
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": f"CPU ({platform.machine()}, {os.cpu_count()} cores)" if not torch.cuda.is_available()
-            else torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "model": f"Llama-style hidden {args.hidden}, {args.layers} layers, heads 4/2, ffn {2 * args.hidden}, "
-                     f"vocab {args.vocab}, fp32, eager attention in the model, lowering {args.lowering}",
-            "lengths": f"{args.examples} examples, log-normal(mu=ln 160, sigma=1.0) clipped to [16, "
-                       f"{min(2048, args.budget)}]: min {min(lens)}, median {sorted(lens)[len(lens) // 2]}, "
+def describe(cfg: dict) -> dict:
+    """The model and length description of a run (in its meta: bench/peer_table.py quotes them)."""
+    lens = lengths(cfg["examples"], cfg["seed"], hi=min(2048, cfg["budget"]))
+    return {"model": f"Llama-style hidden {cfg['hidden']}, {cfg['layers']} layers, heads 4/2, ffn {2 * cfg['hidden']}, "
+                     f"vocab {cfg['vocab']}, fp32, eager attention in the model, lowering {cfg['lowering']}",
+            "lengths": f"{cfg['examples']} examples, log-normal(mu=ln 160, sigma=1.0) clipped to [16, "
+                       f"{min(2048, cfg['budget'])}]: min {min(lens)}, median {sorted(lens)[len(lens) // 2]}, "
                        f"mean {sum(lens) / len(lens):.0f}, max {max(lens)}",
-            "budget_tokens_per_step": args.budget, "load_average": list(os.getloadavg())}
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    os.makedirs(args.out, exist_ok=True)
-    suffix = "_quick" if args.quick else ""
-    with open(os.path.join(args.out, f"packing_{dev}{suffix}.json"), "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
+            "budget_tokens_per_step": cfg["budget"]}
+
+
+def markdown(run: dict) -> str:
+    meta = run["meta"]
+    results = [r for r in run["results"] if r.get("status") == "ok"]
+    base_tps = results[0]["useful_tokens_per_s"] if results else None
     lines = [f"# pack_sequences benchmark ({meta['device']})", "",
-             f"{meta['date']}; torch {meta['torch']}, transformers {meta['transformers']}; load average at the end "
+             f"{meta['date']}; torch {meta['torch']}, transformers {meta['transformers']}; load average at the start "
              f"{[round(x, 1) for x in meta['load_average']]}.",
-             f"{meta['model']}.", f"Lengths: {meta['lengths']}. Token budget per step: {args.budget}.", "",
-             "| arm | steps | useful tokens/s | vs padded unsorted | padding fraction | peak memory (largest steps) | "
+             f"{meta['model']}.", f"Lengths: {meta['lengths']}. Token budget per step: {meta['budget_tokens_per_step']}.",
+             "", "| arm | steps | useful tokens/s | vs padded unsorted | padding fraction | peak memory (largest steps) | "
              "per-example rel. error |", "|---|---|---|---|---|---|---|"]
-    for r in results:
+    for r in run["results"]:
+        if r.get("status") != "ok":
+            why = (str(r.get("error", "")).strip().splitlines() or ["?"])[-1][:160]
+            lines.append(f"| {r['arm']} | did not run ({r.get('status')}): {why} ||||||")
+            continue
         err = "-" if r["per_example_rel_error"] is None else f"{r['per_example_rel_error']:.1e}"
         lines.append(f"| {r['arm']} | {r['steps']} | {r['useful_tokens_per_s']:.0f} | "
                      f"{r['useful_tokens_per_s'] / base_tps:.2f}x | {r['padding_fraction']:.1%} | "
                      f"{r['peak_bytes'] / 2**20:.1f} MiB | {err} |")
     lines += ["", "Peak memory: effpass.testing.memory.peak_memory (allocator events) of one fwd+bwd step, the "
               "largest over the 3 steps with the most tokens, above what is live at the step's start. CPU times "
-              "are noisy (2 cores shared with other jobs): compare ratios within this run only."]
-    with open(os.path.join(args.out, f"packing_{dev}{suffix}.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+              "are noisy (2 cores shared with other jobs): compare ratios within this run only. Ratios are against "
+              "the first arm of the run."]
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    driver.main(__file__, workload="packing", arms=ARMS, worker=worker, markdown=markdown, cpu_shape=CPU_SHAPE,
+                quick=QUICK, overrides=tuple(CPU_SHAPE), meta_extra=describe)
 
 
 if __name__ == "__main__":

@@ -9,63 +9,61 @@ Arms, each in a fresh subprocess with a fresh Inductor cache (a cold compile), i
 Also measures the manager's own time per hook (snapshot for rollback, op histograms, provenance) for a
 no-op pass on torch-IR graphs of growing size, to show it is linear in the number of nodes.
 
-    python bench/bench_pipeline_cost.py [--repeats 3] [--layers 2]
+    python bench/bench_pipeline_cost.py [--repeats 3] [--layers 2]   # appends to bench/results/pipeline_cost_<device>.*
+    python bench/bench_pipeline_cost.py --quick --repeats 1
+
+Each arm (and the manager-scaling sweep, arm ``scaling``) runs in a fresh process under bench/driver.py, rounds
+interleaved with the order reversed every other round.
 """
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-CHILD = r'''
-import os, sys, time, json, dataclasses
-import torch, effpass
-from effpass.testing.models import DemoConfig, DemoLM
-arm, layers = sys.argv[1], int(sys.argv[2])
-torch.manual_seed(0)
-model = DemoLM(DemoConfig(n_layers=layers))
-tokens = torch.randint(0, 512, (2, 64))
-if arm == "plain":
-    runner = torch.compile(model)
-elif arm == "effpass":
-    runner = effpass.compile(model, passes=[])
-else:
-    hooks = {}
-    for phase in ("prepare_module", "transform_torch_ir", "transform_joint", "transform_post_grad"):
-        name = "noop_" + phase.split("_", 1)[1]
-        klass = dataclasses.make_dataclass(name.title().replace("_", ""), [], bases=(effpass.Pass,), frozen=True,
-                                           kw_only=True, namespace={phase: lambda self, g, ctx: None})
-        effpass.register_pass(name)(klass)
-        hooks[name] = klass()
-    runner = effpass.compile(model, passes=list(hooks.values()))
-t0 = time.perf_counter()
-loss, _ = runner(tokens, labels=tokens)
-loss.backward()
-timing = {}
-if arm != "plain":
-    g = effpass.report(runner).graphs[0].timing
-    timing = {"total_ms": g["total_ms"], "lower_ms": g["lower_ms"], "late_pass_ms": g["late_pass_ms"]}
-print("RESULT " + json.dumps({"arm": arm, "compile_s": time.perf_counter() - t0, **timing}))
-'''
-
-
 def cold_compile(arm: str, layers: int) -> dict:
-    with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONWARNINGS": "ignore"}
-        out = subprocess.run([sys.executable, "-c", CHILD, arm, str(layers)], env=env, capture_output=True, text=True)
-        line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
-        if line is None:
-            raise RuntimeError(out.stderr[-3000:])
-        return json.loads(line[7:])
+    """One cold compile (a fresh Inductor cache) of the demo model, forward + backward, in this process."""
+    import dataclasses
+
+    import atexit
+    import shutil
+
+    cache = tempfile.mkdtemp(prefix="effpass-pipeline-cost-")
+    atexit.register(shutil.rmtree, cache, True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # before torch is imported: this process's Inductor cache
+    import torch
+
+    import effpass
+    from effpass.testing.models import DemoConfig, DemoLM
+
+    torch.manual_seed(0)
+    model = DemoLM(DemoConfig(n_layers=layers))
+    tokens = torch.randint(0, 512, (2, 64))
+    if arm == "plain":
+        runner = torch.compile(model)
+    elif arm == "effpass":
+        runner = effpass.compile(model, passes=[])
+    else:
+        hooks = {}
+        for phase in ("prepare_module", "transform_torch_ir", "transform_joint", "transform_post_grad"):
+            name = "noop_" + phase.split("_", 1)[1]
+            klass = dataclasses.make_dataclass(name.title().replace("_", ""), [], bases=(effpass.Pass,), frozen=True,
+                                               kw_only=True, namespace={phase: lambda self, g, ctx: None})
+            effpass.register_pass(name)(klass)
+            hooks[name] = klass()
+        runner = effpass.compile(model, passes=list(hooks.values()))
+    t0 = time.perf_counter()
+    loss, _ = runner(tokens, labels=tokens)
+    loss.backward()
+    timing = {}
+    if arm != "plain":
+        g = effpass.report(runner).graphs[0].timing
+        timing = {"total_ms": g["total_ms"], "lower_ms": g["lower_ms"], "late_pass_ms": g["late_pass_ms"]}
+    return {"arm": arm, "compile_s": time.perf_counter() - t0, **timing}
 
 
 def manager_scaling(sizes=(1, 2, 4, 8, 16)) -> list[dict]:
@@ -108,45 +106,62 @@ def manager_scaling(sizes=(1, 2, 4, 8, 16)) -> list[dict]:
     return rows
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "pipeline_cost.json"))
-    args = ap.parse_args()
-    import torch
+ARMS = ("plain", "effpass", "noop4", "scaling")
 
-    arms = ["plain", "effpass", "noop4"]
-    times = {a: [] for a in arms}
-    inside = {a: [] for a in arms[1:]}
-    for r in range(args.repeats):
-        for a in (arms if r % 2 == 0 else arms[::-1]):  # interleaved, alternating order
-            res = cold_compile(a, args.layers)
-            times[a].append(res["compile_s"])
-            if a != "plain":
-                # effpass's own share of the backend call: everything but lowering itself
-                inside[a].append((res["total_ms"] - res["lower_ms"]) / res["lower_ms"])
-            print(f"repeat {r} {a}: {res}", file=sys.stderr)
-    med = {a: statistics.median(v) for a, v in times.items()}
-    scaling = manager_scaling()
-    per_node_us = [r["manager_ms"] * 1e3 / r["nodes"] for r in scaling]
-    result = {
-        "benchmark": "pipeline machinery cost on a cold Inductor compile (demo model, forward+backward)",
-        "date": datetime.date.today().isoformat(), "device": "cpu", "cpu": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-        "layers": args.layers, "repeats": args.repeats, "cold_compile_s": times, "median_s": med,
-        "overhead_empty_pipeline": med["effpass"] / med["plain"] - 1,
-        "effpass_share_of_backend_call": {a: statistics.median(v) for a, v in inside.items()},
-        "overhead_four_noop_hooks": med["noop4"] / med["plain"] - 1,
-        "manager_scaling": scaling, "manager_us_per_node": per_node_us,
-        "note": "CPU timings on a shared 2-core machine are noisy; medians of interleaved fresh-process runs.",
-    }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(json.dumps({k: result[k] for k in ("median_s", "overhead_empty_pipeline", "overhead_four_noop_hooks",
-                                             "effpass_share_of_backend_call",
-                                             "manager_scaling")}, indent=1))
+
+def worker(arm: str, cfg: dict, device: str) -> dict:
+    if arm == "scaling":
+        scaling = manager_scaling(tuple(cfg["sizes"]))
+        return {"arm": arm, "manager_scaling": scaling,
+                "manager_us_per_node": [r["manager_ms"] * 1e3 / r["nodes"] for r in scaling]}
+    return cold_compile(arm, cfg["layers"])
+
+
+def summarize(run: dict) -> dict:
+    ok = [r for r in run["results"] if r.get("status") == "ok"]
+    times = {a: [r["compile_s"] for r in ok if r["arm"] == a] for a in ("plain", "effpass", "noop4")}
+    med = {a: statistics.median(v) for a, v in times.items() if v}
+    inside = {a: statistics.median((r["total_ms"] - r["lower_ms"]) / r["lower_ms"] for r in ok if r["arm"] == a)
+              for a in ("effpass", "noop4") if times[a]}  # effpass's own share of the backend call
+    scaling = next((r for r in reversed(ok) if r["arm"] == "scaling"), {})
+    return {"cold_compile_s": times, "median_s": med,
+            "overhead_empty_pipeline": med["effpass"] / med["plain"] - 1 if {"effpass", "plain"} <= set(med) else None,
+            "overhead_four_noop_hooks": med["noop4"] / med["plain"] - 1 if {"noop4", "plain"} <= set(med) else None,
+            "effpass_share_of_backend_call": inside, "manager_scaling": scaling.get("manager_scaling", []),
+            "manager_us_per_node": scaling.get("manager_us_per_node", [])}
+
+
+def markdown(run: dict) -> str:
+    s, cfg = summarize(run), run["shape"]
+    pct = lambda x: "-" if x is None else f"{x * 100:+.1f}%"  # noqa: E731
+    lines = ["# Pipeline machinery cost on a cold Inductor compile (demo model, forward + backward)", "",
+             f"Demo model, {cfg['layers']} layers; medians of interleaved fresh-process runs (a fresh Inductor cache "
+             "each). CPU timings on a shared 2-core machine are noisy.", "",
+             "| arm | cold compiles (s) | median (s) | effpass's share of the backend call |", "|---|---|---|---|"]
+    for a, v in s["cold_compile_s"].items():
+        if not v:  # the arm did not run (or not to the end) in this run
+            continue
+        share = s["effpass_share_of_backend_call"].get(a)
+        lines.append(f"| {a} | {', '.join(f'{x:.1f}' for x in v)} | {s['median_s'].get(a, float('nan')):.1f} | "
+                     f"{'-' if share is None else f'{share * 100:.1f}%'} |")
+    lines += ["", f"Overhead of the empty pipeline: {pct(s['overhead_empty_pipeline'])}; of four no-op hooks: "
+              f"{pct(s['overhead_four_noop_hooks'])}.", "",
+              "Manager time around one no-op torch-IR hook: " + "; ".join(
+                  f"{r['layers']} layers, {r['nodes']} nodes: {r['manager_ms']:.2f} ms" for r in s["manager_scaling"])]
+    for r in run["results"]:
+        if r.get("status") != "ok":
+            lines.append(f"\n{r['arm']}: {r.get('status')}: {(str(r.get('error', '')).strip().splitlines() or ['?'])[-1][:200]}")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    sys.path.insert(0, HERE)
+    import driver
+
+    driver.main(__file__, workload="pipeline_cost", arms=ARMS, worker=worker, markdown=markdown, repeats=3,
+                cpu_shape=dict(layers=2, sizes=[1, 2, 4, 8, 16]), quick=dict(layers=1, sizes=[1, 2]),
+                overrides=("layers", "sizes"), alternate=True,
+                jobs=lambda chosen, cfg: [(a, {}) for a in chosen])
 
 
 if __name__ == "__main__":

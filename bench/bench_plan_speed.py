@@ -14,12 +14,14 @@ extrapolation's depths (``EFFPASS_PLAN_WORKERS``; default up to 2). Reports wall
 process and its worker processes (the machine is shared: CPU seconds are the comparable figure; the target is
 wall time on an idle 2-core machine).
 
-Writes bench/results/plan_speed.json and .md (device, versions, date, load before and after).
+Runs as one arm (``plan``) in a fresh process under bench/driver.py (deadline; repeats interleaved) and appends to
+bench/results/plan_speed_<device>.json and .md; the options are fields of the run (``shape``), not file names.
+
+    .venv/bin/python bench/bench_plan_speed.py --quick      # smoke run: --tiny, budget 6GiB
 """
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import platform
 import sys
@@ -38,17 +40,44 @@ LLAMA_3_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336,
                   max_position_embeddings=8192, tie_word_embeddings=False, torch_dtype="bfloat16")
 
 
-def main():
-    import argparse
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import driver  # noqa: E402
 
-    ap = argparse.ArgumentParser()
+
+def extra_args(ap) -> None:
     ap.add_argument("--no-share", action="store_true")
     ap.add_argument("--no-prune", action="store_true")
     ap.add_argument("--budget", default="6GiB", help="the memory budget (default 6GiB: nothing fits, so every "
                     "tier is tried and the smallest achievable peak is searched; 8GiB: an NF4 plan fits)")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--workers", type=int, default=None)
-    args = ap.parse_args()
+
+
+def configure(args, cfg: dict) -> None:
+    cfg.update(no_share=args.no_share, no_prune=args.no_prune, budget=args.budget, tiny=args.tiny or cfg["tiny"],
+               workers=args.workers)
+
+
+def worker(arm: str, cfg: dict, device: str) -> dict:
+    import argparse
+
+    return {"arm": arm, **measure(argparse.Namespace(**cfg))}
+
+
+def markdown(run: dict) -> str:
+    out = next((r for r in reversed(run["results"]) if r.get("status") == "ok"), None)
+    if out is None:
+        return driver.table(run)
+    return out["markdown"]
+
+
+def main():
+    driver.main(__file__, workload="plan_speed", arms=("plan",), worker=worker, markdown=markdown,
+                cpu_shape=dict(tiny=False), quick=dict(tiny=True), overrides=(), extra_args=extra_args,
+                configure=configure, deadline_s=2 * 3600)
+
+
+def measure(args) -> dict:
     if args.workers is not None:
         os.environ["EFFPASS_PLAN_WORKERS"] = str(args.workers)
     import resource
@@ -57,13 +86,10 @@ def main():
         r = resource.getrusage(resource.RUSAGE_CHILDREN)
         return r.ru_utime + r.ru_stime
     if args.no_share:  # every candidate replayed alone
-        import effpass.planning.estimate as est_mod
+        import effpass.planning.search as search_mod  # the candidate search's estimate_many
 
-        real = est_mod.estimate_many
-        est_mod.estimate_many = lambda *a, **k: real(*a, **{**k, "share": False})
-        import effpass.planning.planner as planner_mod
-
-        planner_mod.estimate_many = est_mod.estimate_many
+        real = search_mod.estimate_many
+        search_mod.estimate_many = lambda *a, **k: real(*a, **{**k, "share": False})
     load0 = os.getloadavg()
     cfg = dict(LLAMA_3_8B)
     if args.tiny:
@@ -95,19 +121,13 @@ def main():
             "load_before": load0, "load_after": load1, "shared": not args.no_share,
             "pruned": not args.no_prune, "budget": args.budget,
             "model": "Llama-3-8B shapes at hidden 64 (--tiny)" if args.tiny else "Llama-3-8B"}
-    from effpass.planning.estimate import _plan_workers
+    from effpass.planning.pool import plan_workers
 
-    head["workers"] = _plan_workers()
+    head["workers"] = plan_workers()
     out = {"header": head, "seconds": round(seconds, 1), "cpu_seconds": round(cpu + child_cpu, 1),
            "cpu_seconds_workers": round(child_cpu, 1), "candidates": len(cands),
            "replayed": sum(1 for c in cands if c.estimate is not None), "answer": answer,
            "rows": rows}
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    os.makedirs(here, exist_ok=True)
-    stem = ("plan_speed" + ("_tiny" if args.tiny else "") + ("_noshare" if args.no_share else "")
-            + ("_noprune" if args.no_prune else "") + ("" if args.budget == "6GiB" else f"_{args.budget}"))
-    with open(os.path.join(here, stem + ".json"), "w") as f:
-        json.dump(out, f, indent=1)
     md = [f"# Planning time: Llama-3-8B LoRA r=16, 1 x 2048 tokens, allow nf4/int8/adamw8bit, budget {args.budget}\n", f"{head}\n",
           f"{len(cands)} candidates in {seconds:.1f} s wall, {cpu + child_cpu:.1f} s CPU ({child_cpu:.1f} s of it in "
           f"{head['workers'] - 1} worker process(es)) (load average before {load0[0]:.1f}, after {load1[0]:.1f}; "
@@ -121,9 +141,8 @@ def main():
            f"{format_bytes(r['parameters']) if r['parameters'] else '-'} | "
            f"{format_bytes(r['floor']) if r['floor'] is not None else '-'} | {r['error'] or r['pruned'] or ''} |"
            for r in rows]
-    with open(os.path.join(here, stem + ".md"), "w") as f:
-        f.write("\n".join(md) + "\n")
-    print("\n".join(md))
+    out["markdown"] = "\n".join(md) + "\n"
+    return out
 
 
 if __name__ == "__main__":

@@ -21,33 +21,29 @@ distributions: fused by effpass as one row-wise op over both heads).
 CPU shape (shared 2-core machine with 23 GB; the issue's 2 x 2,048 tokens at vocabulary 128,256 hold over
 8 GB eager, more than this machine can spare): fp32, hidden 64, 1 layer, vocabulary 128,256, 2 x 256 tokens.
 
-    python bench/bench_preference.py                 # all losses and arms -> bench/results/preference_cpu.{json,md}
-    python bench/bench_preference.py --arm effpass --loss dpo --json
-    BENCH_PREF_SEQ=2048 python bench/bench_preference.py   # the issue's 2 x 2,048 tokens -> preference_cpu_seq2048.*
+    python bench/bench_preference.py                 # all losses and arms -> bench/results/preference_<device>.{json,md}
+    python bench/bench_preference.py --arms effpass --loss dpo
+    python bench/bench_preference.py --seq 2048      # the issue's 2 x 2,048 tokens (a field of the run)
+    python bench/bench_preference.py --quick         # smoke run: vocabulary 1,024, 128 tokens
+
+Each (loss, arm) runs in a fresh process under bench/driver.py (deadline, interleaving, results appended per arm).
 """
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import driver  # noqa: E402
 from _common import timed  # noqa: E402
 
 ARMS = ("eager", "compile", "liger", "effpass")
 LOSSES = ("dpo", "distill", "grpo")
 SHAPE = dict(hidden=64, layers=1, heads=4, kv_heads=2, ffn=128, vocab=128256, seq=256, rows=2, dtype="float32",
              steps=1)
-if os.environ.get("BENCH_PREF_SMOKE"):  # a quick check that every arm runs (not a measurement)
-    SHAPE.update(vocab=1024, seq=128)
-if os.environ.get("BENCH_PREF_SEQ"):  # the issue's shape: BENCH_PREF_SEQ=2048 (the arms' subprocesses inherit it)
-    SHAPE.update(seq=int(os.environ["BENCH_PREF_SEQ"]))
+QUICK = dict(vocab=1024, seq=128)  # a quick check that every arm runs (not a measurement)
 
 
 def build():
@@ -197,55 +193,25 @@ def run_arm(arm: str, loss: str) -> dict:
             "first_call_s": first, "loss": losses[0], "load": os.getloadavg()[0], "stats": stats}
 
 
+def worker(arm: str, cfg: dict, device: str) -> dict:
+    SHAPE.update({k: v for k, v in cfg.items() if k in SHAPE})
+    return run_arm(arm, cfg["loss"])
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--arm", choices=ARMS)
-    ap.add_argument("--loss", choices=LOSSES, default="dpo")
-    ap.add_argument("--losses", nargs="*", default=list(LOSSES), choices=LOSSES)
-    ap.add_argument("--arms", nargs="*", default=list(ARMS), choices=ARMS)
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    if args.arm:
-        print(json.dumps(run_arm(args.arm, args.loss)))
-        return
-    results = []
-    for loss in args.losses:
-        for arm in args.arms:
-            cmd = [sys.executable, os.path.abspath(__file__), "--arm", arm, "--loss", loss, "--json"]
-            p = subprocess.run(cmd, capture_output=True, text=True)
-            line = next((l for l in reversed(p.stdout.splitlines()) if l.startswith("{")), None)
-            err = "\n".join(l for l in p.stderr.splitlines() if "torchao" not in l and "_pytree" not in l)
-            res = json.loads(line) if line else {"arm": arm, "loss_kind": loss, "error": err[-1500:]}
-            print(json.dumps(res), flush=True)
-            results.append(res)
-            write(args.out, results)
-    print(write(args.out, results))
+    driver.main(__file__, workload="preference", arms=ARMS, worker=worker, markdown=markdown,
+                cpu_shape=dict(SHAPE, loss=list(LOSSES)), quick=QUICK, overrides=("seq", "vocab", "loss"),
+                sweep="loss", packages=("liger_kernel",), requires={"liger": ("liger_kernel",)})
 
 
-def _version(name: str) -> str:
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def write(out, results) -> str:
-    import torch
-    import transformers
-
-    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    out = out or os.path.join(root, "preference_cpu" + (f"_seq{SHAPE['seq']}" if SHAPE["seq"] != 256 else ""))
-    meta = {"device": "cpu", "cpus": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "shape": SHAPE, "load_at_write": os.getloadavg()[0], "liger_kernel": _version("liger-kernel")}
-    with open(out + ".json", "w") as fh:
-        json.dump({"meta": meta, "results": results}, fh, indent=1)
-    lines = [f"# fused log-probs (issue 27), CPU, {meta['date'][:16]}", "",
-             f"torch {meta['torch']}, transformers {meta['transformers']}, liger-kernel {meta['liger_kernel']}, "
-             f"{meta['cpus']} CPUs, shape {SHAPE}", "",
+def markdown(run: dict) -> str:
+    meta = run["meta"]
+    shape = {k: v for k, v in run["shape"].items() if k in SHAPE}
+    results = [r if r.get("status") == "ok" else {"arm": r["arm"], "loss_kind": r.get("loss"), "error": r.get("error")}
+               for r in run["results"]]
+    lines = [f"# fused log-probs (issue 27), {meta['device']}, {meta['date'][:16]}", "",
+             f"torch {meta['torch']}, transformers {meta['transformers']}, liger-kernel {meta.get('liger_kernel')}, "
+             f"{meta['cpu_count']} CPUs, shape {shape}", "",
              "step s: wall time of one step; step CPU s: the arm's process CPU time (user + system) in that step; "
              "load: 1-minute load average when the step started", "",
              "| loss | arm | peak MiB | x eager | step s | x compile | step CPU s | CPU x compile | first call s | load "
@@ -265,9 +231,7 @@ def write(out, results) -> str:
                      f"{r['loss']:.6f} | {r['stats'].get('logprob_sites', '')} | "
                      + (f"{r['stats'].get('rowwise_sites', '')} ({r['stats'].get('rowwise_grad_in_forward', '')})"
                         if r['stats'] else "") + " |")
-    with open(out + ".md", "w") as fh:
-        fh.write("\n".join(lines) + "\n")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

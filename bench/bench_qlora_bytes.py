@@ -1,12 +1,13 @@
 """QLoRA at small scale: predicted (fake-tensor replay) vs analytic (torchao NF4 layout) vs measured
 (bytes live at the step's start + the profiler's peak, ``measure_step``) on a Hugging Face Llama.
 
-    .venv/bin/python bench/bench_qlora_bytes.py      # writes bench/results/qlora_bytes.json and .md
+    .venv/bin/python bench/bench_qlora_bytes.py          # appends to bench/results/qlora_bytes_<device>.{json,md}
+    .venv/bin/python bench/bench_qlora_bytes.py --quick  # smoke run: hidden 256, 1 layer, 64 tokens
+
+One arm (``measure``) in a fresh process under bench/driver.py (deadline, results appended).
 """
 from __future__ import annotations
 
-import datetime
-import json
 import os
 import sys
 import time
@@ -21,12 +22,15 @@ from effpass.planning import estimate_memory, format_bytes  # noqa: E402
 from effpass.planning.measure import measure_step  # noqa: E402
 from effpass.quantized import storage_bytes  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import driver  # noqa: E402
+
 
 def nf4_bytes(n: int, elem: int) -> int:
     return n // 2 + n // 64 + elem * (n // (64 * 256)) + elem + 16 * elem
 
 
-def main(hidden=512, layers=4, vocab=32000, batch=2, seq=512):
+def measure(hidden=512, layers=4, vocab=32000, batch=2, seq=512):
     import transformers as tf
 
     load0 = os.getloadavg()
@@ -61,27 +65,32 @@ def main(hidden=512, layers=4, vocab=32000, batch=2, seq=512):
            "predicted_start": est.start_bytes, "measured_start": meas.start_bytes,
            "predicted_params": est.parameters + est.buffers, "real_params": real_params, "analytic_params": analytic,
            "predict_seconds": round(t_pred, 1), "load_before": load0, "load_after": os.getloadavg()}
-    import transformers
+    row["shape"] = (f"Llama hidden {hidden}, {layers} layers, vocab {vocab}, batch {batch} x seq {seq}, fp32, "
+                     f"NF4 base (head excluded) + LoRA r=8 q/k/v/o + checkpoint_activations, AdamW, eager lowering")
+    return row
 
-    head = {"torch": torch.__version__, "transformers": transformers.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "device": "CPU (2 shared cores)",
-            "shape": f"Llama hidden {hidden}, {layers} layers, vocab {vocab}, batch {batch} x seq {seq}, fp32, "
-                     f"NF4 base (head excluded) + LoRA r=8 q/k/v/o + checkpoint_activations, AdamW, eager lowering"}
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    os.makedirs(here, exist_ok=True)
-    with open(os.path.join(here, "qlora_bytes.json"), "w") as f:
-        json.dump({"header": head, "row": row}, f, indent=1)
-    md = ["# QLoRA at small scale: predicted vs analytic vs measured\n", f"{head}\n",
-          "| quantity | predicted | analytic | measured |", "|---|---|---|---|",
-          f"| parameter + buffer bytes | {row['predicted_params']} | {analytic} | {real_params} |",
-          f"| bytes live at the step's start | {est.start_bytes} | - | {meas.start_bytes} |",
-          f"| peak of one step | {format_bytes(est.peak_bytes)} ({est.peak_bytes}) | - | "
-          f"{format_bytes(meas.peak_bytes)} ({meas.peak_bytes}) |",
-          f"\npeak error {row['peak_error_pct']:+.4f}%; prediction took {t_pred:.1f} s (load {load0[0]:.1f})"]
-    with open(os.path.join(here, "qlora_bytes.md"), "w") as f:
-        f.write("\n".join(md) + "\n")
-    print("\n".join(md))
+
+def markdown(run: dict) -> str:
+    row = next((r for r in reversed(run["results"]) if r.get("status") == "ok"), None)
+    if row is None:
+        return driver.table(run)
+    return "\n".join([
+        "# QLoRA at small scale: predicted vs analytic vs measured\n", f"{row['shape']}\n",
+        "| quantity | predicted | analytic | measured |", "|---|---|---|---|",
+        f"| parameter + buffer bytes | {row['predicted_params']} | {row['analytic_params']} | {row['real_params']} |",
+        f"| bytes live at the step's start | {row['predicted_start']} | - | {row['measured_start']} |",
+        f"| peak of one step | {format_bytes(row['predicted_peak'])} ({row['predicted_peak']}) | - | "
+        f"{format_bytes(row['measured_peak'])} ({row['measured_peak']}) |",
+        f"\npeak error {row['peak_error_pct']:+.4f}%; prediction took {row['predict_seconds']:.1f} s "
+        f"(load {row['load_before'][0]:.1f})"]) + "\n"
+
+
+def main() -> None:
+    shape = dict(hidden=512, layers=4, vocab=32000, batch=2, seq=512)
+    driver.main(__file__, workload="qlora_bytes", arms=("measure",), markdown=markdown,
+                worker=lambda arm, cfg, device: {"arm": arm, **measure(**{k: cfg[k] for k in shape})},
+                cpu_shape=shape, quick=dict(hidden=256, layers=1, vocab=512, batch=1, seq=64),
+                overrides=tuple(shape))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import arm_main, llama, time_steps, token_batches  # noqa: E402
+import driver  # noqa: E402
+from _common import llama, time_steps, token_batches  # noqa: E402
 
 ARMS = ("peft_lora", "peft_torchao_nf4", "peft_bnb_nf4", "effpass_nf4")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -175,8 +176,12 @@ def markdown(doc: dict) -> str:
 
 
 def main() -> None:
-    arm_main(__file__, arms=ARMS, cpu_shape=CPU_SHAPE, gpu_shape=GPU_SHAPE, worker=worker, markdown=markdown,
-             name="qlora_peers", packages=("peft", "torchao", "bitsandbytes"), overrides=("steps", "lowering"))
+    driver.main(__file__, arms=ARMS,
+                quick=dict(vocab=512, hidden=128, ffn=256, layers=1, heads=2, kv_heads=1, seq=32, steps=1, warmup=0),
+                requires={"peft_lora": ("peft",), "peft_torchao_nf4": ("peft", "torchao"),
+                          "peft_bnb_nf4": ("peft", "bitsandbytes"), "effpass_nf4": ("torchao",)},
+                cpu_shape=CPU_SHAPE, gpu_shape=GPU_SHAPE, worker=worker, markdown=markdown,
+                workload="qlora_peers", packages=("peft", "torchao", "bitsandbytes"), overrides=("steps", "lowering"))
 
 
 if __name__ == "__main__":

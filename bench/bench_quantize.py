@@ -1,29 +1,28 @@
-"""Benchmark of ``quantize_linear``: before/after the torchao rebuild side by side (issue 12, item 5).
+"""Benchmark of ``quantize_linear`` (issue 12, item 5): decode speed, weight bytes and accuracy of the pass's
+formats (``effpass.passes.quantize_linear``, torchao-based).
 
-    python bench/bench_quantize.py            # CPU: small shapes (numbers are CPU numbers and say so)
-    python bench/bench_quantize.py --gpu      # CUDA: the issue's shapes
+    python bench/bench_quantize.py                # CPU: small shapes (numbers are CPU numbers and say so)
+    python bench/bench_quantize.py --compile      # also the compiled arms (default on a GPU)
+    python bench/bench_quantize.py --quick        # smoke run: accuracy + one scheme, 2 steps
 
-Arms (one process; arms interleaved over ``--repeats`` rounds, median reported):
+Arms (each in a fresh process under bench/driver.py, interleaved over ``--repeats`` rounds; median reported):
 
+* ``accuracy`` (first round only): the model in fp32, quantized by the pass for int8 / nf4 / int4: logits SQNR
+  against fp32 and the worst per-layer weight SQNR.
 * decode (b): batch 1, one new token per step, KV cache: a Llama-shaped model in fp32 / bf16 (eager and
-  ``torch.compile``) vs int8 / nf4 / int4 weight-only, each twice: ``legacy_*`` is the hand-written
-  ``QuantizedLinear`` of before the rebuild (kept in ``bench/_legacy_quant.py``), ``new_*`` the torchao-based
-  pass. Reports tokens/s, linear-weight bytes and bytes per quantized parameter, achieved GB/s of weight
-  traffic (weight bytes x tokens/s) and, on GPU, the fraction of the measured device copy bandwidth.
-* accuracy: the same model in fp32, quantized by each implementation: logits SQNR against fp32 and the
-  worst per-layer weight SQNR.
+  ``torch.compile``) vs int8 / nf4 / int4 weight-only. Reports tokens/s, linear-weight bytes and bytes per
+  quantized parameter, achieved GB/s of weight traffic (weight bytes x tokens/s) and, on GPU, the fraction of the
+  measured device copy bandwidth.
 * qlora (a, GPU only): TinyLlama-1.1B-shaped, T=2048: bf16 LoRA vs NF4 QLoRA via effpass, and PEFT +
   bitsandbytes when importable: tokens/s and peak memory.
 
-Results go to ``bench/results/quantize_<device>.json`` with device, versions and date.
+The hand-written formats of before the torchao rebuild were measured beside the new ones on 2026-11-21 (the
+historical run in ``bench/results/quantize_cpu.json``); their copy is gone from the tree, so the ``legacy_*`` arms
+are no longer run. Results are appended to ``bench/results/quantize_<device>.{json,md}``.
 """
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -34,7 +33,8 @@ import effpass
 from effpass.passes import QuantizeLinear
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)  # _legacy_quant
+sys.path.insert(0, HERE)
+import driver  # noqa: E402
 
 
 def llama(hidden, inter, layers, heads, kv, vocab, dtype, device):
@@ -50,16 +50,12 @@ def llama(hidden, inter, layers, heads, kv, vocab, dtype, device):
 
 def linear_bytes(model) -> tuple[int, int, int]:
     """(bytes of every linear weight, bytes of the quantized ones, parameters of the quantized ones)."""
-    from _legacy_quant import QuantizedLinear
     from effpass.quantized import is_quantized, storage_bytes
 
     total = qbytes = qparams = 0
     seen: set = set()
     for m in model.modules():
-        if isinstance(m, QuantizedLinear):
-            b = m.weight_nbytes()
-            total, qbytes, qparams = total + b, qbytes + b, qparams + m.in_features * m.out_features
-        elif isinstance(m, torch.nn.Linear):
+        if isinstance(m, torch.nn.Linear):
             if is_quantized(m.weight):
                 b = storage_bytes(m.weight, seen)
                 qbytes, qparams = qbytes + b, qparams + m.weight.numel()
@@ -69,14 +65,9 @@ def linear_bytes(model) -> tuple[int, int, int]:
     return total, qbytes, qparams
 
 
-def quantize(model, impl: str, scheme: str, compiled: bool):
-    """Quantize every linear but lm_head with the legacy or the new implementation (in place)."""
+def quantize(model, scheme: str, compiled: bool):
+    """Quantize every linear but lm_head with the pass (in place)."""
     kw = {"group_size": 128} if scheme == "int4" else {}
-    if impl == "legacy":
-        from _legacy_quant import legacy_prepare
-
-        legacy_prepare(model, scheme, exclude=["lm_head"], **kw)
-        return effpass.compile(model, passes=[], lowering="inductor") if compiled else model
     passes = [QuantizeLinear(scheme=scheme, exclude=["lm_head"], **kw)]
     if compiled:
         return effpass.compile(model, passes=passes, lowering="inductor")
@@ -135,82 +126,51 @@ def copy_bandwidth(device) -> float | None:
     return 2 * a.numel() * 20 / (time.perf_counter() - t0) / 1e9  # read + write GB/s
 
 
-def bench_decode(args, device):
+#: decode arms: name -> (activation dtype, scheme, compiled); the bf16 base of the quantized arms as before
+DECODE = {"fp32_eager": ("float32", None, False), "bf16_eager": ("bfloat16", None, False),
+          "int8_eager": ("bfloat16", "int8", False), "nf4_eager": ("bfloat16", "nf4", False),
+          "int4_eager": ("bfloat16", "int4", False), "int8_fp32act_eager": ("float32", "int8", False),
+          "bf16_compiled": ("bfloat16", None, True), "int8_compiled": ("bfloat16", "int8", True)}
+QLORA = ("qlora_bf16_lora_effpass", "qlora_nf4_qlora_effpass", "qlora_peft_bnb_qlora")
+ARMS = ("accuracy",) + tuple(DECODE) + QLORA
+
+
+def decode_shape(device) -> dict:
     if device.type == "cuda":  # Llama-shaped, a few GB in bf16 (~2.7B params)
-        shape = dict(hidden=2560, inter=6912, layers=32, heads=20, kv=4, vocab=32000)
-        base_dtype = torch.bfloat16
-    else:  # small: ~50M matmul params (lm_head excluded from quantization, as usual)
-        shape = dict(hidden=1024, inter=2816, layers=4, heads=16, kv=4, vocab=2048)
-        base_dtype = torch.bfloat16
-    # name: (activation dtype, scheme, implementation, compiled)
-    arms = {"fp32_eager": (torch.float32, None, None, False), "bf16_eager": (torch.bfloat16, None, None, False)}
-    for scheme in ("int8", "nf4", "int4"):
-        for impl in ("legacy", "new"):
-            arms[f"{impl}_{scheme}_eager"] = (base_dtype, scheme, impl, False)
-    for impl in ("legacy", "new"):
-        arms[f"{impl}_int8_fp32act_eager"] = (torch.float32, "int8", impl, False)
-    if args.compile:
-        arms["bf16_compiled"] = (torch.bfloat16, None, None, True)
-        for impl in ("legacy", "new"):
-            arms[f"{impl}_int8_compiled"] = (base_dtype, "int8", impl, True)
-    if device.type == "cuda":  # the legacy formats' Triton path is not in the bench copy
-        arms = {k: v for k, v in arms.items() if not k.startswith("legacy") and "fp32" not in k}
-    steps, results = {}, {}
-    for name, (dtype, scheme, impl, comp) in arms.items():
-        model = llama(dtype=dtype, device=device, **shape)
-        if scheme:
-            model = quantize(model, impl, scheme, comp)
-        elif comp:
-            model = torch.compile(model)
-        t0 = time.perf_counter()
-        step = decode_step_fn(model, device)
-        time_steps(step, device, 3)  # warm-up (and compile)
-        total, qbytes, qparams = linear_bytes(model)
-        results[name] = {"dtype": str(dtype).removeprefix("torch."), "scheme": scheme or "none",
-                         "implementation": impl or "-", "compiled": comp,
-                         "warmup_s": round(time.perf_counter() - t0, 2), "linear_weight_bytes": total,
-                         "bytes_per_quantized_param": round(qbytes / qparams, 4) if qparams else None, "times": []}
-        steps[name] = step
-    names = list(steps)
-    for rnd in range(args.repeats):  # interleave arms; a legacy/new pair runs back to back, order alternating
-        order = list(names)
-        if rnd % 2:
-            for i, n in enumerate(order):
-                if n.startswith("legacy_") and i + 1 < len(order) and order[i + 1] == "new_" + n[7:]:
-                    order[i], order[i + 1] = order[i + 1], order[i]
-        for name in order:
-            results[name]["times"].append(time_steps(steps[name], device, args.steps))
-    paired = {}  # median over rounds of legacy time / new time, measured back to back in each round
-    for name in names:
-        if name.startswith("new_") and "legacy_" + name[4:] in results:
-            old_t, new_t = results["legacy_" + name[4:]]["times"], results[name]["times"]
-            paired[name[4:]] = round(statistics.median(o / n for o, n in zip(old_t, new_t)), 3)
+        return dict(hidden=2560, inter=6912, layers=32, heads=20, kv=4, vocab=32000)
+    return dict(hidden=1024, inter=2816, layers=4, heads=16, kv=4, vocab=2048)  # ~50M matmul params
+
+
+def bench_decode_arm(name: str, steps: int, device) -> dict:
+    """One decode arm: build, quantize, warm up (and compile), then the median of ``steps`` decoded tokens."""
+    dtype_name, scheme, comp = DECODE[name]
+    dtype = getattr(torch, dtype_name)
+    shape = decode_shape(device)
+    model = llama(dtype=dtype, device=device, **shape)
+    if scheme:
+        model = quantize(model, scheme, comp)
+    elif comp:
+        model = torch.compile(model)
+    t0 = time.perf_counter()
+    step = decode_step_fn(model, device)
+    time_steps(step, device, 3)  # warm-up (and compile)
+    total, qbytes, qparams = linear_bytes(model)
+    r = {"arm": name, "dtype": dtype_name, "scheme": scheme or "none", "compiled": comp,
+         "warmup_s": round(time.perf_counter() - t0, 2), "linear_weight_bytes": total,
+         "bytes_per_quantized_param": round(qbytes / qparams, 4) if qparams else None, "decode_shape": shape}
+    med = time_steps(step, device, steps)
+    r["ms_per_token"] = round(med * 1e3, 3)
+    r["tokens_per_s"] = round(1 / med, 2)
+    r["weight_GB_per_s"] = round(r["linear_weight_bytes"] * r["tokens_per_s"] / 1e9, 3)
     bw = copy_bandwidth(device)
-    for name, r in results.items():
-        med = statistics.median(r.pop("times"))
-        r["ms_per_token"] = round(med * 1e3, 3)
-        r["tokens_per_s"] = round(1 / med, 2)
-        r["weight_GB_per_s"] = round(r["linear_weight_bytes"] * r["tokens_per_s"] / 1e9, 3)
-        if bw:
-            r["fraction_of_copy_bw"] = round(r["weight_GB_per_s"] / bw, 3)
-    ref = "bf16_compiled" if "bf16_compiled" in results else "bf16_eager"
-    for r in results.values():
-        r[f"speedup_vs_{ref}"] = round(r["tokens_per_s"] / results[ref]["tokens_per_s"], 3)
-    before_after = {}
-    for name, r in results.items():
-        old = results.get("legacy_" + name[4:]) if name.startswith("new_") else None
-        if old:
-            before_after[name[4:]] = {"legacy_tokens_per_s": old["tokens_per_s"], "new_tokens_per_s": r["tokens_per_s"],
-                                      "new_over_legacy": round(r["tokens_per_s"] / old["tokens_per_s"], 3),
-                                      "new_over_legacy_paired_median": paired.get(name[4:]),
-                                      "legacy_bytes_per_param": old["bytes_per_quantized_param"],
-                                      "new_bytes_per_param": r["bytes_per_quantized_param"]}
-    return {"shape": shape, "copy_bandwidth_GB_per_s": bw, "arms": results, "before_after": before_after}
+    if bw:
+        r["copy_bandwidth_GB_per_s"] = bw
+        r["fraction_of_copy_bw"] = round(r["weight_GB_per_s"] / bw, 3)
+    return r
 
 
-def bench_accuracy(device):
-    """fp32 model quantized by each implementation: logits SQNR vs fp32 and worst per-layer weight SQNR."""
-    import _legacy_quant as L
+def bench_accuracy(device, schemes=("int8", "nf4", "int4")):
+    """fp32 model quantized by the pass: logits SQNR vs fp32 and worst per-layer weight SQNR."""
     from effpass.passes.quantize_linear import dequantized_weight, sqnr
 
     shape = dict(hidden=1024, inter=2816, layers=2, heads=16, kv=4, vocab=2048)
@@ -221,21 +181,18 @@ def bench_accuracy(device):
     with torch.no_grad():
         ref = ref_model(input_ids=ids).logits
     out = {}
-    for scheme in ("int8", "nf4", "int4"):
-        for impl in ("legacy", "new"):
-            model = quantize(llama(dtype=torch.float32, device=device, **shape), impl, scheme, False)
-            worst = float("inf")
-            for n, m in model.named_modules():
-                if n in ref_w:
-                    w = m.dequantize(torch.float32) if isinstance(m, L.QuantizedLinear) else dequantized_weight(m)
-                    worst = min(worst, sqnr(ref_w[n], w))
-            with torch.no_grad():
-                logits = model(input_ids=ids).logits
-            _, qbytes, qparams = linear_bytes(model)
-            out[f"{impl}_{scheme}"] = {"logits_sqnr_db": round(sqnr(ref, logits), 2),
-                                       "worst_weight_sqnr_db": round(worst, 2),
-                                       "bytes_per_param": round(qbytes / qparams, 4)}
-    return {"shape": shape, "arms": out}
+    for scheme in schemes:
+        model = quantize(llama(dtype=torch.float32, device=device, **shape), scheme, False)
+        worst = float("inf")
+        for n, m in model.named_modules():
+            if n in ref_w:
+                worst = min(worst, sqnr(ref_w[n], dequantized_weight(m)))
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+        _, qbytes, qparams = linear_bytes(model)
+        out[scheme] = {"logits_sqnr_db": round(sqnr(ref, logits), 2), "worst_weight_sqnr_db": round(worst, 2),
+                       "bytes_per_param": round(qbytes / qparams, 4)}
+    return {"arm": "accuracy", "accuracy_shape": shape, "schemes": out}
 
 
 def bench_qlora(args, device):
@@ -245,6 +202,8 @@ def bench_qlora(args, device):
     targets = ["*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj", "*.gate_proj", "*.up_proj", "*.down_proj"]
     out = {}
     for arm in ("bf16_lora_effpass", "nf4_qlora_effpass", "peft_bnb_qlora"):
+        if args.only and arm != args.only:
+            continue
         try:
             out[arm] = _qlora_arm(arm, shape, T, bs, steps, targets, device)
         except Exception as e:  # one failing arm (e.g. a bitsandbytes build problem) must not lose the rest
@@ -306,45 +265,84 @@ def _qlora_arm(arm, shape, T, bs, steps, targets, device):
             "peak_memory_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 3), "final_loss": float(loss)}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gpu", action="store_true", help="run on CUDA with the issue's shapes")
-    ap.add_argument("--compile", action="store_true", default=None,
-                    help="add torch.compile / effpass-compiled arms (default: on with --gpu, off on CPU)")
-    ap.add_argument("--threads", type=int, default=1, help="CPU threads (1: stable numbers on a shared machine)")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    device = torch.device("cuda" if args.gpu else "cpu")
-    if args.gpu and not torch.cuda.is_available():
-        sys.exit("--gpu given but CUDA is not available")
-    if args.compile is None:
-        args.compile = args.gpu
-    if not args.gpu:
-        torch.set_num_threads(args.threads)
-    import transformers
-    import triton
+def worker(arm: str, cfg: dict, device_name: str) -> dict:
+    import argparse
 
-    result = {
-        "benchmark": "quantize_linear",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()}, "
-                  f"{os.cpu_count()} cores, {torch.get_num_threads()} threads)",
-        "note": ("GPU numbers at the issue's shapes" if device.type == "cuda" else
-                 "CPU numbers at small shapes on a shared 2-core machine: ratios within this run only"),
-        "versions": {"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
-                     "python": platform.python_version()},
-        "accuracy": bench_accuracy(device),
-        "decode": bench_decode(args, device),
-    }
-    if device.type == "cuda":
-        result["qlora"] = bench_qlora(args, device)
-    out = args.out or os.path.join(HERE, "results", f"quantize_{'gpu' if device.type == 'cuda' else 'cpu'}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(json.dumps(result, indent=1))
+    device = torch.device(device_name)
+    if device.type == "cpu":
+        torch.set_num_threads(cfg["threads"])
+    if arm == "accuracy":
+        return bench_accuracy(device, tuple(cfg["schemes"]))
+    if arm in DECODE:
+        return bench_decode_arm(arm, cfg["steps"], device)
+    if device.type != "cuda":
+        return {"arm": arm, "status": "skipped", "error": "the QLoRA arms run on a GPU only"}
+    only = arm.removeprefix("qlora_")
+    r = bench_qlora(argparse.Namespace(steps=cfg["steps"], only=only), device)[only]
+    return {"arm": arm, **r}
+
+
+def default_arms(device: str, compiled: bool, schemes) -> list[str]:
+    arms = ["accuracy"] + [a for a, (dt, sc, comp) in DECODE.items() if (sc is None or sc in schemes)
+                           and (compiled or not comp) and not (device == "cuda" and dt == "float32")]
+    return arms + (list(QLORA) if device == "cuda" else [])
+
+
+def markdown(run: dict) -> str:
+    ok = [r for r in run["results"] if r.get("status") == "ok"]
+    acc = next((r for r in ok if r["arm"] == "accuracy"), None)
+    lines = [f"# quantize_linear benchmark ({run['meta']['device']}, {run['shape']['threads']} CPU thread(s))", ""]
+    if acc:
+        lines += [f"Accuracy (fp32 model {acc['accuracy_shape']}, the pass's formats):", "",
+                  "| scheme | bytes / param | logits SQNR vs fp32 (dB) | worst weight SQNR (dB) |", "|---|---|---|---|"]
+        lines += [f"| {k} | {v['bytes_per_param']} | {v['logits_sqnr_db']} | {v['worst_weight_sqnr_db']} |"
+                  for k, v in acc["schemes"].items()]
+        lines.append("")
+    dec = {}
+    for r in ok:
+        if r["arm"] in DECODE:
+            dec.setdefault(r["arm"], []).append(r)
+    if dec:
+        ref = next((a for a in ("bf16_compiled", "bf16_eager") if a in dec), None)
+        med = {a: statistics.median(x["ms_per_token"] for x in rs) for a, rs in dec.items()}
+        lines += [f"Decode (batch 1, KV cache; {next(iter(dec.values()))[0]['decode_shape']}; median over "
+                  f"{run['meta'].get('repeats')} round(s) of {run['shape']['steps']} tokens):", "",
+                  f"| arm | ms / token | tokens/s | x {ref} | linear weight bytes | bytes / quantized param | "
+                  "weight GB/s |", "|---|---|---|---|---|---|---|"]
+        for a, rs in dec.items():
+            lines.append(f"| {a} | {med[a]:.2f} | {1e3 / med[a]:.1f} | "
+                         f"{med[ref] / med[a] if ref else float('nan'):.2f} | {rs[0]['linear_weight_bytes']:,} | "
+                         f"{rs[0]['bytes_per_quantized_param'] or '-'} | "
+                         f"{rs[0]['linear_weight_bytes'] * 1e3 / med[a] / 1e9:.3f} |")
+    q = [r for r in ok if r["arm"] in QLORA]
+    if q:
+        lines += ["", "QLoRA (TinyLlama-1.1B shape, T=2048):", "", driver.table({"results": q})]
+    bad = [r for r in run["results"] if r.get("status") != "ok"]
+    for r in bad:
+        lines.append(f"\n{r['arm']}: {r.get('status')}: "
+                     f"{(str(r.get('error', '')).strip().splitlines() or ['?'])[-1][:200]}")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    def extra_args(ap):
+        ap.add_argument("--compile", action="store_true", default=None,
+                        help="add torch.compile / effpass-compiled arms (default: on a GPU)")
+
+    def configure(args, cfg):
+        cfg["compile"] = args.compile
+
+    def jobs(chosen, cfg):
+        if chosen == list(ARMS):  # no --arms: the device's default set
+            compiled = cfg["compile"] if cfg["compile"] is not None else cfg["_device"] == "cuda"
+            chosen = default_arms(cfg["_device"], compiled, cfg["schemes"])
+        return [(a, {}) for a in chosen]
+
+    driver.main(__file__, workload="quantize", arms=ARMS, worker=worker, markdown=markdown, repeats=5,
+                cpu_shape=dict(steps=20, threads=1, schemes=["int8", "nf4", "int4"]),
+                quick=dict(steps=2, schemes=["int8"]), overrides=("steps", "threads", "schemes"),
+                extra_args=extra_args, configure=configure, jobs=jobs, once=("accuracy",), alternate=True,
+                packages=("torchao", "peft", "bitsandbytes"))
 
 
 if __name__ == "__main__":

@@ -15,16 +15,15 @@ run with eager kernels). Arms, each ``effpass.compile`` with the default CPU pip
 Per arm: the pass statistics (saved bytes before/after, storage-true), the peak of one forward+backward
 above the bytes live at its start (``effpass.testing.memory.peak_memory``, after a first step that compiles),
 the loss, and the relative gradient error (global norm) against the arm without compression/offload.
-Results: bench/results/saved_activations_cpu.json and .md (device, versions, date, load).
+Each arm runs in a fresh process under bench/driver.py (deadline, results appended per arm to
+bench/results/saved_activations_<device>.{json,md}); the gradients cross processes through a temporary folder.
+
+    .venv/bin/python bench/bench_saved_activations.py --quick   # smoke run: 128 tokens
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import gc
-import json
 import os
-import platform
 import sys
 import time
 
@@ -35,7 +34,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import effpass  # noqa: E402
 from effpass.testing.memory import peak_memory  # noqa: E402
 
-RESULTS = os.environ.get("EFFPASS_BENCH_RESULTS") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import driver  # noqa: E402
+
+#: AOTAutograd's graphs run with this lowering (``--lowering``)
+LOWERING = "eager"
 ARMS = ("none", "none_int8", "none_fp8", "ckpt", "ckpt_int8", "ckpt_offload")
 BASE = {"none_int8": "none", "none_fp8": "none", "ckpt_int8": "ckpt", "ckpt_offload": "ckpt"}
 
@@ -70,7 +73,7 @@ def passes_of(arm: str):
 
 def run_arm(arm: str, seq: int):
     model = build(seq)
-    effpass.compile(model, passes=passes_of(arm), lowering=os.environ.get("LOWERING", "eager"))
+    effpass.compile(model, passes=passes_of(arm), lowering=LOWERING)
     ids = torch.randint(0, 32000, (1, seq), generator=torch.Generator().manual_seed(1))
 
     def step():
@@ -98,44 +101,42 @@ def run_arm(arm: str, seq: int):
     return row, grads
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--arms", default=",".join(ARMS))
-    ap.add_argument("--tag", default="")
-    args = ap.parse_args()
-    arms = args.arms.split(",")
-    for a in arms:
-        if a not in ARMS:
-            raise SystemExit(f"unknown arm {a!r}; choose among {list(ARMS)}")
-    load_before = os.getloadavg()
-    rows, grads = [], {}
-    for arm in arms:
-        row, g = run_arm(arm, args.seq)
-        base = BASE.get(arm)
-        if base in grads:
-            g0 = grads[base]
-            num = sum(float(((g[k] - g0[k]) ** 2).sum()) for k in g0) ** 0.5
-            den = sum(float((g0[k] ** 2).sum()) for k in g0) ** 0.5
-            row["grad_rel_err_vs_" + base] = num / den
-            row["loss_equal_to_" + base] = row["loss"] == next(r["loss"] for r in rows if r["arm"] == base)
-        if arm in BASE.values():
-            grads[arm] = g
-        rows.append(row)
-    meta = dict(device=platform.processor() or platform.machine(), torch=torch.__version__, python=platform.python_version(),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                load_before=load_before, load_after=os.getloadavg(), lowering=os.environ.get("LOWERING", "eager"),
-                cpus=os.cpu_count())
-    os.makedirs(RESULTS, exist_ok=True)
-    stem = os.path.join(RESULTS, f"saved_activations_cpu{args.tag}")
-    with open(stem + ".json", "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    lines = [f"# Saved activations compressed / offloaded (CPU, {args.seq} tokens)", "",
-             f"{meta['date']}, torch {meta['torch']}, lowering {meta['lowering']}, load {load_before} -> "
-             f"{meta['load_after']} on {meta['cpus']} CPUs", "",
+def worker(arm: str, cfg: dict, device: str) -> dict:
+    global LOWERING
+    LOWERING = cfg["lowering"]
+    row, grads = run_arm(arm, cfg["seq"])
+    if cfg.get("_grads_dir"):
+        torch.save(grads, os.path.join(cfg["_grads_dir"], f"{arm}.pt"))
+    return row
+
+
+def compare(grads_dir: str, row: dict, rows: list) -> None:
+    """Gradient error (global norm) and loss equality of an arm against its base arm (BASE), if that ran."""
+    base = BASE.get(row["arm"])
+    path = os.path.join(grads_dir, f"{base}.pt")
+    if base is None or not os.path.exists(path):
+        return
+    g0, g = torch.load(path), torch.load(os.path.join(grads_dir, f"{row['arm']}.pt"))
+    num = sum(float(((g[k] - g0[k]) ** 2).sum()) for k in g0) ** 0.5
+    den = sum(float((g0[k] ** 2).sum()) for k in g0) ** 0.5
+    row["grad_rel_err_vs_" + base] = num / den
+    ref = next((r for r in reversed(rows) if r["arm"] == base and "loss" in r), None)
+    if ref is not None:
+        row["loss_equal_to_" + base] = row["loss"] == ref["loss"]
+
+
+def markdown(run: dict) -> str:
+    meta, cfg = run["meta"], run["shape"]
+    lines = [f"# Saved activations compressed / offloaded ({meta['device']}, {cfg['seq']} tokens)", "",
+             f"{meta['date']}, torch {meta['torch']}, lowering {cfg['lowering']}, load {meta['load_average']} at the "
+             f"start on {meta['cpu_count']} CPUs", "",
              "| arm | saved for backward (pass stats) | compressed / offloaded | fwd+bwd peak | loss | grad rel. err |",
              "|---|---|---|---|---|---|"]
-    for r in rows:
+    for r in run["results"]:
+        if r.get("status") != "ok":
+            lines.append(f"| {r['arm']} | did not run ({r.get('status')}): "
+                         f"{(str(r.get('error', '')).strip().splitlines() or ['?'])[-1][:160]} |||||")
+            continue
         st = r["stats"]
         c = st.get("compress_activations", {})
         o = st.get("offload_activations", {})
@@ -147,9 +148,22 @@ def main():
         err = next((v for k, v in r.items() if k.startswith("grad_rel_err")), None)
         lines.append(f"| {r['arm']} | {saved} | {what} | {r['step_peak'] / 2**20:,.1f} MiB | {r['loss']:.6f} | "
                      f"{'' if err is None else f'{err:.2e}'} |")
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as grads_dir:
+        done: list = []
+
+        def after(row):
+            compare(grads_dir, row, done)
+            done.append(row)
+
+        driver.main(__file__, workload="saved_activations", arms=ARMS, worker=worker, markdown=markdown,
+                    cpu_shape=dict(seq=2048, lowering="eager"), quick=dict(seq=128), overrides=("seq", "lowering"),
+                    configure=lambda args, cfg: cfg.update(_grads_dir=grads_dir), after_arm=after)
 
 
 if __name__ == "__main__":

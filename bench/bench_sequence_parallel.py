@@ -16,17 +16,20 @@ after the other, in one invocation, so the ratios are measured under one load.
   the GPU's peak bf16 FLOP/s, ``--peak-tflops``, H100 SXM 989 by default). ``--fsdp`` adds FSDP2 over all
   ranks, ``--attn flash_attention_2`` the flash kernels.
 
-    python bench/bench_sequence_parallel.py                     # CPU: writes bench/results/sequence_parallel_cpu.{json,md}
-    python bench/bench_sequence_parallel.py --device cuda       # GPU arm: launches torchrun per arm itself
-    python bench/bench_sequence_parallel.py --device cuda --seq 131072 --fsdp --sp 1,2,4,8
+    python bench/bench_sequence_parallel.py                     # appends to bench/results/sequence_parallel_<device>.*
+    python bench/bench_sequence_parallel.py --device cpu --quick  # smoke run: 512 tokens, vocabulary 1,024
+    python bench/bench_sequence_parallel.py --seq 131072 --fsdp --arms 1,2,4,8   # on GPUs
+    python bench/bench_sequence_parallel.py --predict           # 8B/70B per-rank predictions (planner replay)
+
+Each arm (an sp size) runs in a fresh process under bench/driver.py (deadline for the arm's whole process group,
+torchrun and its ranks included; results appended per arm). The vocabulary, length and options are fields of the
+run, not file names.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -35,6 +38,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import driver  # noqa: E402
 
 
 def _model(device: str, vocab: int | None = None, attn: str = "sdpa"):
@@ -142,7 +147,7 @@ PREDICT_SHAPES = {
 PREDICT_ROWS = [("8b", 131072, 8, 8), ("8b", 524288, 8, 8), ("70b", 131072, 16, 8), ("70b", 65536, 8, 8)]
 
 
-def predict(args) -> None:
+def predict_row(shape: str, tokens: int, ranks: int, sp: int) -> dict:
     """Per-rank peak predictions (not measurements) for Llama-3-8B/70B shapes at long sequences under
     ``shard_sequence`` + FSDP2 (ZeRO-3 over all ranks), bf16 parameters, AdamW, full activation checkpointing
     and the fused cross-entropy: the planner's own sequence-parallel path
@@ -157,52 +162,45 @@ def predict(args) -> None:
     from effpass.planning import estimate_memory
     from effpass.planning.sharding import fold_sequence_parallel, sequence_parallel_replay
 
-    rows = []
-    for shape, tokens, ranks, sp in PREDICT_ROWS:
-        cfg = tf.LlamaConfig(**PREDICT_SHAPES[shape], max_position_embeddings=max(tokens, 8192), use_cache=False,
-                             tie_word_embeddings=False)
-        cfg._attn_implementation = "sdpa"
-        with torch.device("meta"):
-            model = tf.LlamaForCausalLM(cfg).to(torch.bfloat16)
-        ids = torch.empty((1, tokens), dtype=torch.long, device="meta")
-        t0 = time.perf_counter()
-        local, restore, terms = sequence_parallel_replay(model, {"input_ids": ids, "labels": ids}, sp)
-        try:
-            one = estimate_memory(model, local, passes=[CheckpointActivations(policy="full"), FuseCrossEntropy()],
-                                  lowering="eager", extrapolate=True)
-        finally:
-            restore()
-        from effpass.planning.estimate import fold_fsdp
-
-        est = fold_sequence_parallel(fold_fsdp(one, ranks, one.largest_unit_bytes), sp, terms)
-        per_rank = est.peak_bytes
-        row = {"shape": shape, "tokens": tokens, "ranks": ranks, "sp": sp, "data_parallel": ranks // sp,
-               "per_rank_bytes": per_rank, "per_rank_gib": per_rank / 2**30, "fits_80gb": per_rank <= 80e9,
-               "start_bytes": est.start_bytes, "peak_phase": one.peak_phase,
-               "parameters_per_rank": est.parameters, "optimizer_per_rank": est.optimizer_states,
-               "gradients_per_rank": est.gradients, "activations": one.activations,
-               "one_rank_step_peak": one.step_peak_bytes, "one_rank_gradients_at_peak": one.gradients_at_peak,
-               "one_rank_non_gradient_peak": one.non_gradient_peak, "one_rank_phase_peaks": one.phase_peaks,
-               "largest_unit_bytes": one.largest_unit_bytes, "sp_terms": terms,
-               "seconds": time.perf_counter() - t0}
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-        del model
-    import transformers
-
+    cfg = tf.LlamaConfig(**PREDICT_SHAPES[shape], max_position_embeddings=max(tokens, 8192), use_cache=False,
+                         tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = tf.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    ids = torch.empty((1, tokens), dtype=torch.long, device="meta")
+    t0 = time.perf_counter()
+    local, restore, terms = sequence_parallel_replay(model, {"input_ids": ids, "labels": ids}, sp)
     try:
-        load = os.getloadavg()
-    except OSError:  # pragma: no cover
-        load = None
-    result = {"kind": "prediction (not measured)", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-        timespec="seconds"), "torch": torch.__version__, "transformers": transformers.__version__, "load_before": load,
-        "method": predict.__doc__, "rows": rows}
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "sequence_parallel_predict.json"), "w") as f:
-        json.dump(result, f, indent=1)
+        one = estimate_memory(model, local, passes=[CheckpointActivations(policy="full"), FuseCrossEntropy()],
+                              lowering="eager", extrapolate=True)
+    finally:
+        restore()
+    from effpass.planning.estimate import fold_fsdp
+
+    est = fold_sequence_parallel(fold_fsdp(one, ranks, one.largest_unit_bytes), sp, terms)
+    per_rank = est.peak_bytes
+    return {"shape": shape, "tokens": tokens, "ranks": ranks, "sp": sp, "data_parallel": ranks // sp,
+            "per_rank_bytes": per_rank, "per_rank_gib": per_rank / 2**30, "fits_80gb": per_rank <= 80e9,
+            "start_bytes": est.start_bytes, "peak_phase": one.peak_phase,
+            "parameters_per_rank": est.parameters, "optimizer_per_rank": est.optimizer_states,
+            "gradients_per_rank": est.gradients, "activations": one.activations,
+            "one_rank_step_peak": one.step_peak_bytes, "one_rank_gradients_at_peak": one.gradients_at_peak,
+            "one_rank_non_gradient_peak": one.non_gradient_peak, "one_rank_phase_peaks": one.phase_peaks,
+            "largest_unit_bytes": one.largest_unit_bytes, "sp_terms": terms,
+            "seconds": time.perf_counter() - t0}
+
+
+PREDICT_ARMS = {f"{shape}_{tokens}_{ranks}gpu_sp{sp}": (shape, tokens, ranks, sp)
+                for shape, tokens, ranks, sp in PREDICT_ROWS}
+
+
+def predict_markdown(run: dict) -> str:
+    m = run["meta"]
+    rows = [r for r in run["results"] if r.get("status") == "ok"]
     lines = ["# shard_sequence: per-rank peak PREDICTIONS (planner replay, not measured)", "",
-             f"{result['date']}, torch {torch.__version__}, transformers {transformers.__version__}; bf16, AdamW, "
-             "FSDP2 over all ranks, full checkpointing, fused cross-entropy, one sequence per data group", "",
+             f"{m['date']}, torch {m['torch']}, transformers {m['transformers']}; bf16, AdamW, "
+             "FSDP2 over all ranks, full checkpointing, fused cross-entropy, one sequence per data group. "
+             "Method: " + " ".join((predict_row.__doc__ or "").split()), "",
              "| model | tokens | GPUs | sp | data | predicted peak / GPU | params + AdamW / GPU | gradients / GPU | "
              "saved activations | fits 80 GB | replay s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -211,66 +209,44 @@ def predict(args) -> None:
                      f"{(r['parameters_per_rank'] + r['optimizer_per_rank']) / 2**30:.1f} GiB | "
                      f"{r['gradients_per_rank'] / 2**30:.1f} GiB | {r['activations'] / 2**30:.1f} GiB | "
                      f"{'yes' if r['fits_80gb'] else 'no'} | {r['seconds']:.0f} |")
-    with open(os.path.join(HERE, "results", "sequence_parallel_predict.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    for r in run["results"]:
+        if r.get("status") != "ok":
+            lines.append(f"\n{r['arm']}: {r.get('status')}: "
+                         f"{(str(r.get('error', '')).strip().splitlines() or ['?'])[-1][:200]}")
+    return "\n".join(lines) + "\n"
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--sp", default=None, help="comma-separated arms: sizes, '1n' = one process without the pass "
-                    "(default: 1n,1,2,4 on CPU; 1n,1,2,4,8 on GPU)")
-    ap.add_argument("--seq", type=int, default=None)
-    ap.add_argument("--steps", type=int, default=1)
-    ap.add_argument("--peak-tflops", type=float, default=989.0, help="GPU bf16 dense peak (H100 SXM: 989)")
-    ap.add_argument("--tag", default="")
-    ap.add_argument("--no-pass-at-1", action="store_true", help="sp=1 without the pass (Hugging Face's own masks)")
-    ap.add_argument("--vocab", type=int, default=None, help="CPU model's vocabulary (default 8192)")
-    ap.add_argument("--fsdp", action="store_true", help="also shard parameters with FSDP2 (wrap_fsdp) over all ranks")
-    ap.add_argument("--attn", default="sdpa", help="attn_implementation (sdpa, flash_attention_2, eager)")
-    ap.add_argument("--predict", action="store_true", help="per-rank predictions for 8B/70B shapes (planner replay)")
-    ap.add_argument("--worker", action="store_true")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    if args.seq is None:
-        args.seq = 32768 if args.device == "cuda" else 8192
-    if args.worker:
-        return worker(args)
-    if args.predict:
-        return predict(args)
-    arms = (args.sp or ("1n,1,2,4,8" if args.device == "cuda" else "1n,1,2,4")).split(",")
-    if args.device == "cuda":
-        import torch
+ARMS = ("1n", "1", "2", "4", "8")
 
-        arms = [a for a in arms if int(a.rstrip("n")) <= torch.cuda.device_count()]
-    sizes = arms
-    try:
-        load = os.getloadavg()
-    except OSError:  # pragma: no cover
-        load = None
-    rows = {}
-    for sp in sizes:
-        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-            out = f.name
-        nopass = str(sp).endswith("n") or args.no_pass_at_1
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(sp).rstrip("n"),
-               os.path.abspath(__file__), "--worker", "--device", args.device, "--seq", str(args.seq),
-               "--steps", str(args.steps), *(["--vocab", str(args.vocab)] if args.vocab else []),
-               *(["--fsdp"] if args.fsdp else []), "--attn", args.attn,
-               *(["--no-pass-at-1"] if nopass else []), "--peak-tflops", str(args.peak_tflops), "--out", out]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": ROOT}
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
-        if proc.returncode:
-            print(proc.stdout[-2000:], proc.stderr[-4000:], file=sys.stderr)
-            raise SystemExit(f"sp={sp} failed")
-        rows[sp] = json.load(open(out))
-        r = max(rows[sp], key=lambda x: x["peak_bytes"])
-        print(f"sp={sp}: peak/rank {r['peak_bytes'] / 2**20:.1f} MiB (during step {r['allocated_during_step'] / 2**20:.1f}"
-              f" MiB), step {max(x['step_s'] for x in rows[sp]):.2f} s", flush=True)
-    import torch
-    import transformers
 
+def sp_worker(arm: str, cfg: dict, device: str) -> dict:
+    """One sp arm: a ``torchrun`` job of ``sp`` ranks (``--rank-worker``); the per-rank rows."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    nopass = arm.endswith("n") or cfg["no_pass_at_1"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", arm.rstrip("n"),
+           os.path.abspath(__file__), "--rank-worker", "--device", device, "--seq", str(cfg["seq"]),
+           "--steps", str(cfg["steps"]), *(["--vocab", str(cfg["vocab"])] if cfg["vocab"] else []),
+           *(["--fsdp"] if cfg["fsdp"] else []), "--attn", cfg["attn"],
+           *(["--no-pass-at-1"] if nopass else []), "--peak-tflops", str(cfg["peak_tflops"]), "--out", out]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": ROOT}
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+    if proc.returncode:
+        sys.stderr.write(proc.stdout[-2000:] + proc.stderr[-4000:])
+        raise SystemExit(f"sp={arm} failed (torchrun exit code {proc.returncode})")
+    with open(out) as f:
+        rows = json.load(f)
+    os.unlink(out)
+    return {"arm": arm, "per_rank": rows}
+
+
+def sp_markdown(run: dict) -> str:
+    m, cfg = run["meta"], run["shape"]
+    cuda = m.get("device_tag", "cpu") != "cpu"
+    rows = {r["arm"]: r["per_rank"] for r in run["results"] if r.get("status") == "ok"}
+    if not rows:
+        return driver.table(run)
+    sizes = list(rows)
     base = rows["1"] if "1" in rows else rows[sizes[0]]
     b_peak = max(x["peak_bytes"] for x in base)
     b_during = max(x["allocated_during_step"] for x in base)
@@ -280,40 +256,74 @@ def main():
         peak = max(x["peak_bytes"] for x in rows[sp])
         during = max(x["allocated_during_step"] for x in rows[sp])
         t = max(x["step_s"] for x in rows[sp])
-        s = {"sp": sp, "pass": not sp.endswith("n"), "peak_mib": peak / 2**20, "during_step_mib": during / 2**20, "step_s": t,
-             "peak_ratio": peak / b_peak, "during_step_ratio": during / b_during, "time_ratio": t / b_t,
-             "tokens_per_s": args.seq / t}
-        if args.device == "cuda":
+        s = {"sp": sp, "pass": not sp.endswith("n"), "peak_mib": peak / 2**20, "during_step_mib": during / 2**20,
+             "step_s": t, "peak_ratio": peak / b_peak, "during_step_ratio": during / b_during, "time_ratio": t / b_t,
+             "tokens_per_s": cfg["seq"] / t}
+        if cuda:
             s["mfu"] = statistics.mean(x["mfu"] for x in rows[sp])
         summary.append(s)
     nop = rows.get("1n")
     for s_ in summary:
         if nop:
             s_["peak_ratio_vs_no_pass"] = s_["peak_mib"] * 2**20 / max(x["peak_bytes"] for x in nop)
-    result = {"device": args.device, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-              "cpu_count": os.cpu_count(), "load_before": load, "seq": args.seq, "steps": args.steps,
-              "vocab": args.vocab, "summary": summary, "per_rank": {str(k): v for k, v in rows.items()}}
-    name = f"sequence_parallel_{args.device}{args.tag}"
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", name + ".json"), "w") as f:
-        json.dump(result, f, indent=1)
-    lines = [f"# shard_sequence: per-rank peak and step time ({args.device}, {args.seq} tokens, one sequence, vocabulary {args.vocab or 'default'})", "",
-             f"{result['date']}, torch {torch.__version__}, transformers {transformers.__version__}, "
-             f"{os.cpu_count()} CPUs, load average before {load}", "",
+    lines = [f"# shard_sequence: per-rank peak and step time ({m.get('device_tag')}, {cfg['seq']} tokens, one sequence, "
+             f"vocabulary {cfg['vocab'] or 'default'})", "",
+             f"{m['date']}, torch {m['torch']}, transformers {m['transformers']}, "
+             f"{m['cpu_count']} CPUs, load average before {m['load_average']}", "",
              "Arms: `1n` = one process without the pass (Hugging Face's own masks); `1`, `2`, `4` = the pass with "
              "groups of 1, 2, 4 ranks. Ratios against arm `1` (and against `1n`).", "",
              "| arm | peak / rank (MiB) | allocated during step (MiB) | step (s) | peak ratio | vs 1n | during-step ratio | time ratio |"
-             + (" MFU |" if args.device == "cuda" else ""),
-             "|---|---|---|---|---|---|---|---|" + ("---|" if args.device == "cuda" else "")]
+             + (" MFU |" if cuda else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|" if cuda else "")]
     for s in summary:
         lines.append(f"| {s['sp']} | {s['peak_mib']:.1f} | {s['during_step_mib']:.1f} | {s['step_s']:.2f} | "
                      f"{s['peak_ratio']:.3f} | {s.get('peak_ratio_vs_no_pass', float('nan')):.3f} | "
                      f"{s['during_step_ratio']:.3f} | {s['time_ratio']:.2f} |"
-                     + (f" {s['mfu']:.3f} |" if args.device == "cuda" else ""))
-    with open(os.path.join(HERE, "results", name + ".md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+                     + (f" {s['mfu']:.3f} |" if cuda else ""))
+    for r in run["results"]:
+        if r.get("status") != "ok":
+            lines.append(f"\n{r['arm']}: {r.get('status')}: "
+                         f"{(str(r.get('error', '')).strip().splitlines() or ['?'])[-1][:200]}")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    if "--rank-worker" in sys.argv:  # one rank of an arm's torchrun job
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--rank-worker", action="store_true")
+        ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+        ap.add_argument("--seq", type=int)
+        ap.add_argument("--steps", type=int, default=1)
+        ap.add_argument("--peak-tflops", type=float, default=989.0)
+        ap.add_argument("--no-pass-at-1", action="store_true")
+        ap.add_argument("--vocab", type=int, default=None)
+        ap.add_argument("--fsdp", action="store_true")
+        ap.add_argument("--attn", default="sdpa")
+        ap.add_argument("--out", default=None)
+        return worker(ap.parse_args())
+    if "--predict" in sys.argv or any(a in PREDICT_ARMS for a in sys.argv):  # (an arm's worker: its name says)
+        if "--predict" in sys.argv:
+            sys.argv.remove("--predict")
+        return driver.main(__file__, workload="sequence_parallel_predict", arms=tuple(PREDICT_ARMS),
+                           worker=lambda arm, cfg, device: {"arm": arm, **predict_row(*PREDICT_ARMS[arm])},
+                           markdown=predict_markdown, cpu_shape={}, overrides=(), deadline_s=3 * 3600,
+                           meta_extra=lambda cfg: {"argv": ["bench/bench_sequence_parallel.py", "--predict"]
+                                                   + sys.argv[1:]})
+
+    def jobs(chosen, cfg):
+        if chosen == list(ARMS):  # no --arms: 1n,1,2,4 on CPU; on GPUs those with at most as many ranks as GPUs
+            if cfg["_device"] == "cuda":
+                import torch
+
+                chosen = [a for a in ARMS if int(a.rstrip("n")) <= torch.cuda.device_count()]
+            else:
+                chosen = ["1n", "1", "2", "4"]
+        return [(a, {}) for a in chosen]
+
+    opts = dict(steps=1, vocab=0, fsdp=False, attn="sdpa", no_pass_at_1=False, peak_tflops=989.0)
+    driver.main(__file__, workload="sequence_parallel", arms=ARMS, worker=sp_worker, markdown=sp_markdown,
+                cpu_shape=dict(seq=8192, **opts), gpu_shape=dict(seq=32768, **opts), quick=dict(seq=512, vocab=1024),
+                overrides=("seq", "steps", "vocab", "fsdp", "attn", "no_pass_at_1", "peak_tflops"), jobs=jobs)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import arm_main, llama, time_steps, token_batches  # noqa: E402
+import driver  # noqa: E402
+from _common import llama, time_steps, token_batches  # noqa: E402
 
 ARMS = ("hf_eager", "alst_tiled_mlp", "effpass_untiled", "effpass_tiled", "effpass_tiled_alst_rows")
 CPU_SHAPE = dict(vocab=2048, hidden=256, ffn=1024, layers=2, heads=4, kv_heads=2, seq=8192, batch=1,
@@ -174,9 +175,12 @@ def main() -> None:
         def diff(r: dict) -> None:
             r["grad_rel_diff"] = grad_diff(gpath, r["arm"])
 
-        arm_main(__file__, arms=ARMS, cpu_shape=CPU_SHAPE, gpu_shape=GPU_SHAPE, worker=worker, markdown=markdown,
-                 name="tiled_mlp", packages=("deepspeed",), overrides=("seq", "steps", "lowering"),
-                 env={"TILED_MLP_GRADS": gpath}, after_arm=diff)
+        driver.main(__file__, arms=ARMS,
+                    quick=dict(vocab=256, hidden=64, ffn=128, layers=1, heads=2, kv_heads=1, seq=512, steps=1, warmup=0),
+                    requires={"alst_tiled_mlp": ("deepspeed",)},
+                    cpu_shape=CPU_SHAPE, gpu_shape=GPU_SHAPE, worker=worker, markdown=markdown,
+                    workload="tiled_mlp", packages=("deepspeed",), overrides=("seq", "steps", "lowering"),
+                    env={"TILED_MLP_GRADS": gpath}, after_arm=diff)
 
 
 if __name__ == "__main__":

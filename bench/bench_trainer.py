@@ -27,18 +27,20 @@ eager (measured: 5-15x more CPU time per step with 2 threads at a load of 8 on 2
 therefore run with ``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets it (``--omp-wait-policy ""``
 keeps libgomp's default); ``--threads N`` sets ``torch.set_num_threads``. Both are recorded.
 
-    python bench/bench_trainer.py                  # all arms; writes bench/results/trainer_<device>.json and .md
-    python bench/bench_trainer.py --steps 4 --warmup 2
+    python bench/bench_trainer.py                  # all arms; appends to bench/results/trainer_<device>.{json,md}
+    python bench/bench_trainer.py --steps 4 --warmup 2 --repeats 2
+    python bench/bench_trainer.py --quick          # smoke run: 1 step after 1
+
+Each arm runs in a fresh process under bench/driver.py (deadline, interleaved rounds, results appended per arm);
+the table reports each arm's best round (lowest CPU ms/step).
 """
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import os
-import platform
-import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import driver  # noqa: E402
 
 ARMS = ("eager", "torch_compile", "effpass", "effpass_default")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -135,70 +137,28 @@ def run_arm(arm: str, device: str, steps: int, warmup: int, threads: int | None 
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--arms", default=",".join(ARMS))
-    ap.add_argument("--steps", type=int, default=8, help="timed steps per arm (after the warm-up)")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed first steps (compile)")
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in each arm (default: torch's)")
-    ap.add_argument("--omp-wait-policy", default="PASSIVE",
-                    help="OMP_WAIT_POLICY for the arms unless already set ('' keeps libgomp's default); see NOTE(threads)")
-    ap.add_argument("--rounds", type=int, default=1, help="run the arms this many times, interleaved; the best "
-                    "round (lowest CPU ms/step) of each arm is reported")
-    ap.add_argument("--arm", help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args()
-    import torch
+def worker(arm: str, cfg: dict, device: str) -> dict:
+    res = run_arm(arm, device, cfg["steps"], cfg["warmup"], cfg["threads"] or None)
+    res["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
+    res["load_average_1m"] = os.getloadavg()[0]
+    return res
 
-    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if a.arm:  # child process: one arm
-        print(json.dumps(run_arm(a.arm, device, a.steps, a.warmup, a.threads)))
-        return
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    if a.omp_wait_policy and "OMP_WAIT_POLICY" not in os.environ:
-        env["OMP_WAIT_POLICY"] = a.omp_wait_policy
+
+def markdown(run: dict) -> str:
+    meta, cfg = run["meta"], run["shape"]
     best: dict[str, dict] = {}
-    loads = []
-    for rnd in range(a.rounds):
-        for arm in a.arms.split(","):
-            cmd = [sys.executable, __file__, "--arm", arm, "--device", device, "--steps", str(a.steps),
-                   "--warmup", str(a.warmup)] + (["--threads", str(a.threads)] if a.threads else [])
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            if proc.returncode != 0:
-                print(proc.stderr[-3000:], file=sys.stderr)
-                raise SystemExit(f"arm {arm} failed")
-            res = json.loads(proc.stdout.strip().splitlines()[-1])
-            res["round"] = rnd
-            res["load_average_1m"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-            loads.append(res["load_average_1m"])
-            if arm not in best or res["cpu_ms_per_step"] < best[arm]["cpu_ms_per_step"]:
-                best[arm] = res
-            print(f"[{rnd}] {arm:<14} {res['steps_per_s']:.3f} steps/s  {res['step_ms']:.1f} ms/step  "
-                  f"cpu {res['cpu_ms_per_step']:.1f} ms/step  peak {res['peak_step_bytes'] / 2**20:.1f} MiB  "
-                  f"first {a.warmup} steps {res['first_steps_s']:.1f} s  load {res['load_average_1m']}")
-    results = [best[arm] for arm in a.arms.split(",")]
-    import transformers
-
-    base = next(r for r in results if r["arm"] == "eager") if any(r["arm"] == "eager" for r in results) else None
-    meta = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "shape": GPU_SHAPE if device == "cuda" else CPU_SHAPE, "steps": a.steps, "warmup": a.warmup,
-            "lora": {"r": 16, "alpha": 32, "targets": TARGETS}, "rounds": a.rounds,
-            "threads": results[0].get("threads"), "omp_wait_policy": env.get("OMP_WAIT_POLICY"),
-            "load_average_1m_after_each_arm": loads,
-            "load_average_1m_at_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
-    os.makedirs(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"), exist_ok=True)
-    path = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"trainer_{device}.json")
-    path = path if path.endswith(".json") else path + ".json"  # the .md is written beside it
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=2)
-    lines = [f"# Trainer LoRA fine-tuning: eager vs torch.compile vs effpass ({device})", "",
+    for r in run["results"]:
+        if r.get("status") == "ok" and (r["arm"] not in best or r["cpu_ms_per_step"] < best[r["arm"]]["cpu_ms_per_step"]):
+            best[r["arm"]] = r
+    results = list(best.values())
+    loads = [r.get("load_average_1m") for r in run["results"] if r.get("status") == "ok"]
+    base = best.get("eager")
+    omp = results[0].get("omp_wait_policy") if results else None
+    lines = [f"# Trainer LoRA fine-tuning: eager vs torch.compile vs effpass ({meta.get('device_tag')})", "",
              f"{meta['date']}, {meta['device']} ({meta['cpu_count']} cores), torch {meta['torch']}, "
-             f"transformers {meta['transformers']}; {a.steps} timed steps after {a.warmup} warm-up steps; "
-             f"{meta['threads']} torch threads, OMP_WAIT_POLICY={meta['omp_wait_policy']}; best of {a.rounds} "
-             f"interleaved round(s) per arm (by CPU time); 1-minute load average after each arm: "
+             f"transformers {meta['transformers']}; {cfg['steps']} timed steps after {cfg['warmup']} warm-up steps; "
+             f"{results[0].get('threads') if results else '?'} torch threads, OMP_WAIT_POLICY={omp}; best of "
+             f"{meta.get('repeats')} interleaved round(s) per arm (by CPU time); 1-minute load average after each arm: "
              f"{', '.join(f'{x:.1f}' for x in loads if x is not None)}. The CPU is shared: compare ratios only.", "",
              "| arm | CPU ms/step | vs eager | wall ms/step (min) | steps/s | vs eager | peak step memory (MiB) | vs eager "
              "| first steps (s) | graph breaks | recompiles | max abs loss diff vs eager |",
@@ -212,9 +172,29 @@ def main() -> None:
         lines.append(f"| {r['arm']} | {r['cpu_ms_per_step']:.1f} | {cpu} | {r['step_ms']:.1f} ({r['step_ms_min']:.1f}) | "
                      f"{r['steps_per_s']:.3f} | {sp} | {r['peak_step_bytes'] / 2**20:.1f} | {mem} | "
                      f"{r['first_steps_s']:.1f} | {dyn.get('graph_breaks', '')} | {dyn.get('recompiles', '')} | {dl} |")
-    with open(path[:-5] + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {path}")
+    for r in run["results"]:
+        if r.get("status") != "ok":
+            lines.append(f"\n{r['arm']}: {r.get('status')}: "
+                         f"{(str(r.get('error', '')).strip().splitlines() or ['?'])[-1][:200]}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    def extra_args(ap):
+        ap.add_argument("--omp-wait-policy", default="PASSIVE",
+                        help="OMP_WAIT_POLICY for the arms unless already set ('' keeps libgomp's default); "
+                             "see NOTE(threads)")
+
+    env = {"PYTHONWARNINGS": "ignore"}
+    if "OMP_WAIT_POLICY" not in os.environ:
+        wait = next((sys.argv[i + 1] for i, x in enumerate(sys.argv[:-1]) if x == "--omp-wait-policy"), "PASSIVE")
+        if wait:
+            env["OMP_WAIT_POLICY"] = wait
+    shape = dict(steps=8, warmup=3, threads=0)
+    driver.main(__file__, workload="trainer", arms=ARMS, worker=worker, markdown=markdown, cpu_shape=shape,
+                quick=dict(steps=1, warmup=1), overrides=("steps", "warmup", "threads"), extra_args=extra_args,
+                env=env, packages=("peft", "accelerate"),
+                requires={a: ("peft",) for a in ("eager", "torch_compile")})
 
 
 if __name__ == "__main__":

@@ -11,21 +11,42 @@ Workloads whose result file is absent are listed as "not measured yet" rather th
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import driver  # noqa: E402
+
 RESULTS = os.path.join(HERE, "results")
 README = os.path.join(os.path.dirname(HERE), "README.md")
 BEGIN, END = "<!-- peers:begin (bench/peer_table.py) -->", "<!-- peers:end -->"
 
 
-def _load(name):
-    path = os.path.join(RESULTS, name)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
+def _load(stem, label="", has=()):
+    """The newest run of ``bench/results/<stem>.json`` with this ``label`` (a label or a tuple of labels; the
+    driver's default run is ``""``) and, if ``has`` names arms, with one of them; None if there is none."""
+    labels = (label,) if isinstance(label, str) else tuple(label)
+    for run in reversed(driver.runs(os.path.join(RESULTS, stem))):
+        if (run.get("label") or "") not in labels:
+            continue
+        arms = {r.get("arm") for r in run.get("results", []) if isinstance(r, dict)} | set(run.get("arms") or ())
+        if has and not arms & set(has):
+            continue
+        return run
+    return None
+
+
+def _best_arms(run):
+    """A run's arms: the historical ``arms`` summary, or per arm its best round (lowest median step)."""
+    if "arms" in run:
+        return run["arms"]
+    best = {}
+    for r in run.get("results", []):
+        if r.get("status", "ok") == "ok" and (r["arm"] not in best or
+                                              r["median_step_s"] < best[r["arm"]]["median_step_s"]):
+            best[r["arm"]] = r
+    return best
 
 
 def _r(x, y):
@@ -33,14 +54,14 @@ def _r(x, y):
 
 
 def fused_loss(rows):
-    for name in ("cross_entropy_peers_cpu.json", "cross_entropy_cuda.json"):
-        _fused_loss_file(rows, name)
+    peers = ("cce", "liger", "trl_chunked")
+    _fused_loss_file(rows, "cross_entropy_cpu", _load("cross_entropy_cpu", ("", "peers"), has=peers))
+    _fused_loss_file(rows, "cross_entropy_cuda-h100", _load("cross_entropy_cuda-h100", ("", "peers"), has=peers))
 
 
-def _fused_loss_file(rows, name):
-    d = _load(name)
+def _fused_loss_file(rows, name, d):
     if d is None:
-        if name.endswith("_cpu.json"):
+        if name.endswith("_cpu"):
             rows.append(("fused linear + cross-entropy", "Liger, Cut Cross-Entropy, TRL chunked, torch chunked",
                          "not measured yet", "", "", "bench/bench_cross_entropy.py"))
         return
@@ -73,10 +94,10 @@ def _fused_loss_file(rows, name):
 
 
 def lora(rows):
-    d = _load("lora_cpu.json")
+    d = _load("lora_cpu")
     if d is None:
         return
-    a, v = d["arms"], d["versions"]
+    a, v = _best_arms(d), d.get("versions") or d["meta"]
     for peer, label in (("peft_eager", "PEFT (eager)"), ("peft_compile", "PEFT + torch.compile")):
         rows.append(("LoRA", label, _r(a["effpass"]["peak_rss_gib"], a[peer]["peak_rss_gib"]) + " peak RSS",
                      _r(a["effpass"]["median_step_s"], a[peer]["median_step_s"]) + " step",
@@ -84,32 +105,45 @@ def lora(rows):
 
 
 def checkpointing(rows):
-    d = _load("checkpoint_cpu.json")
-    sac = _load("checkpoint_cpu_sac.json")  # a run of the arms none, torch_sac, effpass_ops alone
+    d = _load("checkpoint_cpu")
+    sac = _load("checkpoint_cpu", "arms none, torch_sac, effpass_ops")  # a run of those arms alone
     if d is None and sac is None:
         return
     for peer, ours, label in (("torch_budget", "effpass_budget", "torch activation_memory_budget"),
                               ("torch_sac", "effpass_ops", "torch selective checkpointing (save matmuls/attention)"),
                               ("torch_block_ckpt", "effpass_full", "torch.utils.checkpoint per block")):
-        run = next((x for x in (d, sac) if x and peer in x["arms"] and ours in x["arms"]), None)
+        run = next((x for x in (d, sac) if x and peer in _checkpoint_arms(x) and ours in _checkpoint_arms(x)), None)
         if run is None:
             rows.append(("activation checkpointing", label, "not measured yet (arm absent from the results)", "", "",
                          "bench/bench_checkpoint.py"))
             continue
-        p, o = run["arms"][peer], run["arms"][ours]
+        p, o = _checkpoint_arms(run)[peer], _checkpoint_arms(run)[ours]
         mem = (f"{_r(o['saved_bytes_hook'], p['saved_bytes_hook'])} saved for backward ({o['saved_bytes_hook'] / 2**20:,.1f}"
                f" vs {p['saved_bytes_hook'] / 2**20:,.1f} MiB, saved-tensor hook)")
         rows.append(("activation checkpointing", label, mem, _r(o["step_s_median"], p["step_s_median"]) + " step (wall)",
-                     _where(run["versions"]), "bench/bench_checkpoint.py"))
+                     _where(run.get("versions") or run["meta"]), "bench/bench_checkpoint.py"))
+
+
+def _checkpoint_arms(run):
+    """Per arm: the historical summary, or the first round with the median step over the rounds."""
+    if "arms" in run:
+        return run["arms"]
+    import statistics
+
+    out = {}
+    for arm in {r["arm"] for r in run["results"] if r.get("status") == "ok"}:
+        rs = [r for r in run["results"] if r["arm"] == arm and r.get("status") == "ok"]
+        out[arm] = {**rs[0], "step_s_median": statistics.median(r["step_s_median"] for r in rs)}
+    return out
 
 
 def packing(rows):
-    runs = [x for x in (_load("packing_cpu.json"), _load("packing_cpu_quick.json"), _load("packing_cpu_idle.json")) if x]
+    runs = [x for x in (_load("packing_cpu"), _load("packing_cpu", "quick"), _load("packing_cpu", "idle")) if x]
     # the run with the peer as its users run it (transformers' collator, correct masks) first
     d = next((x for x in runs if any(r["arm"] == "hf_flattening" for r in x["results"])), runs[0] if runs else None)
     if d is None:
         return
-    a = {r["arm"]: r for r in d["results"]}
+    a = {r["arm"]: r for r in d["results"] if r.get("status", "ok") == "ok"}
     p, o = a.get("hf_flattening"), a.get("packed_effpass")
     label = "HF DataCollatorWithFlattening + SDPA (use_cache=False)"
     if p is None:
@@ -123,11 +157,8 @@ def packing(rows):
 
 
 def moe(rows):
-    for name in ("moe_cpu.json", "bench_moe_cpu.json"):
-        d = _load(name)
-        if d is not None:
-            break
-    else:
+    d = _load("moe_cpu")
+    if d is None:
         return rows.append(("MoE LoRA (experts)", "PEFT target_parameters", "not measured yet", "", "", "bench/bench_moe.py"))
     arms = d.get("arms") or {r["arm"]: r for r in d.get("results", [])}
     ours = arms.get("effpass")
@@ -154,7 +185,7 @@ def _failed(p):
 
 
 def qlora(rows):
-    d = _load("qlora_peers_cpu.json")
+    d = _load("qlora_peers_cpu")
     script = "bench/bench_qlora_peers.py"
     if d is None:
         return rows.append(("QLoRA", "PEFT + torchao NF4, PEFT + bitsandbytes NF4", "not measured yet", "", "", script))
@@ -177,7 +208,7 @@ def qlora(rows):
 
 
 def optim8bit(rows):
-    d = _load("optim8bit_cpu.json")
+    d = _load("optim8bit_cpu")
     script = "bench/bench_optim8bit.py"
     if d is None:
         return rows.append(("8-bit optimizer states", "torchao AdamW8bit, bitsandbytes AdamW8bit", "not measured yet",
@@ -200,7 +231,7 @@ def optim8bit(rows):
 
 
 def tiled(rows):
-    d = _load("tiled_mlp_cpu.json")
+    d = _load("tiled_mlp_cpu")
     script = "bench/bench_tiled_mlp.py"
     if d is None:
         return rows.append(("tiled MLP (long sequence)", "ALST TiledMLP (DeepSpeed)", "not measured yet", "", "", script))
@@ -230,7 +261,7 @@ def table() -> str:
            "|---|---|---|---|---|---|"]
     out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     out += ["", "Ratios below 1 favour effpass (except tokens/s). CPU figures come from the shared 2-core machine; "
-            "compare within a row only. GPU rows: one H100 run (2026-11-27, bench/results/gpu_check_2026-11-27.md), taken "
+            "compare within a row only. GPU rows: one H100 run (2026-11-27, bench/results/gpu_check_cuda-h100.md), taken "
             "before the fused head stopped keeping an fp32 weight-sized gradient buffer on bf16 models (not rerun on a "
             "GPU since; docs/passes/fuse_cross_entropy.md); the "
             "other scripts' GPU arms are written and have not run. bitsandbytes (0.50) and DeepSpeed's TiledMLP ran on "

@@ -2,9 +2,11 @@
 subprocesses included: spawned ranks, torchrun, Inductor's g++), the load average around it and the slowest
 tests (pytest --durations). CPU is the figure to compare on a shared machine: wall grows with the load.
 
-    python bench/suite_times.py [tests/test_a.py ...] [--top 10] [--out bench/results/suite_times]
+    python bench/suite_times.py [tests/core/test_a.py ...] [--top 10] [--deadline 1800] [--label TEXT] [--out STEM]
 
-Writes OUT.json and OUT.md (device, versions, date, load). Run it on a quiet machine for figures to quote.
+Each file is an arm of bench/driver.py: timed in a fresh process (its pytest a child of it) under a deadline, its row
+appended to OUT.json and OUT.md (default bench/results/suite_times_<device>; device, versions, commit, date, load)
+as soon as it ends. Run it on a quiet machine for figures to quote.
 """
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ import datetime
 import json
 import os
 import pathlib
-import platform
 import re
 import resource
 import subprocess
@@ -21,6 +22,9 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import driver  # noqa: E402
+
 _DUR = re.compile(r"^([\d.]+)s (call|setup|teardown)\s+(\S+)")
 
 
@@ -45,33 +49,47 @@ def time_file(path: str, top: int) -> dict:
             "slowest": slow}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("files", nargs="*", help="test files (default: every tests/test_*.py)")
-    ap.add_argument("--top", type=int, default=10)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "suite_times"))
-    args = ap.parse_args(argv)
-    files = args.files or sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py"))
-    import torch
-
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs", "python": platform.python_version(),
-            "torch": torch.__version__}
-    rows = []
-    for f in files:
-        rows.append(time_file(f, args.top))
-        r = rows[-1]
-        print(f"{r['file']}: {r['wall_s']} s wall, {r['cpu_s']} s CPU, load {r['load_start']}..{r['load_end']}, "
-              f"{r['summary']}", flush=True)
-        pathlib.Path(args.out + ".json").write_text(json.dumps({"meta": meta, "files": rows}, indent=1))
+def markdown(run: dict) -> str:
+    meta = run["meta"]
     lines = [f"# Test times per file ({meta['date']}, {meta['device']}, torch {meta['torch']})", "",
              "| file | wall s | CPU s | load | result | slowest |", "|---|---:|---:|---|---|---|"]
-    for r in rows:
+    for r in run["results"]:
+        if r.get("status") != "ok":
+            lines.append(f"| {r['arm']} | {r.get('wall_s')} | {r.get('process_cpu_s')} | - | {r.get('status')}: "
+                         f"{(str(r.get('error', '')).strip().splitlines() or ['?'])[-1][:120]} | |")
+            continue
         slow = "; ".join(f"{s['test'].split('::', 1)[-1]} {s['seconds']:.0f}s" for s in r["slowest"][:3])
         lines.append(f"| {r['file']} | {r['wall_s']} | {r['cpu_s']} | {r['load_start']}..{r['load_end']} | "
                      f"{r['summary']} | {slow} |")
-    pathlib.Path(args.out + ".md").write_text("\n".join(lines) + "\n")
-    return 0 if all(r["rc"] == 0 for r in rows) else 1
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("files", nargs="*", help="test files (default: every tests/**/test_*.py)")
+    ap.add_argument("--top", type=int, default=10)
+    ap.add_argument("--deadline", type=float, default=1800, help="seconds per file before its process group is killed")
+    ap.add_argument("--label", default="")
+    ap.add_argument("--out", default=driver.result_stem("suite_times", "cpu"))
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--cfg", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:  # one file, in the driver's fresh process
+        print(json.dumps({"arm": args.worker, **time_file(args.worker, json.loads(args.cfg)["top"])}), flush=True)
+        return 0
+    files = args.files or sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py"))
+    driver.stop_on_sigterm()
+    run_id = f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S}-{os.getpid()}"
+    header = {"label": args.label, "meta": driver.meta("suite_times", "cpu"), "shape": {"top": args.top}}
+    header["meta"]["deadline_s"] = args.deadline
+    rows = []
+    for f in files:
+        r = driver.run_arm(os.path.abspath(__file__), f, {"top": args.top}, deadline_s=args.deadline)
+        rows.append(r)
+        driver.append_row(args.out, run_id, header, r, markdown, "Test times per file")
+        print(f"{f}: {r.get('wall_s')} s wall, {r.get('cpu_s', r.get('process_cpu_s'))} s CPU, "
+              f"load {r.get('load_start')}..{r.get('load_end')}, {r.get('summary', r.get('status'))}", flush=True)
+    return 0 if all(r.get("status") == "ok" and r["rc"] == 0 for r in rows) else 1
 
 
 if __name__ == "__main__":

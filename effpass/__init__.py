@@ -57,6 +57,7 @@ _LAZY = {
                      "get_pass_class", "reserved_pass_names", "PassOptionError", "register_extension",
                      "register_command", "register_cacheable_function", "Note"], ".pass_api"),
     "register_attention_op": ".attention",
+    "Fact": ".facts",
     **dict.fromkeys(["MemoryOption", "register_memory_option", "register_optimizer", "register_flop_formula"],
                     ".memory_options"),
     **dict.fromkeys(["skip", "only", "TargetMatchError"], ".scope"),
@@ -120,5 +121,5 @@ __all__ = [
     "register_extension", "register_command", "register_cacheable_function", "export_onnx",
     "estimate_memory", "plan_memory",
     "MemoryBudgetError", "verify", "MemoryOption", "register_memory_option", "register_optimizer",
-    "register_flop_formula", "Note", "register_attention_op",
+    "register_flop_formula", "Note", "Fact", "register_attention_op",
 ]

@@ -6,7 +6,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from .backend import MODEL_BACKENDS, EffpassBackend, compile_in_place, last_string_backend, string_backends
-from .config import parse_options
+from .config import compile_options
 from .pass_api import Pass
 from .report import CompileReport
 
@@ -14,21 +14,6 @@ __all__ = ["compile", "prepare", "report", "backend_of"]
 
 # model / compiled module -> the backend that compiled it (weak: effpass never keeps a model alive)
 _BACKENDS = MODEL_BACKENDS
-
-
-def _options(passes, dump_dir, lowering, strict, bisect, disable, inductor_config, mode, device, detailed_stats=False):
-    opts: dict[str, Any] = {"lowering": lowering, "strict": strict, "detailed_stats": detailed_stats}
-    if passes is not None:
-        opts["passes"] = passes
-    if dump_dir is not None:
-        opts["dump_dir"] = dump_dir
-    if bisect is not None:
-        opts["bisect"] = bisect
-    if disable:
-        opts["disable"] = list(disable)
-    if inductor_config:
-        opts["inductor_config"] = inductor_config
-    return parse_options(opts, mode=mode, device=device)
 
 
 def _device_of_model(model: torch.nn.Module) -> torch.device:
@@ -39,6 +24,7 @@ def _device_of_model(model: torch.nn.Module) -> torch.device:
 
 def prepare(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None = None, *,
             dump_dir: str | None = None, lowering: str = "inductor", strict: bool = False,
+            allow_fallback: bool = False,
             bisect: int | None = None, disable: Iterable[str] = (), inductor_config: dict | None = None,
             mode: str | None = None, detailed_stats: bool = False) -> torch.nn.Module:
     """Run the module-level phase of the pipeline on ``model`` in place and return it (as PEFT does).
@@ -48,8 +34,10 @@ def prepare(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None =
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"effpass expects an nn.Module, got {type(model).__name__}")
-    opts = _options(passes, dump_dir, lowering, strict, bisect, disable, inductor_config, mode,
-                    _device_of_model(model), detailed_stats)
+    opts = compile_options(passes=passes, dump_dir=dump_dir, lowering=lowering, strict=strict,
+                           allow_fallback=allow_fallback, bisect=bisect,
+                           disable=disable, inductor_config=inductor_config, detailed_stats=detailed_stats,
+                           mode=mode, device=_device_of_model(model))
     backend = EffpassBackend(opts, model=model)
     _run_module_phase(model, backend)
     _BACKENDS[model] = backend
@@ -73,6 +61,7 @@ def _run_module_phase(model: torch.nn.Module, backend: EffpassBackend, compile_k
 
 def compile(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None = None, *,
             dump_dir: str | None = None, lowering: str = "inductor", strict: bool = False,
+            allow_fallback: bool = False,
             bisect: int | None = None, disable: Iterable[str] = (), inductor_config: dict | None = None,
             mode: str | None = None, fullgraph: bool = False, dynamic: bool | None = None,
             detailed_stats: bool = False, memory_budget: str | int | None = None, allow: Iterable[str] = (),
@@ -127,8 +116,10 @@ def compile(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None =
             passes, plan = planner.plan_for_compile(model, passes, memory_budget, allow, example_inputs,
                                                     optimizer=optimizer, world_size=world_size, lowering=lowering,
                                                     strict=strict, disable=disable)
-    opts = _options(passes, dump_dir, lowering, strict, bisect, disable, inductor_config, mode,
-                    _device_of_model(model), detailed_stats)
+    opts = compile_options(passes=passes, dump_dir=dump_dir, lowering=lowering, strict=strict,
+                           allow_fallback=allow_fallback, bisect=bisect,
+                           disable=disable, inductor_config=inductor_config, detailed_stats=detailed_stats,
+                           mode=mode, device=_device_of_model(model))
     backend = EffpassBackend(opts, model=model)
     backend.report.memory_plan = plan
     ctx = _run_module_phase(model, backend, {"fullgraph": fullgraph, "dynamic": dynamic})
@@ -137,7 +128,7 @@ def compile(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None =
         return model
     compile_in_place(model, backend, fullgraph=fullgraph, dynamic=dynamic)
     if original is not None:
-        _verify_on_first_call(model, backend, original, passes, lowering, strict)
+        _verify_on_first_call(model, backend, original, passes)
     if deferred:  # after verification's hook: the plan is made first on the first call, then verification
         planner.plan_on_first_call(model, passes, memory_budget, allow, optimizer, world_size, lowering=lowering,
                                    strict=strict, disable=disable,
@@ -151,7 +142,7 @@ def compile(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None =
     return model
 
 
-def _verify_on_first_call(model, backend: EffpassBackend, original, passes, lowering: str, strict: bool) -> None:
+def _verify_on_first_call(model, backend: EffpassBackend, original, passes) -> None:
     import dataclasses
 
     from .verification import FirstCallVerifier
@@ -162,7 +153,8 @@ def _verify_on_first_call(model, backend: EffpassBackend, original, passes, lowe
         compile_in_place(model, new, **getattr(model, "_effpass_compile_kwargs", {}))
         return model._compiled_call_impl
 
-    verifier = FirstCallVerifier(original, passes, lowering=lowering, strict=strict, recompile=recompile)
+    verifier = FirstCallVerifier(original, passes, lowering=backend.options.lowering, strict=backend.options.strict,
+                                 recompile=recompile)
     model._compiled_call_impl.first_input_checks.append(verifier)
     backend.report.verifier = verifier
 

@@ -1,72 +1,109 @@
 """effpass's options, validated into one :class:`Options` object before any compilation.
 
 Options arrive either from Python (``effpass.compile(model, passes=[...], ...)``) or as a JSON-able dict
-(``torch.compile(model, backend="effpass", options={...})``). Both end here. Environment variables are
-read in exactly one place, :func:`env_overrides`.
+(``torch.compile(model, backend="effpass", options={...})``). Both end here: :func:`compile_options` turns
+keyword arguments into the dict :func:`parse_options` validates. Each option is documented once, on its field of
+:class:`Options`; whatever lists options (valid keys in errors, ``OPTION_DOCS``, ``effpass options``, the README
+check) reads the fields. Environment variables are read in this module and nowhere else: :data:`ENV_VARS` names
+each with what it does, :func:`env_overrides` and the ``*_from_env`` functions read them.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 import tempfile
+import types
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from .pass_api import Pass, get_pass_class, make_pass, registered_passes
 
-__all__ = ["Options", "parse_options", "env_overrides", "default_pipeline", "OPTION_DOCS"]
+__all__ = ["Options", "parse_options", "compile_options", "env_overrides", "default_pipeline", "option_docs",
+           "OPTION_DOCS", "ENV_VARS"]
 
 LOWERINGS = ("inductor", "eager", "tensorrt")
-
-OPTION_DOCS = {
-    "passes": "the pipeline: {name: {option: value}} or a list of names / pass objects; omitted: the default pipeline",
-    "lowering": "'inductor' (default: Triton on GPU, C++ on CPU), 'eager' (AOTAutograd without Inductor) or "
-                "'tensorrt' (torch_tensorrt on a CUDA GPU, inference; untested)",
-    "dump_dir": "folder for per-graph dumps (input graph, one file per changing pass, index.json)",
-    "strict": "raise when a pass fails instead of falling back to the graph before it",
-    "bisect": "run only the first N passes of the ordered pipeline (debugging)",
-    "disable": "pass names to leave out of the pipeline",
-    "inductor_config": "extra torch._inductor.config patches applied around lowering",
-    "detailed_stats": "also compute statistics that cost extra compile work (e.g. checkpoint_activations' "
-                      "saved bytes before/after from two extra partitions); on whenever dump_dir is set",
-    "memory_budget": "fit the training step into this many bytes ('24GiB'): effpass.compile(model, memory_budget=...) "
-                     "chooses passes, with example_inputs= before compiling, else on the first call "
-                     "(effpass.planning; docs/memory_planner.md)",
-    "allow": "lossy techniques the memory planner may use: the memory options registered passes declare "
-             "(effpass.config.allow_techniques())",
-}
-
-#: Environment variables effpass reads (all of them, here and nowhere else).
-ENV_VARS = {
-    "EFFPASS_BISECT": "bisect",
-    "EFFPASS_DISABLE": "disable (comma-separated pass names)",
-    "EFFPASS_DUMP_DIR": "dump_dir",
-    "EFFPASS_STRICT": "strict (1/0)",
-    "EFFPASS_LOWERING": "lowering",
-}
 
 
 @dataclass
 class Options:
-    passes: list[Pass] = field(default_factory=list)
-    lowering: str = "inductor"
-    dump_dir: str | None = None
-    strict: bool = False
-    bisect: int | None = None
-    disable: tuple[str, ...] = ()
-    inductor_config: dict[str, Any] = field(default_factory=dict)
-    mode: str | None = None
-    detailed_stats: bool = False
-    #: True when the user gave no pipeline (the default pipeline was chosen for them).
-    default_pipeline: bool = False
-    #: the memory planner's budget in bytes and the lossy techniques it may use (effpass.compile only)
-    memory_budget: int | None = None
-    allow: tuple[str, ...] = ()
+    """The validated options of one effpass backend: one field per option, each documented on itself
+    (``metadata["doc"]``, what :func:`option_docs`, the valid keys in errors, the README check and ``effpass
+    options`` read). A field whose metadata says ``"key": False`` is no key of the ``options`` dict: ``mode``
+    is torch.compile's own argument, ``default_pipeline`` is derived."""
+
+    passes: list[Pass] = field(default_factory=list, metadata={
+        "doc": "the pipeline: {name: {option: value}} or a list of names / pass objects; omitted: the default "
+               "pipeline"})
+    lowering: str = field(default="inductor", metadata={
+        "doc": "'inductor' (default: Triton on GPU, C++ on CPU), 'eager' (AOTAutograd without Inductor) or "
+               "'tensorrt' (torch_tensorrt on a CUDA GPU, inference; untested)"})
+    dump_dir: str | None = field(default=None, metadata={
+        "doc": "folder for per-graph dumps (input graph, one file per changing pass, index.json)"})
+    strict: bool = field(default=False, metadata={
+        "doc": "raise when a pass fails instead of falling back to the graph before it"})
+    allow_fallback: bool = field(default=False, metadata={
+        "doc": "when every lowering fails on a graph, run it as captured (torch-IR passes applied) with a warning, "
+               "although its joint/post-grad passes (checkpointing, ...) then do not run; False: raise, naming them"})
+    bisect: int | None = field(default=None, metadata={
+        "doc": "run only the first N passes of the ordered pipeline (debugging)"})
+    disable: tuple[str, ...] = field(default=(), metadata={"doc": "pass names to leave out of the pipeline"})
+    inductor_config: dict[str, Any] = field(default_factory=dict, metadata={
+        "doc": "extra torch._inductor.config patches applied around lowering"})
+    mode: str | None = field(default=None, metadata={
+        "key": False, "doc": "torch.compile's mode ('max-autotune', ...), applied to Inductor (the mode= argument "
+                             "of effpass.compile / torch.compile, not a key of options)"})
+    detailed_stats: bool = field(default=False, metadata={
+        "doc": "also compute statistics that cost extra compile work (e.g. checkpoint_activations' saved bytes "
+               "before/after from two extra partitions); on whenever dump_dir is set"})
+    default_pipeline: bool = field(default=False, metadata={
+        "key": False, "doc": "True when the user gave no pipeline (the default pipeline was chosen for them)"})
+    memory_budget: int | None = field(default=None, metadata={
+        "doc": "fit the training step into this many bytes ('24GiB'): effpass.compile(model, memory_budget=...) "
+               "chooses passes, with example_inputs= before compiling, else on the first call (effpass.planning; "
+               "docs/memory_planner.md)"})
+    allow: tuple[str, ...] = field(default=(), metadata={
+        "doc": "lossy techniques the memory planner may use: the memory options registered passes declare "
+               "(effpass.config.allow_techniques())"})
+
+
+def option_docs(*, keys_only: bool = True) -> dict[str, str]:
+    """``{option: doc}`` read from the fields of :class:`Options`, in field order: the keys the ``options`` dict
+    accepts (``keys_only=False``: every field, with ``mode`` and the derived ones)."""
+    return {f.name: f.metadata.get("doc", "") for f in dataclasses.fields(Options)
+            if not keys_only or f.metadata.get("key", True)}
+
+
+#: the keys the ``options`` dict accepts and what each does (read-only; derived from the fields of :class:`Options`)
+OPTION_DOCS: Mapping[str, str] = types.MappingProxyType(option_docs())
+
+
+# ------------------------------------------------------------------------------------------------------
+# environment variables: every one effpass reads, read here and nowhere else
+# ------------------------------------------------------------------------------------------------------
+#: Environment variables effpass reads, with what each does (the README's Options section lists them; the
+#: architecture test fails on a read of ``os.environ`` anywhere else in effpass/ or passes/).
+ENV_VARS: dict[str, str] = {
+    "EFFPASS_BISECT": "overrides the bisect option: run only the first N passes of the ordered pipeline",
+    "EFFPASS_DISABLE": "overrides the disable option: comma-separated pass names to leave out",
+    "EFFPASS_DUMP_DIR": "overrides the dump_dir option: write a dump per compiled graph into this folder",
+    "EFFPASS_STRICT": "overrides the strict option: 1/true/yes/on raise when a pass fails, anything else falls back",
+    "EFFPASS_LOWERING": "overrides the lowering option: inductor, eager or tensorrt",
+    "EFFPASS_PROGRESS": "progress bars of planning, verification and replays: 0/false/no hides them, any other value "
+                        "shows them; unset: shown only when standard error is a terminal",
+    "EFFPASS_ROWWISE_COMPILE": "0: fuse_cross_entropy's row-wise tile program runs eagerly instead of compiled with "
+                               "Inductor on CPU (large vocabularies)",
+    "EFFPASS_PLAN_WORKERS": "processes for a planner replay's independent parts (a whole number >= 1; 1: all in this "
+                            "process); unset: up to 2 where this process may use 2 cores",
+}
+
+
+def _environ(environ: Mapping[str, str] | None) -> Mapping[str, str]:
+    return os.environ if environ is None else environ
 
 
 def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Options set through environment variables (they override the ones given in code)."""
-    env = os.environ if environ is None else environ
+    env = _environ(environ)
     out: dict[str, Any] = {}
     if env.get("EFFPASS_BISECT", "") != "":
         try:
@@ -82,6 +119,18 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     if env.get("EFFPASS_LOWERING"):
         out["lowering"] = env["EFFPASS_LOWERING"]
     return out
+
+
+def progress_from_env(environ: Mapping[str, str] | None = None) -> bool | None:
+    """``EFFPASS_PROGRESS``: False for 0/false/no, True for any other value, None when unset (then progress bars
+    show only on a terminal: :func:`effpass.progress.progress`)."""
+    value = _environ(environ).get("EFFPASS_PROGRESS")
+    return None if value is None else value not in ("0", "false", "no")
+
+
+def rowwise_compile_from_env(environ: Mapping[str, str] | None = None) -> bool:
+    """``EFFPASS_ROWWISE_COMPILE``: False when set to 0 (fuse_cross_entropy's row-wise tiles then run eagerly)."""
+    return _environ(environ).get("EFFPASS_ROWWISE_COMPILE", "1") != "0"
 
 
 def default_pipeline(device=None, dtype=None) -> list[Pass]:
@@ -169,6 +218,20 @@ def _build_passes(spec: Any) -> list[Pass]:
     return out
 
 
+def compile_options(*, mode: str | None = None, device=None, environ: Mapping[str, str] | None = None,
+                    **options: Any) -> Options:
+    """:class:`Options` from keyword arguments (``effpass.compile``, ``effpass.prepare``, ``effpass.export_onnx``):
+    the one place keyword options become the dict :func:`parse_options` validates. A keyword set to ``None`` is
+    not given (its default applies); an iterable ``disable`` / ``allow`` becomes a list; an unknown keyword raises
+    the unknown-option error."""
+    raw = {k: v for k, v in options.items() if v is not None}
+    for key in ("disable", "allow"):
+        value = raw.get(key)
+        if isinstance(value, Iterable) and not isinstance(value, (str, list, tuple, Mapping)):
+            raw[key] = list(value)
+    return parse_options(raw, mode=mode, device=device, environ=environ)
+
+
 def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None = None, device=None,
                   environ: Mapping[str, str] | None = None) -> Options:
     """Validate user options (Python or JSON-able) and environment overrides into :class:`Options`."""
@@ -179,9 +242,9 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
     if not isinstance(options, Mapping):
         raise TypeError(f"effpass options must be a dict, got {type(options).__name__}")
     options = dict(options)  # torch.compile reuses the same dict for every graph: never mutate it
-    valid = list(OPTION_DOCS)
+    valid = list(option_docs())
     for key in options:
-        if key not in OPTION_DOCS:
+        if key not in valid:
             import difflib
 
             close = difflib.get_close_matches(str(key), valid, n=1)
@@ -213,6 +276,11 @@ def parse_options(options: Mapping[str, Any] | None = None, *, mode: str | None 
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {type(strict).__name__} {strict!r}")
     out.strict = strict
+
+    allow_fallback = options.get("allow_fallback", False)
+    if not isinstance(allow_fallback, bool):
+        raise TypeError(f"allow_fallback must be a bool, got {type(allow_fallback).__name__} {allow_fallback!r}")
+    out.allow_fallback = allow_fallback
 
     detailed = options.get("detailed_stats", False)
     if not isinstance(detailed, bool):
@@ -308,3 +376,17 @@ def describe_options(opts: Options) -> dict[str, Any]:
     d = dataclasses.asdict(opts)
     d["passes"] = [{"name": p.name, "options": p.options()} for p in opts.passes]
     return d
+
+
+# ---- planning ----
+def plan_workers_setting() -> int | None:
+    """``EFFPASS_PLAN_WORKERS``: processes the memory planner may use to replay an extrapolation's depths
+    (forked from this one, Linux only; :func:`effpass.planning.pool.plan_workers`). None when unset or empty
+    (the planner's default: up to 2, as the cores allow); raises ``ValueError`` when not a whole number."""
+    env = os.environ.get("EFFPASS_PLAN_WORKERS")
+    if not env:
+        return None
+    try:
+        return max(1, int(env))
+    except ValueError:
+        raise ValueError(f"EFFPASS_PLAN_WORKERS={env!r}: expected a whole number of processes >= 1") from None

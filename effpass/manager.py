@@ -17,16 +17,18 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
+from .facts import Fact
 from .graph import GraphCheckpoint, op_histogram
 from .pass_api import Note, Pass, PassResult, Phase, PHASE_HOOKS
 from .report import GraphReport, PassRecord
 from .scope import Scope
 
 __all__ = ["PassManager", "PassContext", "order_passes", "PipelineError", "EffpassPassError",
-           "WrongResultError"]
+           "WrongResultError", "collect_facts"]
 
 
 N = TypeVar("N", bound=Note)
+F = TypeVar("F", bound=Fact)
 
 
 class PipelineError(ValueError):
@@ -70,6 +72,26 @@ def order_passes(passes: Sequence[Pass], *, check_conflicts: bool = True) -> lis
     return [by_name[n] for n in order]
 
 
+def collect_facts(passes: Iterable[Pass]) -> dict[type[Fact], Fact]:
+    """The facts (:mod:`effpass.facts`) the passes declare, by class. Raises :class:`PipelineError` naming both
+    passes when two declare different values of one fact, and ``TypeError`` for a declaration that is not a
+    :class:`~effpass.facts.Fact`."""
+    facts: dict[type[Fact], Fact] = {}
+    owners: dict[type[Fact], str] = {}
+    for p in passes:
+        for fact in p.facts():
+            if not isinstance(fact, Fact):
+                raise TypeError(f"pass {p.name!r}: facts() must return effpass.facts.Fact instances, got "
+                                f"{type(fact).__name__} {fact!r}")
+            kind = type(fact)
+            if kind in facts and facts[kind] != fact:
+                raise PipelineError(f"passes {owners[kind]!r} and {p.name!r} declare different {kind.__name__} "
+                                    f"facts ({facts[kind]!r} and {fact!r}): remove one of them or make them agree")
+            facts.setdefault(kind, fact)
+            owners.setdefault(kind, p.name)
+    return facts
+
+
 @dataclass
 class PassContext:
     """What a hook may know about where it runs. Built by the manager, one per hook call."""
@@ -100,6 +122,9 @@ class PassContext:
     #: joint phase: for each ``primals_*`` input, whether it holds (part of) a model parameter
     #: (:func:`effpass.graph.parameter_input_flags`; None where unknown)
     parameter_inputs: tuple[bool, ...] | None = None
+    #: the facts the pipeline's passes declare (:func:`collect_facts`, filled by the manager); None: collected
+    #: from ``pipeline`` when first asked
+    facts: dict[type[Fact], Fact] | None = None
 
     def allows(self, node: fx.Node) -> bool:
         """Whether this pass may act on ``node`` (targets/exclude globs and skip/only decorators)."""
@@ -117,8 +142,18 @@ class PassContext:
             raise TypeError(f"ctx.read takes a subclass of effpass.Note, got {kind!r}")
         return self.notes.get(kind)
 
+    def fact(self, kind: type[F]) -> F | None:
+        """The fact of class ``kind`` (:mod:`effpass.facts`) a pass of this pipeline declares, or None. How a
+        pass reads another pass's choice (the autocast dtype, whether the loss is scaled)."""
+        if not (isinstance(kind, type) and issubclass(kind, Fact)):
+            raise TypeError(f"ctx.fact takes a subclass of effpass.facts.Fact, got {kind!r}")
+        if self.facts is None:
+            self.facts = collect_facts(self.pipeline)
+        return self.facts.get(kind)
+
     def find_pass(self, name: str) -> Pass | None:
-        """The pipeline's pass called ``name`` (to read another pass's options), or None."""
+        """The pipeline's pass called ``name``, or None. For the core's own use: a pass reads another pass's
+        choice through a fact (:meth:`fact`), never by its name."""
         return next((p for p in self.pipeline if p.name == name), None)
 
 
@@ -144,11 +179,17 @@ class PassManager:
         if bisect is not None:
             active = active[:bisect]
         self.active: list[Pass] = active
+        #: what the active passes declare for each other (:mod:`effpass.facts`), collected before any hook runs
+        self.facts: dict[type[Fact], Fact] = collect_facts(active)
         self.strict = strict
         self.instruments = list(instruments)
         self._stale = False  # the graph being run has changed since its code was generated (run_graph_phase)
 
     # -- queries ------------------------------------------------------------------------------------
+    def fact(self, kind: type[F]) -> F | None:
+        """The fact of class ``kind`` an active pass declares, or None (as :meth:`PassContext.fact`)."""
+        return self.facts.get(kind)
+
     def passes_for(self, phase: Phase) -> list[Pass]:
         return [p for p in self.active if phase in type(p).phases()]
 
@@ -168,7 +209,7 @@ class PassManager:
         """Run every module-level hook in order on the eager model. Failures raise (the model may be
         half-prepared, which cannot be rolled back safely)."""
         last_ctx = PassContext(pass_name="", phase=Phase.MODULE, graph_kind="module", scope=Scope(""),
-                               pipeline=tuple(self.active), model=model, **ctx_kwargs)
+                               pipeline=tuple(self.active), facts=self.facts, model=model, **ctx_kwargs)
         done: list[str] = []
         for p in self.passes_for(Phase.MODULE):
             ctx = dataclasses.replace(last_ctx, pass_name=p.name,
@@ -219,7 +260,7 @@ class PassManager:
             model = ctx_kwargs.get("model")
             ctx = PassContext(pass_name=p.name, phase=phase, graph_kind=graph_kind,
                               scope=Scope(p.name, p.targets, p.exclude, root=model),
-                              pipeline=tuple(self.active), notes=report.notes, **ctx_kwargs)
+                              pipeline=tuple(self.active), facts=self.facts, notes=report.notes, **ctx_kwargs)
             changed_any |= self._run_hook(p, phase, gm, ctx, report, done)
             done.append(p.name)
         if self._stale and regenerate:

@@ -5,12 +5,12 @@
         bar.set_postfix_str(c.name); ...; bar.update()
     bar.close()
 
-``EFFPASS_PROGRESS=0`` silences it, ``=1`` forces it (e.g. under a pager); by default it shows only when
-standard error is a terminal, so logs, CI and notebooks' captured output stay clean.
+``EFFPASS_PROGRESS=0`` silences it, ``=1`` forces it (e.g. under a pager; read by
+:func:`effpass.config.progress_from_env`); by default it shows only when standard error is a terminal, so logs, CI
+and notebooks' captured output stay clean.
 """
 from __future__ import annotations
 
-import os
 import sys
 
 __all__ = ["progress"]
@@ -27,10 +27,11 @@ class _Quiet:
 def progress(total: int, desc: str, enabled: bool | None = None):
     """A progress bar of ``total`` steps (``update()`` each), or a silent stand-in."""
     if enabled is None:
-        env = os.environ.get("EFFPASS_PROGRESS")
-        enabled = env not in ("0", "false", "no") if env is not None else sys.stderr.isatty()
-        if env in ("1", "true", "yes"):
-            enabled = True
+        from .config import progress_from_env
+
+        enabled = progress_from_env()
+        if enabled is None:
+            enabled = sys.stderr.isatty()
     if not enabled:
         return _Quiet()
     try:

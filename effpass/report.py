@@ -132,6 +132,9 @@ class CompileReport:
             for r in g.records:
                 flag = "ERROR " + r.error if r.error else ("changed" if r.changed else "unchanged")
                 lines.append(f"  {r.graph:<9} {r.name:<24} {flag:<10} {r.ms:8.1f} ms  {_fmt_stats(r.current_stats())}")
+            fb = g.notes.get("lowering_fallback")
+            if fb:
+                lines.append(f"  lowering fell back to {fb['to']!r}: {'; '.join(fb['errors'])}")
         return "\n".join(lines) or "(no passes ran)"
 
 

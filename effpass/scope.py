@@ -22,7 +22,8 @@ import torch
 from .graph import module_path_of_node, module_stack_of_node, normalize_module_path  # noqa: F401
 
 __all__ = ["skip", "only", "Scope", "module_path_of_node", "normalize_module_path", "TargetMatchError",
-           "check_patterns", "warn_nothing_to_act_on", "graph_module_paths"]
+           "check_patterns", "warn_nothing_to_act_on", "graph_module_paths", "glob_match", "glob_match_within",
+           "enclosing_paths"]
 
 _SKIP_ATTR = "__effpass_skip__"
 _ONLY_ATTR = "__effpass_only__"
@@ -40,8 +41,34 @@ class TargetMatchError(ValueError):
     """A ``targets`` or ``exclude`` glob matched no module."""
 
 
+def glob_match(name: str, globs: str | Iterable[str]) -> bool:
+    """Whether the whole of ``name`` matches one of ``globs`` (``fnmatch`` syntax, case-sensitive: ``*``, ``?``,
+    ``[0-5]``; ``*`` also matches dots). The one place a pass matches a name against globs."""
+    if isinstance(globs, str):
+        globs = (globs,)
+    return any(fnmatch.fnmatchcase(name, g) for g in globs)
+
+
+def glob_match_within(path: str, globs: str | Iterable[str]) -> bool:
+    """Whether ``path`` or a module enclosing it (a dotted prefix, :func:`enclosing_paths`) matches one of
+    ``globs``: the ``targets``/``exclude`` rule, so ``"model.layers.3"`` covers everything inside layer 3."""
+    if isinstance(globs, str):
+        globs = (globs,)
+    globs = tuple(globs)
+    return any(glob_match(p, globs) for p in enclosing_paths(path))
+
+
+def enclosing_paths(path: str) -> list[str]:
+    """``path`` and the paths of the modules enclosing it, outermost first: ``"a.b.c"`` -> ``["a", "a.b",
+    "a.b.c"]`` (``""`` -> ``[""]``)."""
+    if not path:
+        return [""]
+    parts = path.split(".")
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
 def _glob_matches(glob: str, names: Iterable[str]) -> bool:
-    return any(fnmatch.fnmatchcase(p, glob) for n in names for p in _prefixes(n) if p)
+    return any(fnmatch.fnmatchcase(p, glob) for n in names for p in enclosing_paths(n) if p)
 
 
 def _sample(glob: str, names: Sequence[str], k: int = 8) -> str:
@@ -158,13 +185,6 @@ def rules_of(obj) -> tuple[frozenset[str], frozenset[str] | None]:
     return skip_names, only_names
 
 
-def _prefixes(path: str) -> list[str]:
-    if not path:
-        return [""]
-    parts = path.split(".")
-    return [".".join(parts[: i + 1]) for i in range(len(parts))]
-
-
 @dataclass
 class Scope:
     """Decides whether a pass may act on a module path / node. Built once per pass per graph."""
@@ -195,7 +215,7 @@ class Scope:
 
     # -- globs -------------------------------------------------------------------------------------
     def matches_globs(self, path: str) -> bool:
-        prefixes = _prefixes(path)
+        prefixes = enclosing_paths(path)
         if self.targets and not any(fnmatch.fnmatchcase(p, g) for g in self.targets for p in prefixes if p):
             return False
         if self.exclude and any(fnmatch.fnmatchcase(p, g) for g in self.exclude for p in prefixes if p):
@@ -228,7 +248,7 @@ class Scope:
         if module is not None and not seen and not self._allowed_by(module):
             return False
         if self._modules and not stack:
-            for p in _prefixes(path):
+            for p in enclosing_paths(path):
                 mod = self._modules.get(p)
                 if mod is not None and not self._allowed_by(mod):
                     return False
@@ -257,7 +277,7 @@ class Scope:
         out = []
         modules = dict(model.named_modules())
         for name, mod in candidates:
-            chain = [modules[p] for p in _prefixes(name) if p in modules]
+            chain = [modules[p] for p in enclosing_paths(name) if p in modules]
             if self.matches_globs(name) and all(self._allowed_by(m) for m in [model, *chain]):
                 out.append((name, mod))
         return out

@@ -17,7 +17,7 @@ timeout 170 python3 -m pytest -q -rs -m gpu -p no:cacheprovider --junitxml="$OUT
   tests/tools/test_export_onnx.py tests/planning/test_memory_planner.py tests/passes/offload_activations/test_offload_activations.py tests/passes/pack_sequences/test_pack_sequences.py \
   tests/passes/quantize_linear/test_quantize_linear.py tests/passes/shard_sequence/test_shard_sequence.py 2>&1 | tee "$OUTDIR/pytest_gpu.log" | tail -25
 for b in "bench_cross_entropy.py --vocab 128256 --steps 5" "bench_attention.py --quick" \
-         "bench_lora.py --steps 10 --repeats 1" "bench_mixed_precision.py --reps 1 --steps 10" "bench_checkpoint.py"; do
+         "bench_lora.py --steps 10 --repeats 1" "bench_mixed_precision.py --repeats 1 --steps 10" "bench_checkpoint.py"; do
   name=${b%%.py*}
   echo "=== $b"
   timeout "$PER" python3 bench/$b >"$OUTDIR/$name.log" 2>&1; echo "rc=$? $name" | tee -a "$OUTDIR/bench_rc.txt"

@@ -1,4 +1,4 @@
-"""The ``effpass`` command line: ``passes``, ``inspect``, ``demo``, and the commands passes register
+"""The ``effpass`` command line: ``passes``, ``options``, ``inspect``, ``demo``, and the commands passes register
 (``effpass estimate`` comes from wrap_fsdp)."""
 from __future__ import annotations
 
@@ -58,6 +58,31 @@ def cmd_passes(args) -> int:
           f"{', '.join(defaults) or '(empty)'}")
     print("order: passes run in the order above within each phase: module, torch_ir, joint, post_grad")
     print("summaries and options: effpass passes NAME")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------
+def cmd_options(args) -> int:
+    """effpass's options and environment variables, read from ``effpass.config`` (each option's doc is on its
+    field of ``Options``)."""
+    import dataclasses
+
+    from ..config import ENV_VARS, Options
+
+    fields = [f for f in dataclasses.fields(Options) if f.metadata.get("key", True)]
+    if args.json:
+        print(json.dumps({"options": {f.name: {"doc": f.metadata["doc"], **(
+                              {"default": f.default} if f.default is not dataclasses.MISSING else {})}
+                                      for f in fields},
+                          "environment": ENV_VARS}, indent=1, default=repr))
+        return 0
+    print("options (effpass.compile(model, ...) keywords; torch.compile(..., backend='effpass', options={...}) keys):")
+    for f in fields:
+        default = f" = {f.default!r}" if f.default is not dataclasses.MISSING else ""
+        print(f"  {f.name}{default}: {f.metadata['doc']}")
+    print("environment variables (read in effpass/config.py):")
+    for name, doc in ENV_VARS.items():
+        print(f"  {name}: {doc}")
     return 0
 
 
@@ -189,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--device", help="say what the default pipeline is on this device (cpu, cuda)")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_passes)
+
+    sp = sub.add_parser("options", help="effpass's options and environment variables, with what each does")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_options)
 
     sp = sub.add_parser("inspect", help="show the graphs and passes of a dump, with statistics")
     sp.add_argument("dump_dir")

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..backend import EffpassBackend, copy_dynamo_graph_module
-from ..config import parse_options
+from ..config import compile_options
 from ..dump import claim_graph_dir
 from ..pass_api import Phase
 from ..report import GraphReport
@@ -288,12 +288,8 @@ def export_onnx(model: nn.Module, example_inputs, path: str, passes: Sequence | 
         cfg.use_cache = False
 
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    opts: dict[str, Any] = {"lowering": "eager", "strict": strict}
-    if passes is not None:
-        opts["passes"] = passes
-    if dump_dir is not None:
-        opts["dump_dir"] = dump_dir
-    backend = EffpassBackend(parse_options(opts, device=device), model=model)
+    options = compile_options(passes=passes, lowering="eager", strict=strict, dump_dir=dump_dir, device=device)
+    backend = EffpassBackend(options, model=model)
     late = [p.name for p in backend.manager.active
             if set(type(p).phases()) & {Phase.JOINT, Phase.POST_GRAD}
             and not set(type(p).phases()) & {Phase.MODULE, Phase.TORCH_IR}]

@@ -92,7 +92,7 @@ def max_seq_config(config, batch: int, budget, allow=(), world_size: int = 1, pa
     config that fits ``budget``, and its plan."""
     import torch
 
-    from .planner import plan_max_seq
+    from .maxseq import plan_max_seq
 
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got batch={batch}")
@@ -141,7 +141,7 @@ def _add_arguments(p) -> None:
 
 
 def _run(args) -> int:
-    from .planner import MemoryBudgetError
+    from .candidates import MemoryBudgetError
 
     passes = json.loads(args.passes) if args.passes else None
     if args.max_seq:
@@ -157,7 +157,7 @@ def _run(args) -> int:
     except MemoryBudgetError as e:
         print(f"effpass plan: {e}", file=sys.stderr)
         if e.candidates:
-            from .planner import MemoryPlan
+            from .candidates import MemoryPlan
 
             fake = MemoryPlan(budget=0, chosen=e.plan, candidates=e.candidates, passes=[], optimizer=None,
                               world_size=args.world_size, reason="")
@@ -180,7 +180,7 @@ def _run(args) -> int:
 
 
 def _run_max_seq(args, passes) -> int:
-    from .planner import MemoryBudgetError
+    from .candidates import MemoryBudgetError
 
     if args.seq is not None:
         raise SystemExit("effpass plan: --seq and --max-seq exclude each other (--max-seq finds the length)")

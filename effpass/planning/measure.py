@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten
 
 from effpass.quantized import storage_bytes as _storage_bytes
 
-from .estimate import training_step
+from .result import training_step
 
 __all__ = ["MeasuredStep", "measure_step", "make_optimizer"]
 
@@ -34,9 +34,9 @@ def make_optimizer(model: torch.nn.Module, optimizer: str | None, lr: float = 1e
     torch's default), torchao's AdamW8bit, or None."""
     from effpass.memory_options import build_optimizer
 
-    from .estimate import _check_optimizer
+    from .replay import check_optimizer
 
-    _check_optimizer(optimizer)
+    check_optimizer(optimizer)
     params = [p for p in model.parameters() if p.requires_grad]
     if optimizer is None or not params:
         return None
@@ -63,7 +63,7 @@ def measure_step(compiled: torch.nn.Module, model: torch.nn.Module, inputs, opti
     loss, peak = peak_memory(lambda: training_step(compiled, inputs, opt, loss_fn), dev)
     grads = {}
     if keep_grads:  # one more step without the optimizer update: the gradients at the same weights
-        from .estimate import _call, _loss_of
+        from .result import _call, _loss_of
 
         out = _call(compiled, inputs)
         (loss_fn or _loss_of)(out).backward()

@@ -43,6 +43,7 @@ import torch
 import torch.fx as fx
 
 import effpass
+from effpass.facts import LossScaling, MixedPrecision
 from effpass.graph import (ENTER_AUTOCAST as _ENTER, EXIT_AUTOCAST as _EXIT, AutocastRegions, copy_provenance,
                            is_autocast_enter, is_autocast_exit, module_path_of_node, op_name, tensor_meta)
 from torch.utils._pytree import tree_map
@@ -165,6 +166,10 @@ class ApplyAutocast(effpass.Pass):
         if self.dtype not in _LOW_DTYPES:
             raise ValueError(f"apply_autocast: dtype must be torch.bfloat16 or torch.float16, got {self.dtype}")
 
+    def facts(self) -> tuple:
+        """The model's compute runs in ``dtype`` (read by wrap_fsdp and scale_loss)."""
+        return (MixedPrecision(dtype=self.dtype),)
+
     #: the string backend has no module phase: the torch-IR hook then edits the graph (documented, warned)
     module_phase_optional = True
 
@@ -219,7 +224,7 @@ class ApplyAutocast(effpass.Pass):
             _wrap_module(modules[name], device_type, self.dtype, False, cache)
         object.__setattr__(model, _MODEL_ATTR, {"regions": regions, "islands": islands,
                                                 "dtype": self.dtype, "device": device_type})
-        if self.dtype == torch.float16 and ctx.find_pass("scale_loss") is None:
+        if self.dtype == torch.float16 and ctx.fact(LossScaling) is None:
             _warn_fp16()
         stats: dict[str, Any] = {"capture": "module", "wrapped_regions": len(regions),
                                  "wrapped_islands": len(islands), "dtype": _dtype_name(self.dtype)}
@@ -279,7 +284,7 @@ class ApplyAutocast(effpass.Pass):
         if not nodes:
             return effpass.PassResult(skipped=[{"site": "graph", "reason": "graph has no ops"}])
         ctx.scope.select_nodes(gm, [n for n in nodes if _is_float_op(n)], what="floating-point op")
-        if self.dtype == torch.float16 and ctx.find_pass("scale_loss") is None and torch.is_grad_enabled():
+        if self.dtype == torch.float16 and ctx.fact(LossScaling) is None and torch.is_grad_enabled():
             _warn_fp16()
         before = _safe_dtype_stats(gm, ctx.example_inputs)
 

@@ -2,7 +2,6 @@
 the "ops" and "full" policies (``node.meta["recompute"]`` / ``["ac_graph_id"]``, written by :func:`mark_graph`)."""
 from __future__ import annotations
 
-import fnmatch
 import operator
 import re
 from typing import Iterable
@@ -12,6 +11,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from effpass.graph import forward_nodes, module_path_of_node, module_stack_of_node, tensor_meta, transformer_blocks
+from effpass.scope import glob_match
 
 MUST_SAVE = CheckpointPolicy.MUST_SAVE
 MUST_RECOMPUTE = CheckpointPolicy.MUST_RECOMPUTE
@@ -94,7 +94,7 @@ def _block_of_stack(stack: tuple[str, ...], targets: tuple[str, ...], blocks: se
     for i in range(1, len(parts) + 1):
         prefix = ".".join(parts[:i])
         if targets:
-            if any(fnmatch.fnmatchcase(prefix, g) for g in targets):
+            if glob_match(prefix, targets):
                 return prefix
         elif blocks is not None:
             # exact names: effpass.graph.normalize_module_path strips the traced frame's root (L['self'],
@@ -167,7 +167,7 @@ def plan_policy(nodes: list[fx.Node], block_of: dict[fx.Node, str], policy: str,
             save = _packet(n) in _SAVE_PACKETS or _packet(n) in extra_save
             if save and recompute_modules and _packet(n) not in extra_save:
                 path = module_path_of_node(n)
-                save = not any(fnmatch.fnmatchcase(path, g) for g in recompute_modules)
+                save = not glob_match(path, recompute_modules)
             plan[n] = (MUST_SAVE if save else RECOMPUTE, ids[n])
     _copy_to_getitems(nodes, plan)
     return plan

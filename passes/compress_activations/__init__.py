@@ -31,7 +31,7 @@ Exactness (lossy; the forward is unchanged, so the loss is exact)
     by at most 2^-10 of the scale), plus the rounding of a bf16/fp16 result (half an ulp of ``x``);
     ``absmax_g`` is the absolute maximum of the element's group. Gradients computed from a compressed
     tensor inherit it linearly: a linear layer's weight gradient ``dW = dy^T x`` errs elementwise by at most
-    ``sum_t |dy_ti| * absmax_g(t,j) / 254`` (tested exactly); whole-model bounds are in docs/long_sequence.md.
+    ``sum_t |dy_ti| * absmax_g(t,j) / 254`` (tested exactly); whole-model figures are in docs/passes/compress_activations.md.
 
 Phases
     ``lowering_context`` (the hooks), ``post_grad`` (placement; statistics).
@@ -44,7 +44,6 @@ Statistics (per graph)
 """
 from __future__ import annotations
 
-import fnmatch
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -54,6 +53,7 @@ import torch.fx as fx
 
 import effpass
 from effpass.graph import is_primal, is_tangent, module_path_of_node, tensor_meta
+from effpass.scope import glob_match
 
 __all__ = ["CompressActivations", "compress", "decompress", "element_error_bound"]
 
@@ -249,9 +249,9 @@ class CompressActivations(effpass.Pass):
             return f"{val.numel()} elements not a multiple of group={self.group}"
         if node is not None and (self.targets or self.exclude):
             path = module_path_of_node(node)
-            if self.targets and not any(fnmatch.fnmatchcase(path, g) for g in self.targets):
+            if self.targets and not glob_match(path, self.targets):
                 return f"module {path!r} outside targets"
-            if any(fnmatch.fnmatchcase(path, g) for g in self.exclude):
+            if glob_match(path, self.exclude):
                 return f"module {path!r} excluded"
         return None
 

@@ -72,10 +72,10 @@ Invariants: only nodes of matched sites are replaced; every new node carries the
 Fully masked rows (a query that may attend to no key: left padding). torch's fused CPU kernel computes
 wrong gradients there with a finite fill (HF's ``finfo.min``), and ``-inf`` gives NaN. A site whose mask
 may hold such rows (any mask from the inputs; stat ``empty_row_guard``) calls
-:func:`effpass.attention.masked_sdpa`: such rows get every key and a zero query, so the fused
-kernel runs and their output is eager's (uniform weights: the mean of v). Their gradient into q and k
-is 0 (the true derivative) where eager autograd returns a value that depends on how the fill rounded;
-no loss that ignores padded positions sees a difference.
+:func:`effpass.attention.masked_sdpa`: such rows get every key and a query of value 0 carrying q's
+gradient, so the fused kernel runs and their output is eager's (uniform weights: the mean of v), and a
+zero-valued term adds eager's gradient into k: forward and backward equal eager's, also for a loss that reads
+the padded positions.
 
 Statistics: ``rewritten`` (sites replaced), ``fused`` (of those, sites where a fused kernel runs: SDPA's
 own dispatcher asked with the site's dtype, device, head dim, mask and dropout, or flash-attn), and
@@ -300,7 +300,8 @@ class FuseAttention(effpass.Pass):
             # NOTE(audit): torch's fused CPU SDPA kernel computes WRONG GRADIENTS for a query row whose keys are
             # all masked with a finite fill (HF's finfo.min; left-padded batches), and -inf fills give NaN. Where
             # such rows cannot be ruled out at compile time (a mask from the inputs), masked_sdpa gives them every
-            # key and a zero query (uniform weights: eager's result) so the fused kernel never sees an empty row.
+            # key and a zero-valued query (uniform weights: eager's result, eager's gradients) so the fused kernel never
+            # sees an empty row.
             rows_safe = attn_mask is None or rows_nonempty(site, const)
             kwargs = dict(attn_mask=attn_mask, dropout_p=site.dropout_p, is_causal=causal, scale=site.scale)
             if rep > 1:

@@ -74,20 +74,20 @@ from typing import Literal
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import effpass
+from effpass.facts import FusesLossHead
 from effpass.integrations.huggingface import set_hf_loss_type  # noqa: F401  (re-exported)
-from effpass.graph import is_static, same_shape, size_hint
-from effpass.quantized import dequantize, is_quantized
+from effpass.graph import is_static, size_hint
 from effpass.scope import module_path_of_node
 
 from .kernels import (MIN_CHUNK_ROWS, MIN_FULL_ROWS, NO_IGNORE, OPS, default_chunk_bytes,  # noqa: F401 (re-exported)
                                default_rows_chunk_bytes, linear_cross_entropy, num_chunks, plan_chunks)
-from .region import Region, find_regions
+from .heads import (check_head, compute_dtype, count_head, drop_logits, emit_head, logits_readers, node_caller,
+                    set_meta_or_skip)
+from .region import find_regions
 from .rewrite import _needs_grad, rewrite_region
-from .matching import (LogProbSite, Site, Skip, _CE_FNS, _is_fn, _val, autocast_dtype_at, ce_args, erase_unused,
-                             match, match_logprob, replay_shape, set_meta)
+from .matching import LogProbSite, Site, Skip, _CE_FNS, _is_fn, _val, ce_args, erase_unused, match, match_logprob
 
 
 __all__ = ["FuseCrossEntropy", "default_chunk_bytes", "linear_cross_entropy", "plan_chunks",
@@ -138,6 +138,10 @@ class FuseCrossEntropy(effpass.Pass):
         if self.chunk_bytes < 0:
             raise ValueError(f"fuse_cross_entropy.chunk_bytes must be >= 0 (0: the default budget), "
                              f"got {self.chunk_bytes}")
+
+    def facts(self) -> tuple:
+        """The head is fused with the loss in the graph holding both (read by wrap_fsdp)."""
+        return (FusesLossHead(),)
 
     @classmethod
     def enabled_by_default(cls, device=None) -> bool:
@@ -194,7 +198,7 @@ class FuseCrossEntropy(effpass.Pass):
             if not all(ctx.allows(s.proj) for s in region.sites):
                 continue
             try:
-                self._rewrite_region(graph, region, ctx, stats)
+                rewrite_region(graph, region, ctx, stats, chunk_bytes=self.chunk_bytes, keep_logits=self.keep_logits)
             except Skip as e:
                 why.append({"node": region.members[0], "reason": str(e)})
         for n, reason in deferred + [(w["node"], w["reason"]) for w in why]:
@@ -213,97 +217,11 @@ class FuseCrossEntropy(effpass.Pass):
 
     # -- shared by the rewriters ---------------------------------------------------------------------
     @staticmethod
-    def _check_head(site: Site) -> tuple[int, int]:
-        """``(vocab, width)`` of a site's head; Skip when its tensors have no static value or its weight is a
-        tensor subclass other than a frozen registered quantized weight."""
-        hv, wv = _val(site.h), _val(site.weight)
-        if not (isinstance(hv, torch.Tensor) and isinstance(wv, torch.Tensor) and wv.dim() == 2):
-            raise Skip("the projection's input or weight has no static example value")
-        if is_traceable_wrapper_subclass(wv) and (wv.requires_grad or not is_quantized(wv)):
-            raise Skip(f"the head's weight is a {type(wv).__name__} (a tensor subclass that is not a frozen "
-                       "quantized weight from quantize_linear)")
-        return int(wv.shape[0]), int(wv.shape[1])
-
-    @staticmethod
-    def _readers(site: Site, consumers) -> tuple[set, list, list]:
-        """The logits chain of a site, and who else reads it: the graph output (returned logits) or other
-        computations (``consumers``: the nodes the rewrite replaces)."""
-        chain_set = set(site.chain) | {site.proj} | set(site.lora_nodes)
-        returned, used_elsewhere = [], []
-        for n in chain_set:
-            for u in n.users:
-                if u in chain_set or u in consumers:
-                    continue
-                (returned if u.op == "output" else used_elsewhere).append(n)
-        return chain_set, returned, used_elsewhere
-
-    @staticmethod
-    def _compute(graph: fx.Graph, site: Site) -> str:
-        """The matmul dtype inside the op: an enclosing autocast region's, for an fp32 head ("" otherwise)."""
-        hv = _val(site.h)
-        dtype = autocast_dtype_at(graph, site.proj, hv.device.type)
-        return "" if dtype is None or hv.dtype != torch.float32 else str(dtype).removeprefix("torch.")
-
-    @staticmethod
-    def _emit_head(graph: fx.Graph, site: Site, call, new: list, vocab: int, width: int):
-        """Nodes for the op's projection inputs: rows ``x`` (N, H), the plain weight (a quantized head
-        dequantised once), and a LoRA head's ``x2 = A(h) * s`` rows and ``B``."""
-        def rows_of(src: fx.Node, w: int) -> fx.Node:
-            for op in site.shape_ops:
-                src = replay_shape(graph, op, src, vocab, w)
-                new.append(src)
-            return call(torch.reshape, src, (-1, w))
-
-        x = rows_of(site.h, width)
-        # a quantized head (quantize_linear: torchao Int8Tensor, NF4, int4): the op takes plain tensors, so the
-        # frozen weight is dequantised once in the graph, as the unfused F.linear on it does (torchao's
-        # weight-only linear dequantises the whole weight too)
-        weight = call(dequantize, site.weight) if is_traceable_wrapper_subclass(_val(site.weight)) else site.weight
-        x2 = w2 = None
-        if site.lora is not None:
-            u0, w2, s = site.lora
-            x2 = rows_of(call(torch.mul, u0, s) if s != 1.0 else u0, int(_val(w2).shape[1]))
-        return x, weight, x2, w2
-
-    @staticmethod
-    def _set_meta_or_skip(graph: fx.Graph, new: list, like: fx.Node, x: fx.Node, want: tuple) -> None:
-        """Example values for the new nodes; Skip (new nodes erased) when the rows do not line up or a shape op
-        does not replay on the projection's input."""
-        try:
-            set_meta(new, like)
-            got = _val(x)
-            if got is None or not same_shape(got.shape, want):
-                raise Skip(f"the projection's rows do not line up with the loss's rows "
-                           f"({None if got is None else tuple(got.shape)} vs {want})")
-        except Skip:
-            erase_unused(graph, list(reversed(new)))
-            raise
-        except Exception as e:  # noqa: BLE001 - a shape op that does not replay on h: leave the site alone
-            erase_unused(graph, list(reversed(new)))
-            raise Skip(f"could not rebuild the projection's rows: {type(e).__name__}: {e}") from None
-
-    @staticmethod
-    def _drop_logits(graph: fx.Graph, site: Site, chain_set: set, returned: list, keep: bool) -> bool:
-        """Returned logits become None (unless kept); the logits chain is erased once nothing reads it."""
-        dropped = bool(returned) and not keep
-        if dropped:
-            out = next(n for n in graph.nodes if n.op == "output")
-            out.args = fx.node.map_arg(out.args, lambda n: None if n in chain_set else n)
-        erase_unused(graph, list(reversed(site.chain)) + [site.proj] + list(site.lora_nodes))
-        return dropped
-
-    @staticmethod
     def _frozen_head(site: Site) -> bool:
         """Only the hidden states need a gradient (a frozen or quantized head, LoRA on other layers): the per-row op
         then computes their gradient in its forward pass (``x_grad``) instead of recomputing the logits."""
         return (_needs_grad(site.h) and site.lora is None and not _needs_grad(site.weight)
                 and not (isinstance(site.bias, fx.Node) and _needs_grad(site.bias)))
-
-    @staticmethod
-    def _count_head(stats: dict, site: Site, weight, compute: str) -> None:
-        stats["lora_heads"] += int(site.lora is not None)
-        stats["low_precision_matmuls"] += int(bool(compute))
-        stats["dequantized_heads"] += int(weight is not site.weight)
 
     def _plan(self, graph: fx.Graph, site: Site, consumers, n_rows, vocab: int, per_row: bool = False):
         """``(chain_set, returned, keep, compute, budget, stat_budget)`` of a one-head site: who reads its logits,
@@ -312,36 +230,29 @@ class FuseCrossEntropy(effpass.Pass):
         default budget to run time (0: the op computes the same default from each call's rows; a constant here
         would be specialised to the traced length); ``stat_budget`` is then the traced example's, for the
         statistics."""
-        chain_set, returned, used_elsewhere = self._readers(site, consumers)
+        chain_set, returned, used_elsewhere = logits_readers(site, consumers)
         hv = _val(site.h)
         hb = size_hint(hv.numel()) * hv.element_size()
         rows = size_hint(n_rows)
         default = (default_rows_chunk_bytes(rows, vocab, hb, hv.device.type) if per_row
                    else default_chunk_bytes(rows, vocab, hb))
         budget = self.chunk_bytes or (default if isinstance(n_rows, int) else 0)
-        return (chain_set, returned, bool(used_elsewhere) or self.keep_logits, self._compute(graph, site),
+        return (chain_set, returned, bool(used_elsewhere) or self.keep_logits, compute_dtype(graph, site),
                 budget, self.chunk_bytes or default)
-
-    def _caller(self, graph: fx.Graph, new: list):
-        def call(fn, *args, **kwargs):
-            n = graph.call_function(fn, args, kwargs)
-            new.append(n)
-            return n
-        return call
 
     # -- cross-entropy ------------------------------------------------------------------------------------
     def _rewrite(self, graph: fx.Graph, site: Site, ctx, stats: dict) -> None:
         ce = site.ce
         a = ce_args(ce)
-        vocab, width = self._check_head(site)
+        vocab, width = check_head(site)
         n_rows = _val(a["input"]).shape[0]   # a SymInt for a dynamic (packed) length: never int() it (a guard)
         per_row = a["reduction"] == "none"
         chain_set, returned, keep, compute, budget, stat_budget = self._plan(graph, site, {ce}, n_rows, vocab,
                                                                              per_row)
         new: list[fx.Node] = []
-        call = self._caller(graph, new)
+        call = node_caller(graph, new)
         with graph.inserting_before(ce):
-            x, weight, x2, w2 = self._emit_head(graph, site, call, new, vocab, width)
+            x, weight, x2, w2 = emit_head(graph, site, call, new, vocab, width)
             target = a["target"]
             reduction = a["reduction"]
             eps, ignore = float(a["label_smoothing"]), int(a["ignore_index"])
@@ -370,10 +281,10 @@ class FuseCrossEntropy(effpass.Pass):
             out_dtype = _val(ce).dtype
             if out_dtype != torch.float32:
                 loss = call(torch.Tensor.to, loss, out_dtype)
-        self._set_meta_or_skip(graph, new, ce, x, (n_rows, width))
+        set_meta_or_skip(graph, new, ce, x, (n_rows, width))
         ce.replace_all_uses_with(loss)
         graph.erase_node(ce)
-        dropped = self._drop_logits(graph, site, chain_set, returned, keep)
+        dropped = drop_logits(graph, site, chain_set, returned, keep)
         stats["fused"] += 1
         rows = size_hint(n_rows)
         stats["logits_bytes_avoided"] += rows * vocab * 4
@@ -383,14 +294,14 @@ class FuseCrossEntropy(effpass.Pass):
         stats["logits_returned"] += int(bool(returned) and keep)
         stats["logits_dropped"] += int(dropped)
         stats["torch_kernel"] += int(use_torch)
-        self._count_head(stats, site, weight, compute)
+        count_head(stats, site, weight, compute)
 
     # -- chosen-token log-probabilities ---------------------------------------------------------------------
     def _rewrite_logprob(self, graph: fx.Graph, lp: LogProbSite, ctx, stats: dict) -> None:
         """``log_softmax(proj(h))[..., t]`` -> ``-linear_cross_entropy_rows(h, W, ..., t)`` (no ignored rows:
         a negative or too large index raises, as gather does), reshaped to the gather's shape."""
         site, anchor = lp.site, lp.out
-        vocab, width = self._check_head(site)
+        vocab, width = check_head(site)
         iv = _val(lp.index)
         if not isinstance(iv, torch.Tensor):
             raise Skip("the index has no static example value")
@@ -398,9 +309,9 @@ class FuseCrossEntropy(effpass.Pass):
         chain_set, returned, keep, compute, budget, stat_budget = self._plan(graph, site, set(lp.nodes), n_rows,
                                                                              vocab, True)
         new: list[fx.Node] = []
-        call = self._caller(graph, new)
+        call = node_caller(graph, new)
         with graph.inserting_before(anchor):
-            x, weight, x2, w2 = self._emit_head(graph, site, call, new, vocab, width)
+            x, weight, x2, w2 = emit_head(graph, site, call, new, vocab, width)
             target = call(torch.reshape, lp.index, (-1,))
             xg = self._frozen_head(site)
             res = call(torch.ops.effpass.linear_cross_entropy_rows.default, x, weight, x2, w2, site.bias, target,
@@ -416,10 +327,10 @@ class FuseCrossEntropy(effpass.Pass):
                     out = call(torch.squeeze, out, -1)
             if _val(anchor).dtype != torch.float32:
                 out = call(torch.Tensor.to, out, _val(anchor).dtype)
-        self._set_meta_or_skip(graph, new, anchor, x, (n_rows, width))
+        set_meta_or_skip(graph, new, anchor, x, (n_rows, width))
         anchor.replace_all_uses_with(out)
         erase_unused(graph, list(lp.nodes))
-        dropped = self._drop_logits(graph, site, chain_set, returned, keep)
+        dropped = drop_logits(graph, site, chain_set, returned, keep)
         stats["logprob_sites"] += 1
         rows = size_hint(n_rows)
         stats["logits_bytes_avoided"] += 0 if keep else rows * vocab * 4
@@ -428,13 +339,9 @@ class FuseCrossEntropy(effpass.Pass):
         stats["symbolic_rows"] += int(not isinstance(n_rows, int))
         stats["logits_returned"] += int(bool(returned) and keep)
         stats["logits_dropped"] += int(dropped)
-        self._count_head(stats, site, weight, compute)
+        count_head(stats, site, weight, compute)
 
     # -- row-wise functions of one or two heads (entropy, KL / JSD, z-loss) ------------------------------
-    def _rewrite_region(self, graph: fx.Graph, region: Region, ctx, stats: dict) -> None:
-        """A region -> ``effpass::linear_rowwise`` (``_fuse_ce_rewrite_region.rewrite_region``)."""
-        rewrite_region(self, graph, region, ctx, stats)
-
     @staticmethod
     def _torch_supports(site: Site, reduction: str, eps: float, compute: str) -> bool:
         return (hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions")

@@ -1,7 +1,7 @@
 """The row-wise rewrite of ``fuse_cross_entropy``: a region of the graph (``_fuse_ce_region.find_regions``: whatever is
 computed row by row from one or two heads' logits: entropy, KL / JSD between a student and a teacher, z-loss) becomes
 one ``effpass::linear_rowwise`` op on the heads' rows, its columns reshaped to the per-row values they replace.
-Called by the pass (``FuseCrossEntropy._rewrite_region``) with the pass itself, whose head helpers it shares.
+Called by the pass with its options (``chunk_bytes``, ``keep_logits``); shares the head helpers of ``heads.py``.
 """
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import torch.fx as fx
 
 from effpass.graph import is_static, size_hint
 
+from .heads import (check_head, compute_dtype, count_head, drop_logits, emit_head, logits_readers, node_caller,
+                    set_meta_or_skip)
 from .kernels import default_chunk_bytes
 from .matching import Skip, _val, erase_unused
 from .region import Region, build_row_fn
@@ -35,9 +37,10 @@ def _needs_grad(n: fx.Node) -> bool:
     return bool(isinstance(v, torch.Tensor) and v.requires_grad)
 
 
-def rewrite_region(fce, graph: fx.Graph, region: Region, ctx, stats: dict) -> None:
-    """A region (``_fuse_ce_region``) -> ``effpass::linear_rowwise`` on the heads' rows, its columns
-    reshaped to the per-row values they replace; reductions of everything become sums of the row sums."""
+def rewrite_region(graph: fx.Graph, region: Region, ctx, stats: dict, *, chunk_bytes: int, keep_logits: bool) -> None:
+    """A region (``region.find_regions``) -> ``effpass::linear_rowwise`` on the heads' rows, its columns
+    reshaped to the per-row values they replace; reductions of everything become sums of the row sums.
+    ``chunk_bytes`` and ``keep_logits``: the pass's options of those names."""
     gm, what = build_row_fn(region)
     inside = set(region.members) | set(region.entries)
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -48,7 +51,7 @@ def rewrite_region(fce, graph: fx.Graph, region: Region, ctx, stats: dict) -> No
         raise Skip("both inputs of the row-wise computation come from the same projection")
     heads = []
     for site in region.sites:
-        vocab, width = fce._check_head(site)
+        vocab, width = check_head(site)
         heads.append((vocab, width))
     n_rows = 1
     for d in region.leading:
@@ -57,7 +60,9 @@ def rewrite_region(fce, graph: fx.Graph, region: Region, ctx, stats: dict) -> No
     if symbolic and sum(not isinstance(d, int) for d in region.leading) > 1:
         raise Skip(f"the logits' rows {tuple(region.leading)} have more than one symbolic dim (the per-row "
                    "results could not be reshaped without baking a size into the graph)")
-    inputs = [s.h for s in region.sites] + [s.weight for s in region.sites] + list(region.externals) +             [s.bias for s in region.sites if isinstance(s.bias, fx.Node)] +             [x for s in region.sites if s.lora is not None for x in s.lora[:2]]
+    inputs = ([s.h for s in region.sites] + [s.weight for s in region.sites] + list(region.externals)
+              + [s.bias for s in region.sites if isinstance(s.bias, fx.Node)]
+              + [x for s in region.sites if s.lora is not None for x in s.lora[:2]])
     late = [i for i in inputs if isinstance(i, fx.Node) and order[i] >= order[anchor]]
     if late:
         raise Skip(f"{late[0].name} is computed after {anchor.name}, which reads the row-wise result")
@@ -65,24 +70,24 @@ def rewrite_region(fce, graph: fx.Graph, region: Region, ctx, stats: dict) -> No
     needs = [_needs_grad(n if kind == "node" else n) for kind, n in what]
     if any(needs) and not grad_on:
         raise Skip(f"the row-wise result needs a gradient but {anchor.name} runs without gradients")
-    computes = {fce._compute(graph, s) for s in region.sites}
+    computes = {compute_dtype(graph, s) for s in region.sites}
     if len(computes) != 1:
         raise Skip("the two heads run their matmuls in different dtypes (autocast)")
     compute = computes.pop()
     hv = _val(region.sites[0].h)
     vocab = region.vocab
-    stat_budget = fce.chunk_bytes or default_chunk_bytes(size_hint(n_rows), vocab,
+    stat_budget = chunk_bytes or default_chunk_bytes(size_hint(n_rows), vocab,
                                                          size_hint(hv.numel()) * hv.element_size())
     # a symbolic row count leaves the default budget to run time (0: the op computes it from each call's rows)
-    budget = stat_budget if not symbolic else fce.chunk_bytes
+    budget = stat_budget if not symbolic else chunk_bytes
     consumed = set(region.members) | {u for kind, u in what if kind == "split"}
-    reads = [fce._readers(s, consumed) for s in region.sites]
+    reads = [logits_readers(s, consumed) for s in region.sites]
     new: list[fx.Node] = []
-    call = fce._caller(graph, new)
+    call = node_caller(graph, new)
     with graph.inserting_before(anchor):
         args, weights = [], []
         for site, (v, width) in zip(region.sites, heads):
-            x, weight, x2, w2 = fce._emit_head(graph, site, call, new, v, width)
+            x, weight, x2, w2 = emit_head(graph, site, call, new, v, width)
             args += [x, weight, site.bias, x2, w2]
             weights.append(weight)
         args += [None] * (10 - len(args))
@@ -146,7 +151,7 @@ def rewrite_region(fce, graph: fx.Graph, region: Region, ctx, stats: dict) -> No
             if not need and grad_on:
                 col = call(torch.Tensor.detach, col)
             outs.append(col)
-    fce._set_meta_or_skip(graph, new, anchor, args[0], (n_rows, heads[0][1]))
+    set_meta_or_skip(graph, new, anchor, args[0], (n_rows, heads[0][1]))
     for (kind, n), col in zip(what, outs):
         if kind == "node":
             n.replace_all_uses_with(col, delete_user_cb=lambda u: u not in inside)
@@ -156,12 +161,12 @@ def rewrite_region(fce, graph: fx.Graph, region: Region, ctx, stats: dict) -> No
     erase_unused(graph, list(reversed(region.members)))
     rows = size_hint(n_rows)
     for site, (chain_set, returned, used_elsewhere), weight in zip(region.sites, reads, weights):
-        keep = bool(used_elsewhere) or fce.keep_logits
-        dropped = fce._drop_logits(graph, site, chain_set, returned, keep)
+        keep = bool(used_elsewhere) or keep_logits
+        dropped = drop_logits(graph, site, chain_set, returned, keep)
         stats["logits_bytes_avoided"] += 0 if keep else rows * vocab * 4
         stats["logits_returned"] += int(bool(returned) and keep)
         stats["logits_dropped"] += int(dropped)
-        fce._count_head(stats, site, weight, compute)
+        count_head(stats, site, weight, compute)
     stats["rowwise_sites"] += 1
     stats["two_head_sites"] += int(len(region.sites) == 2)
     stats["rowwise_outputs"] += len(what)

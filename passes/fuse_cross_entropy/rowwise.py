@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 import effpass
+from effpass.config import rowwise_compile_from_env
 
 from .chunks import _COMPUTE, _acc_mm, default_chunk_bytes, weight_grad_dtype
 
@@ -129,10 +130,8 @@ def _tile_program(f, heads, want, cots, z, es):
     for the trained form's cotangents (ones on one output each), or None where the eager tile runs: not on CPU,
     a small tile, under a dispatch mode (the planner's replay) or while tracing, EFFPASS_ROWWISE_COMPILE=0, a
     per-row cotangent (the recomputing backward), or after a compile failure (warned, never retried)."""
-    import os
-
     if (z.device.type != "cpu" or z.numel() < COMPILE_MIN_TILE_ELEMS or not cots
-            or not all(isinstance(c, int) for c in cots) or os.environ.get("EFFPASS_ROWWISE_COMPILE", "1") == "0"
+            or not all(isinstance(c, int) for c in cots) or not rowwise_compile_from_env()
             or torch._C._len_torch_dispatch_stack() > 0 or torch.compiler.is_compiling()):
         return None
     key = (f, tuple(tuple(h.t) for h in heads), tuple(want), tuple(cots), z.dtype, len(es))

@@ -23,7 +23,6 @@ Save, load, merge and unmerge live in :mod:`effpass.passes.lora` and are re-expo
 """
 from __future__ import annotations
 
-import fnmatch
 import operator
 from dataclasses import dataclass, field
 from typing import Literal
@@ -33,7 +32,7 @@ import torch.fx as fx
 
 import effpass
 from effpass.graph import copy_provenance, infer_fake_values, source_path
-from effpass.scope import Scope, check_patterns
+from effpass.scope import Scope, check_patterns, glob_match, glob_match_within
 
 from . import lora
 from .lora import LoRALinear, load, merge, save, unmerge  # noqa: F401  (the public helpers)
@@ -91,9 +90,9 @@ class InjectLoRA(effpass.Pass):
         # MoE expert tensors (3-D parameters) are adapted when a targets glob names the tensor itself
         # (``*.experts.gate_up_proj``); the other globs select linear modules as before.
         expert_params = lora.expert_parameters(model)
-        expert_globs = [g for g in self.targets if any(fnmatch.fnmatchcase(n, g) for n in expert_params)]
+        expert_globs = [g for g in self.targets if any(glob_match(n, g) for n in expert_params)]
         module_globs = [g for g in self.targets if g not in expert_globs]
-        experts = [n for n in expert_params if any(fnmatch.fnmatchcase(n, g) for g in expert_globs)
+        experts = [n for n in expert_params if glob_match(n, expert_globs)
                    and ctx.scope.matches_globs(n) is not False and not _excluded(n, self.exclude)]
         linear_names = [n for n, m in model.named_modules() if n and candidate(n, m)]
         already = lora.lora_modules(model)
@@ -179,8 +178,7 @@ class InjectLoRA(effpass.Pass):
 
 
 def _excluded(name: str, exclude) -> bool:
-    parts = name.split(".")
-    return any(fnmatch.fnmatchcase(".".join(parts[: i + 1]), g) for g in exclude for i in range(len(parts)))
+    return glob_match_within(name, exclude)
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -47,7 +47,6 @@ tensor) appears in ``stats["modules"]`` as quantized or skipped with the reason.
 """
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -58,11 +57,12 @@ from torch import nn
 import effpass
 from effpass.graph import parameter_only_nodes, val
 from effpass.quantized import is_quantized, storage_bytes
+from effpass.scope import glob_match_within
 
 from .expert_sites import expert_tensors, quantize_experts
 from .linear import (conv1d_class, dequantized_weight, float8_linear, fp8_supported, is_float8_linear,
-                            outlier_hook, outlier_load_pre_hook, prefixes, probe_matches, set_submodule,
-                            with_linear_forward)
+                            outlier_hook, outlier_load_pre_hook, probe_matches, set_submodule,
+                            weight_problem, with_linear_forward)
 
 SCHEMES = ("int8", "int4", "nf4", "fp8")
 KERNELS = ("auto", "torchao", "triton")
@@ -233,21 +233,10 @@ class QuantizeLinear(effpass.Pass):
             return f"fp8 matmuls need in/out features divisible by 16, got {k}x{n}"
         return None
 
-    def _weight_problem(self, w: torch.Tensor, tied: set[int]) -> str | None:
-        if is_quantized(w):
-            return f"already quantized ({type(w).__name__})"
-        if id(w) in tied:
-            return "weight is tied to another parameter (quantizing it would untie them)"
-        if w.device.type == "meta":
-            return "weight is on the meta device"
-        if not w.is_floating_point():
-            return f"weight dtype {w.dtype} is not floating point"
-        return None
-
     def _linear_problem(self, lin: nn.Linear, tied: set[int]) -> str | None:
         if is_float8_linear(lin) or getattr(lin, "__effpass_linear__", False):
             return "already quantized"
-        problem = self._weight_problem(lin.weight, tied)
+        problem = weight_problem(lin.weight, tied)
         if problem:
             return problem
         problem = self._shape_problem(lin.in_features, lin.out_features, lin.weight.numel())
@@ -338,7 +327,7 @@ class QuantizeLinear(effpass.Pass):
         names = [n for n, _ in model.named_modules() if n] + [n for n, _ in model.named_parameters()]
 
         def hits(glob, pool):
-            return any(fnmatch.fnmatchcase(p, glob) for n in pool for p in prefixes(n))
+            return any(glob_match_within(n, glob) for n in pool)
 
         pool = candidates + experts
         for kind, globs, space in (("targets", self.targets, pool), ("exclude", self.exclude, names)):
@@ -387,7 +376,7 @@ class QuantizeLinear(effpass.Pass):
             kind = "conv1d" if not isinstance(mod, nn.Linear) else (
                 "linear" if type(mod) is nn.Linear else "linear_subclass")
             if kind == "conv1d":
-                problem = self._weight_problem(mod.weight, tied)
+                problem = weight_problem(mod.weight, tied)
                 if problem:
                     skip(name, kind, problem)
                     continue

@@ -9,6 +9,8 @@ from torch import nn
 
 from effpass.quantized import storage_bytes
 
+from .linear import weight_problem
+
 __all__ = ["expert_tensors", "quantize_experts"]
 
 
@@ -58,7 +60,7 @@ def quantize_experts(qpass, model, experts, ctx, tied, report, skipped, storages
                      "nn.Linear; use scheme='int8' or 'nf4' to quantize experts")
             continue
         transposed = _experts_transposed(mod)
-        problems = [(full, qpass._weight_problem(getattr(mod, attr), tied)) for full, _, attr in group]
+        problems = [(full, weight_problem(getattr(mod, attr), tied)) for full, _, attr in group]
         if qpass.scheme == "nf4":
             problems = [(f, p or _nf4_expert_problem(getattr(mod, a), qpass.block_size))
                         for (f, p), (_, _, a) in zip(problems, group)]

@@ -7,8 +7,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from effpass.quantized import is_quantized
+
 __all__ = ["fp8_supported", "float8_linear", "is_float8_linear", "outlier_hook", "outlier_load_pre_hook",
-           "dequantized_weight", "with_linear_forward", "conv1d_class", "probe_matches", "prefixes", "set_submodule"]
+           "dequantized_weight", "with_linear_forward", "conv1d_class", "probe_matches", "set_submodule",
+           "weight_problem"]
 
 
 def fp8_supported(device: torch.device | str | None = None) -> bool:
@@ -108,9 +111,18 @@ def probe_matches(fn, ref, atol=1e-5) -> str | None:
     return None if err <= atol * max(1.0, scale) else f"max difference {err:.3g}"
 
 
-def prefixes(path: str) -> list[str]:
-    parts = path.split(".")
-    return [".".join(parts[: i + 1]) for i in range(len(parts))]
+def weight_problem(w: torch.Tensor, tied: set[int]) -> str | None:
+    """Why the weight ``w`` cannot be quantized (already quantized, tied to another parameter by ``id``, on
+    the meta device, not floating point), or None."""
+    if is_quantized(w):
+        return f"already quantized ({type(w).__name__})"
+    if id(w) in tied:
+        return "weight is tied to another parameter (quantizing it would untie them)"
+    if w.device.type == "meta":
+        return "weight is on the meta device"
+    if not w.is_floating_point():
+        return f"weight dtype {w.dtype} is not floating point"
+    return None
 
 
 def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:

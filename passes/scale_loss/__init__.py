@@ -40,6 +40,7 @@ import torch
 import torch.fx as fx
 
 import effpass
+from effpass.facts import LossScaling, MixedPrecision
 
 __all__ = ["ScaleLoss", "LossScaler", "loss_scaler", "LossScaleCollapsedError", "scale_grad"]
 
@@ -348,9 +349,13 @@ class ScaleLoss(effpass.Pass):
     #: ``ScaleLoss.scaler(model)``: the model's :class:`LossScaler`.
     scaler = staticmethod(loss_scaler)
 
+    def facts(self) -> tuple:
+        """The loss is scaled for float16 gradients (read by apply_autocast)."""
+        return (LossScaling(),)
+
     def _disabled_reason(self, ctx) -> str:
-        ac = ctx.find_pass("apply_autocast")
-        if ac is not None and getattr(ac, "dtype", None) == torch.bfloat16:
+        mp = ctx.fact(MixedPrecision)
+        if mp is not None and mp.dtype == torch.bfloat16:
             return ("apply_autocast uses bfloat16, which has float32's exponent range: gradients do not "
                     "underflow, so scale_loss does nothing")
         return ""

@@ -66,6 +66,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import effpass
+from effpass.facts import ShardsParameters
 from effpass.graph import transformer_blocks
 
 from .attention import kv_replication, sp_attention, sp_sdpa_mask
@@ -122,7 +123,8 @@ def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module, Any]]:
     for name, mod in model.named_modules():
         src = sys.modules.get(type(mod).__module__)
         eager = getattr(src, "eager_attention_forward", None)
-        if eager is not None and hasattr(mod, "head_dim") and "Attention" in type(mod).__name__:
+        # NOTE: GPT-NeoX (Pythia) names it head_size; both call the interface with q/k/v as [B, heads, S, D]
+        if eager is not None and (hasattr(mod, "head_dim") or hasattr(mod, "head_size")) and "Attention" in type(mod).__name__:
             out.append((name, mod, eager))
     return out
 
@@ -209,7 +211,7 @@ class ShardSequence(effpass.Pass):
         mesh = self._mesh()
         reduce = self.reduce_gradients
         if reduce is None:
-            reduce = ctx.find_pass("wrap_fsdp") is None
+            reduce = ctx.fact(ShardsParameters) is None
         state = State(mesh, self.mesh_dim, reduce)
         n = state.size
         heads = getattr(cfg, "num_attention_heads", None)

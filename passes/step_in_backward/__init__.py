@@ -36,6 +36,7 @@ import torch.fx as fx
 from torch.utils.weak import WeakTensorKeyDictionary
 
 import effpass
+from effpass.scope import glob_match_within
 
 __all__ = ["StepInBackward", "attach", "detach", "SUPPORTED", "StepInBackwardError"]
 
@@ -463,8 +464,6 @@ class StepInBackward(effpass.Pass):
             cost="the optimizer steps each parameter inside backward; no extra compute")]
 
     def prepare_module(self, model: torch.nn.Module, ctx) -> effpass.PassResult:
-        from fnmatch import fnmatch
-
         _install_global_hook()
         stats = {"parameters": 0, "elements": 0, "gradient_bytes": 0}
         skipped = []
@@ -473,8 +472,7 @@ class StepInBackward(effpass.Pass):
                 if not p.requires_grad:
                     continue
                 mod = name.rpartition(".")[0]  # targets/exclude are module-name globs
-                if (self.targets and not any(fnmatch(mod, t) or fnmatch(mod, t + ".*") for t in self.targets)) or any(
-                        fnmatch(mod, t) or fnmatch(mod, t + ".*") for t in self.exclude):
+                if (self.targets and not glob_match_within(mod, self.targets)) or glob_match_within(mod, self.exclude):
                     skipped.append({"site": name, "reason": "outside targets"})
                     continue
                 if p not in _HOOKED:

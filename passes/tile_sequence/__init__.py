@@ -61,6 +61,7 @@ import torch.nn.functional as F
 
 import effpass
 from effpass.graph import copy_provenance, infer_fake_values, module_path_of_node, tensor_meta
+from effpass.scope import glob_match
 
 __all__ = ["TileSequence", "find_row_regions"]
 
@@ -437,13 +438,10 @@ class TileSequence(effpass.Pass):
     def transform_torch_ir(self, gm: fx.GraphModule, ctx) -> effpass.PassResult:
         regions, skipped = find_row_regions(gm, getattr(ctx, "model", None), min_rows=2 * self.tile_rows)
         if self.targets or self.exclude:
-            from fnmatch import fnmatch
-
             keep = []
             for r in regions:
                 where = r.block or module_path_of_node(r.nodes[0])
-                ok = (not self.targets or any(fnmatch(where, t) for t in self.targets)) and not any(
-                    fnmatch(where, t) for t in self.exclude)
+                ok = (not self.targets or glob_match(where, self.targets)) and not glob_match(where, self.exclude)
                 (keep.append(r) if ok else skipped.append({"site": where, "reason": "outside targets"}))
             regions = keep
         stats = {"regions": 0, "tiles": 0, "rows": 0, "tiled_nodes": 0}

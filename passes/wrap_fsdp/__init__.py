@@ -28,8 +28,8 @@ What it does
 
 Ordering: runs after every other module pass (``quantize_linear``, ``inject_lora``) because sharding
 turns parameters into DTensors; modules added or swapped later would not be sharded. It is also
-declared after ``apply_autocast`` and ``scale_loss`` (graph passes) so their options are final when
-the mixed-precision policy is derived from them.
+declared after ``apply_autocast`` and ``scale_loss`` (graph passes). The mixed-precision policy follows
+the pipeline's ``MixedPrecision`` fact (``effpass.facts``, declared by ``apply_autocast``), not its options.
 
 Invariants
     * ``torch.distributed`` is initialised (``dist.init_process_group``) before the pass runs.
@@ -56,6 +56,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import effpass
+from effpass.facts import FusesLossHead, MixedPrecision, ShardsParameters
 from effpass.graph import transformer_blocks
 
 from .sizing import estimate, estimate_table, max_model_params  # noqa: F401  (re-exported)
@@ -182,19 +183,24 @@ class WrapFSDP(effpass.Pass):
         if self.replicate < 1:
             raise ValueError(f"wrap_fsdp: replicate must be >= 1, got {self.replicate}")
 
+    def facts(self) -> tuple:
+        """The parameters are sharded and their gradients reduced over all ranks (read by shard_sequence)."""
+        return (ShardsParameters(),)
+
     @classmethod
     def default_note(cls) -> str:
         return "off (needs torch.distributed; add WrapFSDP() under torchrun)"
 
     # -- helpers --------------------------------------------------------------------------------------
     def mixed_precision(self, ctx=None):
-        """The ``MixedPrecisionPolicy`` used: explicit options win, then ``apply_autocast``'s dtype."""
+        """The ``MixedPrecisionPolicy`` used: explicit options win, then the pipeline's
+        :class:`~effpass.facts.MixedPrecision` fact (``apply_autocast``'s dtype)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         param_dtype = self.param_dtype
         if param_dtype is None and ctx is not None:
-            autocast = ctx.find_pass("apply_autocast")
-            param_dtype = getattr(autocast, "dtype", None) if autocast is not None else None
+            mp = ctx.fact(MixedPrecision)
+            param_dtype = mp.dtype if mp is not None else None
         reduce_dtype = self.reduce_dtype
         if reduce_dtype is None and param_dtype in (torch.bfloat16, torch.float16):
             reduce_dtype = torch.float32
@@ -233,8 +239,8 @@ class WrapFSDP(effpass.Pass):
         if backend is not None:
             compiled, boundary = compile_sharded(model, units, backend, ctx.compile_kwargs,
                                                  compile_root=self.compile_root,
-                                                 fused_head=ctx.find_pass("fuse_cross_entropy") is not None)
-        elif ctx.find_pass("fuse_cross_entropy") is not None:
+                                                 fused_head=ctx.fact(FusesLossHead) is not None)
+        elif ctx.fact(FusesLossHead) is not None:
             _warn_unfused_head("compile_units=False")
         n_params = sum(p.numel() for p in model.parameters())
         local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
@@ -300,7 +306,7 @@ def adopt_fsdp(model: nn.Module, backend, compile_kwargs: dict) -> dict:
                          "shard the transformer blocks (accelerate: fsdp_auto_wrap_policy "
                          "TRANSFORMER_BASED_WRAP) or use effpass's wrap_fsdp pass")
     mgr = backend.manager_for([p for p in model.parameters()][:1]) if hasattr(backend, "manager_for") else None
-    fused = mgr is not None and any(p.name == "fuse_cross_entropy" for p in mgr.active)
+    fused = mgr is not None and mgr.fact(FusesLossHead) is not None
     compiled, boundary = compile_sharded(model, units, backend, {k: v for k, v in compile_kwargs.items() if v is not None},
                                          fused_head=fused)
     return {"units": len(units), "compiled_units": compiled, "compiled_root": int(boundary is not None),

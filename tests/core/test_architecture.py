@@ -194,12 +194,6 @@ MODULE_LINES = 500
 LONG_MODULES = {
     "passes/step_in_backward/__init__.py": "the optimizer hooks, the in-graph step op and its fake kernel (the "
                                            "planner's replay) share one per-parameter registry",
-    "effpass/planning/estimate.py": "being split (issue 35.3)",
-    "effpass/planning/planner.py": "being split (issue 35.3)",
-    "effpass/backend.py": "being split (issue 35.3)",
-    "effpass/graph.py": "being split (issue 35.3)",
-    "effpass/pass_api.py": "being split (issue 35.3)",
-    "effpass/inspect/html.py": "being split (issue 35.3)",
 }
 
 
@@ -229,3 +223,242 @@ def test_fixed_sub_patterns_use_torch_pattern_matcher():
     heads = (*_fuse_ce_match.LORA_HEAD, _fuse_ce_match.LOW_RANK, _fuse_ce_match.PROJECTION, *_attention_match.SPINE,
              *_attention_match.QK_ROOTS)
     assert all(isinstance(p, pm.PatternExpr) for p in heads)
+
+
+# ------------------------------------------------------------------------------------------------------
+# configuration is data, read in one place (issue 35.4)
+# ------------------------------------------------------------------------------------------------------
+#: what touches the process environment: ``os.<name>`` or ``from os import <name>``
+ENV_NAMES = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
+#: modules of effpass/ or passes/ besides effpass/config.py that may touch ``os.environ``, with the reason
+ENV_ALLOWED = {
+    "effpass/cli/demo.py": "builds each arm's child-process environment ({**os.environ, ...}); reads no setting",
+}
+
+
+def environ_uses(path: pathlib.Path) -> list[str]:
+    """Where a module touches the process environment (``os.environ``, ``os.getenv``, ... through any alias of
+    ``os``, or a name imported from ``os``), as ``"line: code"`` in line order."""
+    src = path.read_text()
+    tree = ast.parse(src)
+    os_names = {"os"} | {a.asname for n in ast.walk(tree) if isinstance(n, ast.Import)
+                         for a in n.names if a.name == "os" and a.asname}
+    hits = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr in ENV_NAMES and isinstance(node.value, ast.Name)
+                and node.value.id in os_names) or (
+                isinstance(node, ast.ImportFrom) and node.module == "os" and {a.name for a in node.names} & ENV_NAMES):
+            hits.append((node.lineno, f"{node.lineno}: {ast.get_source_segment(src, node)}"))
+    return [h for _, h in sorted(hits)]
+
+
+def test_environment_is_read_in_config_only():
+    """Every environment variable is read in effpass/config.py (``ENV_VARS`` lists it, a function there reads it);
+    no other module of effpass/ or passes/ touches os.environ unless named in ENV_ALLOWED with the reason."""
+    repo = ROOT.parent
+    found = {}
+    for base in (ROOT, PASSES):
+        for p in sorted(base.rglob("*.py")):
+            rel = p.relative_to(repo).as_posix()
+            if rel != "effpass/config.py" and environ_uses(p):
+                found[rel] = environ_uses(p)
+    bad = {k: v for k, v in found.items() if k not in ENV_ALLOWED}
+    assert not bad, f"read environment variables in effpass/config.py (ENV_VARS and a function there), not in: {bad}"
+    stale = sorted(set(ENV_ALLOWED) - set(found))
+    assert not stale, f"no longer touch os.environ (or gone), remove from ENV_ALLOWED: {stale}"
+    assert environ_uses(ROOT / "config.py"), "config.py reads the environment: the walker must see it"
+
+
+def test_every_environment_variable_is_listed():
+    """Each EFFPASS_* name the code of effpass/ or passes/ spells (a whole string constant) is in ENV_VARS with
+    what it does."""
+    import re
+
+    from effpass.config import ENV_VARS
+
+    named = set()
+    for base in (ROOT, PASSES):
+        for p in base.rglob("*.py"):
+            named |= {n.value for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.Constant)
+                      and isinstance(n.value, str) and re.fullmatch(r"EFFPASS_[A-Z0-9_]+", n.value)}
+    assert {"EFFPASS_BISECT", "EFFPASS_PROGRESS", "EFFPASS_ROWWISE_COMPILE"} <= named
+    missing = sorted(named - set(ENV_VARS))
+    assert not missing, f"environment variables read but not in effpass.config.ENV_VARS: {missing}"
+    assert all(doc.strip() for doc in ENV_VARS.values()), ENV_VARS
+
+
+def test_environ_detector_can_fail(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("import os as o\nfrom os import getenv\nx = o.environ.get('A')\nimport os\n"
+                 "y = {**os.environ}\nz = os.path.join('a')\nenviron = {}\n")
+    assert [h.split(":")[0] for h in environ_uses(f)] == ["2", "3", "5"]
+
+
+def undocumented_fields(cls) -> list[str]:
+    """The fields of a dataclass of options without a doc (``field(metadata={"doc": ...})``)."""
+    import dataclasses
+
+    return [f.name for f in dataclasses.fields(cls) if not str(f.metadata.get("doc", "")).strip()]
+
+
+def test_every_option_is_documented_on_its_field():
+    """effpass's options and every registered pass's options carry their doc on the field; the tables that list
+    options (OPTION_DOCS, the keys parse_options accepts) are read from the fields."""
+    import dataclasses
+
+    from effpass.config import OPTION_DOCS, Options, option_docs
+    from effpass.pass_api import registered_passes
+
+    assert not undocumented_fields(Options), f"effpass.config.Options fields without a doc: {undocumented_fields(Options)}"
+    bad = {n: undocumented_fields(k) for n, k in registered_passes().items() if undocumented_fields(k)}
+    assert not bad, f"pass options without a doc (field(metadata={{'doc': ...}})): {bad}"
+    assert dict(OPTION_DOCS) == option_docs()
+    assert set(option_docs(keys_only=False)) == {f.name for f in dataclasses.fields(Options)}
+    assert {"passes", "lowering", "memory_budget"} <= set(OPTION_DOCS) and "default_pipeline" not in OPTION_DOCS
+
+
+def test_option_doc_detector_can_fail():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Planted:
+        documented: int = dataclasses.field(default=0, metadata={"doc": "a number"})
+        bare: int = 0
+        blank: str = dataclasses.field(default="", metadata={"doc": " "})
+
+    assert undocumented_fields(Planted) == ["bare", "blank"]
+
+
+# ------------------------------------------------------------------------------------------------------
+# passes talk through declared contracts only (issue 35.2): facts, effpass.scope's globs, public methods
+# ------------------------------------------------------------------------------------------------------
+def by_name_lookups(source: str, pass_names: set[str]) -> list[str]:
+    """Places where code looks up another pass by its name: ``find_pass("x")`` with a string literal, or a
+    comparison of some ``.name`` with a registered pass name (``p.name == "fuse_cross_entropy"``)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            args = [*node.args, *(k.value for k in node.keywords)]
+            if name == "find_pass" and any(isinstance(a, ast.Constant) and isinstance(a.value, str) for a in args):
+                out.append((node.lineno, f"line {node.lineno}: find_pass({ast.unparse(args[0])})"))
+        elif isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            named = any(isinstance(s, ast.Attribute) and s.attr == "name" for s in sides)
+            consts = [s.value for s in sides if isinstance(s, ast.Constant) and isinstance(s.value, str)]
+            consts += [e.value for s in sides if isinstance(s, (ast.Tuple, ast.List, ast.Set))
+                       for e in s.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+            if named and set(consts) & pass_names:
+                out.append((node.lineno, f"line {node.lineno}: {ast.unparse(node)}"))
+    return [text for _, text in sorted(out)]
+
+
+def test_passes_read_each_other_through_facts_only():
+    """A pass reads another pass's choice (the autocast dtype, whether the loss is scaled) through a fact
+    (``ctx.fact(MixedPrecision)``, :mod:`effpass.facts`), never by the other pass's name: no ``find_pass`` with
+    a literal and no comparison with a pass's name anywhere under passes/ (the core may use ``find_pass``)."""
+    names = set(pass_packages())
+    bad = [f"{p.relative_to(ROOT.parent)} {hit}" for p in sorted(PASSES.rglob("*.py"))
+           for hit in by_name_lookups(p.read_text(), names)]
+    assert not bad, f"passes look each other up by name (declare and read an effpass.facts.Fact instead): {bad}"
+
+
+def test_by_name_detector_can_fail():
+    src = ("def f(ctx, mgr):\n"
+           "    a = ctx.find_pass('apply_autocast')\n"
+           "    b = find_pass(name='scale_loss')\n"
+           "    c = any(p.name == 'fuse_cross_entropy' for p in mgr.active)\n"
+           "    d = [p for p in mgr.active if p.name in ('wrap_fsdp',)]\n"
+           "    e = ctx.find_pass(other)\n"
+           "    return n.name == 'ge'\n")
+    hits = by_name_lookups(src, {"apply_autocast", "scale_loss", "fuse_cross_entropy", "wrap_fsdp"})
+    assert [h.split(":")[0] for h in hits] == ["line 2", "line 3", "line 4", "line 5"], hits
+
+
+def fnmatch_imports(source: str) -> list[int]:
+    """Lines importing ``fnmatch`` (``import fnmatch``, ``from fnmatch import ...``) at any depth."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "fnmatch" for a in node.names):
+            out.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "fnmatch" and not node.level:
+            out.append(node.lineno)
+    return sorted(out)
+
+
+def test_glob_matching_only_through_effpass_scope():
+    """One glob language for every pass: ``effpass.scope`` (``glob_match``, ``glob_match_within``, ``Scope``)
+    is the only module of effpass/ or passes/ that imports fnmatch."""
+    allowed = {ROOT / "scope.py"}
+    bad = [f"{p.relative_to(ROOT.parent)}:{line}" for base in (ROOT, PASSES) for p in sorted(base.rglob("*.py"))
+           if p not in allowed for line in fnmatch_imports(p.read_text())]
+    assert not bad, f"fnmatch imported outside effpass/scope.py (use effpass.scope.glob_match/glob_match_within): {bad}"
+
+
+def test_fnmatch_detector_can_fail():
+    assert fnmatch_imports("import fnmatch\ndef f():\n    from fnmatch import fnmatchcase\nimport os\n") == [1, 3]
+    assert fnmatch_imports("from .fnmatch import x\nimport os.path\n") == []
+
+
+def pass_classes(init_source: str) -> dict[str, set[str]]:
+    """The classes a pass package's ``__init__`` registers (decorated with ``register_pass``), each with the
+    names of its private methods and attributes (one leading underscore)."""
+    out = {}
+    for node in ast.walk(ast.parse(init_source)):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        if not any(isinstance(d, ast.Call) and (getattr(d.func, "attr", None) or getattr(d.func, "id", None))
+                   == "register_pass" for d in node.decorator_list):
+            continue
+        private = set()
+        for item in node.body:
+            targets = [item.name] if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) else [
+                t.id for t in getattr(item, "targets", [getattr(item, "target", None)]) if isinstance(t, ast.Name)]
+            private |= {n for n in targets if n.startswith("_") and not n.startswith("__")}
+        out[node.name] = private
+    return out
+
+
+def private_uses(source: str, classes: dict[str, set[str]]) -> list[str]:
+    """Uses, in a helper module, of a pass class's private members: ``Pass._x`` on the class's name, or
+    ``obj._m`` where ``_m`` is a private member of the pass class and ``obj`` is not ``self``/``cls`` (a pass
+    instance handed to the helper, ``fce._check_head(site)``)."""
+    private = set().union(*classes.values()) if classes else set()
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+            continue
+        recv = node.value
+        on_class = isinstance(recv, ast.Name) and recv.id in classes
+        on_instance = node.attr in private and not (isinstance(recv, ast.Name) and recv.id in ("self", "cls"))
+        if on_class or on_instance:
+            out.append((node.lineno, f"line {node.lineno}: {ast.unparse(node)}"))
+    return [text for _, text in sorted(out)]
+
+
+def test_helpers_never_use_a_pass_class_private_members():
+    """A pass package's private modules call the pass through public methods (or the pass calls them with
+    what they need): no ``fce._check_head(...)`` on a pass handed to a helper, no ``Pass._x`` on the class."""
+    bad = []
+    for name in pass_packages():
+        pkg = PASSES / name
+        classes = pass_classes((pkg / "__init__.py").read_text())
+        assert classes, f"passes/{name}/__init__.py: no registered pass class found"
+        for sub in sorted(pkg.rglob("*.py")):
+            if sub.name != "__init__.py":
+                bad += [f"{sub.relative_to(ROOT.parent)} {hit}" for hit in private_uses(sub.read_text(), classes)]
+    assert not bad, f"helpers use a pass class's private members (make them public or plain functions): {bad}"
+
+
+def test_private_use_detector_can_fail():
+    init = ("@effpass.register_pass('fuse_x')\n@dataclass\nclass FuseX(effpass.Pass):\n"
+            "    _cache = {}\n    def _check(self): ...\n    def run(self): ...\n    def __repr__(self): ...\n")
+    classes = pass_classes(init)
+    assert classes == {"FuseX": {"_cache", "_check"}}
+    helper = ("def rewrite(fce, site):\n"
+              "    fce._check(site)\n"
+              "    FuseX._other(site)\n"
+              "    x = fce._cache\n"
+              "    fce.run(); self._check(); site._check_other(); FuseX.__name__\n")
+    assert [h.split(":")[0] for h in private_uses(helper, classes)] == ["line 2", "line 3", "line 4"]

@@ -16,9 +16,8 @@ from effpass.testing import assert_close_tree, compile_and_compare, grads_of, lo
 def _left_padded(case, pad: int = 5):
     mask = torch.ones_like(case.inputs["input_ids"])
     mask[1, :pad] = 0  # sequence 1 is left-padded: its first query rows attend to no key at all
-    # padding is never a target, nor is the first real token (it would be predicted from the last pad): so
-    # no loss reads a fully masked row, whose gradient effpass takes as the true derivative (0 into q and k)
-    # where eager autograd returns a value that depends on how finfo.min rounded (docs/passes/fuse_attention.md)
+    # padding is never a target, nor is the first real token (it would be predicted from the last pad), as
+    # trainers mask padding; a loss over every position is tested in tests/passes/fuse_attention/
     labels = case.inputs["input_ids"].masked_fill(mask == 0, -100)
     labels[1, pad] = -100
     return dict(case.inputs, attention_mask=mask, labels=labels)
@@ -45,7 +44,7 @@ def _compare(compiled, eager, inputs, *, atol=1e-5, backward=True):
 def test_fuse_attention_left_padding_gradients_match_eager(name):
     """Left padding leaves query rows with every key masked by HF's finite ``finfo.min``: torch's fused
     CPU SDPA kernel gets the forward right but the backward wrong there (v_proj grads off by 5x their
-    size). The pass now gives such rows every key and a zero query (masked_sdpa): the fused kernel runs,
+    size). The pass now gives such rows every key and a zero-valued query (masked_sdpa): the fused kernel runs,
     every output (padded rows included) equals eager and so do the gradients."""
     case = model_case(name, layers=1)
     inputs = _left_padded(case)

@@ -26,7 +26,7 @@ def test_failed_lowering_falls_back_to_graph_as_is_with_warning(monkeypatch):
     ref_loss, ref_grads = _run(case.fresh().model, case)
     monkeypatch.setattr(EffpassBackend, "_lower_eager", _boom)
     monkeypatch.setattr(EffpassBackend, "_lower_inductor", _boom)
-    model = effpass.compile(case.fresh().model, lowering="eager")
+    model = effpass.compile(case.fresh().model, lowering="eager", allow_fallback=True)
     with pytest.warns(RuntimeWarning, match=r"lowering failed on graph_000.*planted lowering failure"):
         loss, grads = _run(model, case)
     assert_close_tree(loss, ref_loss, what="loss")
@@ -37,6 +37,29 @@ def test_failed_lowering_falls_back_to_graph_as_is_with_warning(monkeypatch):
     assert any("not run without a lowering" in e and "fuse_cross_entropy" in e for e in fb["errors"])
     # the torch-IR passes still ran on the graph (the default pipeline's fused attention)
     assert rep.stats("fuse_attention").get("fused", 0) >= 1
+    assert "lowering fell back to 'none'" in rep.summary() and "fuse_cross_entropy" in rep.summary()
+
+
+def test_fallback_that_turns_passes_off_is_an_error_unless_allowed(monkeypatch):
+    """Running a graph as captured skips its joint/post-grad passes (checkpointing, the fused loss's late part):
+    without allow_fallback=True that is an error naming effpass, the graph and the passes, and the way to allow
+    it; a pipeline with no such pass falls back with a warning only (nothing is turned off)."""
+    case = model_case("llama", layers=1)
+    monkeypatch.setattr(EffpassBackend, "_lower_eager", _boom)
+    monkeypatch.setattr(EffpassBackend, "_lower_inductor", _boom)
+    model = effpass.compile(case.fresh().model, lowering="eager")
+    with pytest.raises(Exception, match=r"effpass: every lowering failed on graph_000.*would skip the passes "
+                                        r"\[.*fuse_cross_entropy.*\].*allow_fallback=True"):
+        _run(model, case)
+    torch._dynamo.reset()
+    ref_loss, _ = _run(case.fresh().model, case)
+    bare = effpass.compile(case.fresh().model, passes=[], lowering="eager")
+    with pytest.warns(RuntimeWarning, match="runs as captured"):
+        loss, _ = _run(bare, case)
+    assert_close_tree(loss, ref_loss, what="loss")
+    assert effpass.report(bare).graphs[0].notes["lowering_fallback"]["to"] == "none"
+    with pytest.raises(TypeError, match="allow_fallback must be a bool"):
+        effpass.compile(case.fresh().model, lowering="eager", allow_fallback="yes")
 
 
 def test_failed_eager_lowering_falls_back_to_inductor(monkeypatch):

@@ -182,3 +182,39 @@ def test_strict_failure_is_recorded_in_the_dump(tmp_path):
         compiled(**case.inputs)
     index = json.loads((tmp_path / "graph_000" / "index.json").read_text())
     assert index["passes"][0]["name"] == "break_graph" and "deliberate failure" in index["passes"][0]["error"]
+
+
+def test_facts_are_collected_before_any_hook_and_read_by_class():
+    """Passes read each other's choices through declared facts (effpass.facts), never by name: the manager
+    collects the active passes' facts, a hook asks by class (None when no pass declares it), two passes that
+    declare different values of one fact are a PipelineError naming both, and a declaration that is not a Fact
+    is a TypeError."""
+    import effpass.passes as P
+    from effpass.facts import FusesLossHead, LossScaling, MixedPrecision, ShardsParameters
+    from effpass.manager import PassContext, PassManager, collect_facts
+    from effpass.scope import Scope
+
+    mgr = PassManager([P.ApplyAutocast(dtype=torch.float16), P.ScaleLoss(), P.FuseCrossEntropy()])
+    assert mgr.fact(MixedPrecision) == MixedPrecision(dtype=torch.float16)
+    assert mgr.fact(LossScaling) == LossScaling() and mgr.fact(FusesLossHead) == FusesLossHead()
+    assert mgr.fact(ShardsParameters) is None
+    assert PassManager([P.ApplyAutocast(), P.ScaleLoss()], disable=["scale_loss"]).fact(LossScaling) is None
+    assert collect_facts([P.WrapFSDP(), P.ShardSequence()]) == {ShardsParameters: ShardsParameters()}
+    ctx = PassContext(pass_name="x", phase=effpass.Phase.MODULE, graph_kind="module", scope=Scope("x"),
+                      pipeline=(P.ApplyAutocast(),))
+    assert ctx.fact(MixedPrecision) == MixedPrecision(dtype=torch.bfloat16) and ctx.fact(LossScaling) is None
+    with pytest.raises(TypeError, match="ctx.fact takes a subclass of effpass.facts.Fact"):
+        ctx.fact(effpass.Note)
+
+    def declaring(name, facts):
+        klass = dataclasses.make_dataclass(name.title().replace("_", ""), [], bases=(effpass.Pass,), frozen=True,
+                                           kw_only=True, namespace={"transform_torch_ir": lambda self, gm, ctx: None,
+                                                                    "facts": lambda self: facts})
+        klass.name = name
+        return klass()
+
+    with pytest.raises(PipelineError, match="'apply_autocast' and 'declares_fp32' declare different MixedPrecision"):
+        PassManager([P.ApplyAutocast(), declaring("declares_fp32", (MixedPrecision(dtype=torch.float32),))])
+    assert PassManager([P.ApplyAutocast(), declaring("agrees", (MixedPrecision(dtype=torch.bfloat16),))]).facts
+    with pytest.raises(TypeError, match="'bad_facts': facts\\(\\) must return effpass.facts.Fact instances"):
+        PassManager([declaring("bad_facts", ("fp16",))])

@@ -96,3 +96,26 @@ def test_decorators_reject_non_modules():
         effpass.skip("fuse_attention")(object())
     with pytest.raises(ValueError, match="at least one"):
         effpass.only()
+
+
+def test_glob_match_and_glob_match_within():
+    """The glob functions passes use (nothing else imports fnmatch): whole-name matching, and matching a path or
+    any module enclosing it, which is what ``t`` or ``t + ".*"`` matched before (checked on a grid of paths)."""
+    import fnmatch
+
+    from effpass.scope import enclosing_paths, glob_match, glob_match_within
+
+    assert enclosing_paths("a.b.c") == ["a", "a.b", "a.b.c"] and enclosing_paths("") == [""]
+    assert glob_match("model.layers.3.mlp", "model.layers.*") and not glob_match("model.layers", "model.layers.*")
+    assert not glob_match("Model", ["model"]) and not glob_match("x", [])
+    assert glob_match_within("model.layers.3.mlp", ["model.layers.3"])
+    assert not glob_match_within("model.layers.31.mlp", ["model.layers.3"])
+    assert glob_match_within("model.layers.31.mlp", ["model.layers.3?"])
+    paths = ["", "lm_head", "model", "model.layers.3", "model.layers.3.mlp.up", "model.layers.31.mlp",
+             "a..b", "ax.yb.c"]
+    globs = ["*", "model", "model.layers.3", "model.layers.*.mlp", "*.mlp", "a*b", "lm_*", "", "[ab]x.*"]
+    for path in paths:
+        for g in globs:
+            assert glob_match(path, [g]) == fnmatch.fnmatchcase(path, g)
+            old = fnmatch.fnmatchcase(path, g) or fnmatch.fnmatchcase(path, g + ".*")
+            assert glob_match_within(path, [g]) == old, (path, g)

@@ -107,12 +107,12 @@ def test_replays_spread_over_worker_processes(monkeypatch):
     import os
     import sys
 
-    from effpass.planning.estimate import _in_workers
+    from effpass.planning.pool import in_workers
 
     if not sys.platform.startswith("linux"):
         pytest.skip("forked workers: Linux only (elsewhere everything runs in one process)")
     here = os.getpid()
-    pids = _in_workers(lambda j: (j, os.getpid()), [2, 3, 4], [4, 5, 6], 2)
+    pids = in_workers(lambda j: (j, os.getpid()), [2, 3, 4], [4, 5, 6], 2)
     assert [j for j, _ in pids] == [2, 3, 4]
     assert {p for _, p in pids} - {here}, "no job ran in a worker"
     assert [p for _, p in pids].count(here) == 1  # by cost: the longest here, the two others in the worker
@@ -122,7 +122,7 @@ def test_replays_spread_over_worker_processes(monkeypatch):
             os._exit(3)
         return j * j
 
-    assert _in_workers(dies_in_a_worker, [2, 3, 4], [4, 5, 6], 2) == [4, 9, 16]
+    assert in_workers(dies_in_a_worker, [2, 3, 4], [4, 5, 6], 2) == [4, 9, 16]
 
     def hangs_in_a_worker(j):  # a child stuck on a lock another thread held at the fork
         if os.getpid() != here:
@@ -130,11 +130,11 @@ def test_replays_spread_over_worker_processes(monkeypatch):
             time.sleep(3600)
         return j + 1
 
-    from effpass.planning import estimate as est_mod
+    from effpass.planning import pool
 
-    monkeypatch.setattr(est_mod, "_CHILD_GRACE_S", 1.0)
-    assert _in_workers(hangs_in_a_worker, [2, 3, 4], [4, 5, 6], 2) == [3, 4, 5]  # given up, its jobs run here
-    assert _in_workers(lambda j: ValueError(j), [1, 2], [1, 1], 2)[1].args == (2,)  # results may be exceptions
+    monkeypatch.setattr(pool, "CHILD_GRACE_S", 1.0)
+    assert in_workers(hangs_in_a_worker, [2, 3, 4], [4, 5, 6], 2) == [3, 4, 5]  # given up, its jobs run here
+    assert in_workers(lambda j: ValueError(j), [1, 2], [1, 1], 2)[1].args == (2,)  # results may be exceptions
 
 
 def test_shared_replays_equal_separate_replays(monkeypatch):
@@ -142,7 +142,7 @@ def test_shared_replays_equal_separate_replays(monkeypatch):
     (each compiles the captured graphs with its own graph passes); every count equals the pipeline's replay
     alone, byte for byte (issue 23.4: planning speed)."""
     from effpass.passes import FuseCrossEntropy
-    from effpass.planning import estimate as est_mod
+    from effpass.planning import replay
 
     case = model_case("llama", layers=2, seq=32, batch=1, train=True)
     pipes = [[], [CheckpointActivations(policy="ops")], [CheckpointActivations(policy="full")],
@@ -150,8 +150,8 @@ def test_shared_replays_equal_separate_replays(monkeypatch):
     from torch._functorch._aot_autograd import graph_compile
 
     copies, traces = [], []
-    real_fake_model = est_mod._fake_model
-    monkeypatch.setattr(est_mod, "_fake_model", lambda *a: copies.append(1) or real_fake_model(*a))
+    real_fake_model = replay._fake_model
+    monkeypatch.setattr(replay, "_fake_model", lambda *a: copies.append(1) or real_fake_model(*a))
     real_trace = graph_compile.aot_dispatch_autograd_graph
     monkeypatch.setattr(graph_compile, "aot_dispatch_autograd_graph",
                         lambda *a, **k: traces.append(1) or real_trace(*a, **k))
@@ -233,7 +233,7 @@ def test_budget_plan_fits_and_keeps_gradients():
     # same config, pipeline and options); whichever runs first replays them
     real_plan = planner_mod.plan_memory
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(planner_mod, "plan_memory", lambda *a, **k: real_plan(*a, **k, _cache=_EAGER_ATTENTION_REPLAYS))
+        mp.setattr(planner_mod, "plan_memory", lambda *a, **k: real_plan(*a, **k, cache=_EAGER_ATTENTION_REPLAYS))
         compiled = effpass.compile(case.model, passes=[], lowering="eager", memory_budget=budget,
                                    example_inputs=case.inputs)
     plan = effpass.report(compiled).memory_plan
@@ -255,9 +255,9 @@ def test_nothing_fits_names_the_smallest_plan():
     params = sum(p.numel() * p.element_size() for p in case.model.parameters())
     cache = _EAGER_ATTENTION_REPLAYS  # shared with test_budget_plan_fits_and_keeps_gradients (same model and options)
     with pytest.raises(MemoryBudgetError, match=r"smallest achievable predicted peak is .* with plan 'checkpoint") as e:
-        plan_memory(case.model, case.inputs, params + 1, passes=[], lowering="eager", _cache=cache)
+        plan_memory(case.model, case.inputs, params + 1, passes=[], lowering="eager", cache=cache)
     # the same replays, a budget that fits the smallest: that plan is chosen
-    plan = plan_memory(case.model, case.inputs, e.value.smallest, passes=[], lowering="eager", _cache=cache)
+    plan = plan_memory(case.model, case.inputs, e.value.smallest, passes=[], lowering="eager", cache=cache)
     assert plan.chosen.name == e.value.plan.name
     # the smallest of the replayed candidates (which checkpoint policy is smallest depends on the shape:
     # here "ops", as full recomputation's backward holds a recomputed block)
@@ -351,3 +351,47 @@ def test_cuda_prediction_matches_max_memory_allocated():  # pragma: no cover - n
     est = estimate_memory(model, inputs, passes=[], lowering="eager")
     meas = _measure(model, inputs, [])
     assert abs(est.peak_bytes - meas.peak_bytes) <= 0.01 * meas.peak_bytes, (est.summary(), meas)
+
+
+def test_replay_patches_are_confined_to_one_context_manager():
+    """Every patch of a private torch function the replay needs is made by ``replay_patches`` and undone when it
+    exits (numerical: the functions before, inside, after); no other module of effpass/planning assigns to an
+    attribute of something imported from torch (structural, on the source)."""
+    import ast
+    import pathlib
+
+    from torch._dynamo.backends import common
+    from torch._functorch import aot_autograd
+    from torch._functorch._aot_autograd import graph_compile
+    from torch._inductor.output_code import CompiledFxGraph
+    from torch._subclasses import fake_tensor as ft
+
+    from effpass.planning.patches import replay_patches
+
+    targets = [(common, "aot_module_simplified"), (graph_compile, "aot_dispatch_autograd_graph"),
+               (aot_autograd, "run_functionalized_fw_and_collect_metadata"), (CompiledFxGraph, "__call__"),
+               (ft.FakeTensorMode, "__init__")]
+    before = [getattr(o, n) for o, n in targets]
+    with replay_patches("cpu", inductor=True):
+        inside = [getattr(o, n) for o, n in targets]
+    after = [getattr(o, n) for o, n in targets]
+    assert all(a is not b for a, b in zip(before, inside)) and all(a is b for a, b in zip(before, after))
+
+    planning = pathlib.Path(effpass.__file__).parent / "planning"
+    offenders = []
+    for path in sorted(planning.glob("*.py")):
+        if path.name == "patches.py":
+            continue
+        tree = ast.parse(path.read_text())
+        from_torch = {a.asname or a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+                      for a in n.names if a.name.split(".")[0] == "torch"}
+        from_torch |= {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                       and (n.module or "").split(".")[0] == "torch" for a in n.names}
+        for n in ast.walk(tree):
+            for t in getattr(n, "targets", []) if isinstance(n, ast.Assign) else []:
+                base = t
+                while isinstance(base, ast.Attribute):
+                    base = base.value
+                if isinstance(t, ast.Attribute) and isinstance(base, ast.Name) and base.id in from_torch:
+                    offenders.append(f"{path.name}:{n.lineno}")
+    assert not offenders, f"patch torch only inside effpass.planning.patches.replay_patches: {offenders}"

@@ -15,7 +15,7 @@ from effpass.memory_options import declared_memory_options
 from effpass.passes import CheckpointActivations, FuseCrossEntropy, StepInBackward, TileSequence
 from effpass.planning import MemoryBudgetError, estimate_memory, plan_max_seq
 from effpass.planning.measure import measure_step
-from effpass.planning.planner import _candidates, _usable_options
+from effpass.planning.candidates import candidate_tiers, usable_options
 from effpass.testing import model_case
 
 TINY = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 96,
@@ -25,8 +25,8 @@ TINY = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermedia
 
 def _names(model, allow=(), optimizer="adamw", device="cpu", base=()):
     notes = []
-    groups = _usable_options(model, set(base), tuple(allow), optimizer, 1, notes, device=device)
-    lossless, lossy = _candidates(groups, optimizer)
+    groups = usable_options(model, set(base), tuple(allow), optimizer, 1, notes, device=device)
+    lossless, lossy = candidate_tiers(groups, optimizer)
     return {c.name for c in lossless}, {c.name for c in lossy}, notes
 
 
@@ -62,7 +62,7 @@ def test_step_in_backward_declares_its_restriction():
 def test_tile_options_by_batch_rows(rows, labels):
     """Small tiles only on short batches (min_rows / max_rows), never in a length search (rows unknown)."""
     model = model_case("llama", seq=16).model
-    groups = _usable_options(model, set(), (), "adamw", 1, [], device="cpu", rows=rows)
+    groups = usable_options(model, set(), (), "adamw", 1, [], device="cpu", rows=rows)
     assert [o.label for o in groups.get("sequence_tiling", [])] == labels
 
 
@@ -99,7 +99,7 @@ def _est(peak, flops=0):
 def analytic(monkeypatch):
     """The planner's replays replaced by an analytic peak per plan, a function of (plan's passes, seq): the
     search logic (fit, bracket, choice, errors) tested without replay time. Records every replayed seq."""
-    import effpass.planning.planner as planner
+    import effpass.planning.maxseq as maxseq
 
     calls = []
 
@@ -115,7 +115,7 @@ def analytic(monkeypatch):
             out.append(_est(start + per_token * seq + quad * seq * seq, flops=seq * (1 + len(names))))
         return out
 
-    monkeypatch.setattr(planner, "estimate_many", fake_many)
+    monkeypatch.setattr(maxseq, "estimate_many", fake_many)
     return calls
 
 
@@ -147,15 +147,15 @@ def test_max_seq_search_brackets_the_answer(analytic):
 
 def test_max_seq_prefers_unrestricted_on_a_tie(analytic, monkeypatch):
     """A plan restricting the training loop is chosen only when it fits a longer sequence."""
-    import effpass.planning.planner as planner
+    import effpass.planning.maxseq as maxseq
 
-    real = planner.estimate_many
+    real = maxseq.estimate_many
 
     def no_gain(model, inputs, pipelines, optimizer, **kw):  # step_in_backward saves nothing here
         return [_est(e.peak_bytes + 100_000 * ("step_in_backward" in {p.name for p in pipe}), e.flops)
                 for e, pipe in zip(real(model, inputs, pipelines, optimizer, **kw), pipelines)]
 
-    monkeypatch.setattr(planner, "estimate_many", no_gain)
+    monkeypatch.setattr(maxseq, "estimate_many", no_gain)
     res = plan_max_seq(model_case("llama", seq=16).model, _inputs, 5_000_000, passes=[], step=64,
                        probes=(512, 1024, 2048))
     assert "step in backward" not in res.plan.chosen.name and not res.plan.chosen.restricted
@@ -216,7 +216,7 @@ def _kinked(monkeypatch, kink=4096):
     """Two plans (as given; + step_in_backward) whose peaks the probes misjudge: the plan as given is linear up to
     ``kink`` tokens and steeper after it (its fit, through probes below the kink, promises more); the other is
     linear and steeper at the probes but wins past the kink. Records every (seq, plan) replayed."""
-    import effpass.planning.planner as planner
+    import effpass.planning.maxseq as maxseq
 
     calls = []
 
@@ -230,7 +230,7 @@ def _kinked(monkeypatch, kink=4096):
             out.append(_est(int(peak), flops=seq))
         return out
 
-    monkeypatch.setattr(planner, "estimate_many", fake_many)
+    monkeypatch.setattr(maxseq, "estimate_many", fake_many)
     return calls
 
 
@@ -282,7 +282,7 @@ def test_max_seq_screened_answer_equals_the_unscreened_one(monkeypatch):
     its peak and the peak one step more equal the unscreened search's (every figure from three depths), and
     both figures are confirmed ones. The unscreened search reuses the screened replays, completing each figure it
     reads at the third depth (as the screened search does when a confirmed figure changes its verdict)."""
-    import effpass.planning.planner as planner
+    import effpass.planning.maxseq as maxseq
 
     case = model_case("llama", seq=16, layers=5)
     passes = [CheckpointActivations(policy="full"), FuseCrossEntropy(), TileSequence()]
@@ -291,7 +291,7 @@ def test_max_seq_screened_answer_equals_the_unscreened_one(monkeypatch):
     budget = estimate_memory(case.model, _inputs(1000), passes=passes, optimizer=None, lowering="eager",
                              extrapolate=True).peak_bytes
     screens, confirmed = [], []
-    real_many, real_confirm = planner.estimate_many, planner.confirm_many
+    real_many, real_confirm = maxseq.estimate_many, maxseq.confirm_many
 
     def spy_many(model, inputs, pipelines, optimizer, **k):
         screens.append(k.get("screen"))
@@ -301,17 +301,17 @@ def test_max_seq_screened_answer_equals_the_unscreened_one(monkeypatch):
         confirmed.append(inputs["input_ids"].shape[-1])
         return real_confirm(model, inputs, *a, **k)
 
-    monkeypatch.setattr(planner, "estimate_many", spy_many)
-    monkeypatch.setattr(planner, "confirm_many", spy_confirm)
+    monkeypatch.setattr(maxseq, "estimate_many", spy_many)
+    monkeypatch.setattr(maxseq, "confirm_many", spy_confirm)
     cache: dict = {}
-    res = plan_max_seq(case.model, _inputs, budget, _cache=cache, **kw)
+    res = plan_max_seq(case.model, _inputs, budget, cache=cache, **kw)
     assert set(screens) == {True} and sorted(confirmed) == [res.seq, res.seq + 64], (screens, confirmed)
     assert not res.plan.chosen.estimate.provisional and res.plan.chosen.estimate.depths == [2, 3, 4]
     provisional = sorted(s for (s, _), e in cache.items() if e.provisional)
     assert provisional and res.seq not in provisional and res.seq + 64 not in provisional, provisional
     screens.clear(), confirmed.clear()
     # unscreened, on the same replays: every figure the search reads is completed at the third depth first
-    full = plan_max_seq(case.model, _inputs, budget, screen=False, _cache=cache, **kw)
+    full = plan_max_seq(case.model, _inputs, budget, screen=False, cache=cache, **kw)
     assert set(screens) <= {False} and sorted(confirmed) == provisional, (screens, confirmed, provisional)
     assert not any(e.provisional for e in cache.values())
     assert (res.seq, res.plan.peak_bytes, res.next_peak) == (full.seq, full.plan.peak_bytes, full.next_peak)

@@ -15,7 +15,7 @@ import torch
 
 import effpass
 from effpass.planning import MemoryBudgetError, plan_memory
-from effpass.planning import planner as planner_mod
+from effpass.planning import search as search_mod
 from effpass.planning.cli import model_from_config
 from effpass.planning.estimate import start_bytes_many
 
@@ -37,18 +37,18 @@ _FULL: dict = {}  # replays of the unpruned reference plans (shared by its two b
 
 
 def _plan(model, inputs, passes, budget, prune, cache, calls):
-    real = planner_mod.estimate_many
+    real = search_mod.estimate_many
 
     def counting(m, i, pipelines, *a, **k):
         calls.append(len(pipelines))
         return real(m, i, pipelines, *a, **k)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(planner_mod, "estimate_many", counting)
-        mp.setattr(planner_mod, "estimate_memory", lambda *a, **k: calls.append(1) or _estimate_memory(*a, **k))
+        mp.setattr(search_mod, "estimate_many", counting)
+        mp.setattr(search_mod, "estimate_memory", lambda *a, **k: calls.append(1) or _estimate_memory(*a, **k))
         try:
             return plan_memory(model, inputs, budget, allow=["nf4"], passes=passes, lowering="eager", prune=prune,
-                               _cache=cache)
+                               cache=cache)
         except MemoryBudgetError as e:
             return e
 

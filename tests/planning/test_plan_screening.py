@@ -15,7 +15,7 @@ import effpass
 from effpass.planning import MemoryBudgetError, plan_memory
 from effpass.planning import estimate as est_mod
 from effpass.planning.cli import model_from_config
-from effpass.planning.estimate import _AFFINE
+from effpass.planning.depth import AFFINE
 
 CFG = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=12, num_attention_heads=4,
            num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, tie_word_embeddings=False)
@@ -51,7 +51,7 @@ def _same_figures(screened, full):
             continue
         f = by_name[c.name].estimate
         assert f is not None and not f.provisional
-        for k in _AFFINE:
+        for k in AFFINE:
             assert getattr(c.estimate, k) == getattr(f, k), (c.name, k)
         n += c.estimate.provisional
     return n

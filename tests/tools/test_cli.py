@@ -78,3 +78,20 @@ def test_demo_runs_end_to_end(tmp_path):
     res = json.loads((tmp_path / "r.json").read_text())
     assert abs(res["eager"]["final_loss"] - res["effpass"]["final_loss"]) < 1e-3
     assert os.path.isdir(tmp_path / "dump")
+
+
+def test_options_lists_every_option_and_environment_variable(capsys):
+    """``effpass options`` is read from effpass.config: every key of the options dict with its doc, every
+    environment variable; --json the same as data."""
+    from effpass.config import ENV_VARS, OPTION_DOCS
+
+    assert main(["options"]) == 0
+    out = capsys.readouterr().out
+    for name, doc in OPTION_DOCS.items():
+        assert f"  {name}" in out and doc in out, name
+    assert "lowering = 'inductor'" in out and "default_pipeline" not in out
+    assert all(f"  {name}: {doc}" in out for name, doc in ENV_VARS.items())
+    assert main(["options", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {k: v["doc"] for k, v in data["options"].items()} == dict(OPTION_DOCS)
+    assert data["environment"] == ENV_VARS and data["options"]["strict"]["default"] is False

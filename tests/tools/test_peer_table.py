@@ -43,3 +43,24 @@ def test_new_workloads_render_ratios_and_failed_peers(tmp_path, monkeypatch):
     assert "did not run: RuntimeError: no backend" in rows["PEFT + bitsandbytes 4-bit NF4 (BitsAndBytesConfig)"]
     assert "| 8-bit optimizer states | torchao AdamW8bit, bitsandbytes AdamW8bit | not measured yet |" in text
     assert "| tiled MLP (long sequence) | ALST TiledMLP (DeepSpeed) | not measured yet |" in text
+
+
+def test_rows_come_from_the_newest_default_run_of_a_results_file(tmp_path, monkeypatch):
+    """A results file holds many runs (bench/driver.py appends): the table reads the newest run with the default
+    label, not a smoke run (label "quick") appended after it, and reads rows in the driver's format."""
+    import json
+
+    mod = _module()
+    monkeypatch.setattr(mod, "RESULTS", str(tmp_path))
+    meta = {"device": "CPU (test)", "date": "2026-01-02T00:00:00", "load_average": [1.0]}
+
+    def run(label, ours_cpu):
+        return {"label": label, "meta": meta, "shape": {"seq": 4096}, "results": [
+            {"arm": "alst_tiled_mlp", "status": "ok", "peak_bytes": 200, "cpu_s": 1.0, "loss": 7.5, "load": 1.0},
+            {"arm": "effpass_tiled", "status": "ok", "peak_bytes": 100, "cpu_s": ours_cpu, "loss": 7.5, "load": 1.0}]}
+
+    doc = {"workload": "tiled_mlp", "device": "cpu",
+           "runs": [run("", 4.0), run("", 2.0), run("quick", 8.0)]}
+    (tmp_path / "tiled_mlp_cpu.json").write_text(json.dumps(doc))
+    row = next(l for l in mod.table().splitlines() if "effpass at its default tile" in l)
+    assert "0.50x step peak" in row and "2.00x CPU time" in row, row

@@ -79,3 +79,18 @@ def test_readme_example_runs(block, tmp_path, fork_server):
     status = json.loads(line)["status"]
     why = "timed out after 600 s" if status == -14 else f"exit status {status}"
     assert status == 0, f"{why}\n" + (tmp_path / "stderr.txt").read_text()[-3000:]
+
+
+def test_readme_lists_every_option_and_environment_variable():
+    """The Options section's tables name every key of the options dict (read from the fields of
+    effpass.config.Options) and every environment variable in effpass.config.ENV_VARS, and nothing else."""
+    from effpass.config import ENV_VARS, OPTION_DOCS
+
+    text = open(os.path.join(ROOT, "README.md")).read()
+    section = text[text.index("\n## Options\n"):]
+    section = section[:section.index("\n## ", 1)]
+    rows = set(re.findall(r"^\| `([A-Za-z_]+)=?` \|", section, re.M))
+    options = {r for r in rows if not r.startswith("EFFPASS_")}
+    assert options - {"mode"} == set(OPTION_DOCS), f"README options table vs effpass.config.Options: {options ^ set(OPTION_DOCS)}"
+    env = {r for r in rows if r.startswith("EFFPASS_")}
+    assert env == set(ENV_VARS), f"README environment table vs effpass.config.ENV_VARS: {env ^ set(ENV_VARS)}"

@@ -15,7 +15,7 @@ from tests._families import family_case
 
 HAS_FP8 = hasattr(torch, "float8_e4m3fn")
 #: stated bound on the relative gradient error (global norm over all parameters) of a model whose saved
-#: activations are compressed with group 128: int8 1%, fp8 10% (docs/long_sequence.md)
+#: activations are compressed with group 128: int8 1%, fp8 10% (docs/passes/compress_activations.md)
 GRAD_BOUND = {"int8": 0.01, "fp8": 0.10}
 
 
@@ -207,7 +207,7 @@ def test_codecs_placed_at_last_forward_use_and_first_backward_use():
 
 def test_training_loss_curve_within_tolerance():
     """200 AdamW steps on a fixed batch: the loss curve stays within 2% of the initial loss of the
-    uncompressed run at every step (measured: int8 0.2%; docs/long_sequence.md)."""
+    uncompressed run at every step (measured: int8 0.2%; docs/passes/compress_activations.md)."""
     model, inputs = _mlp_case()
     curves = {}
     for name, passes in (("ref", []), ("int8", [CompressActivations(min_elements=4096)])):

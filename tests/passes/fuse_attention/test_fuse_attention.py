@@ -886,3 +886,39 @@ def test_attention_spine_is_a_torch_pattern_matcher_pattern():
     assert spine_of(sm) is None
     with pytest.raises(Skip, match="the softmax output .* is used elsewhere"):
         match_site(sm, const)
+
+
+# ------------------------------------------------------------------------------------------------------
+# fully masked rows: left padding with a loss over every position (issue 41.1)
+# ------------------------------------------------------------------------------------------------------
+#: one family per way of building the padding mask and attention (HF's unified masks with GQA, Phi-3's fused qkv,
+#: GPT-2's causal `where`, GPT-NeoX's rotary split, BLOOM's ALiBi bias); gemma2 is left alone (soft-capped scores)
+_DECODERS = ("llama", "phi3", "gpt2", "gpt_neox", "bloom")
+
+
+@pytest.mark.parametrize("family", _DECODERS)
+def test_left_padding_loss_over_every_position_gradients_equal_eager(family):
+    """Left padding leaves the pad queries of row 1 with every key masked (HF's finite ``finfo.min``). Eager
+    attention gives them uniform weights and, in backward, non-zero gradients into q and k; a loss that reads
+    the padded positions (labels = input_ids everywhere, as Liger's convergence suite and many simple scripts
+    do) sees those gradients. The compiled model's gradients equal eager's there too (``masked_sdpa``)."""
+    from _families import family_case
+
+    case = family_case(family, seq=10)
+    mask = torch.ones_like(case.inputs["input_ids"])
+    mask[1, :4] = 0
+    inputs = dict(case.inputs, attention_mask=mask, labels=case.inputs["input_ids"])
+    eager = copy.deepcopy(case.model)
+    compiled = effpass.compile(case.model, passes=[FuseAttention()], lowering="eager", strict=True)
+    e, c = eager(**inputs), compiled(**inputs)
+    torch.testing.assert_close(c.logits, e.logits, atol=1e-5, rtol=1e-5)
+    e.loss.backward()
+    c.loss.backward()
+    got = {n: p.grad for n, p in case.model.named_parameters() if p.grad is not None}
+    want = {n: p.grad for n, p in eager.named_parameters() if p.grad is not None}
+    assert got.keys() == want.keys()
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], atol=1e-5, rtol=1e-4, msg=lambda m, n=n: f"{family} {n}: {m}")
+    # the q/k projections' gradients are where the fully masked rows differed before (q zeroed, k untouched)
+    stats = effpass.report(compiled).stats("fuse_attention")
+    assert stats["fused"] == case.num_layers and stats["empty_row_guard"] == case.num_layers, stats

@@ -2,7 +2,7 @@
 does (``bf16 x bf16`` logits, upcast to fp32 for the loss), and accumulate a bf16 weight's gradient in bf16 (the
 unfused graph's weight gradient is one bf16 matmul output): no fp32 buffer of the weight's size exists inside them.
 
-Found on an H100 (bench/results/cross_entropy_cuda.md): the reduced op held an fp32 accumulator of the head weight's
+Found on an H100 (bench/results/cross_entropy_cuda-h100.md): the reduced op held an fp32 accumulator of the head weight's
 size (1,002 MiB at vocabulary 128,256 x hidden 2,048) and added each chunk's bf16 product into it (a full-size bf16
 temporary per chunk; on CPU also an fp32 copy of it, TensorIterator's dtype promotion).
 

@@ -68,6 +68,7 @@ def make_model(family: str, *, attn: str = "eager", layers: int = 2, heads: int 
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}),
         "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 5}),
         "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {}),
+        "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}),   # head_size, fused qkv, partial rotary
     }[family]
     torch.manual_seed(seed)
     cfg = getattr(tf, cfg_cls)(**common, **extra)
@@ -298,6 +299,7 @@ def scenario_sp2(rank, world):
         "llama": _compare("llama", rank, world, 2, compile_=False),                   # GQA 4 / 2, eager attention
         "qwen3": _compare("qwen3", rank, world, 2, attn="sdpa", compile_=False),      # q/k norms, SDPA
         "mistral": _compare("mistral", rank, world, 2, kv_heads=1, compile_=False),   # sliding window, 1 kv head x2
+        "gpt_neox": _compare("gpt_neox", rank, world, 2, kv_heads=4, compile_=False),  # Pythia: no GQA
         "packed": _compare("llama", rank, world, 2, packed=True, attn="sdpa", compile_=False),  # HF's own packing
         "fused": _compare("llama", rank, world, 2, passes=(FuseAttention(), FuseCrossEntropy(), CheckpointActivations())),
         "qlora_pack": _compare("llama", rank, world, 2, attn="sdpa", packed=True, passes=qlora_pack,
@@ -371,7 +373,7 @@ def test_shard_sequence_two_ranks_equal_one_process_and_a_killed_rank_resumes(tm
     assert qp["pass_stats"]["quantize_linear"]["quantized"] > 0, qp
     assert qp["pass_stats"]["pack_sequences"]["sdpa_rewritten"] == 2, qp
     for per_rank in results:
-        for key in ("llama", "qwen3", "mistral", "packed", "fused", "qlora_pack"):
+        for key in ("llama", "qwen3", "mistral", "gpt_neox", "packed", "fused", "qlora_pack"):
             r = per_rank[key]
             if key in ("fused", "qlora_pack"):
                 # NOTE: torch 2.13 skips nn.Module._call_impl, so the root's two hooks are frames of their own:

@@ -779,13 +779,20 @@ def test_wrap_fsdp_mixed_precision_policy_from_apply_autocast():
     assert WrapFSDP().mixed_precision().param_dtype is None
     mp_ = WrapFSDP(param_dtype=torch.bfloat16).mixed_precision()
     assert mp_.param_dtype == torch.bfloat16 and mp_.reduce_dtype == torch.float32
-    if True:  # the mixed-precision policy follows apply_autocast when the pipeline has it
-        class Ctx:
-            def find_pass(self, name):
-                return P.ApplyAutocast(dtype=torch.float16) if name == "apply_autocast" else None
-        mp_ = WrapFSDP().mixed_precision(Ctx())
-        assert mp_.param_dtype == torch.float16 and mp_.reduce_dtype == torch.float32
-        assert WrapFSDP(param_dtype="float32").mixed_precision(Ctx()).param_dtype == torch.float32
+    # the mixed-precision policy follows the MixedPrecision fact apply_autocast declares in the pipeline
+    from effpass.manager import PassContext
+    from effpass.pass_api import Phase
+    from effpass.scope import Scope
+
+    def ctx_of(*pipeline):
+        return PassContext(pass_name="wrap_fsdp", phase=Phase.MODULE, graph_kind="module", scope=Scope("wrap_fsdp"),
+                           pipeline=pipeline)
+
+    ctx = ctx_of(P.ApplyAutocast(dtype=torch.float16), WrapFSDP())
+    mp_ = WrapFSDP().mixed_precision(ctx)
+    assert mp_.param_dtype == torch.float16 and mp_.reduce_dtype == torch.float32
+    assert WrapFSDP(param_dtype="float32").mixed_precision(ctx).param_dtype == torch.float32
+    assert WrapFSDP().mixed_precision(ctx_of(WrapFSDP(), P.ScaleLoss())).param_dtype is None
 
 
 def test_estimate_divides_16_bytes_per_param_as_zero_does():

@@ -1,0 +1,386 @@
+"""The longest sequence that fits a memory budget, and the plan that fits it (:func:`plan_max_seq`): candidates
+in a neighbourhood of the leanest plan, probe replays fitted and solved for the budget to choose where to
+look, then a search (secant steps, then bisection) replaying every candidate still in the running at each
+length, the answering pair confirmed at full depth when the figures were screened from two depths."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+
+from .candidates import Candidate, MemoryBudgetError, MemoryPlan, neighbourhood, pipeline_with
+from .estimate import confirm_many, estimate_many, with_optimizer
+from .result import format_bytes
+from .setup import PlanSetup, prepare
+
+__all__ = ["plan_max_seq", "MaxSeqResult"]
+
+
+@dataclass
+class MaxSeqResult:
+    """``plan_max_seq``'s answer: the longest sequence ``seq`` (a multiple of ``step``) whose predicted peak
+    fits the budget, the plan that fits it, and how it was found."""
+
+    seq: int
+    step: int
+    budget: int
+    plan: MemoryPlan
+    next_peak: int | None                 #: predicted peak at seq + step with the same plan (> budget), None at max_len
+    fits: list = field(default_factory=list)      #: per candidate: (name, lossy, restricted, fitted seq, probe peaks)
+    probes: tuple = ()
+    replays: list = field(default_factory=list)   #: (seq, predicted peak, fits) of the search at the answer
+    notes: list = field(default_factory=list)
+
+    def table(self) -> str:
+        rows = [("plan", "lossy", "fitted longest seq", "peaks at probes " + "/".join(str(s) for s in self.probes))]
+        for name, lossy, _r, fitted, peaks in self.fits:
+            mark = "* " if name == self.plan.chosen.name else "  "
+            rows.append((mark + name, "yes" if lossy else "no", "-" if fitted is None else f"{fitted:,}",
+                         " / ".join(format_bytes(p) if isinstance(p, int) else str(p) for p in peaks)))
+        widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+        return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
+
+    def summary(self) -> str:
+        nxt = (f"; at {self.seq + self.step:,} tokens it needs {format_bytes(self.next_peak)}"
+               if self.next_peak is not None else "")
+        lines = [f"longest sequence that fits {format_bytes(self.budget)}"
+                 + (f" per rank ({self.plan.world_size} ranks)" if self.plan.world_size > 1 else "")
+                 + f": {self.seq:,} tokens (in steps of {self.step}) with {self.plan.chosen.name}",
+                 f"  predicted peak {format_bytes(self.plan.peak_bytes)}{nxt}",
+                 f"  pipeline: {', '.join(p.name for p in self.plan.passes) or '(none)'}; optimizer: {self.plan.optimizer}"]
+        lines += [f"  note: {n}" for n in self.notes + self.plan.notes]
+        lines += ["", "candidates (longest sequence fitted from the probe replays; the answer replayed):", self.table()]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"seq": self.seq, "step": self.step, "budget": self.budget, "next_peak": self.next_peak,
+                "plan": self.plan.to_dict(), "probes": list(self.probes), "replays": self.replays,
+                "candidates": [{"plan": n, "lossy": l, "restricted": r, "fitted_seq": f,
+                                "probe_peaks": [p if isinstance(p, int) else None for p in peaks]}
+                               for n, l, r, f, peaks in self.fits], "notes": self.notes}
+
+
+def _fit(points: list[tuple[int, int]]):
+    """peak(seq) through the probe points: quadratic through three (attention scores grow with seq^2), linear
+    through two; returns a function."""
+    (x1, y1), (x2, y2) = points[-2], points[-1]
+    b_lin = (y2 - y1) / (x2 - x1)
+    if len(points) >= 3:
+        (x0, y0) = points[-3]
+        d1 = (y1 - y0) / (x1 - x0)
+        c = (b_lin - d1) / (x2 - x0)
+        if c > 0:
+            return lambda s: y2 + b_lin * (s - x2) + c * (s - x2) * (s - x1)
+    return lambda s: y2 + b_lin * (s - x2)
+
+
+def _solve(f, budget: int, step: int, lo: int, hi: int) -> int:
+    """The largest multiple of ``step`` in [lo, hi] with f(s) <= budget (f increasing; bisection on f); 0 when
+    even ``lo`` does not fit."""
+    if f(lo) > budget:
+        return 0
+    a, b = lo // step, hi // step
+    if f(b * step) <= budget:
+        return b * step
+    while b - a > 1:
+        m = (a + b) // 2
+        a, b = (m, b) if f(m * step) <= budget else (a, m)
+    return a * step
+
+
+def plan_max_seq(model: torch.nn.Module, make_inputs, memory_budget, allow: Iterable[str] = (), passes=None,
+                 optimizer: str | None = "adamw", world_size: int = 1, *, step: int = 1024,
+                 probes: tuple = (8192, 16384, 32768), max_len: int = 1 << 24, min_len: int | None = None,
+                 device=None, loss_fn=None, max_replays: int = 12, screen: bool = True,
+                 cache: dict | None = None, **compile_options) -> MaxSeqResult:
+    """The longest sequence (a multiple of ``step``) whose predicted training-step peak fits ``memory_budget``,
+    and the plan that fits it. ``make_inputs(seq)`` builds the step's inputs at a sequence length.
+
+    1. Candidates: the registry's usable options (lossless always; lossy ones named in ``allow``), in a
+       neighbourhood of the plan with every group's leanest option (that plan, the same without each group,
+       and with each other option of a group; conflicting passes never combined).
+    2. Every candidate is replayed at the ``probes`` lengths (one shared replay per length); its peak is fitted
+       as a function of the length (quadratic through three probes when the peak grows faster than linearly,
+       as with attention scores materialised; else linear: fused attention, tiles, checkpointing) and solved
+       for the budget. The fits only say where to search: the longest fitted length is the first one tried.
+    3. Search (secant steps on the smallest peak among the candidates, then bisection, at most ``max_replays``
+       lengths): at each length every candidate still in the running is replayed (one shared replay); a
+       candidate over the budget at a length no longer than one some candidate fits is out of the running.
+       It ends when a length ``L`` that some candidate fits and ``L + step`` that none in the running fits
+       are both replayed. The plan: among those fitting ``L``, lossless before lossy, unrestricted before
+       restricted, then the fewest FLOPs and options. Guarantee: that pair, by the planner's own replays;
+       the peak is not proved monotonic in the length (candidates out of the running are not replayed at
+       ``L + step``).
+
+    ``screen`` (models replayed by depth extrapolation): the probes and the search use figures predicted from
+    two depths (``estimate_many(screen=True)``, provisional); the answer's pair is then confirmed at the third
+    depth (every candidate fitting ``L`` and every one replayed at ``L + step``, :func:`confirm_many`). When a
+    confirmed figure changes the verdict, the search is run again without screening (the cached replays
+    confirmed as they are used), so the answer is always guaranteed by full-depth figures.
+
+    Raises :class:`MemoryBudgetError` when even ``min_len`` (default ``step``) fits no candidate; it names the
+    smallest peak among all of them there (every candidate is replayed at ``min_len``: the same for any budget).
+    ``cache``: a dict shared by calls for several budgets of the same model, inputs and options (the probe
+    replays do not depend on the budget).
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"step must be a positive number of tokens, got {step!r}")
+    probes = tuple(sorted(set(int(p) for p in probes)))
+    if len(probes) < 2 or probes[0] < 1:
+        raise ValueError(f"probes must be at least two positive lengths, got {probes!r}")
+    setup = prepare(model, memory_budget, allow, passes, optimizer, world_size, device=device, answer="sequence")
+    search = _MaxSeqSearch(setup, make_inputs, step=step, probes=probes, max_len=max_len,
+                           min_len=step if min_len is None else int(min_len), loss_fn=loss_fn,
+                           max_replays=max_replays, cache={} if cache is None else cache,
+                           compile_options=compile_options)
+    return search.run(screen)
+
+
+def _candidates(setup: PlanSetup, replay_opt) -> list[Candidate]:
+    """The neighbourhood of the leanest lossless plan (and of the leanest plan with the lossy options allowed)."""
+    groups = setup.groups
+    lossless_groups = {k: [o for o in v if o.lossless] for k, v in groups.items()}
+    lossless_groups = {k: v for k, v in lossless_groups.items() if v}
+    combos = neighbourhood(lossless_groups, False)
+    if setup.allow:
+        combos += [c for c in neighbourhood(groups, True) if any(not o.lossless for o in c)]
+    cands = []
+    for opts in combos:
+        opt_o = next((o for o in opts if o.optimizer), None)
+        opt = opt_o.optimizer if opt_o else setup.optimizer
+        if any(o.optimizers and (opt not in o.optimizers or opt != replay_opt) for o in opts):
+            continue
+        cands.append(Candidate(options=opts, optimizer=opt))
+    return cands
+
+
+def _error_text(e) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+
+
+class _MaxSeqSearch:
+    """The state of :func:`plan_max_seq`'s search; :meth:`run` answers (again without screening when a confirmed
+    figure changes the screened verdict, on the same cache)."""
+
+    def __init__(self, setup: PlanSetup, make_inputs, *, step, probes, max_len, min_len, loss_fn, max_replays, cache,
+                 compile_options):
+        self.setup, self.make_inputs = setup, make_inputs
+        self.step, self.probes, self.max_len, self.min_len = step, probes, max_len, min_len
+        self.loss_fn, self.max_replays, self.cache = loss_fn, max_replays, cache
+        self.compile_options = compile_options
+        # the forward and backward are replayed with AdamW (or none); another optimizer is built alone on fake
+        # parameters of the trainable shapes (with_optimizer), which cannot model a step inside the backward
+        self.replay_opt = setup.optimizer if setup.optimizer in ("adamw", None) else "adamw"
+
+    def finish(self, c: Candidate, est):
+        """A replay's estimate as ``c``'s: its optimizer, then sharding folded."""
+        if c.optimizer is not None and c.optimizer != self.replay_opt:
+            est = with_optimizer(est, c.optimizer, device=self.setup.device)
+        return self.setup.fold(c, est)
+
+    def replay_many(self, cs, seq, full: bool):
+        """Estimates (or exceptions) of the candidates ``cs`` at ``seq``: one shared replay (``full``: every
+        provisional figure among them confirmed at the third depth)."""
+        setup, cache, replay_opt = self.setup, self.cache, self.replay_opt
+        twins = [c.without_optimizer_option(replay_opt) if c.optimizer != replay_opt else c for c in cs]
+        keys = list(dict.fromkeys(t.replay_key() for t in twins))
+        by_key = {t.replay_key(): t for t in twins}
+        todo = [k for k in keys if (seq, k) not in cache]
+        if todo:
+            res = estimate_many(setup.model, self.make_inputs(seq), [setup.pipeline_of(by_key[k]) for k in todo],
+                                replay_opt, device=setup.device, loss_fn=self.loss_fn, screen=not full,
+                                **self.compile_options)
+            cache.update({(seq, k): r for k, r in zip(todo, res)})
+        unsure = [k for k in keys if full and getattr(cache[(seq, k)], "provisional", False)]
+        if unsure:
+            opts = {k: v for k, v in self.compile_options.items() if k != "extrapolate"}
+            res = confirm_many(setup.model, self.make_inputs(seq), [setup.pipeline_of(by_key[k]) for k in unsure],
+                               [cache[(seq, k)] for k in unsure], replay_opt, device=setup.device,
+                               loss_fn=self.loss_fn, **opts)
+            cache.update({(seq, k): r for k, r in zip(unsure, res)})
+        got = {k: cache[(seq, k)] for k in keys}
+        out = []
+        for c, t in zip(cs, twins):
+            r = got[t.replay_key()]
+            if not isinstance(r, BaseException):
+                try:
+                    r = self.finish(c, r)
+                except Exception as e:  # pragma: no cover
+                    r = e
+            out.append(r)
+        return out
+
+    def run(self, screen: bool) -> MaxSeqResult:
+        setup, budget, step, probes = self.setup, self.setup.budget, self.step, self.probes
+        max_len, min_len = self.max_len, self.min_len
+        notes = list(setup.notes)
+        cands = _candidates(setup, self.replay_opt)
+
+        # 1-2: probe, fit, solve
+        peaks: dict[int, list] = {}
+        for s in probes:
+            peaks[s] = self.replay_many(cands, s, full=not screen)
+        fits = []
+        fit_fn: dict = {}
+        for i, c in enumerate(cands):
+            pts = [(s, peaks[s][i].peak_bytes) for s in probes if not isinstance(peaks[s][i], BaseException)]
+            errs = [peaks[s][i] for s in probes if isinstance(peaks[s][i], BaseException)]
+            if len(pts) < 2:
+                c.error = _error_text(errs[0])
+                fits.append((c, None, [c.error]))
+                continue
+            f = _fit(pts)
+            fit_fn[id(c)] = f
+            fits.append((c, _solve(f, budget, step, min_len, max_len), [p for _, p in pts]))
+        ok = [(c, L, pk) for c, L, pk in fits if L is not None]
+        if not ok:
+            errors = "; ".join(f"{c.name}: {c.error}" for c, _, _ in fits[:3])
+            raise RuntimeError(f"plan_max_seq: no plan could be replayed ({errors})")
+        # 3: search for the longest length that some candidate fits, replaying every candidate still in the running
+        # at each length (one shared replay per length). NOTE(every candidate): the probe fits only choose where
+        # to look; a fit can be far off beyond the probes (Llama-3.1-8B at 80 GiB: the plan as given was fitted at
+        # 126,976 tokens and fits 71,680), so comparing the others by their fits missed longer answers. A
+        # candidate whose peak is over the budget at a length <= one that fits is out of the running (peaks
+        # grow with the length), so after the first fitting length only the plans that still fit are replayed.
+        live = [c for c, _, _ in ok]
+        fitted = {id(c): L for c, L, _ in ok}
+        known: dict[int, dict[int, Any]] = {   # seq -> id(candidate) -> estimate (the probes' replays to start)
+            p: {id(c): peaks[p][i] for i, c in enumerate(cands) if id(c) in fitted
+                and not isinstance(peaks[p][i], BaseException)} for p in probes}
+        over_at = {id(c): min(p for p in probes if id(c) in known[p] and known[p][id(c)].peak_bytes > budget)
+                   for c in live if any(id(c) in known[p] and known[p][id(c)].peak_bytes > budget for p in probes)}
+        replays: list = []
+        lo = hi = None  # lo: some candidate fits; hi: none in the running fits (multiples of step)
+
+        def at(s):
+            """The smallest predicted peak among the candidates in the running at ``s`` (replaying those not yet
+            replayed there), and that candidate."""
+            got = known.setdefault(s, {})
+            todo = [c for c in live if id(c) not in got]
+            if todo:
+                for c, r in zip(todo, self.replay_many(todo, s, full=not screen)):
+                    if isinstance(r, BaseException):
+                        c.error = f"{_error_text(r)} (at {s:,} tokens)"
+                        live.remove(c)
+                        continue
+                    got[id(c)] = r
+                    if r.peak_bytes > budget:
+                        over_at[id(c)] = min(over_at.get(id(c), s), s)
+            here = [(got[id(c)].peak_bytes, i, c) for i, c in enumerate(live) if id(c) in got]
+            if not here:
+                raise RuntimeError(f"plan_max_seq: no plan could be replayed at {s:,} tokens "
+                                   f"({'; '.join(f'{c.name}: {c.error}' for c, _, _ in fits if c.error)[:400]})")
+            peak, _, c = min(here, key=lambda t: (t[0], t[1]))
+            replays.append((s, peak, peak <= budget))
+            return peak, c
+
+        s = max(min_len, max(fitted.values()))
+        for _ in range(self.max_replays):
+            peak, best_c = at(s)
+            if peak <= budget:
+                lo = s if lo is None else max(lo, s)
+                live[:] = [c for c in live if over_at.get(id(c), lo + 1) > lo]
+            else:
+                hi = s if hi is None else min(hi, s)
+            if lo is not None and (hi == lo + step or lo + step > max_len):
+                break
+            if hi is not None and hi <= min_len:
+                break
+            nxt = self._next_length(s, peak, best_c, lo, hi, known, live, fit_fn)
+            if any(r[0] == nxt for r in replays):  # searched there already
+                break
+            s = nxt
+
+        if lo is None:
+            peak, best_c = at(min_len)
+            if peak > budget and screen:
+                return self.run(screen=False)  # the error names a confirmed figure
+            if peak > budget:
+                # NOTE(budget-independent): every candidate is replayed at min_len (none is out of the running
+                # before some length fits), so the smallest peak named is the smallest any plan reaches there
+                raise MemoryBudgetError(
+                    f"nothing fits memory_budget {format_bytes(budget)} even at {min_len:,} tokens: the leanest plan "
+                    f"({best_c.name}) needs {format_bytes(peak)} ({peak} bytes) there",
+                    smallest=peak, plan=best_c, candidates=[c for c, _, _ in fits])
+            lo = min_len
+        if hi != lo + step and lo + step <= max_len:
+            notes.append(f"search not converged in {self.max_replays} replays: {lo:,} fits; {lo + step:,} not "
+                         f"replayed")
+        if screen and not self._confirm_pair(lo, live, known, replays):
+            # a confirmed figure changed the verdict: the search again without screening, on the same replays
+            return self.run(screen=False)
+        return self._answer(lo, live, known, replays, cands, ok, fits, notes)
+
+    def _next_length(self, s, peak, best_c, lo, hi, known, live, fit_fn) -> int:
+        """The next length to replay: a secant step through the two nearest lengths' smallest peaks, kept inside
+        the bracket (else bisection)."""
+        budget, step, min_len, max_len = self.setup.budget, self.step, self.min_len, self.max_len
+        pts = sorted((k, min(v[id(c)].peak_bytes for c in live if id(c) in v)) for k, v in known.items()
+                     if any(id(c) in v for c in live))
+        slope = None
+        if len(pts) >= 2:
+            near = sorted(pts, key=lambda p: abs(p[0] - s))[:2]
+            slope = (near[0][1] - near[1][1]) / (near[0][0] - near[1][0])
+        if slope is None or slope <= 0:  # the fit's slope at s, of the plan with the smallest peak there
+            f = fit_fn.get(id(best_c))
+            slope = max((f(s + step) - f(s)) / step, 1e-9) if f else 1e-9
+        nxt = int((s + (budget - peak) / slope) // step * step)
+        nxt = max(nxt, s + step) if peak <= budget else min(nxt, s - step)
+        a = lo if lo is not None else min_len - step
+        b = hi if hi is not None else max_len + step
+        if not (a < nxt < b):
+            nxt = ((a + b) // 2) // step * step
+            if not (a < nxt < b):
+                nxt = a + step if peak <= budget else b - step
+        return min(max(nxt, min_len), max_len)
+
+    def _confirm_pair(self, lo, live, known, replays) -> bool:
+        """NOTE(screen): the pair that answers is confirmed at full depth (the third depth checks that every count
+        is affine in the number of blocks, else the whole model is replayed): each plan fitting ``lo`` and each
+        plan replayed at ``lo + step``. False when a confirmed figure changes the verdict (or cannot be had)."""
+        budget, step = self.setup.budget, self.step
+        pair = [(lo, [c for c in live if id(c) in known[lo] and known[lo][id(c)].peak_bytes <= budget])]
+        if lo + step <= self.max_len:
+            pair.append((lo + step, [c for c in live if id(c) in known.get(lo + step, {})]))
+        for s_, cs_ in pair:
+            if not cs_:
+                continue
+            for c, r in zip(cs_, self.replay_many(cs_, s_, full=True)):
+                if isinstance(r, BaseException):
+                    return False
+                known[s_][id(c)] = r
+            peak_ = min(known[s_][id(c)].peak_bytes for c in cs_)
+            replays[:] = [(x, peak_, peak_ <= budget) if x == s_ else (x, p, f) for x, p, f in replays]
+        return not (not any(known[lo][id(c)].peak_bytes <= budget for c in pair[0][1]) or (
+            len(pair) > 1 and any(known[lo + step][id(c)].peak_bytes <= budget for c in pair[1][1])))
+
+    def _answer(self, lo, live, known, replays, cands, ok, fits, notes) -> MaxSeqResult:
+        """The plan: among those fitting the longest length, lossless before lossy, unrestricted before
+        restricted, then the fewest FLOPs and options."""
+        setup, budget, step, probes = self.setup, self.setup.budget, self.step, self.probes
+        at_lo = [c for c in live if id(c) in known[lo] and known[lo][id(c)].peak_bytes <= budget]
+        chosen = min(at_lo, key=lambda c: (c.lossy, c.restricted, known[lo][id(c)].flops, len(c.options)))
+        if chosen.lossy and any(not c.lossy for c, _, _ in ok):
+            notes.append(f"a lossy plan fits a longer sequence than every lossless one ({lo:,} tokens)")
+        est = known[lo][id(chosen)]
+        chosen.estimate, chosen.fits = est, True
+        nxt_est = known.get(lo + step, {}).get(id(chosen))
+        others = known.get(lo + step, {})
+        reason = (f"the longest sequence any of {len(cands)} plans fits ({len(probes)} probe replays each to guess "
+                  f"it; every plan still in the running replayed at each length searched: "
+                  f"{len({s for s, *_ in replays})} lengths)")
+        if others and lo + step <= self.max_len:
+            notes.append(f"at {lo + step:,} tokens none of the {len(others)} plans replayed there fits (smallest "
+                         f"{format_bytes(min(e.peak_bytes for e in others.values()))})")
+        if chosen.restricted:
+            notes.append("; ".join(f"{o.name}: {o.restricts}" for o in chosen.options if o.restricts))
+        for o in chosen.options:
+            if o.optimizer:
+                notes.append(f"build the optimizer as {o.optimizer!r} for this plan ({o.cost})")
+        plan = MemoryPlan(budget=budget, chosen=chosen, candidates=[chosen], passes=pipeline_with(setup.base, chosen),
+                          optimizer=chosen.optimizer, world_size=setup.world_size, reason=reason, notes=[])
+        fit_rows = [(c.name, c.lossy, c.restricted, L, pk) for c, L, pk in fits]
+        return MaxSeqResult(seq=lo, step=step, budget=budget, plan=plan,
+                            next_peak=nxt_est.peak_bytes if nxt_est is not None else None, fits=fit_rows,
+                            probes=probes, replays=replays, notes=notes)

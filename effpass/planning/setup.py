@@ -1,0 +1,87 @@
+"""The set-up :func:`~effpass.planning.plan_memory` and :func:`~effpass.planning.plan_max_seq` share: the budget
+read, the pipeline as given, the options the planner may add, and how a candidate's replay becomes its
+per-rank figures (sharding folded)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .candidates import Candidate, check_allow, is_sharding, parameter_floor, pipeline_with, usable_options
+from .replay import largest_unit_bytes, target_device
+from .result import MemoryEstimate, format_bytes, parse_size
+from .sharding import fold_sharding
+
+__all__ = ["PlanSetup", "prepare"]
+
+
+@dataclass
+class PlanSetup:
+    """What a plan search starts from (:func:`prepare`)."""
+
+    model: torch.nn.Module
+    budget: int                      # bytes (per rank when world_size > 1)
+    allow: tuple                     # the lossy techniques allowed
+    optimizer: str | None            # the optimizer asked for
+    world_size: int
+    device: torch.device
+    base: list                       # the pipeline as given (the user's passes or the default pipeline)
+    groups: dict                     # group -> the declared options the planner may add, in preference order
+    notes: list = field(default_factory=list)
+    base_sharding: Any = None        # the sharding option of a sharding pass in the pipeline as given
+    unit_bytes: int = 0              # parameters of the largest block (FSDP unit), when world_size > 1
+
+    @property
+    def base_names(self) -> set:
+        return {p.name for p in self.base}
+
+    def pipeline_of(self, c: Candidate) -> list:
+        """The pipeline a candidate's replay runs: the pipeline as given plus its passes, less sharding passes
+        (sharding is folded onto the one-rank replay, :meth:`fold`)."""
+        model, ws = self.model, self.world_size
+        pipeline = pipeline_with([p for p in self.base if not is_sharding(p.name, model, ws)], c)
+        return [p for p in pipeline if not is_sharding(p.name, model, ws)]
+
+    def fold(self, c: Candidate, est: MemoryEstimate) -> MemoryEstimate:
+        """A one-rank replay's estimate as per-rank figures of ``c`` over ``world_size`` ranks."""
+        if self.world_size <= 1:
+            return est
+        sharding = next((o.sharding for o in c.options if o.sharding), None) or (
+            self.base_sharding.sharding if self.base_sharding else None)
+        if sharding:
+            return fold_sharding(est, self.world_size, self.unit_bytes, sharding)
+        return dataclasses.replace(est, world_size=self.world_size)
+
+
+def prepare(model, memory_budget, allow, passes, optimizer, world_size: int, *, device=None,
+            graph_only: bool = False, rows: int | None = None, answer: str = "plan") -> PlanSetup:
+    """The set-up of a plan search; raises ``ValueError`` for an unreadable budget, an ``allow`` entry that
+    names no technique, or a budget below the parameters' own bytes (no ``answer`` can fit it). ``rows``:
+    tokens in the step's batch (options meant for other batch sizes are left out); ``graph_only``: only
+    options that act on graphs (planning on the first call, after the optimizer exists)."""
+    from effpass.config import _build_passes, default_pipeline
+    from effpass.memory_options import declared_memory_options
+
+    budget = parse_size(memory_budget, "memory_budget")
+    allow_t = check_allow(allow, world_size)
+    dev = target_device(model, device)
+    base = _build_passes(passes) if passes is not None else default_pipeline(dev)
+    base_names = {p.name for p in base}
+    notes: list[str] = []
+    groups = usable_options(model, base_names, allow_t, optimizer, world_size, notes, graph_only=graph_only,
+                            device=dev, rows=rows)
+    p_bytes, floor = parameter_floor(model, groups, world_size)
+    if budget < floor:
+        raise ValueError(f"memory_budget {memory_budget!r} ({format_bytes(budget)}) is below the parameters' own "
+                         f"bytes ({format_bytes(p_bytes)}"
+                         + (f" / {world_size} ranks" if world_size > 1 else "")
+                         + (", quantized as allowed" if floor < p_bytes / max(world_size, 1) else "")
+                         + f"); no {answer} can fit it")
+    # a sharding pass the user put in the pipeline is folded on every candidate
+    base_sharding = next((o for o in declared_memory_options(model, world_size=world_size)
+                          if o.sharding and o.pass_name in base_names), None) if world_size > 1 else None
+    return PlanSetup(model=model, budget=budget, allow=allow_t, optimizer=optimizer, world_size=world_size,
+                     device=dev, base=base, groups=groups, notes=notes, base_sharding=base_sharding,
+                     unit_bytes=largest_unit_bytes(model) if world_size > 1 else 0)
