@@ -85,7 +85,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    owns_group = not dist.is_initialized()      # main() may run inside an already initialised job (tests)
+    if owns_group:
+        dist.init_process_group("nccl" if use_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
     if use_cuda:
@@ -141,7 +143,8 @@ def main(argv=None):
         if rank == 0:
             torch.save(full, args.out)
     dist.barrier()
-    dist.destroy_process_group()
+    if owns_group:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

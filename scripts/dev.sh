@@ -8,15 +8,36 @@ ROOT=$PWD
 VENV=${EFFPASS_VENV:-$ROOT/.venv}
 PY=${PYTHON:-python3}
 
+cmd=${1:-test}
+shift || true
+
+# The HTML report's test opens the page in a real headless Chromium (Debian's package). CI is a fresh root
+# machine: install it when missing (apt-get, ~2 min), in the background while the set-up below installs the
+# Python packages; the tests wait for it. Elsewhere say how (the test skips without it).
+chromium_pid=
+if [ "$cmd" = test ] && ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "effpass: installing chromium for the HTML report test (apt-get, ~2 min)" >&2
+    ( (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
+        || echo "effpass: could not install chromium; tests/tools/test_html_report.py will skip its browser checks" >&2 ) &
+    chromium_pid=$!
+  else
+    echo "effpass: chromium not found (apt-get install chromium); the HTML report's browser checks will skip" >&2
+  fi
+fi
+wait_for_chromium() { if [ -n "$chromium_pid" ]; then wait "$chromium_pid" || true; fi; }
+
 if [ ! -x "$VENV/bin/python" ] || [ ! -f "$VENV/.effpass-ready" ] || [ pyproject.toml -nt "$VENV/.effpass-ready" ]; then
   echo "effpass: setting up $VENV (first run only)" >&2
   "$PY" -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
-  # torch first, pinned: a range would pull the newest CUDA build and several GB with it.
+  # torch pinned (a range would pull the newest CUDA build and several GB with it), in the same pip call as
+  # effpass and its dev extra: one pip start and one resolution instead of two. An existing torch is kept.
+  torch_req=()
   if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-    "$VENV/bin/python" -m pip install -q "torch==${EFFPASS_TORCH_VERSION:-2.13.0}"
+    torch_req=("torch==${EFFPASS_TORCH_VERSION:-2.13.0}")
   fi
-  "$VENV/bin/python" -m pip install -q -e ".[dev]"
+  "$VENV/bin/python" -m pip install -q ${torch_req[@]+"${torch_req[@]}"} -e ".[dev]"
   touch "$VENV/.effpass-ready"
 fi
 
@@ -25,22 +46,10 @@ export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore::DeprecationWarning}
 # Two test workers on two cores: OpenMP threads that spin at barriers while their partner is descheduled waste
 # most of a compiled step on a shared CPU (docs/huggingface.md); waiting threads sleep instead.
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
-cmd=${1:-test}
-shift || true
 case "$cmd" in
   demo) exec "$VENV/bin/effpass" demo "$@" ;;
   test)
-    # The HTML report's test opens the page in a real headless Chromium (Debian's package). CI is a fresh
-    # root machine: install it when missing; elsewhere say how (the test skips without it).
-    if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
-      if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-        echo "effpass: installing chromium for the HTML report test (apt-get, ~2 min)" >&2
-        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
-          || echo "effpass: could not install chromium; tests/tools/test_html_report.py will skip its browser checks" >&2
-      else
-        echo "effpass: chromium not found (apt-get install chromium); the HTML report's browser checks will skip" >&2
-      fi
-    fi
+    wait_for_chromium
     # --dist loadgroup: tests marked xdist_group(NAME) share one worker (and its module fixtures: one launch of
     # ranks or one preloaded process serves several tests); the rest go one at a time to whichever worker is
     # free, the longest first (tests/conftest.py LONG_FIRST).

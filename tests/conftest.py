@@ -42,6 +42,55 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+# Tests that lower with Inductor pay seconds of C++ compiles per graph (cold, as in CI): each must carry the
+# `inductor` mark, so that the cost is visible and `-m "not inductor"` is a quick loop. Calls of Inductor's
+# compile_fx made in this process are counted (cache hits included; the subprocesses a test starts are not
+# seen); unmarked tests are listed at the end of the run.
+_INDUCTOR_GRAPHS = [0]
+_UNMARKED_INDUCTOR: list[str] = []
+
+
+def _count_inductor_graphs() -> None:
+    import torch._inductor.compile_fx as cfx  # ~0.1 CPU-s once effpass.passes is loaded (it loads most of Inductor)
+
+    if getattr(cfx.compile_fx, "_counted", False):
+        return
+    inner, depth = cfx.compile_fx, [0]
+
+    def counted(*args, **kwargs):  # compile_fx calls itself (config patches): count the outermost call
+        _INDUCTOR_GRAPHS[0] += depth[0] == 0
+        depth[0] += 1
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            depth[0] -= 1
+
+    counted._counted = True
+    cfx.compile_fx = counted
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    _count_inductor_graphs()
+    before = _INDUCTOR_GRAPHS[0]
+    yield
+    if _INDUCTOR_GRAPHS[0] > before and "inductor" not in item.keywords:
+        item.user_properties.append(("unmarked_inductor_graphs", _INDUCTOR_GRAPHS[0] - before))
+
+
+def pytest_runtest_logreport(report):  # in the xdist controller too: user_properties travel with the report
+    for key, value in report.user_properties:
+        if key == "unmarked_inductor_graphs" and report.when == "call":
+            _UNMARKED_INDUCTOR.append(f"{report.nodeid} ({value} graphs)")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _UNMARKED_INDUCTOR:
+        terminalreporter.section("lowered with Inductor without the inductor mark (tests/conftest.py)")
+        for line in _UNMARKED_INDUCTOR:
+            terminalreporter.write_line(line)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()

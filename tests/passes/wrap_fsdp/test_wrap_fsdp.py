@@ -377,8 +377,28 @@ def scenario_fused_losses(rank, world, out_dir):
     return out
 
 
+#: the killed-rank test's run: 5 AdamW steps under FSDP2, checkpoints after steps 2 and 4
+KILLED_ARGS = ["--steps", "5", "--ckpt-every", "2", "--seq", "16"]
+
+
+def scenario_resume_reference(rank, world, out_dir):
+    """The uninterrupted run of the killed-rank test: the example's main() in this job (the same 2 ranks, gloo,
+    1 thread each, as its torchrun launches), instead of a torchrun launch of its own."""
+    import contextlib
+    import importlib.util
+    import io
+
+    spec = importlib.util.spec_from_file_location("train_fsdp", os.path.join(ROOT, "examples", "train_fsdp.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out, printed = os.path.join(out_dir, "ref.pt"), io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        mod.main([*KILLED_ARGS, "--out", out])
+    return {"out": out, "stdout": printed.getvalue()}
+
+
 SCENARIOS = {"fused_losses": scenario_fused_losses, "fused_head": scenario_fused_head, "train": scenario_train, "passes": scenario_passes, "inductor": scenario_inductor,
-             "hsdp": scenario_hsdp, "tiled": scenario_tiled}
+             "hsdp": scenario_hsdp, "tiled": scenario_tiled, "resume_reference": scenario_resume_reference}
 #: the 2-rank scenarios and the tests that read them: one spawn runs all that the session selected (process
 #: start, imports and the process group cost more than most scenarios), each writing its own result files
 TWO_RANK_TESTS = {"test_wrap_fsdp_two_ranks_match_one_process_and_resume_exactly": "train",
@@ -388,7 +408,8 @@ TWO_RANK_TESTS = {"test_wrap_fsdp_two_ranks_match_one_process_and_resume_exactly
                   "test_wrap_fsdp_fuses_logprob_losses_on_packed_rows": "fused_losses",
                   "test_wrap_fsdp_distillation_fuses_the_head_after_the_teachers_boundary": "fused_losses",
                   "test_wrap_fsdp_inductor_lowering_matches_one_process": "inductor",
-                  "test_wrap_fsdp_with_tile_sequence_equals_untiled": "tiled"}
+                  "test_wrap_fsdp_with_tile_sequence_equals_untiled": "tiled",
+                  "test_wrap_fsdp_killed_rank_relaunch_reaches_uninterrupted_weights": "resume_reference"}
 
 
 def scenario_many(rank, world, out_dir):
@@ -700,23 +721,25 @@ def _torchrun(args, env=None, check=True):
     return proc
 
 
-def test_wrap_fsdp_killed_rank_relaunch_reaches_uninterrupted_weights(tmp_path):
-    """A rank dies mid-run; the relaunched job resumes from the last checkpoint and ends bit-identical."""
-    common = ["--steps", "5", "--ckpt-every", "2", "--seq", "16"]
-    ref = _torchrun([*common, "--out", str(tmp_path / "ref.pt")])
+@pytest.mark.xdist_group("wrap_fsdp_2ranks")
+def test_wrap_fsdp_killed_rank_relaunch_reaches_uninterrupted_weights(two_rank_runs, tmp_path):
+    """A rank dies mid-run; the relaunched job resumes from the last checkpoint and ends bit-identical to the
+    uninterrupted run (the example's main() in the shared 2-rank spawn: one torchrun launch fewer)."""
+    ref = _two_rank_results(two_rank_runs, "resume_reference")[0]
+    common = KILLED_ARGS
     ckpt = tmp_path / "ckpt"
     crashed = _torchrun([*common, "--ckpt-dir", str(ckpt), "--fail-at-step", "3"], check=False)
     assert crashed.returncode != 0 and (ckpt / "failed_once").exists()
     assert not (ckpt / "step_4").exists()
     resumed = _torchrun([*common, "--ckpt-dir", str(ckpt), "--fail-at-step", "3", "--out", str(tmp_path / "b.pt")])
     assert "resumed from" in resumed.stdout and "step_2" in resumed.stdout
-    a, b = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "b.pt")
+    a, b = torch.load(ref["out"]), torch.load(tmp_path / "b.pt")
     assert a.keys() == b.keys() and len(a) > 10
     for k in a:
         assert torch.equal(a[k], b[k]), k
     # the losses printed after the resume are those of the uninterrupted run
     tail = lambda out: [l for l in out.splitlines() if l.startswith("step 4 ")]  # noqa: E731
-    assert tail(ref.stdout) == tail(resumed.stdout)
+    assert tail(ref["stdout"]) == tail(resumed.stdout) and len(tail(resumed.stdout)) == 1
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -1,0 +1,69 @@
+"""pytest plugin: CPU seconds per test, the test's subprocesses included (spawned ranks, torchrun, Inductor's g++
+and compile workers). Load it with ``-p _suite_cpu`` and ``bench/`` on PYTHONPATH; each process (an xdist worker
+or the single process) appends one JSON line per test to ``$SUITE_CPU_OUT/<worker>.jsonl`` and a last line with
+its whole CPU (collection and imports included). ``python bench/suite_times.py --suite`` runs it and writes the
+table.
+
+CPU of a test = the change, over setup + call + teardown, of: this process's user+sys, its waited-for children's
+(RUSAGE_CHILDREN: every finished descendant), and the live descendants' user+sys (psutil; a persistent pool
+worker's time counts in the test during which it ran).
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+
+import pytest
+
+try:
+    import psutil
+except ImportError:  # pragma: no cover - psutil ships with the dev extra's dependencies
+    psutil = None
+
+
+def _cpu() -> float:
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+    if psutil is not None:
+        try:
+            children = psutil.Process().children(recursive=True)
+        except psutil.Error:
+            children = []
+        for c in children:
+            try:
+                t = c.cpu_times()
+            except psutil.Error:
+                continue
+            total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
+def _out_path() -> str | None:
+    out = os.environ.get("SUITE_CPU_OUT")
+    if not out:
+        return None
+    os.makedirs(out, exist_ok=True)
+    return os.path.join(out, f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.jsonl")
+
+
+def _write(record: dict) -> None:
+    path = _out_path()
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    c0, t0 = _cpu(), time.perf_counter()
+    yield
+    _write({"test": item.nodeid, "cpu_s": round(_cpu() - c0, 2), "wall_s": round(time.perf_counter() - t0, 2),
+            "load": float(open("/proc/loadavg").read().split()[0])})
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if os.environ.get("PYTEST_XDIST_WORKER") or not hasattr(session.config, "workerinput"):
+        _write({"session": True, "cpu_s": round(_cpu(), 2)})
