@@ -38,17 +38,27 @@ def _op_profile(fn, op_prefix: str):
               if e.name in MATMULS and _inside(e, op_prefix)]
     largest, peak = 0, 0
 
-    def walk(ev, inside, live):
+    def transient(ev) -> list[int]:
+        """Sizes a library matmul allocated and freed again inside its own call (oneDNN packs a bf16 weight
+        operand into a workspace of about its size on CPUs with bf16 GEMM kernels): workspaces, not tensors."""
+        sizes = [int(c.extra_fields.alloc_size) for c in ev.children if c.tag == _EventType.Allocation]
+        freed = [-s for s in sizes if s < 0]
+        return [s for s in sizes if s > 0 and s in freed and not freed.remove(s)]
+
+    def walk(ev, inside, live, skip=()):
         nonlocal largest, peak
         here = inside or ev.name.startswith(op_prefix)
         if ev.tag == _EventType.Allocation and inside and ev.extra_fields.device.type == "cpu":
             size = int(ev.extra_fields.alloc_size)
+            if abs(size) in skip:
+                return
             largest = max(largest, size)
             live[0] += size
             peak = max(peak, live[0])
         start = [0] if (here and not inside) else live
+        inner = tuple(transient(ev)) if ev.name in MATMULS else ()
         for c in sorted(ev.children, key=lambda c: c.start_time_ns):
-            walk(c, here, start)
+            walk(c, here, start, inner)
 
     for root in prof.profiler.kineto_results.experimental_event_tree():
         walk(root, False, [0])
