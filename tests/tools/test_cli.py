@@ -36,7 +36,11 @@ def test_passes_lists_the_registry(capsys):
     assert "default pipeline on" in out
     assert main(["passes", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert set(data) == set(effpass.registered_passes())
+    # a fresh `effpass` process lists the built-ins (from the index) and installed plugins; passes other tests of
+    # this worker registered in-process are neither
+    from effpass.pass_registry import _is_builtin
+
+    assert set(data) == {n for n, k in effpass.registered_passes().items() if _is_builtin(k)}
     assert all({"phases", "run_after", "default"} <= set(v) for v in data.values())
 
 
