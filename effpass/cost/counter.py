@@ -79,6 +79,20 @@ def _numel(shape) -> int:
     return n
 
 
+
+def _indexed_elements(base, args) -> int | None:
+    """Elements ``aten::index`` / ``index_put`` touch in ``base`` for integer index tensors ``args[1]`` (rows
+    indexed times the trailing slice); None for boolean masks or no tensor index."""
+    idx = [i for i in (args[1] if len(args) > 1 else ()) if isinstance(i, torch.Tensor)]
+    if not idx or any(i.dtype in (torch.bool, torch.uint8) for i in idx):
+        return None
+    try:
+        rows = _numel(torch.broadcast_shapes(*[i.shape for i in idx]))
+    except RuntimeError:
+        rows = max(i.numel() for i in idx)
+    return rows * _numel(base.shape[len(idx):])
+
+
 def indexed_bytes(func, args) -> dict[int, int]:
     """Bytes of the operands an indexed op touches only in part, by ``id`` of the operand: a gather reads the
     rows (elements) it selects, not its whole source (an embedding lookup reads tokens x hidden of a vocabulary x
@@ -102,22 +116,14 @@ def indexed_bytes(func, args) -> dict[int, int]:
     elif name in ("aten::nll_loss_forward", "aten::nll_loss2d_forward") and t(0) is not None and t(1) is not None:
         src, n = t(0), t(1).numel()
     elif name == "aten::index" and t(0) is not None:
-        idx = [i for i in (a[1] if len(a) > 1 else ()) if isinstance(i, torch.Tensor)]
-        if idx and all(i.dtype not in (torch.bool, torch.uint8) for i in idx):
-            try:
-                rows = _numel(torch.broadcast_shapes(*[i.shape for i in idx]))
-            except RuntimeError:
-                rows = max(i.numel() for i in idx)
-            src, n = t(0), rows * _numel(t(0).shape[len(idx):])
+        n = _indexed_elements(t(0), a)
+        if n is not None:
+            src = t(0)
     elif name in ("aten::index_put", "aten::index_put_", "aten::_index_put_impl", "aten::_index_put_impl_") \
             and t(0) is not None:
-        idx = [i for i in (a[1] if len(a) > 1 else ()) if isinstance(i, torch.Tensor)]
-        if idx and all(i.dtype not in (torch.bool, torch.uint8) for i in idx):
-            try:
-                rows = _numel(torch.broadcast_shapes(*[i.shape for i in idx]))
-            except RuntimeError:
-                rows = max(i.numel() for i in idx)
-            src, n = t(0), rows * _numel(t(0).shape[len(idx):])
+        n = _indexed_elements(t(0), a)
+        if n is not None:
+            src = t(0)
             if t(2) is not None:
                 out[id(t(2))] = min(operand_bytes(t(2)), n * t(2).element_size())
     elif name in ("aten::index_copy", "aten::index_copy_", "aten::index_add", "aten::index_add_") \
