@@ -310,7 +310,19 @@ def test_every_option_is_documented_on_its_field():
     from effpass.pass_api import registered_passes
 
     assert not undocumented_fields(Options), f"effpass.config.Options fields without a doc: {undocumented_fields(Options)}"
-    bad = {n: undocumented_fields(k) for n, k in registered_passes().items() if undocumented_fields(k)}
+    # the built-in passes and installed plugins; passes that other tests in this worker register are theirs to
+    # document (the registry is per process, so which of them are present depends on test order under xdist)
+    import sys
+
+    from _paths import ROOT
+
+    def in_tests(k):
+        f = getattr(sys.modules.get(k.__module__), "__file__", None) or ""
+        return str(f).startswith(str(pathlib.Path(ROOT) / "tests"))
+
+    shipped = {n: k for n, k in registered_passes().items() if not in_tests(k)}
+    assert {"fuse_attention", "inject_lora", "checkpoint_activations"} <= set(shipped)
+    bad = {n: undocumented_fields(k) for n, k in shipped.items() if undocumented_fields(k)}
     assert not bad, f"pass options without a doc (field(metadata={{'doc': ...}})): {bad}"
     assert dict(OPTION_DOCS) == option_docs()
     assert set(option_docs(keys_only=False)) == {f.name for f in dataclasses.fields(Options)}

@@ -1,5 +1,6 @@
 """effpass verify: reference semantics checked per pass and for the pipeline, bisection to the pass at fault,
 packed rows against examples alone, verify=True on the first call, and the command line."""
+import dataclasses
 import json
 import re
 import warnings
@@ -19,7 +20,7 @@ from _families import family_case
 class PerturbOneValue(effpass.Pass):
     """A planted fault: scales the output of one linear (the module named ``site``) by 1 + 1e-3."""
 
-    site: str = "model.layers.1.mlp.down_proj"
+    site: str = dataclasses.field(default="model.layers.1.mlp.down_proj", metadata={"doc": "the module whose output is scaled"})
 
     def transform_torch_ir(self, gm, ctx):
         from effpass.graph import module_path_of_node
