@@ -26,7 +26,8 @@ Contract (what a script gets by calling :func:`main`, and what a caller such as 
 
 Common options of every script: ``--arms a,b``, ``--repeats N``, ``--deadline S``, ``--quick`` (the smallest
 setting: a smoke run), ``--label TEXT``, ``--device cpu|cuda``, ``--out STEM`` (default
-``bench/results/<workload>_<device>``), plus ``--<key>`` for the shape keys the script exposes.
+``bench/results/<workload>_<device>``), ``--set KEY=VALUE ...`` (any shape key), plus ``--<key>`` for the shape
+keys the script exposes.
 """
 from __future__ import annotations
 
@@ -436,6 +437,8 @@ def main(script: str, *, workload: str, arms: tuple[str, ...], worker: Callable[
             ap.add_argument(f"--{k}", type=lambda s: s.lower() in ("1", "true", "yes"), default=None)
         else:
             ap.add_argument(f"--{k}", type=type(v) if v is not None else str, default=None)
+    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="override any shape key (VALUE read as JSON, else as a string), e.g. --set hidden=4096")
     if extra_args is not None:
         extra_args(ap)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -458,6 +461,14 @@ def main(script: str, *, workload: str, arms: tuple[str, ...], worker: Callable[
     for k in overrides:
         if getattr(args, k) is not None:
             cfg[k] = getattr(args, k)
+    for kv in args.set:
+        key, sep, value = kv.partition("=")
+        if not sep or key not in cfg:
+            raise SystemExit(f"bench: --set {kv!r}: expected KEY=VALUE with KEY one of {sorted(cfg)}")
+        try:
+            cfg[key] = json.loads(value)
+        except json.JSONDecodeError:
+            cfg[key] = value
     if configure is not None:
         configure(args, cfg)
     cfg["_device"] = device
