@@ -90,7 +90,8 @@ def build_model(args):
 
     torch.manual_seed(0)
     cfg = tf.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                         num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=args.layers, num_attention_heads=max(4, args.hidden // 128),
+                         num_key_value_heads=max(4, args.hidden // 128) // 2,
                          max_position_embeddings=4096, bos_token_id=0, eos_token_id=0)
     cfg._attn_implementation = "eager"
     m = tf.LlamaForCausalLM(cfg)
@@ -117,8 +118,27 @@ def packed_inputs(tokens, idx):
     return {"input_ids": ids, "position_ids": pos, "labels": labels}, ids.numel(), ids.numel()
 
 
+#: the device the worker runs on (set by ``worker``): inputs are built on the CPU and moved there
+DEVICE = "cpu"
+
+
+def on_device(make_inputs):
+    """``make_inputs`` with its tensors moved to ``DEVICE``."""
+    def make(tokens, idx):
+        inp, r, t = make_inputs(tokens, idx)
+        return {k: v.to(DEVICE) for k, v in inp.items()}, r, t
+
+    return make
+
+
+def _sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 def run_arm(name, model, steps, make_inputs, tokens, warm):
     """Times every step (fwd+bwd) after warm-up calls; returns figures."""
+    make_inputs = on_device(make_inputs)
     for idx in warm:
         inp, _, _ = make_inputs(tokens, idx)
         model(**inp).loss.backward()
@@ -128,12 +148,14 @@ def run_arm(name, model, steps, make_inputs, tokens, warm):
     for k, idx in enumerate(steps):
         inp, r, t = make_inputs(tokens, idx)
         real, total = real + r, total + t
+        _sync()
         t0 = time.perf_counter()
         if k == 0:
-            _, p = peak_memory(lambda: model(**inp).loss.backward())
+            _, p = peak_memory(lambda: model(**inp).loss.backward(), DEVICE)
             peak = max(peak, p)
         else:
             model(**inp).loss.backward()
+        _sync()
         seconds += time.perf_counter() - t0
     return {"arm": name, "steps": len(steps), "real_tokens": real, "step_tokens": total,
             "padding_fraction": 1 - real / total, "seconds": seconds, "useful_tokens_per_s": real / seconds,
@@ -143,41 +165,47 @@ def run_arm(name, model, steps, make_inputs, tokens, warm):
 def peak_over(model, steps, make_inputs, tokens, limit=3):
     """The largest peak over the steps with the most tokens per step (the memory-bound ones)."""
     order = sorted(steps, key=lambda idx: -make_inputs(tokens, idx)[2])[:limit]
+    make_inputs = on_device(make_inputs)
     best = 0
     for idx in order:
         inp, _, _ = make_inputs(tokens, idx)
-        _, p = peak_memory(lambda: model(**inp).loss.backward())
+        _, p = peak_memory(lambda: model(**inp).loss.backward(), DEVICE)
         best = max(best, p)
     return best
 
 
 def per_example_error(model, ref, tokens, idx) -> float:
-    inp, _, _ = packed_inputs(tokens, idx)
+    inp, _, _ = on_device(packed_inputs)(tokens, idx)
     inp = {k: v for k, v in inp.items() if k != "labels"}
     with torch.no_grad():
         out = model(**inp).logits
         err, s = 0.0, 0
         for i in idx:
             n = len(tokens[i])
-            alone = ref(input_ids=tokens[i][None]).logits
+            alone = ref(input_ids=tokens[i][None].to(DEVICE)).logits
             err = max(err, ((out[:, s:s + n] - alone).abs().max() / alone.abs().max()).item())
             s += n
     return err
 
 
 ARMS = ("padded_unsorted", "padded_sorted", "packed_plain_hf", "hf_flattening", "packed_effpass")
-CPU_SHAPE = dict(examples=64, budget=2048, hidden=128, layers=2, vocab=1024, lowering="inductor", seed=0)
+CPU_SHAPE = dict(examples=64, budget=2048, hidden=128, layers=2, vocab=1024, lowering="inductor", seed=0,
+                 dtype="float32")
+#: on a GPU: a Llama-3.2-1B-width model (2 layers), 256 examples, 8,192 tokens per step, bf16
+GPU_SHAPE = dict(CPU_SHAPE, examples=256, budget=8192, hidden=2048, layers=2, vocab=32000, dtype="bfloat16")
 QUICK = dict(examples=24, budget=1024, lowering="eager")
 
 
 def worker(arm: str, cfg: dict, device: str) -> dict:
     """One arm: the same examples (from the seed) and weights in every arm's process."""
+    global DEVICE
+    DEVICE = device
     args = argparse.Namespace(**{k: v for k, v in cfg.items() if k in CPU_SHAPE})
     warnings.filterwarnings("ignore")
     lens = lengths(args.examples, args.seed, hi=min(2048, args.budget))
     g = torch.Generator().manual_seed(args.seed + 1)
     tokens = [torch.randint(1, args.vocab, (n,), generator=g) for n in lens]
-    base = build_model(args)
+    base = build_model(args).to(DEVICE, getattr(torch, args.dtype))
     if arm in ("padded_unsorted", "padded_sorted"):
         sort = arm == "padded_sorted"
         steps = padded_batches(lens, args.budget, sort)
@@ -226,7 +254,7 @@ def describe(cfg: dict) -> dict:
     """The model and length description of a run (in its meta: bench/peer_table.py quotes them)."""
     lens = lengths(cfg["examples"], cfg["seed"], hi=min(2048, cfg["budget"]))
     return {"model": f"Llama-style hidden {cfg['hidden']}, {cfg['layers']} layers, heads 4/2, ffn {2 * cfg['hidden']}, "
-                     f"vocab {cfg['vocab']}, fp32, eager attention in the model, lowering {cfg['lowering']}",
+                     f"vocab {cfg['vocab']}, {cfg.get('dtype', 'float32')}, eager attention in the model, lowering {cfg['lowering']}",
             "lengths": f"{cfg['examples']} examples, log-normal(mu=ln 160, sigma=1.0) clipped to [16, "
                        f"{min(2048, cfg['budget'])}]: min {min(lens)}, median {sorted(lens)[len(lens) // 2]}, "
                        f"mean {sum(lens) / len(lens):.0f}, max {max(lens)}",
@@ -261,7 +289,7 @@ def markdown(run: dict) -> str:
 
 def main():
     driver.main(__file__, workload="packing", arms=ARMS, worker=worker, markdown=markdown, cpu_shape=CPU_SHAPE,
-                quick=QUICK, overrides=tuple(CPU_SHAPE), meta_extra=describe)
+                gpu_shape=GPU_SHAPE, quick=QUICK, overrides=tuple(CPU_SHAPE), meta_extra=describe)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,153 @@
+"""The planner against the device: predicted vs measured peak of a long-context LoRA step, and the longest
+length that fits a cap (issue 37 (g)).
+
+Arms (each in its own process, ``bench/driver.py``):
+
+* ``predict_measure`` (a sweep over ``seq``): ``effpass.estimate_memory`` on the model as it sits on the device
+  (the replay of the step on fake tensors), then the measured peak of the same step
+  (``effpass.planning.measure.measure_step``: AdamW over the adapters, allocator peak); relative error.
+* ``cpu_replay`` (the same sweep): the prediction made from a meta copy of the model for the CPU, as a plan is
+  made on a machine without a GPU; compare with the measured rows above.
+* ``maxseq``: ``effpass.plan_max_seq`` under ``cap_gib``, then the measured peak at the length it answers
+  (the answer must fit the cap).
+
+The pipeline: LoRA (r=16 on every projection) + activation checkpointing + the fused loss, bf16 on a GPU.
+
+    python bench/bench_plan_check.py --device cuda        # Llama-3-8B widths, 2 layers, 4k/8k/16k tokens
+    python bench/bench_plan_check.py --quick              # a smoke run on the CPU
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import driver  # noqa: E402
+
+ARMS = ("predict_measure", "cpu_replay", "maxseq")
+GPU_SHAPE = dict(hidden=4096, ffn=14336, layers=2, heads=32, kv_heads=8, vocab=128256, seq=[4096, 8192, 16384],
+                 dtype="bfloat16", rank=16, cap_gib=40.0, step=1024, lowering="eager")
+CPU_SHAPE = dict(hidden=256, ffn=688, layers=2, heads=8, kv_heads=4, vocab=8192, seq=[512, 1024], dtype="float32",
+                 rank=16, cap_gib=0.25, step=256, lowering="eager")
+QUICK = dict(hidden=64, ffn=128, layers=1, heads=4, kv_heads=2, vocab=1024, seq=[128], cap_gib=0.03, step=64)
+TARGETS = ["*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj", "*.gate_proj", "*.up_proj", "*.down_proj"]
+
+
+def build(cfg: dict, device: str):
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    conf = tf.LlamaConfig(vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["ffn"],
+                          num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
+                          num_key_value_heads=cfg["kv_heads"], max_position_embeddings=max(_seqs(cfg)) * 4,
+                          bos_token_id=0, eos_token_id=0)
+    conf.use_cache = False
+    with torch.device(device):
+        model = tf.LlamaForCausalLM(conf).to(getattr(torch, cfg["dtype"]))
+    return model.train()
+
+
+def _seqs(cfg):
+    return cfg["seq"] if isinstance(cfg["seq"], (list, tuple)) else [cfg["seq"]]
+
+
+def passes(cfg):
+    from effpass.passes import CheckpointActivations, FuseCrossEntropy, InjectLoRA
+
+    return [InjectLoRA(rank=cfg["rank"], targets=TARGETS), CheckpointActivations(), FuseCrossEntropy()]
+
+
+def make_inputs(seq: int, device: str, vocab: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seq)
+    ids = torch.randint(0, vocab, (1, seq), generator=g).to(device)
+    return {"input_ids": ids, "labels": ids}
+
+
+def worker(arm: str, cfg: dict, device: str) -> dict:
+    import torch
+
+    import effpass
+    from effpass.planning.measure import measure_step
+
+    seq = cfg["seq"]
+    t0 = time.perf_counter()
+    if arm == "cpu_replay":  # the plan made where there is no GPU: a meta model, predicted for the CPU
+        with torch.device("meta"):
+            model = build({**cfg, "dtype": cfg["dtype"]}, "meta")
+        est = effpass.estimate_memory(model, make_inputs(seq, "meta", cfg["vocab"]), passes=passes(cfg),
+                                      lowering=cfg["lowering"], device="cpu")
+        return {"arm": arm, "seq": seq, "predicted_bytes": est.peak_bytes, "predicted_gib": est.peak_bytes / 2**30,
+                "predict_s": round(time.perf_counter() - t0, 2)}
+    model = build(cfg, device)
+    if arm == "predict_measure":
+        inputs = make_inputs(seq, device, cfg["vocab"])
+        est = effpass.estimate_memory(model, inputs, passes=passes(cfg), lowering=cfg["lowering"])
+        t1 = time.perf_counter()
+        driver.partial({"arm": arm, "seq": seq, "predicted_bytes": est.peak_bytes, "status": "partial"})
+        torch._dynamo.reset()
+        compiled = effpass.compile(model, passes=passes(cfg), lowering=cfg["lowering"])
+        meas = measure_step(compiled, model, inputs, optimizer="adamw", warmup=1)
+        err = (est.peak_bytes - meas.peak_bytes) / meas.peak_bytes
+        return {"arm": arm, "seq": seq, "predicted_bytes": est.peak_bytes, "measured_bytes": meas.peak_bytes,
+                "predicted_gib": est.peak_bytes / 2**30, "measured_gib": meas.peak_bytes / 2**30,
+                "rel_error": err, "predict_s": round(t1 - t0, 2), "measure_s": round(time.perf_counter() - t1, 2)}
+    if arm == "maxseq":
+        cap = int(cfg["cap_gib"] * 2**30)
+        from effpass.planning import plan_max_seq
+
+        res = plan_max_seq(model, lambda s: make_inputs(s, device, cfg["vocab"]), cap, passes=passes(cfg),
+                                   step=cfg["step"], probes=tuple(cfg["step"] * k for k in (2, 4, 8)),
+                                   lowering=cfg["lowering"])
+        length = res.seq
+        t1 = time.perf_counter()
+        driver.partial({"arm": arm, "max_seq": length, "status": "partial", "plan_s": round(t1 - t0, 2)})
+        torch._dynamo.reset()  # the check: the plan's own pipeline, measured at the length it answers
+        compiled = effpass.compile(model, passes=res.plan.passes, lowering=cfg["lowering"])
+        meas = measure_step(compiled, model, make_inputs(length, device, cfg["vocab"]), optimizer="adamw", warmup=1)
+        return {"arm": arm, "cap_gib": cfg["cap_gib"], "max_seq": length, "plan": res.plan.chosen.name,
+                "predicted_bytes_at_max_seq": res.plan.peak_bytes, "measured_bytes_at_max_seq": meas.peak_bytes,
+                "measured_gib_at_max_seq": meas.peak_bytes / 2**30, "fits": meas.peak_bytes <= cap,
+                "plan_s": round(t1 - t0, 2), "measure_s": round(time.perf_counter() - t1, 2)}
+    raise ValueError(f"bench_plan_check: unknown arm {arm!r}; choose from {ARMS}")
+
+
+def jobs(chosen, cfg):
+    out = []
+    for a in chosen:
+        out += [(a, {})] if a == "maxseq" else [(a, {"seq": s}) for s in _seqs(cfg)]
+    return out
+
+
+def markdown(run: dict) -> str:
+    rows = run.get("results", [])
+    meas = {r["seq"]: r for r in rows if r.get("arm") == "predict_measure" and r.get("status") == "ok"}
+    cpu = {r["seq"]: r for r in rows if r.get("arm") == "cpu_replay" and r.get("status") == "ok"}
+    s = run.get("shape", {})
+    lines = [f"Planner vs device: Llama hidden {s.get('hidden')}, {s.get('layers')} layers, vocabulary {s.get('vocab')}, "
+             f"{s.get('dtype')}, LoRA r={s.get('rank')} + checkpointing + fused loss, AdamW; lowering "
+             f"{s.get('lowering')}.", "",
+             "| tokens | predicted on the device (GiB) | CPU replay (GiB) | measured (GiB) | error (device) | error (CPU) |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for seq in sorted(set(meas) | set(cpu)):
+        m, c = meas.get(seq, {}), cpu.get(seq, {})
+        mb = m.get("measured_bytes")
+        ce = f"{(c['predicted_bytes'] - mb) / mb:+.2%}" if c and mb else ""
+        lines.append(f"| {seq} | {m.get('predicted_gib', float('nan')):.4g} | {c.get('predicted_gib', float('nan')):.4g} | "
+                     f"{m.get('measured_gib', float('nan')):.4g} | "
+                     f"{(format(m['rel_error'], '+.2%') if 'rel_error' in m else '')} | {ce} |")
+    for r in rows:
+        if r.get("arm") == "maxseq" and r.get("status") == "ok":
+            lines += ["", f"Longest length under {r['cap_gib']} GiB (plan_max_seq): {r['max_seq']} tokens; measured there "
+                      f"{r['measured_gib_at_max_seq']:.4g} GiB ({'fits' if r['fits'] else 'DOES NOT FIT'}), plan {r['plan']}."]
+        elif r.get("status") not in ("ok", None):
+            lines += ["", f"- {r.get('arm')} {r.get('seq', '')}: {r.get('status')}: {str(r.get('error', ''))[-160:]}"]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    driver.main(__file__, workload="plan_check", arms=ARMS, worker=worker, cpu_shape=CPU_SHAPE, gpu_shape=GPU_SHAPE,
+                quick=QUICK, markdown=markdown, jobs=jobs, deadline_s=900, overrides=("seq", "cap_gib"))
