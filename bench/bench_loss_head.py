@@ -29,9 +29,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import driver  # noqa: E402
 
 ARMS = ("eager", "compile", "effpass", "torch_lce", "liger", "cce")
-GPU_SHAPE = dict(hidden=4096, vocab=128256, tokens=8192, dtype="bfloat16", steps=10, warmup=2)
-CPU_SHAPE = dict(hidden=256, vocab=16384, tokens=1024, dtype="float32", steps=3, warmup=1)
-QUICK = dict(hidden=64, vocab=1024, tokens=128, steps=1, warmup=0)
+GPU_SHAPE = dict(hidden=4096, vocab=128256, tokens=8192, dtype="bfloat16", steps=10, warmup=2, lowering="inductor")
+CPU_SHAPE = dict(hidden=256, vocab=16384, tokens=1024, dtype="float32", steps=3, warmup=1, lowering="inductor")
+QUICK = dict(hidden=64, vocab=1024, tokens=128, steps=1, warmup=0, lowering="eager")
 REQUIRES = {"liger": ("liger_kernel",), "cce": ("cut_cross_entropy",)}
 
 
@@ -47,7 +47,7 @@ def inputs(cfg: dict, device: str):
     return h.requires_grad_(), torch.nn.Parameter(w), labels.to(device)
 
 
-def loss_fn(arm: str, w, device: str):
+def loss_fn(arm: str, w, device: str, lowering: str = "inductor"):
     """``f(h, labels) -> loss`` for the arm (the head weight ``w`` bound in)."""
     import torch
     import torch.nn.functional as F
@@ -69,7 +69,7 @@ def loss_fn(arm: str, w, device: str):
     if arm == "effpass":
         import effpass
 
-        return effpass.compile(head, passes=["fuse_cross_entropy"])
+        return effpass.compile(head, passes=["fuse_cross_entropy"], lowering=lowering)
     if arm == "torch_lce":
         if not hasattr(F, "linear_cross_entropy"):
             raise ImportError("this torch has no F.linear_cross_entropy")
@@ -94,7 +94,7 @@ def worker(arm: str, cfg: dict, device: str) -> dict:
 
     h, w, labels = inputs(cfg, device)
     try:
-        f = loss_fn(arm, w, device)
+        f = loss_fn(arm, w, device, cfg.get("lowering", "inductor"))
     except ImportError as e:
         return {"arm": arm, "status": "not installed", "error": str(e)}
     cuda = device == "cuda"

@@ -39,7 +39,9 @@ ARMS = ("fp32_eager", "eager_autocast_bf16", "eager_autocast_fp16_gradscaler", "
 GPU_SHAPE = dict(n_layer=12, n_embd=768, n_head=12, vocab=50257, seq=1024, batch=8)
 CPU_SHAPE = dict(n_layer=2, n_embd=128, n_head=4, vocab=2048, seq=128, batch=4)
 PEAK_FLOPS = 989e12  # H100/H200 bf16 dense spec
-QUICK = dict(n_layer=1, n_embd=64, n_head=2, vocab=256, seq=32, batch=1, steps=1, warmup=0)
+#: effpass's lowering in the worker (the quick smoke run: eager, no compile)
+LOWERING = ["inductor"]
+QUICK = dict(n_layer=1, n_embd=64, n_head=2, vocab=256, seq=32, batch=1, steps=1, warmup=0, lowering="eager")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import driver  # noqa: E402
@@ -102,7 +104,7 @@ def run_arm(arm: str, shape: dict, device: str, steps: int, warmup: int) -> dict
         from effpass.passes import ApplyAutocast, ScaleLoss
 
         passes = [ApplyAutocast(dtype=dtype)] + ([ScaleLoss()] if dtype == torch.float16 else [])
-        fwd = effpass.compile(model, passes=passes, lowering="inductor")
+        fwd = effpass.compile(model, passes=passes, lowering=LOWERING[0])
         if dtype == torch.float16:
             from effpass.passes.scale_loss import loss_scaler
 
@@ -163,6 +165,7 @@ SHAPE_KEYS = tuple(CPU_SHAPE)
 def worker(arm: str, cfg: dict, device: str) -> dict:
     shape = {k: cfg[k] for k in SHAPE_KEYS}
     steps = cfg["steps"] or (20 if device == "cuda" else 8)
+    LOWERING[0] = cfg.get("lowering", "inductor")
     return run_arm(arm=arm, shape=shape, device=device, steps=steps, warmup=cfg["warmup"])
 
 

@@ -446,6 +446,9 @@ def main(script: str, *, workload: str, arms: tuple[str, ...], worker: Callable[
     args = ap.parse_args()
     if args.worker:
         cfg = json.loads(args.cfg)
+        if os.environ.get("EFFPASS_PROOF_PLANT_SLOW"):  # bench/gpu_proof.py's test: an arm that outlives its deadline
+            partial({"arm": args.worker, "status": "partial", "planted_slow": True})
+            time.sleep(3600)
         res = worker(args.worker, cfg, cfg.get("_device", "cpu"))
         print(json.dumps(res, default=str), flush=True)
         return

@@ -1,0 +1,353 @@
+"""The GPU proof: every headline workload measured side by side on one H100/H200 within ~9 minutes (issue 37).
+
+Run it through ``bash scripts/gpu_proof.sh OUTDIR [--dry-run] [--only a,b] [--budget S]`` (which installs the
+carried wheels first). Sections, in the order of their value to a user; each is one ``bench/`` script run by
+``bench/driver.py`` (every arm in its own process group with a deadline, rows appended after every arm), under a
+section deadline of its own (SIGTERM, then SIGKILL to the section's process group):
+
+====  =======================================================================================================
+a     the loss head alone at Llama-3-8B widths (hidden 4,096, vocabulary 128,256, 8,192 tokens, bf16):
+      plain compiled unfused, effpass, Liger, Cut Cross-Entropy, torch's ``F.linear_cross_entropy``
+b     one LoRA step (r=16, every projection) at Llama-3-8B widths, 4 layers, 4,096 tokens, bf16: PEFT +
+      ``torch.compile`` and effpass on the unmodified model
+c     the same for QLoRA (NF4 base): PEFT + bitsandbytes, PEFT + torchao, effpass
+d     full fine-tuning (AdamW, bf16 autocast): plain compile and effpass
+e     attention at 4k/8k/16k tokens, GQA 32/8, head dim 128: naive attention under effpass vs SDPA
+f     packed rows (the varlen path; its statistic) vs padded batches: useful tokens/s
+g     the planner against the device: predicted vs measured peak at 4k/8k tokens, the CPU replay, and the
+      longest length under a cap measured at its answer
+h     ``pytest -m gpu``
+====  =======================================================================================================
+
+Results: ``OUTDIR/proof.jsonl`` (one line per arm of every section, appended as each section ends, killed arms
+with their partial figures) and ``OUTDIR/proof.md`` (re-rendered after every section); each section's full
+results file (``OUTDIR/<section>_<workload>.json/.md``, the bench driver's format). Every line carries the device,
+the versions, the commit and the date. Loss agreement: within a section, an arm whose loss differs from the
+reference arm's by more than the tolerance of its dtype is marked ``loss_drift`` and not reported as a speed.
+
+``--dry-run``: the same sections and code paths on the CPU at the scripts' ``--quick`` shapes with one or two
+cheap arms each (what the suite's test runs, so that a GPU window is never spent on a driver bug).
+``--plant-slow SECTION``: that section's arms sleep past their deadline (the test of deadlines and partial rows).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import driver  # noqa: E402
+
+#: relative loss difference allowed against the reference arm, by dtype of the step
+LOSS_TOL = {"bfloat16": 3e-2, "float16": 3e-2, "float32": 1e-4}
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    key: str
+    title: str
+    script: str                       # under bench/, or "pytest"
+    gpu_args: tuple                   # the real run's options
+    dry_args: tuple                   # the CPU dry run's options
+    budget_s: float                   # the section's deadline on the GPU (cold compiles included)
+    arm_deadline_s: float             # each arm's deadline inside it (bench driver) on the GPU
+    ref_arm: str | None = None        # the loss reference of the section
+    dtype: str = "bfloat16"
+    plan: str = ""                    # what the budget pays for (the time plan, docs/gpu_proof.md)
+
+
+SECTIONS = (
+    Section("a", "loss head alone (hidden 4,096, vocabulary 128,256, 8,192 tokens, bf16)", "bench_loss_head.py",
+            ("--arms", "compile,effpass,liger,cce,torch_lce"), ("--quick", "--arms", "eager,effpass"),
+            budget_s=95, arm_deadline_s=40, ref_arm="compile",
+            plan="5 arms x (process start + import ~6 s, one cold compile 5-20 s, 12 steps of ~3-30 ms) ~ 75 s"),
+    Section("b", "LoRA r=16 step, Llama-3-8B widths, 4 layers, 4,096 tokens, bf16", "bench_lora.py",
+            ("--arms", "peft_compile,effpass", "--set", "hidden_size=4096", "intermediate_size=14336",
+             "num_hidden_layers=4", "num_attention_heads=32", "num_key_value_heads=8", "seq=4096", "steps=8",
+             "warmup=2"), ("--quick", "--arms", "effpass"),
+            budget_s=95, arm_deadline_s=45, ref_arm="peft_compile",
+            plan="2 arms x (start 6 s, model build 5 s, cold compile 20-30 s, 10 steps of ~0.3 s) ~ 80 s"),
+    Section("c", "QLoRA (NF4 base) step, same widths", "bench_qlora_peers.py",
+            ("--arms", "peft_bnb_nf4,peft_torchao_nf4,effpass_nf4", "--set", "hidden=4096", "ffn=14336", "layers=4",
+             "seq=4096", "steps=8", "warmup=2"), ("--quick", "--arms", "effpass_nf4"),
+            budget_s=85, arm_deadline_s=35, ref_arm="peft_bnb_nf4",
+            plan="3 arms x (start 6 s, build + quantize 5 s, cold compile 15 s, 10 steps of ~0.4 s) ~ 80 s"),
+    Section("d", "full fine-tuning (AdamW, bf16 autocast, GPT-2 124M shape)", "bench_mixed_precision.py",
+            ("--arms", "compile_autocast_bf16,effpass_bf16", "--steps", "10", "--repeats", "1"),
+            ("--quick", "--arms", "effpass_bf16"), budget_s=55, arm_deadline_s=27, ref_arm="compile_autocast_bf16",
+            plan="2 arms x (start 6 s, cold compile 12 s, 13 steps of ~0.1 s) ~ 40 s"),
+    Section("e", "attention at 4k/8k/16k tokens, GQA 32/8, head dim 128", "bench_attention.py",
+            ("--arms", "sdpa,effpass,naive"), ("--quick", "--arms", "effpass"), budget_s=50, arm_deadline_s=25,
+            plan="3 arms x (start 6 s, 3 lengths x (compile 2 s + 20 reps of < 10 ms)) ~ 45 s"),
+    Section("f", "packed rows vs padded batches (the varlen path)", "bench_packing.py",
+            ("--arms", "padded_sorted,packed_effpass"), ("--quick", "--arms", "packed_effpass", "--set", "examples=6"), budget_s=45,
+            arm_deadline_s=22, plan="2 arms x (start 6 s, compile 8 s, ~40 steps of ~20 ms) ~ 35 s"),
+    Section("g", "planner vs the device (LoRA + checkpointing + fused loss, 2 layers at 8B widths)",
+            "bench_plan_check.py", ("--arms", "predict_measure,maxseq", "--seq", "4096", "8192"),
+            ("--quick", "--arms", "predict_measure"), budget_s=70, arm_deadline_s=30, dtype="bfloat16",
+            plan="2 lengths x (start 6 s, replay 8 s, measured step 6 s) + plan_max_seq ~ 30 s ~ 70 s"),
+    Section("h", "pytest -m gpu", "pytest", ("-m", "gpu"), ("-m", "gpu", "--collect-only", "tests/passes/offload_activations"), budget_s=45,
+            arm_deadline_s=45, plan="the GPU-marked tests (~12), one process"),
+)
+SETUP_S = 20  # wheel install, effpass import check, device query (measured by the shell script's own clock)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _run_group(cmd: list[str], deadline_s: float, log_path: str, env: dict) -> tuple[int | None, bool, float]:
+    """Run ``cmd`` in its own process group under ``deadline_s``; (returncode, killed, wall seconds)."""
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+        killed = False
+        try:
+            p.wait(timeout=deadline_s)
+        except subprocess.TimeoutExpired:
+            killed = True
+            driver._signal_group(p.pid, signal.SIGTERM)
+            try:
+                p.wait(timeout=driver.KILL_GRACE_S)
+            except subprocess.TimeoutExpired:
+                driver._signal_group(p.pid, signal.SIGKILL)
+                p.wait()
+        except BaseException:
+            driver._signal_group(p.pid, signal.SIGTERM)
+            time.sleep(1)
+            driver._signal_group(p.pid, signal.SIGKILL)
+            raise
+        driver._signal_group(p.pid, signal.SIGKILL)
+    return p.returncode, killed, time.perf_counter() - t0
+
+
+def _pytest_rows(junit: str) -> list[dict]:
+    """One row per test of a JUnit XML file (``pytest --junitxml``)."""
+    import xml.etree.ElementTree as ET
+
+    if not os.path.exists(junit):
+        return []
+    rows = []
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        status = "ok"
+        why = ""
+        for tag in ("failure", "error", "skipped"):
+            el = case.find(tag)
+            if el is not None:
+                status = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
+                why = (el.get("message") or "")[:300]
+        rows.append({"arm": f"{case.get('classname')}::{case.get('name')}", "status": status,
+                     "seconds": float(case.get("time") or 0), **({"error": why} if why else {})})
+    return rows
+
+
+def _loss_checks(rows: list[dict], ref_arm: str | None, dtype: str) -> None:
+    """Mark rows whose loss drifts from the reference arm's (in place)."""
+    def loss(r):
+        v = r.get("loss", r.get("loss_first"))
+        return v if r.get("status") == "ok" and isinstance(v, (int, float)) else None
+
+    ref = next((r for r in rows if r.get("arm") == ref_arm and loss(r) is not None), None)
+    if ref is None:
+        ref = next((r for r in rows if loss(r) is not None), None)
+    if ref is None:
+        return
+    tol = LOSS_TOL.get(dtype, 3e-2)
+    for r in rows:
+        if loss(r) is not None:
+            rel = abs(loss(r) - loss(ref)) / max(abs(loss(ref)), 1e-12)
+            r["loss_vs_ref"] = {"ref_arm": ref["arm"], "rel_diff": rel, "tol": tol}
+            if rel > tol:
+                r["loss_drift"] = True
+
+
+#: the figures proof.md shows, in this order, where a row has them (bytes shown in MiB)
+_HEADLINE = ("S", "mode", "median_step_ms", "median_ms", "median_step_s", "step_s", "tokens_per_s",
+             "useful_tokens_per_s", "varlen", "tflops", "mfu", "peak_above_start_mib", "peak_mem_gib", "peak_mem_mib",
+             "peak_bytes", "padding_fraction", "per_example_rel_error", "seq", "predicted_gib", "measured_gib",
+             "rel_error", "max_seq", "measured_gib_at_max_seq", "fits", "first_step_s", "first_call_s",
+             "graph_breaks", "recompiles", "fused", "fused_sites", "loss", "loss_first", "seconds")
+
+
+def _headline(row: dict) -> dict:
+    out = {}
+    for k in _HEADLINE:
+        v = row.get(k)
+        if isinstance(v, (int, float, bool, str)) and not isinstance(v, type(None)):
+            out[k.replace("_bytes", "_mib") if k.endswith("_bytes") else k] = v / 2**20 if k.endswith("_bytes") else v
+    return out
+
+
+def render(lines: list[dict], meta: dict) -> str:
+    """``proof.md``: the run's facts, then one table per section (its arms' headline figures)."""
+    out = ["# effpass GPU proof", "",
+           f"{meta.get('device')}; torch {meta.get('torch')}, triton {meta.get('triton')}, transformers "
+           f"{meta.get('transformers')}; effpass commit {str(meta.get('commit'))[:10]}"
+           f"{' (dirty tree)' if meta.get('dirty') else ''}; started {meta.get('date')}"
+           f"{'; DRY RUN on the CPU at smoke shapes (not a measurement)' if meta.get('dry_run') else ''}.", "",
+           "Peers: " + ", ".join(f"{k} {v}" for k, v in (meta.get("peers") or {}).items()) + ".", ""]
+    for s in SECTIONS:
+        rows = [ln for ln in lines if ln.get("section") == s.key]
+        out += [f"## ({s.key}) {s.title}", ""]
+        if not rows:
+            out += ["(not run yet)", ""]
+            continue
+        keys: list[str] = []
+        for r in rows:
+            for k in _headline(r):
+                if k not in keys:
+                    keys.append(k)
+        out += ["| arm | status | " + " | ".join(keys) + " |", "|---|---|" + "---:|" * len(keys)]
+        for r in rows:
+            status = r.get("status", "?") + (" (loss drifts: not a speed)" if r.get("loss_drift") else "")
+            cells = []
+            for k in keys:
+                v = _headline(r).get(k, "")
+                cells.append(f"{v:.4g}" if isinstance(v, float) else str(v))
+            out.append(f"| {r.get('arm')} | {status} | " + " | ".join(cells) + " |")
+        errs = [r for r in rows if r.get("status") not in ("ok", "skipped") and r.get("error")]
+        out += [""] + [f"- {r.get('arm')}: {str(r['error']).strip().splitlines()[-1][:240]}" for r in errs if
+                       str(r["error"]).strip()]
+        sec = next((r for r in rows if r.get("section_wall_s") is not None), None)
+        if sec:
+            out += [f"Section wall time {sec['section_wall_s']:.0f} s of its {sec['section_budget_s']:.0f} s budget"
+                    f"{' (killed at the section deadline)' if sec.get('section_killed') else ''}.", ""]
+    return "\n".join(out) + "\n"
+
+
+def _peer_versions() -> dict:
+    return {k: v for k, v in driver.versions(("peft", "liger_kernel", "cut_cross_entropy", "torchao", "bitsandbytes",
+                                               "trl", "accelerate")).items()
+            if k not in ("python", "torch", "transformers", "triton")}
+
+
+def run_section(s: Section, out: str, *, dry: bool, deadline_s: float, plant_slow: bool, env: dict) -> list[dict]:
+    """Run one section under ``deadline_s``; its rows (one per arm)."""
+    device = "cpu" if dry else "cuda"
+    scale = deadline_s / s.budget_s
+    arm_deadline = max(5.0, s.arm_deadline_s * scale) if not dry else max(5.0, deadline_s - 5)
+    stem = os.path.join(out, f"{s.key}_{os.path.splitext(s.script)[0].removeprefix('bench_')}")
+    env = dict(env)
+    if plant_slow:
+        env["EFFPASS_PROOF_PLANT_SLOW"] = "1"
+        arm_deadline = min(arm_deadline, max(3.0, deadline_s / 4))
+    if s.script == "pytest":
+        junit = stem + ".xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={junit}",
+               *(s.dry_args if dry else (*s.gpu_args, "tests"))]
+    else:
+        cmd = [sys.executable, os.path.join(HERE, s.script), "--device", device, "--out", stem, "--label", "proof",
+               "--repeats", "1", "--deadline", f"{arm_deadline:.0f}", *(s.dry_args if dry else s.gpu_args)]
+    rc, killed, wall = _run_group(cmd, deadline_s, stem + ".log", env)
+    if s.script == "pytest":
+        rows = _pytest_rows(stem + ".xml")
+        if dry:  # --collect-only: the GPU tests exist and collect; none ran
+            rows = rows or [{"arm": "collect -m gpu", "status": "ok" if rc in (0, 5) else "error"}]
+    else:
+        run = (driver.runs(stem) or [{}])[-1]
+        rows = []
+        for r in run.get("results", []):
+            subs = r.get("rows") if isinstance(r.get("rows"), list) else None
+            if subs:  # an arm that measures several shapes (attention): one line per shape
+                rows += [{**{k: v for k, v in r.items() if k != "rows"}, **sub, "arm": r.get("arm"),
+                          "status": "error" if sub.get("error") else r.get("status")} for sub in subs]
+            else:
+                rows.append(dict(r))
+        for r in rows:  # the packing arm's varlen statistic (the GPU path) on the line itself
+            if isinstance(r.get("pack_sequences_stats"), dict):
+                r["varlen"] = r["pack_sequences_stats"].get("varlen", 0)
+        for r in rows:  # a killed arm: its last partial figures, flattened
+            if r.get("status") == "killed" and isinstance(r.get("partial"), dict):
+                for k, v in r["partial"].items():
+                    r.setdefault(k, v)
+        _loss_checks(rows, s.ref_arm, "float32" if dry else s.dtype)
+    if not rows:
+        with open(stem + ".log") as f:
+            tail = f.read()[-1500:]
+        rows = [{"arm": "(section)", "status": "killed" if killed else "error",
+                 "error": tail.strip() or f"exit code {rc}"}]
+    for r in rows:
+        r.update(section=s.key, section_title=s.title, section_wall_s=round(wall, 1), section_budget_s=deadline_s,
+                 section_killed=killed, section_rc=rc)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("outdir")
+    ap.add_argument("--dry-run", action="store_true", help="the CPU rehearsal at smoke shapes")
+    ap.add_argument("--only", default="", help="comma-separated sections (default all, a-h)")
+    ap.add_argument("--budget", type=float, default=None, help="seconds for all sections (default: their sum)")
+    ap.add_argument("--plant-slow", default="", help="a section whose arms sleep past their deadline (a test)")
+    args = ap.parse_args(argv)
+    keys = [k for k in args.only.split(",") if k] or [s.key for s in SECTIONS]
+    bad = [k for k in keys if k not in {s.key for s in SECTIONS}]
+    if bad:
+        raise SystemExit(f"gpu_proof: unknown section(s) {bad}; choose from {[s.key for s in SECTIONS]}")
+    if args.plant_slow and args.plant_slow not in keys:
+        raise SystemExit(f"gpu_proof: --plant-slow {args.plant_slow!r} is not among the sections run ({keys})")
+    out = os.path.abspath(args.outdir)
+    os.makedirs(out, exist_ok=True)
+    driver.stop_on_sigterm()
+    dry = args.dry_run
+    if not dry:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("gpu_proof: no CUDA device here; use --dry-run for the CPU rehearsal")
+    chosen = [s for s in SECTIONS if s.key in keys]
+    budget = args.budget if args.budget is not None else (
+        sum(s.budget_s for s in chosen) if not dry else 60.0 * len(chosen))
+    meta = {**driver.meta("gpu_proof", "cpu" if dry else "cuda"), "dry_run": dry, "peers": _peer_versions(),
+            "wheels": sorted(os.listdir(os.path.join(out, "site"))) if os.path.isdir(os.path.join(out, "site")) else [],
+            "budget_s": budget}
+    jsonl = os.path.join(out, "proof.jsonl")
+    lines: list[dict] = []
+    if os.path.exists(jsonl):  # a second command in the same window: keep the first one's lines
+        with open(jsonl) as f:
+            lines = [json.loads(ln) for ln in f if ln.strip()]
+    common = {k: meta[k] for k in ("device", "device_tag", "date", "commit", "dirty", "torch", "triton", "transformers",
+                                   "python")}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(out, "inductor-cache"))
+    env.setdefault("TRITON_CACHE_DIR", os.path.join(out, "triton-cache"))
+    env.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+    env.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
+    weights = {s.key: (60.0 if dry else s.budget_s) for s in chosen}
+    factor = budget / sum(weights.values())
+    t_start = time.perf_counter()
+    driver._write_atomic(os.path.join(out, "proof.md"), render(lines, meta))
+    for i, s in enumerate(chosen):
+        left = budget - (time.perf_counter() - t_start)
+        # each section's share of the budget, plus what earlier sections left unused (never past the end)
+        later = sum(weights[x.key] for x in chosen[i + 1:]) * factor
+        deadline = min(max(weights[s.key] * factor, left - later), left)
+        if deadline < 5:
+            rows = [{"arm": "(section)", "status": "skipped", "error": f"out of time ({left:.0f} s left of {budget:.0f})",
+                     "section": s.key, "section_title": s.title}]
+        else:
+            rows = run_section(s, out, dry=dry, deadline_s=deadline, plant_slow=args.plant_slow == s.key, env=env)
+        with open(jsonl, "a") as f:
+            for r in rows:
+                line = {**common, **r, "proof_date": _now()}
+                f.write(json.dumps(line, default=str) + "\n")
+                lines.append(line)
+        driver._write_atomic(os.path.join(out, "proof.md"), render(lines, meta))
+        print(f"gpu_proof: ({s.key}) {len(rows)} rows, {sum(r.get('status') == 'ok' for r in rows)} ok "
+              f"[{time.perf_counter() - t_start:.0f} s]", flush=True)
+    with open(os.path.join(out, "proof_meta.json"), "w") as f:
+        json.dump({**meta, "wall_s": round(time.perf_counter() - t_start, 1)}, f, indent=1, default=str)
+    print(f"gpu_proof: wrote {os.path.join(out, 'proof.jsonl')} and proof.md", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""The GPU proof kit (scripts/gpu_proof.sh, bench/gpu_proof.py) rehearsed on the CPU: every section a-h runs
+through the same code paths as on a GPU (the wheel install with a stand-in wheel, one process group per section
+and per arm, deadlines, rows appended per section, loss agreement, rendering), and a planted slow arm is killed
+at its deadline with its partial figures kept."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from _paths import ROOT
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("gpu_proof")]
+
+
+def _standin_wheel(folder) -> str:
+    """A minimal wheel (one module), as the peers' wheels travel to a machine without a network."""
+    name = "effpass_proof_standin"
+    path = os.path.join(folder, f"{name}-0.1-py3-none-any.whl")
+    files = {f"{name}/__init__.py": "VALUE = 42\n",
+             f"{name}-0.1.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n",
+             f"{name}-0.1.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = "".join(f"{k},,\n" for k in files) + f"{name}-0.1.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as z:
+        for k, v in files.items():
+            z.writestr(k, v)
+        z.writestr(f"{name}-0.1.dist-info/RECORD", record)
+    return path
+
+
+def _lines(out) -> list[dict]:
+    with open(os.path.join(out, "proof.jsonl")) as f:
+        return [json.loads(ln) for ln in f if ln.strip()]
+
+
+def _env(**extra):
+    env = {**os.environ, "EFFPASS_PROOF_PYTHON": sys.executable, "OMP_NUM_THREADS": "1", **extra}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    wheels = tmp_path_factory.mktemp("wheels")
+    _standin_wheel(str(wheels))
+    out = str(tmp_path_factory.mktemp("proof"))
+    p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_proof.sh"), out, "--dry-run"], cwd=ROOT,
+                       env=_env(EFFPASS_PROOF_WHEELS=str(wheels)), capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return out
+
+
+def test_dry_run_has_every_section_with_its_status(dry_run):
+    lines = _lines(dry_run)
+    by = {}
+    for ln in lines:
+        by.setdefault(ln["section"], []).append(ln)
+    assert sorted(by) == list("abcdefgh")
+    for key, rows in by.items():
+        assert all(r["status"] == "ok" for r in rows), (key, [(r.get("arm"), r.get("status"), str(r.get("error"))[-300:])
+                                                              for r in rows])
+        assert all(r["commit"] and r["torch"] and r["device"] and r["proof_date"] for r in rows)
+        assert all(r["section_wall_s"] <= r["section_budget_s"] + 15 for r in rows)
+    # the figures each section exists for
+    head = {r["arm"]: r for r in by["a"]}
+    assert head["effpass"]["fused_sites"] == 1 and head["effpass"]["peak_above_start_bytes"] > 0
+    assert head["effpass"]["loss_vs_ref"]["rel_diff"] <= 1e-4 and not head["effpass"].get("loss_drift")
+    assert by["b"][0]["tokens_per_s"] > 0 and by["d"][0]["tokens_per_s"] > 0
+    assert by["c"][0]["peak_bytes"] > 0
+    assert {r["S"] for r in by["e"]} and all(r["fused"] >= 1 for r in by["e"] if r["mode"] != "-")
+    packed = by["f"][0]
+    assert packed["pack_sequences_stats"]["packed_rows"] >= 1 and packed["padding_fraction"] == 0.0
+    assert packed["per_example_rel_error"] < 1e-4 and "varlen" in packed  # the varlen statistic (> 0 on a GPU)
+    assert by["g"][0]["predicted_bytes"] > 0 and by["g"][0]["measured_bytes"] > 0
+    assert abs(by["g"][0]["rel_error"]) < 0.25
+
+
+def test_dry_run_installs_the_carried_wheels_and_renders(dry_run):
+    site = os.path.join(dry_run, "site")
+    assert os.path.isfile(os.path.join(site, "effpass_proof_standin", "__init__.py"))
+    meta = json.load(open(os.path.join(dry_run, "proof_meta.json")))
+    assert any(w.startswith("effpass_proof_standin") for w in meta["wheels"]) and meta["dry_run"]
+    md = open(os.path.join(dry_run, "proof.md")).read()
+    assert "DRY RUN" in md and "(not run yet)" not in md
+    for key in "abcdefgh":
+        assert f"## ({key}) " in md
+    # each section's own results file, in the bench driver's format
+    assert json.load(open(os.path.join(dry_run, "a_loss_head.json")))["runs"][-1]["label"] == "proof"
+
+
+def test_planted_slow_arm_is_killed_and_its_partial_kept(tmp_path):
+    """Deadlines: the arms of a planted slow section sleep past their deadline; the bench driver kills each arm's
+    process group, the row keeps the partial figures the arm printed, and proof.md says killed."""
+    out = str(tmp_path)
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_proof.py"), out, "--dry-run", "--only", "a",
+                        "--plant-slow", "a", "--budget", "40"], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rows = _lines(out)
+    assert {r["arm"] for r in rows} == {"eager", "effpass"}
+    for r in rows:
+        assert r["status"] == "killed" and r["planted_slow"] is True and "deadline" in r["error"]
+        assert r["wall_s"] < 30 and r["section_wall_s"] <= 45
+    assert "| eager | killed |" in open(os.path.join(out, "proof.md")).read()
+
+
+def test_unknown_section_is_refused_before_anything_runs(tmp_path):
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_proof.py"), str(tmp_path), "--dry-run",
+                        "--only", "a,z"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "unknown section(s) ['z']" in p.stderr and "'a'" in p.stderr
+    assert not os.path.exists(os.path.join(tmp_path, "proof.jsonl"))
