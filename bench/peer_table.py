@@ -253,9 +253,88 @@ def tiled(rows):
                      _where(d["meta"], p.get("load")), script))
 
 
+#: where committed GPU proof runs live: bench/results/gpu_proof/<device tag>/proof.jsonl (scripts/gpu_proof.sh's OUTDIR)
+PROOF_DIR = os.path.join(RESULTS, "gpu_proof")
+#: the code a GPU row measures: a row taken before a change under these paths is marked stale
+MEASURED_CODE = ("effpass", "passes")
+_TIME_KEYS = (("median_step_ms", 1e-3), ("median_step_s", 1.0), ("step_s", 1.0))
+_MEM_KEYS = (("peak_above_start_bytes", 1), ("peak_mem_gib", 2**30), ("peak_bytes", 1))
+
+
+def stale(commit: str, paths=MEASURED_CODE) -> str | None:
+    """``None`` when the code under ``paths`` is the same at ``commit`` and in the working tree; else why not."""
+    import subprocess
+
+    root = os.path.dirname(HERE)
+    try:
+        p = subprocess.run(["git", "-C", root, "diff", "--quiet", commit, "--", *paths], capture_output=True, timeout=60)
+    except Exception as e:  # noqa: BLE001 - no git: unknown, said so
+        return f"unknown ({type(e).__name__})"
+    if p.returncode == 0:
+        return None
+    return f"stale: {'/'.join(paths)} changed since {commit[:10]}" if p.returncode == 1 else f"unknown commit {commit[:10]}"
+
+
+def proof_lines(folder: str = PROOF_DIR) -> list[dict]:
+    """Every line of every committed ``proof.jsonl`` (real runs only: dry runs are rehearsals, not measurements)."""
+    import json
+
+    out = []
+    for dirpath, _, files in sorted(os.walk(folder)):
+        if "proof.jsonl" in files:
+            with open(os.path.join(dirpath, "proof.jsonl")) as f:
+                out += [ln for ln in (json.loads(x) for x in f if x.strip()) if ln.get("device_tag", "cpu") != "cpu"]
+    return out
+
+
+def _figure(row, keys):
+    return next((row[k] * scale for k, scale in keys if isinstance(row.get(k), (int, float))), None)
+
+
+def gpu_proof(rows, lines=None):
+    """One row per (section, peer arm) of the newest GPU proof run of each device: effpass's arm against the peer's
+    in the same run, memory and time; rows whose loss drifted or that did not run say so; stale rows are marked."""
+    lines = proof_lines() if lines is None else lines
+    if not lines:
+        rows.append(("GPU proof (scripts/gpu_proof.sh)", "every peer", "not run on a GPU yet", "", "",
+                     "bench/gpu_proof.py"))
+        return
+    newest = {}
+    for ln in lines:  # the newest run per device: its lines share a commit and a start date
+        key = ln.get("device_tag")
+        if key not in newest or ln.get("date", "") > newest[key]:
+            newest[key] = ln.get("date", "")
+    for dev, date in sorted(newest.items()):
+        run = [ln for ln in lines if ln.get("device_tag") == dev and ln.get("date", "") == date]
+        commit = str(run[0].get("commit", "?"))
+        flag = stale(commit) if commit != "?" else "unknown commit"
+        where = f"{run[0].get('device')}, {date[:10]}, commit {commit[:10]}" + (f" ({flag})" if flag else "")
+        for key in dict.fromkeys(ln["section"] for ln in run):
+            sec = [ln for ln in run if ln["section"] == key]
+            ours = next((ln for ln in sec if str(ln.get("arm", "")).startswith("effpass")), None)
+            for p in sec:
+                if p is ours or str(p.get("arm", "")).startswith("effpass") or p.get("S") is not None:
+                    continue
+                title = f"({key}) {p.get('section_title', '')}"
+                if ours is None or ours.get("status") != "ok" or p.get("status") != "ok":
+                    bad = ours if ours is None or ours.get("status") != "ok" else p
+                    why = "no effpass arm" if bad is None else f"{bad.get('arm')} {bad.get('status')}"
+                    rows.append((title, p.get("arm"), f"did not run: {why}", "", where, "bench/gpu_proof.py"))
+                    continue
+                if ours.get("loss_drift") or p.get("loss_drift"):
+                    rows.append((title, p.get("arm"), "loss drifts from the reference arm: not compared", "", where,
+                                 "bench/gpu_proof.py"))
+                    continue
+                mo, mp = _figure(ours, _MEM_KEYS), _figure(p, _MEM_KEYS)
+                to, tp = _figure(ours, _TIME_KEYS), _figure(p, _TIME_KEYS)
+                mem = f"{_r(mo, mp)} ({mo / 2**20:,.0f} vs {mp / 2**20:,.0f} MiB)" if mo and mp else "-"
+                rows.append((title, p.get("arm"), mem, _r(to, tp) + " step time" if to and tp else "-", where,
+                             "bench/gpu_proof.py"))
+
+
 def table() -> str:
     rows: list[tuple] = []
-    for fn in (fused_loss, lora, qlora, optim8bit, checkpointing, packing, tiled, moe):
+    for fn in (gpu_proof, fused_loss, lora, qlora, optim8bit, checkpointing, packing, tiled, moe):
         fn(rows)
     out = ["| workload | peer (as its users install it) | effpass memory vs peer | effpass time vs peer | measured on | script |",
            "|---|---|---|---|---|---|"]

@@ -113,3 +113,35 @@ def test_unknown_section_is_refused_before_anything_runs(tmp_path):
                         "--only", "a,z"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "unknown section(s) ['z']" in p.stderr and "'a'" in p.stderr
     assert not os.path.exists(os.path.join(tmp_path, "proof.jsonl"))
+
+
+def test_peer_table_takes_gpu_rows_from_proof_lines_and_marks_stale_ones():
+    """bench/peer_table.py: effpass's arm against each peer of the same section and run (memory, time), a drifting
+    loss not compared, a run measured before a change to effpass/ or passes/ marked stale."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import peer_table
+
+    head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    first = subprocess.run(["git", "-C", ROOT, "rev-list", "--max-parents=0", "HEAD"], capture_output=True,
+                           text=True).stdout.split()[0]
+
+    def line(arm, commit, date, **kw):
+        return {"section": "a", "section_title": "loss head", "arm": arm, "status": "ok", "device_tag": "cuda-h200",
+                "device": "NVIDIA H200", "commit": commit, "date": date, **kw}
+
+    fresh = [line("compile", head, "2026-12-01", median_step_ms=10.0, peak_above_start_bytes=4 << 30),
+             line("effpass", head, "2026-12-01", median_step_ms=8.0, peak_above_start_bytes=1 << 30),
+             line("liger", head, "2026-12-01", median_step_ms=7.0, peak_above_start_bytes=1 << 30, loss_drift=True)]
+    rows: list = []
+    peer_table.gpu_proof(rows, fresh)
+    by = {r[1]: r for r in rows}
+    assert by["compile"][2].startswith("0.25x (1,024 vs 4,096 MiB)") and by["compile"][3] == "0.80x step time"
+    assert "stale" not in by["compile"][4] and "commit " + head[:10] in by["compile"][4]
+    assert "loss drifts" in by["liger"][2] and by["liger"][3] == ""
+    old = [dict(x, commit=first, date="2026-11-01", device_tag="cuda-h100") for x in fresh[:2]]
+    rows = []
+    peer_table.gpu_proof(rows, old)
+    assert len(rows) == 1 and f"stale: effpass/passes changed since {first[:10]}" in rows[0][4]
+    rows = []
+    peer_table.gpu_proof(rows, [])
+    assert rows[0][2] == "not run on a GPU yet"
