@@ -16,12 +16,37 @@ __all__ = ["compile", "prepare", "report", "backend_of"]
 _BACKENDS = MODEL_BACKENDS
 
 
+def checked_keywords(func):
+    """``func`` with its keyword arguments checked before anything runs: an unknown one raises a ``TypeError``
+    naming effpass's function, the bad keyword, the closest valid one and every valid one (Python's own error
+    says only "unexpected keyword argument")."""
+    import difflib
+    import functools
+    import inspect
+
+    params = inspect.signature(func).parameters
+    valid = [n for n, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        bad = [k for k in kwargs if k not in params]
+        if bad:
+            close = difflib.get_close_matches(bad[0], valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TypeError(f"effpass.{func.__name__}: unknown keyword argument {bad[0]!r}{hint}; valid: "
+                            f"{', '.join(valid)}")
+        return func(*args, **kwargs)
+
+    return wrapper
+
+
 def _device_of_model(model: torch.nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
 
 
+@checked_keywords
 def prepare(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None = None, *,
             dump_dir: str | None = None, lowering: str = "inductor", strict: bool = False,
             allow_fallback: bool = False,
@@ -59,6 +84,7 @@ def _run_module_phase(model: torch.nn.Module, backend: EffpassBackend, compile_k
     return ctx
 
 
+@checked_keywords
 def compile(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None = None, *,
             dump_dir: str | None = None, lowering: str = "inductor", strict: bool = False,
             allow_fallback: bool = False,
@@ -124,6 +150,7 @@ def compile(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None =
     backend.report.memory_plan = plan
     ctx = _run_module_phase(model, backend, {"fullgraph": fullgraph, "dynamic": dynamic})
     _BACKENDS[model] = backend
+    _check_targets_now(model, backend)
     if not ctx.compile_root:  # a module-level pass compiled the units itself (e.g. FSDP per block)
         return model
     compile_in_place(model, backend, fullgraph=fullgraph, dynamic=dynamic)
@@ -140,6 +167,18 @@ def compile(model: torch.nn.Module, passes: Sequence[Pass | str] | dict | None =
 
         huggingface.attach(model)
     return model
+
+
+def _check_targets_now(model: torch.nn.Module, backend: EffpassBackend) -> None:
+    """Every pass's ``targets``/``exclude`` globs against the prepared model's module names, before
+    ``effpass.compile`` returns: the check graph passes make when their first graph is compiled (the same
+    ``Scope`` check, recorded per model so it is not repeated), made here so that a glob that matches no module
+    raises ``TargetMatchError`` now rather than inside Dynamo's wrapper on the first call."""
+    from .scope import Scope
+
+    for p in backend.manager.active:
+        if getattr(p, "targets", None) or getattr(p, "exclude", None):
+            Scope(p.name, p.targets, p.exclude, root=model)
 
 
 def _verify_on_first_call(model, backend: EffpassBackend, original, passes) -> None:

@@ -175,6 +175,8 @@ class EffpassBackend(Lowering):
         self._model_ref = weakref.ref(model) if model is not None else None
         self.store = RecordStore()
         self._count = 0
+        #: the name Dynamo's errors give this backend (BackendCompilerFailed reads ``__name__``)
+        self.__name__ = "effpass"
 
     @property
     def model(self) -> torch.nn.Module | None:

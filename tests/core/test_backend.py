@@ -220,3 +220,25 @@ def test_dynamo_counters_count_recompiles():
         f(torch.randn(3))
         f(torch.randn(4))
     assert counts["recompiles"] == 1 and counts["frames"] == 2
+
+
+def test_unknown_keyword_of_compile_and_prepare_names_effpass_and_the_closest():
+    """``effpass.compile(..., lowring=...)``: effpass's own TypeError with did-you-mean and the valid keywords,
+    raised before anything runs (the model is untouched)."""
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    for fn in (effpass.compile, effpass.prepare):
+        with pytest.raises(TypeError, match=rf"effpass\.{fn.__name__}: unknown keyword argument 'lowring' \(did you "
+                                            r"mean 'lowering'\?\); valid: model, passes, dump_dir, lowering, "):
+            fn(m, lowring="eager")
+    assert not hasattr(m, "_compiled_call_impl") or m._compiled_call_impl is None
+    assert all(torch.equal(v, m.state_dict()[k]) for k, v in before.items())
+
+
+def test_backend_errors_inside_dynamo_name_effpass_not_an_object_address():
+    from effpass.backend import EffpassBackend
+
+    b = EffpassBackend({"passes": [], "lowering": "eager"})
+    assert b.__name__ == "effpass"
+    exc = torch._dynamo.exc.BackendCompilerFailed(b, ValueError("x"), None)
+    assert "backend='effpass' raised" in str(exc)
