@@ -193,8 +193,10 @@ class ApplyAutocast(effpass.Pass):
         scope = ctx.scope
         names = [n for n, _ in model.named_modules() if n]
         allowed = {n for n, _ in scope.select_modules(model, what="module")}  # raises on unmatched globs
+        routers: list[str] = []
         if self.fp32_routers:  # NOTE(moe): routing decisions in bf16 flip experts; keep the router in fp32
-            allowed -= {n for r in _routers(model) for n in allowed if n == r or n.startswith(r + ".")}
+            routers = [r for r in _routers(model) if r in allowed]
+            allowed -= {n for r in routers for n in allowed if n == r or n.startswith(r + ".")}
         allowed_root = not self.targets and scope.allows_root(model)
         if allowed_root:
             allowed.add("")
@@ -222,7 +224,7 @@ class ApplyAutocast(effpass.Pass):
             _wrap_module(modules[name], device_type, self.dtype, True, cache)
         for name in islands:
             _wrap_module(modules[name], device_type, self.dtype, False, cache)
-        object.__setattr__(model, _MODEL_ATTR, {"regions": regions, "islands": islands,
+        object.__setattr__(model, _MODEL_ATTR, {"regions": regions, "islands": islands, "routers": routers,
                                                 "dtype": self.dtype, "device": device_type})
         if self.dtype == torch.float16 and ctx.fact(LossScaling) is None:
             _warn_fp16()
@@ -230,6 +232,9 @@ class ApplyAutocast(effpass.Pass):
                                  "wrapped_islands": len(islands), "dtype": _dtype_name(self.dtype)}
         if islands:
             stats["island_modules"] = sorted(n or "<root>" for n in islands)
+        if routers:
+            stats["fp32_routers"] = len(routers)
+            stats["departs_from_eager_autocast"] = _router_departure(len(routers), self.dtype)
         if self.targets:
             stats["region_modules"] = sorted(n or "<root>" for n in regions)
         return effpass.PassResult(changed=True, stats=stats)
@@ -250,6 +255,7 @@ class ApplyAutocast(effpass.Pass):
 
     def _report_module_capture(self, gm, ctx, ours) -> effpass.PassResult:
         device_type = (ctx.device or torch.device("cpu")).type
+        prepared = getattr(ctx.model, _MODEL_ATTR, None) if ctx.model is not None else None
         enters = [n for n in gm.graph.nodes if is_autocast_enter(n)]
         inherited = AutocastRegions.outer_dtype(device_type) is not None
         skipped = []
@@ -267,6 +273,12 @@ class ApplyAutocast(effpass.Pass):
             "inherited_regions": int(inherited),
             "dtype": _dtype_name(self.dtype),
         }
+        routers = tuple((prepared or {}).get("routers", ()))
+        in_routers = [n for n in ours if not n.args[2] and any(
+            p == r or p.startswith(r + ".") for r in routers for p in [_island_path(n)])]
+        if in_routers:  # the departure from eager torch.autocast, named on every graph it touches
+            stats["fp32_router_islands"] = len(in_routers)
+            stats["departs_from_eager_autocast"] = _router_departure(len(in_routers), self.dtype)
         if ctx.example_inputs:
             with torch.autocast(device_type, enabled=False):
                 before = _safe_dtype_stats(gm, ctx.example_inputs, autocast=False)
@@ -366,6 +378,23 @@ _GRAPH_CAPTURE_WARNING = (
 def _warn_fp16() -> None:
     warnings.warn("effpass: apply_autocast(dtype=float16) without scale_loss: small fp16 gradients may "
                   "underflow to zero; add effpass.passes.ScaleLoss() to the pipeline", UserWarning, stacklevel=3)
+
+
+def _island_path(enter: fx.Node) -> str:
+    """The module an island's enter node opens (the enter node itself carries no module stack: the wrapper
+    enters the region before the module's own code): that of the first op inside it."""
+    n = enter.next
+    while n.op != "output" and not is_autocast_exit(n):
+        path = module_path_of_node(n)
+        if path:
+            return path
+        n = n.next
+    return ""
+
+
+def _router_departure(n: int, dtype: torch.dtype) -> str:
+    return (f"{n} MoE router(s) run in fp32 (fp32_routers=True, the default); eager torch.autocast runs them in "
+            f"{_dtype_name(dtype)}: fp32_routers=False reproduces eager autocast bit for bit")
 
 
 def _is_ours(node: fx.Node) -> bool:

@@ -346,3 +346,35 @@ def test_apply_autocast_string_backend_edits_the_graph_and_says_so():
     assert torch.equal(out[0], want[0])                  # the demo model reads no dtype: equal here
     st = effpass.report().stats("apply_autocast")
     assert st["capture"] == "graph" and st["regions"] == 1
+
+
+def test_fp32_routers_departure_is_named_on_every_graph_it_touches():
+    """The default fp32_routers=True departs from eager torch.autocast on MoE models: the routers' logits are
+    fp32 (eager autocast: bf16), and the module phase and every graph holding a router island say so, naming the
+    option that reproduces eager autocast; a dense model says nothing of it."""
+    import warnings
+
+    from _families import family_case
+
+    case = family_case("mixtral")
+    gate = dict(case.model.named_modules())["model.layers.0.mlp.gate"]
+    seen = []
+    gate.register_forward_hook(lambda m, a, out: seen.append((out[0] if isinstance(out, tuple) else out).dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        case.model(**case.inputs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        effpass.prepare(case.model, passes=[ApplyAutocast(dtype=torch.bfloat16)])
+        case.model(**case.inputs)
+    assert seen == [torch.bfloat16, torch.float32]
+    case = family_case("mixtral")
+    m = effpass.compile(case.model, passes=[ApplyAutocast(dtype=torch.bfloat16)], lowering="eager")
+    m(**case.inputs).loss.backward()
+    recs = [r for g in effpass.report(m).graphs for r in g.records if r.name == "apply_autocast"]
+    graph_recs = [r for r in recs if r.phase == "torch_ir"]
+    assert graph_recs and all(r.stats.get("fp32_router_islands") == 1 and "fp32_routers=False reproduces eager "
+                              "autocast" in r.stats["departs_from_eager_autocast"] for r in graph_recs)
+    case = family_case("llama")
+    m = effpass.compile(case.model, passes=[ApplyAutocast(dtype=torch.bfloat16)], lowering="eager")
+    m(**case.inputs)
+    assert not any("departs_from_eager_autocast" in r.stats for g in effpass.report(m).graphs for r in g.records)
