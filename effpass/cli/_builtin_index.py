@@ -124,9 +124,11 @@ INDEX = {'passes': {'quantize_linear': {'summary': 'Quantize linear weights in p
                                             'None',
                                             "autocast's weight-cast cache (None: torch's default)"],
                                            ['fp32_routers',
-                                            'True',
+                                            'False',
                                             'MoE routers (the gate/router beside an experts module) run as fp32 '
-                                            'islands']]},
+                                            'islands, departing from eager torch.autocast (named in the report); '
+                                            'off by default: against fp64 it flips fewer routing decisions but '
+                                            'gave no measurably better loss (docs/passes/apply_autocast.md)']]},
             'scale_loss': {'summary': 'Dynamic loss scaling for fp16 inside the compiled step (a no-op with bf16).',
                            'class': 'effpass.passes.scale_loss.ScaleLoss',
                            'phases': ['module', 'torch_ir'],

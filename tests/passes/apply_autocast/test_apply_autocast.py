@@ -349,9 +349,9 @@ def test_apply_autocast_string_backend_edits_the_graph_and_says_so():
 
 
 def test_fp32_routers_departure_is_named_on_every_graph_it_touches():
-    """The default fp32_routers=True departs from eager torch.autocast on MoE models: the routers' logits are
-    fp32 (eager autocast: bf16), and the module phase and every graph holding a router island say so, naming the
-    option that reproduces eager autocast; a dense model says nothing of it."""
+    """fp32_routers=True departs from eager torch.autocast on MoE models: the routers' logits are fp32 (eager
+    autocast: bf16), and the module phase and every graph holding a router island say so, naming the option that
+    reproduces eager autocast; a dense model says nothing of it. The default (False) is eager autocast's."""
     import warnings
 
     from _families import family_case
@@ -364,11 +364,16 @@ def test_fp32_routers_departure_is_named_on_every_graph_it_touches():
         case.model(**case.inputs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        effpass.prepare(case.model, passes=[ApplyAutocast(dtype=torch.bfloat16)])
+        effpass.prepare(case.model, passes=[ApplyAutocast(dtype=torch.bfloat16, fp32_routers=True)])
         case.model(**case.inputs)
     assert seen == [torch.bfloat16, torch.float32]
+    assert ApplyAutocast().fp32_routers is False
     case = family_case("mixtral")
     m = effpass.compile(case.model, passes=[ApplyAutocast(dtype=torch.bfloat16)], lowering="eager")
+    m(**case.inputs)  # the default: routers as eager autocast runs them, nothing to name
+    assert not any("departs_from_eager_autocast" in r.stats for g in effpass.report(m).graphs for r in g.records)
+    case = family_case("mixtral")
+    m = effpass.compile(case.model, passes=[ApplyAutocast(dtype=torch.bfloat16, fp32_routers=True)], lowering="eager")
     m(**case.inputs).loss.backward()
     recs = [r for g in effpass.report(m).graphs for r in g.records if r.name == "apply_autocast"]
     graph_recs = [r for r in recs if r.phase == "torch_ir"]

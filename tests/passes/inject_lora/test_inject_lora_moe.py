@@ -301,11 +301,11 @@ def test_expert_lora_rejects_unknown_layout():
 
 
 def test_routers_are_fp32_islands_under_autocast():
-    """apply_autocast keeps each MoE router (gate/router beside experts) in fp32: its logits are fp32 and the
+    """apply_autocast(fp32_routers=True) keeps each MoE router (gate/router beside experts) in fp32: its logits are fp32 and the
     compiled step equals the eager prepared model; expert adapters train under bf16 autocast."""
     from effpass.passes import ApplyAutocast
     c = family_case("qwen3_moe")
-    passes = [InjectLoRA(rank=4, alpha=8, targets=TARGETS), ApplyAutocast(dtype=torch.bfloat16)]
+    passes = [InjectLoRA(rank=4, alpha=8, targets=TARGETS), ApplyAutocast(dtype=torch.bfloat16, fp32_routers=True)]
     effpass.prepare(c.model, passes=passes)
     st = effpass.report(c.model).stats("apply_autocast")
     assert "model.layers.0.mlp.gate" in st["island_modules"]
