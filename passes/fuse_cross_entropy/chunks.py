@@ -24,6 +24,8 @@ MIN_FULL_ROWS = 128
 #: byte (fp32) whatever the hidden size and vocabulary; below ~256 rows the step is bound by that traffic and
 #: by per-chunk overhead (docs/passes/fuse_cross_entropy.md, "Choosing the chunk")
 MIN_CHUNK_ROWS = 256
+#: the narrowest vocabulary tile the weight-gradient-once order uses (narrower: row chunks, accumulated)
+MIN_VOCAB_TILE = 1024
 #: the per-row ops' tiles (a budget smaller than full rows) hold at most this many rows
 TILE_ROWS = 256
 #: the per-row ops' default budget on CPU: a tile of fp32 logits that stays in the cache (bench, docs/fused_losses.md)
@@ -104,12 +106,22 @@ class _Spec:
 
 
 def _prepare(x, w, x2, w2, bias, target, spec: _Spec):
-    """Valid rows (label != ignore_index), their inputs in the compute dtype, and checks."""
-    valid = (target != spec.ignore_index).nonzero().squeeze(1)
-    tgt = target.index_select(0, valid)
-    if tgt.numel() and (int(tgt.min()) < 0 or int(tgt.max()) >= spec.vocab):
-        bad = int(tgt.min()) if int(tgt.min()) < 0 else int(tgt.max())
-        raise IndexError(f"cross_entropy: target {bad} is out of bounds for {spec.vocab} classes")
+    """Every row, the targets (ignored rows pointing at class 0), the rows' mask (``target != ignore_index``),
+    the inputs in the compute dtype, and the bounds check.
+
+    NOTE(sync-free): rows are not compacted (``nonzero`` and an ``int()`` of the targets' range would make the
+    host wait for the device inside the step, and rule out CUDA graphs): ignored rows run through the chunks with
+    a zero row factor (their loss and gradients are zero), and an out-of-range target is a device-side assert
+    (``IndexError`` naming the value on the CPU, whose assert raises at once)."""
+    keep = target != spec.ignore_index
+    tgt = torch.where(keep, target, torch.zeros((), dtype=target.dtype, device=target.device))
+    if tgt.numel():
+        try:  # a device-side assert on a GPU (asynchronous); the CPU checks at once
+            torch._assert_async(((tgt >= 0) & (tgt < spec.vocab)).all(),
+                                f"effpass cross_entropy: a target is out of bounds for {spec.vocab} classes")
+        except RuntimeError:  # the error path may wait: name the value, as torch's IndexError does
+            bad = int(tgt.min()) if int(tgt.min()) < 0 else int(tgt.max())
+            raise IndexError(f"cross_entropy: target {bad} is out of bounds for {spec.vocab} classes") from None
     if spec.chunk_bytes <= 0:
         # 0: the budget was left to run time (the graph's row count is symbolic: a packed length), the same
         # default the pass computes for a static row count, from this call's rows
@@ -117,17 +129,17 @@ def _prepare(x, w, x2, w2, bias, target, spec: _Spec):
         spec.chunk_bytes = (default_rows_chunk_bytes(x.shape[0], spec.vocab, hb, x.device.type)
                             if spec.plan is plan_row_tiles else default_chunk_bytes(x.shape[0], spec.vocab, hb))
     cd = spec.compute
-    xs = [x.index_select(0, valid)]
+    xs = [x]
     ws = [w]
     if x2 is not None:
-        xs.append(x2.index_select(0, valid))
+        xs.append(x2)
         ws.append(w2)
     if cd is None:
         cd = torch.promote_types(x.dtype, w.dtype)
     xs = [t.to(cd) for t in xs]
     ws = [t.to(cd) for t in ws]
     b = bias.to(cd) if bias is not None else None
-    return valid, tgt, xs, ws, b
+    return keep, tgt, xs, ws, b
 
 
 def _forward_pass(xs, ws, b, tgt, spec: _Spec, grads: Optional[dict], gscale: Optional[Tensor]):
@@ -139,6 +151,14 @@ def _forward_pass(xs, ws, b, tgt, spec: _Spec, grads: Optional[dict], gscale: Op
     if n == 0:
         return loss, lse_all
     rows, vt = spec.plan(n, vocab, spec.chunk_bytes)
+    if grads is not None and rows < n and _vocab_tile(n, vocab, spec) and any(a is not None for a in grads["w"]):
+        # NOTE(weight gradient written once): with several row chunks, accumulating the head weight's gradient
+        # chunk by chunk would read and rewrite all of it once per chunk; instead the loss and log-sum-exp
+        # first (row chunks), then the gradients by vocabulary tiles over every row (each tile of the weight's
+        # gradient written once; the rows' gradient, the smaller one, accumulated): 4 matmuls in all
+        loss, lse_all = _forward_pass(xs, ws, b, tgt, spec, None, None)
+        _grads_by_vocab(xs, ws, b, tgt, lse_all, gscale, spec, grads)
+        return loss, lse_all
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         t = tgt[r0:r1]
@@ -234,11 +254,32 @@ def _x_grad_pass(xs, ws, b, tgt, spec: _Spec):
     return loss, lse_all, gx
 
 
+def _vocab_tile(n: int, vocab: int, spec: _Spec) -> int:
+    """Vocabulary entries per tile of all ``n`` rows within the chunk budget (0: too narrow a tile to be worth
+    it, fewer than ``MIN_VOCAB_TILE`` entries: the row-major order is kept)."""
+    vt = min(vocab, spec.chunk_bytes // (4 * max(n, 1)))
+    return vt if vt >= min(vocab, MIN_VOCAB_TILE) else 0
+
+
+def _grads_by_vocab(xs, ws, b, tgt, lse_all, gscale, spec: _Spec, grads: dict):
+    """The gradients by vocabulary tiles over every row: each tile of the head weight's gradient is written
+    once (no read-modify-write per row chunk); the rows' gradient accumulates over the tiles."""
+    n, vocab = tgt.shape[0], spec.vocab
+    vt = _vocab_tile(n, vocab, spec)
+    for v0 in range(0, vocab, vt):
+        v1 = min(vocab, v0 + vt)
+        z, th = spec.logits(xs, ws, b, 0, n, v0, v1)
+        _grad_tile(_softmax_(z, lse_all), th, tgt, gscale, xs, ws, 0, n, v0, v1, spec, grads, once=True)
+
+
 def _backward_pass(xs, ws, b, tgt, lse_all, gscale, spec: _Spec, grads: dict):
     n, vocab = tgt.shape[0], spec.vocab
     if n == 0:
         return
     rows, vt = spec.plan(n, vocab, spec.chunk_bytes)
+    if rows < n and _vocab_tile(n, vocab, spec) and any(a is not None for a in grads["w"]):
+        _grads_by_vocab(xs, ws, b, tgt, lse_all, gscale, spec, grads)  # NOTE(weight gradient written once)
+        return
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         for v0 in range(0, vocab, vt):
@@ -253,17 +294,16 @@ def _softmax_(z: Tensor, lse: Tensor) -> Tensor:
     return z.sub_(lse[:, None]).exp_()
 
 
-def _grad_tile(d, th, t, g, xs, ws, r0, r1, v0, v1, spec: _Spec, grads: dict):
+def _grad_tile(d, th, t, g, xs, ws, r0, r1, v0, v1, spec: _Spec, grads: dict, once: bool = False):
     """d loss / d logits for one tile (``d``: its softmax, overwritten: minus the smoothed one-hot, times
-    the row's gradient), pushed through the transform and the projection(s) into the accumulators."""
+    the row's gradient), pushed through the transform and the projection(s) into the accumulators (``once``:
+    this tile's rows of the weights' gradients are visited only now: written, not accumulated)."""
     eps = spec.smoothing
     if th is not None:  # d softcap(z)/dz = pre * post * (1 - tanh^2), computed in tanh's buffer
         deriv = th.mul_(th).neg_().add_(1.0).mul_(spec.pre * spec.post)
-    inside = (t >= v0) & (t < v1)
-    rows = inside.nonzero().squeeze(1)
-    if rows.numel():
-        d.index_put_((rows, t[rows] - v0), torch.full((rows.numel(),), -(1.0 - eps), device=d.device),
-                     accumulate=True)
+    inside = (t >= v0) & (t < v1)  # the one-hot, scattered without a host synchronisation (no nonzero)
+    local = (t - v0).clamp(0, v1 - v0 - 1)[:, None]
+    d.scatter_add_(1, local, inside.to(d.dtype).mul_(-(1.0 - eps))[:, None])
     if eps:
         d.sub_(eps / spec.vocab)
     if th is not None:
@@ -282,15 +322,21 @@ def _grad_tile(d, th, t, g, xs, ws, r0, r1, v0, v1, spec: _Spec, grads: dict):
         if grads["x"][i] is not None:
             _acc_mm(grads["x"][i][r0:r1], dc, w[v0:v1])
         if grads["w"][i] is not None:
-            _acc_mm(grads["w"][i][v0:v1], dc.t(), x[r0:r1])
+            _acc_mm(grads["w"][i][v0:v1], dc.t(), x[r0:r1], once)
     if grads["b"] is not None:
         grads["b"][v0:v1] += d.sum(0)
 
 
-def _acc_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
+def _acc_mm(acc: Tensor, a: Tensor, b: Tensor, once: bool = False) -> None:
     """``acc += a @ b``: one ``addmm_`` when the accumulator has the operands' dtype (a low-precision weight's
     gradient: the GEMM accumulates in fp32 and rounds once per call), else the product is added (an fp32
-    accumulator of low-precision operands: autocast)."""
+    accumulator of low-precision operands: autocast). ``once``: ``acc`` (still zero) is written, not read."""
+    if once:
+        if a.dtype == acc.dtype:
+            torch.mm(a, b, out=acc)
+        else:
+            acc.copy_(a @ b)
+        return
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
     else:
@@ -318,13 +364,12 @@ def _accumulators(xs, ws, has_bias, mask, vocab, device, w_dtypes=(None, None)):
             "b": torch.zeros(vocab, dtype=f32, device=device) if has_bias and mask[4] else None}
 
 
-def _scatter_grads(acc, valid, x, w, x2, w2, bias, scale):
+def _scatter_grads(acc, x, w, x2, w2, bias, scale):
     """Full-size gradients in the inputs' dtypes (empty tensors for those not asked for)."""
     def rows(a, like):
         if a is None:
             return like.new_empty(0)
-        out = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
-        out.index_copy_(0, valid, a)
+        out = a
         if scale is not None:
             out.mul_(scale)
         return out.to(like.dtype)

@@ -41,17 +41,17 @@ def _lce_reduced(x: Tensor, w: Tensor, x2: Optional[Tensor], w2: Optional[Tensor
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Summed (``mean``: averaged over valid rows) loss and the gradients of x, w, x2, w2, bias."""
     spec = _Spec(w.shape[0], ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute)
-    valid, tgt, xs, ws, b = _prepare(x, w, x2, w2, bias, target, spec)
+    keep, tgt, xs, ws, b = _prepare(x, w, x2, w2, bias, target, spec)
     acc = _accumulators(xs, ws, bias is not None, grad_mask, spec.vocab, x.device,
                         (w.dtype, w2.dtype if w2 is not None else None))
-    count = tgt.shape[0]
-    if mean and count:
-        spec.grad_scale = 1.0 / count  # applied to each tile's logit gradient (fp32), before the matmuls
-    loss, _ = _forward_pass(xs, ws, b, tgt, spec, acc, None)
-    total = loss.sum()
+    count = keep.sum()  # a device tensor: no host synchronisation
+    if mean:  # applied to each tile's logit gradient (fp32), before the matmuls
+        spec.grad_scale = 1.0 / count.clamp(min=1).to(torch.float32)
+    loss, _ = _forward_pass(xs, ws, b, tgt, spec, acc, keep.to(torch.float32))  # ignored rows: factor 0
+    total = torch.where(keep, loss, 0.0).sum()
     if mean:
-        total = total / count if count else total * float("nan")  # 0/0, as torch's mean
-    return (total,) + _scatter_grads(acc, valid, x, w, x2, w2, bias, None)
+        total = total / count  # 0/0 is nan, as torch's mean
+    return (total,) + _scatter_grads(acc, x, w, x2, w2, bias, None)
 
 
 @_lce_reduced.register_fake
@@ -89,19 +89,17 @@ def _lce_rows(x: Tensor, w: Tensor, x2: Optional[Tensor], w2: Optional[Tensor], 
     (a frozen head: only ``x`` needs a gradient; no second projection, no smoothing) ``d loss_i / d x_i``
     computed in the same pass (else an empty tensor)."""
     spec = _Spec(w.shape[0], ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute, True)
-    valid, tgt, xs, ws, b = _prepare(x, w, x2, w2, bias, target, spec)
-    n = target.shape[0]
+    keep, tgt, xs, ws, b = _prepare(x, w, x2, w2, bias, target, spec)
     if x_grad:
         if x2 is not None or smoothing:
             raise ValueError("linear_cross_entropy_rows(x_grad=True) takes one projection without label smoothing")
         loss_v, lse_v, gx_v = _x_grad_pass(xs, ws, b, tgt, spec)
-        gx = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_copy_(0, valid, gx_v).to(x.dtype)
+        gx = gx_v.mul_(keep[:, None]).to(x.dtype)
     else:
         loss_v, lse_v = _forward_pass(xs, ws, b, tgt, spec, None, None)
         gx = x.new_empty(0)
-    loss = torch.zeros(n, dtype=torch.float32, device=x.device).index_copy_(0, valid, loss_v)
-    lse = torch.zeros(n, dtype=torch.float32, device=x.device).index_copy_(0, valid, lse_v)
-    return loss, lse, gx
+    # ignored rows: loss and log-sum-exp 0 (as reduction="none"; the backward reads the mask, not this 0)
+    return torch.where(keep, loss_v, 0.0), torch.where(keep, lse_v, 0.0), gx
 
 
 @_lce_rows.register_fake
@@ -117,11 +115,14 @@ def _lce_rows_bwd(grad: Tensor, lse: Tensor, x: Tensor, w: Tensor, x2: Optional[
                   softcap: bool, post: float, chunk_bytes: int, compute: str, grad_mask: list[bool]
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     spec = _Spec(w.shape[0], ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute, True)
-    valid, tgt, xs, ws, b = _prepare(x, w, x2, w2, bias, target, spec)
+    keep, tgt, xs, ws, b = _prepare(x, w, x2, w2, bias, target, spec)
     acc = _accumulators(xs, ws, bias is not None, grad_mask, spec.vocab, x.device,
                         (w.dtype, w2.dtype if w2 is not None else None))
-    _backward_pass(xs, ws, b, tgt, lse.index_select(0, valid), grad.float().index_select(0, valid), spec, acc)
-    return _scatter_grads(acc, valid, x, w, x2, w2, bias, None)
+    # ignored rows: an infinite log-sum-exp makes their softmax 0 (never exp of an unnormalised logit) and the
+    # zero row factor their gradient 0
+    lse_k = torch.where(keep, lse, float("inf"))
+    _backward_pass(xs, ws, b, tgt, lse_k, torch.where(keep, grad.float(), 0.0), spec, acc)
+    return _scatter_grads(acc, x, w, x2, w2, bias, None)
 
 
 @_lce_rows_bwd.register_fake
@@ -133,18 +134,28 @@ def _(grad, lse, x, w, x2, w2, bias, target, ignore_index, smoothing, pre, softc
     return like(x, grad_mask[0]), like(w, grad_mask[2]), like(x2, grad_mask[1]), like(w2, grad_mask[3]), like(bias, grad_mask[4])
 
 
-def _head_flops(x, w, x2, w2, grad_mask=None) -> int:
+def _head_flops(x, w, x2, w2, grad_mask=None, chunk_bytes=None) -> int:
     """Matmul FLOPs of the chunked head: the logits (2*N*H*V, plus the adapter's 2*N*r*V; computed again
-    by the per-row form's backward) and one matmul per gradient computed (dx, dw; dx2, dw2)."""
+    by the per-row form's backward) and one matmul per gradient computed (dx, dw; dx2, dw2); with
+    ``chunk_bytes`` (the reduced op), once more the logits when its weight gradient is taken by vocabulary
+    tiles (several row chunks: chunks.py, NOTE(weight gradient written once))."""
     n, v = x.shape[0], w.shape[0]
     main, side = 2 * n * x.shape[-1] * v, (2 * n * x2.shape[-1] * v if x2 is not None and x2.numel() else 0)
     m = grad_mask or [False] * 5
-    return main * (1 + m[0] + m[2]) + side * (1 + m[1] + m[3])
+    again = 0
+    if chunk_bytes is not None and (m[2] or m[3]):
+        from .chunks import _Spec, _vocab_tile, default_chunk_bytes
+
+        spec = _Spec(v, -100, 0.0, 1.0, False, 1.0, int(chunk_bytes) or default_chunk_bytes(
+            n, v, x.numel() * x.element_size()), "")
+        again = int(spec.plan(n, v, spec.chunk_bytes)[0] < n and bool(_vocab_tile(n, v, spec)))
+    return main * (1 + m[0] + m[2] + again) + side * (1 + m[1] + m[3] + again)
 
 
 # for the memory planner (effpass.memory_options): the per-row op also serves the log-probability sites
 effpass.register_flop_formula(torch.ops.effpass.linear_cross_entropy, lambda x, w, x2, w2, bias, target, *a, out_val=None, **k:
-                              _head_flops(x, w, x2, w2, list(a[8]) if len(a) > 8 else k.get("grad_mask")))
+                              _head_flops(x, w, x2, w2, list(a[8]) if len(a) > 8 else k.get("grad_mask"),
+                                          a[6] if len(a) > 6 else k.get("chunk_bytes")))
 effpass.register_flop_formula(torch.ops.effpass.linear_cross_entropy_rows,  # x_grad: the input gradient too
                               lambda x, w, x2, w2, *a, out_val=None, **k: _head_flops(x, w, x2, w2) * (
                                   2 if (a[9] if len(a) > 9 else k.get("x_grad", False)) else 1))
