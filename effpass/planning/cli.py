@@ -45,7 +45,9 @@ def model_from_config(config, dtype: str | None = None):
             config = tf.AutoConfig.for_model(mt, **d)
         except ValueError as e:
             raise ValueError(f"model_type {mt!r}: {e}") from None
-    name = dtype or getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+    # ``config.dtype`` only: transformers maps a config's ``torch_dtype`` onto it, and reading ``torch_dtype``
+    # prints its deprecation warning (issue 38.5)
+    name = dtype or getattr(config, "dtype", None) or "float32"
     torch_dtype = name if isinstance(name, torch.dtype) else getattr(torch, str(name).replace("torch.", ""), None)
     if not isinstance(torch_dtype, torch.dtype):
         raise ValueError(f"dtype {name!r} is not a torch dtype; use e.g. 'float32', 'bfloat16', 'float16'")
