@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import driver  # noqa: E402
@@ -88,8 +87,6 @@ def loss_fn(arm: str, w, device: str, lowering: str = "inductor"):
 
 
 def worker(arm: str, cfg: dict, device: str) -> dict:
-    import torch
-
     from effpass.testing.memory import peak_memory
 
     h, w, labels = inputs(cfg, device)
@@ -107,14 +104,10 @@ def worker(arm: str, cfg: dict, device: str) -> dict:
         loss.backward()
         losses.append(loss.detach())  # read back after the timed steps: no host sync inside a step
 
+    from _common import timed as timed_step
+
     def timed():
-        if cuda:
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        step()
-        if cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter() - t
+        return timed_step(step, cuda)
 
     first = timed()  # cold: compiles included
     driver.partial({"arm": arm, "status": "partial", "first_step_s": round(first, 3)})
