@@ -30,7 +30,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import driver  # noqa: E402
 
-ARMS = ("peft_eager", "peft_compile", "effpass")
+ARMS = ("peft_eager", "peft_compile", "peft_liger", "effpass")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PEAK_FLOPS = 989e12
 
@@ -70,8 +70,13 @@ def worker(arm: str, shape: dict, steps: int, warmup: int, rank: int, dropout: f
     base_linear_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, shape["vocab_size"], (shape["batch"], shape["seq"]), generator=g).to(device)
-    if arm in ("peft_eager", "peft_compile"):
+    if arm in ("peft_eager", "peft_compile", "peft_liger"):
         import peft
+
+        if arm == "peft_liger":  # Liger's kernels patched into this model (RMSNorm, RoPE, SwiGLU, fused linear CE)
+            from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+            apply_liger_kernel_to_llama(model=model)
 
         cfg = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=TARGETS)
         model = peft.get_peft_model(model, cfg)
@@ -207,7 +212,8 @@ def main():
                 cpu_shape=dict(CPU_SHAPE, steps=0, warmup=3, rank=16, dropout=0.0, lowering="inductor"),
                 gpu_shape=dict(GPU_SHAPE, steps=0, warmup=3, rank=16, dropout=0.0, lowering="inductor"), quick=QUICK, repeats=1,
                 gpu_repeats=2, overrides=("steps", "warmup", "rank", "dropout", "seq"), packages=("peft",),
-                requires={"peft_eager": ("peft",), "peft_compile": ("peft",)})
+                requires={"peft_eager": ("peft",), "peft_compile": ("peft",), "peft_liger": ("peft", "liger_kernel")},
+                default_arms=("peft_eager", "peft_compile", "effpass"))
 
 
 if __name__ == "__main__":

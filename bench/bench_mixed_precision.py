@@ -35,12 +35,17 @@ import sys
 import time
 
 ARMS = ("fp32_eager", "eager_autocast_bf16", "eager_autocast_fp16_gradscaler", "compile_fp32",
-        "compile_autocast_bf16", "compile_autocast_fp16_gradscaler", "effpass_bf16", "effpass_fp16")
+        "compile_autocast_bf16", "compile_autocast_fp16_gradscaler", "effpass_bf16", "effpass_fp16",
+        "effpass_planned_bf16")
+#: effpass_planned_bf16's memory budget (the planner adds what fits the step into it), per device
+BUDGET = {"cuda": "5GiB", "cpu": "24MiB"}
 GPU_SHAPE = dict(n_layer=12, n_embd=768, n_head=12, vocab=50257, seq=1024, batch=8)
 CPU_SHAPE = dict(n_layer=2, n_embd=128, n_head=4, vocab=2048, seq=128, batch=4)
 PEAK_FLOPS = 989e12  # H100/H200 bf16 dense spec
 #: effpass's lowering in the worker (the quick smoke run: eager, no compile)
 LOWERING = ["inductor"]
+#: the run's ``budget`` (``--set budget=...``), else BUDGET of the device
+BUDGET_NOW = [""]
 QUICK = dict(n_layer=1, n_embd=64, n_head=2, vocab=256, seq=32, batch=1, steps=1, warmup=0, lowering="eager")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -104,7 +109,11 @@ def run_arm(arm: str, shape: dict, device: str, steps: int, warmup: int) -> dict
         from effpass.passes import ApplyAutocast, ScaleLoss
 
         passes = [ApplyAutocast(dtype=dtype)] + ([ScaleLoss()] if dtype == torch.float16 else [])
-        fwd = effpass.compile(model, passes=passes, lowering=LOWERING[0])
+        plan = {}
+        if "planned" in arm:  # the planner's plan for a stated budget, made before compiling (example inputs)
+            plan = dict(memory_budget=BUDGET_NOW[0] or BUDGET[dev.type],
+                        example_inputs={"input_ids": tokens, "labels": tokens})
+        fwd = effpass.compile(model, passes=passes, lowering=LOWERING[0], **plan)
         if dtype == torch.float16:
             from effpass.passes.scale_loss import loss_scaler
 
@@ -166,6 +175,7 @@ def worker(arm: str, cfg: dict, device: str) -> dict:
     shape = {k: cfg[k] for k in SHAPE_KEYS}
     steps = cfg["steps"] or (20 if device == "cuda" else 8)
     LOWERING[0] = cfg.get("lowering", "inductor")
+    BUDGET_NOW[0] = cfg.get("budget", "")
     return run_arm(arm=arm, shape=shape, device=device, steps=steps, warmup=cfg["warmup"])
 
 
@@ -192,7 +202,8 @@ def to_result(run: dict) -> dict:
 def main() -> None:
     driver.main(__file__, workload="mixed_precision", arms=ARMS, worker=worker,
                 markdown=lambda run: markdown(to_result(run)),
-                cpu_shape=dict(CPU_SHAPE, steps=0, warmup=3), gpu_shape=dict(GPU_SHAPE, steps=0, warmup=3),
+                cpu_shape=dict(CPU_SHAPE, steps=0, warmup=3, budget=""),
+                gpu_shape=dict(GPU_SHAPE, steps=0, warmup=3, budget=""),
                 quick=QUICK, repeats=1, gpu_repeats=3, overrides=("steps", "warmup"),
                 env={"TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR") or
                      os.path.join("/tmp", f"effpass-bench-inductor-{os.getpid()}")})

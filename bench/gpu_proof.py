@@ -9,9 +9,10 @@ section deadline of its own (SIGTERM, then SIGKILL to the section's process grou
 a     the loss head alone at Llama-3-8B widths (hidden 4,096, vocabulary 128,256, 8,192 tokens, bf16):
       plain compiled unfused, effpass, Liger, Cut Cross-Entropy, torch's ``F.linear_cross_entropy``
 b     one LoRA step (r=16, every projection) at Llama-3-8B widths, 4 layers, 4,096 tokens, bf16: PEFT +
-      ``torch.compile`` and effpass on the unmodified model
+      ``torch.compile``, PEFT + Liger's kernels, and effpass on the unmodified model
 c     the same for QLoRA (NF4 base): PEFT + bitsandbytes, PEFT + torchao, effpass
-d     full fine-tuning (AdamW, bf16 autocast): plain compile and effpass
+d     full fine-tuning (AdamW, bf16 autocast): plain compile, effpass, and effpass with its planner's plan for
+      a stated budget (``--set budget=...``: 5 GiB on a GPU)
 e     attention at 4k/8k/16k tokens, GQA 32/8, head dim 128: naive attention under effpass vs SDPA
 f     packed rows (the varlen path; its statistic) vs padded batches: useful tokens/s
 g     the planner against the device: predicted vs measured peak at 4k/8k tokens, the CPU replay, and the
@@ -70,20 +71,21 @@ SECTIONS = (
             budget_s=95, arm_deadline_s=40, ref_arm="compile",
             plan="5 arms x (process start + import ~6 s, one cold compile 5-20 s, 12 steps of ~3-30 ms) ~ 75 s"),
     Section("b", "LoRA r=16 step, Llama-3-8B widths, 4 layers, 4,096 tokens, bf16", "bench_lora.py",
-            ("--arms", "peft_compile,effpass", "--set", "hidden_size=4096", "intermediate_size=14336",
+            ("--arms", "peft_compile,peft_liger,effpass", "--set", "hidden_size=4096", "intermediate_size=14336",
              "num_hidden_layers=4", "num_attention_heads=32", "num_key_value_heads=8", "seq=4096", "steps=8",
              "warmup=2"), ("--quick", "--arms", "effpass"),
-            budget_s=95, arm_deadline_s=45, ref_arm="peft_compile",
-            plan="2 arms x (start 6 s, model build 5 s, cold compile 20-30 s, 10 steps of ~0.3 s) ~ 80 s"),
+            budget_s=100, arm_deadline_s=40, ref_arm="peft_compile",
+            plan="3 arms x (start 6 s, model build 5 s, cold compile 20-30 s (Liger: none), 10 steps of ~0.3 s) ~ 90 s"),
     Section("c", "QLoRA (NF4 base) step, same widths", "bench_qlora_peers.py",
             ("--arms", "peft_bnb_nf4,peft_torchao_nf4,effpass_nf4", "--set", "hidden=4096", "ffn=14336", "layers=4",
              "seq=4096", "steps=8", "warmup=2"), ("--quick", "--arms", "effpass_nf4"),
             budget_s=85, arm_deadline_s=35, ref_arm="peft_bnb_nf4",
             plan="3 arms x (start 6 s, build + quantize 5 s, cold compile 15 s, 10 steps of ~0.4 s) ~ 80 s"),
     Section("d", "full fine-tuning (AdamW, bf16 autocast, GPT-2 124M shape)", "bench_mixed_precision.py",
-            ("--arms", "compile_autocast_bf16,effpass_bf16", "--steps", "10", "--repeats", "1"),
-            ("--quick", "--arms", "effpass_bf16"), budget_s=55, arm_deadline_s=27, ref_arm="compile_autocast_bf16",
-            plan="2 arms x (start 6 s, cold compile 12 s, 13 steps of ~0.1 s) ~ 40 s"),
+            ("--arms", "compile_autocast_bf16,effpass_bf16,effpass_planned_bf16", "--steps", "10", "--repeats", "1"),
+            ("--quick", "--arms", "effpass_bf16,effpass_planned_bf16"), budget_s=55, arm_deadline_s=18,
+            ref_arm="compile_autocast_bf16",
+            plan="3 arms x (start 6 s, cold compile 8-12 s, 13 steps of ~0.1 s) ~ 50 s"),
     Section("e", "attention at 4k/8k/16k tokens, GQA 32/8, head dim 128", "bench_attention.py",
             ("--arms", "sdpa,effpass,naive"), ("--quick", "--arms", "effpass"), budget_s=50, arm_deadline_s=25,
             plan="3 arms x (start 6 s, 3 lengths x (compile 2 s + 20 reps of < 10 ms)) ~ 45 s"),
@@ -94,8 +96,8 @@ SECTIONS = (
             "bench_plan_check.py", ("--arms", "predict_measure,maxseq", "--seq", "4096", "8192"),
             ("--quick", "--arms", "predict_measure"), budget_s=70, arm_deadline_s=30, dtype="bfloat16",
             plan="2 lengths x (start 6 s, replay 8 s, measured step 6 s) + plan_max_seq ~ 30 s ~ 70 s"),
-    Section("h", "pytest -m gpu", "pytest", ("-m", "gpu"), ("-m", "gpu", "--collect-only", "tests/passes/offload_activations"), budget_s=45,
-            arm_deadline_s=45, plan="the GPU-marked tests (~12), one process"),
+    Section("h", "pytest -m gpu", "pytest", ("-m", "gpu"), ("-m", "gpu", "--collect-only", "tests/passes/offload_activations"), budget_s=40,
+            arm_deadline_s=40, plan="the GPU-marked tests (~12), one process"),
 )
 SETUP_S = 20  # wheel install, effpass import check, device query (measured by the shell script's own clock)
 #: a dry-run section's deadline on the CPU (smoke shapes; generous: the suite runs it on a loaded 2-core machine)
