@@ -288,7 +288,9 @@ class ApplyAutocast(effpass.Pass):
             if before is not None and after is not None:
                 stats["ops_by_dtype_before"], stats["matmuls_by_dtype_before"] = before
                 stats["ops_by_dtype_after"], stats["matmuls_by_dtype_after"] = after
-        return effpass.PassResult(changed=False, stats=stats, skipped=skipped)
+        why = (f"the module phase's wrappers entered this graph's autocast regions ({stats['regions']} region(s), "
+               f"{stats['fp32_islands']} fp32 island(s) traced here): nothing left to insert" if ours else "")
+        return effpass.PassResult(changed=False, stats=stats, skipped=skipped, why_unchanged=why)
 
     def _graph_capture(self, gm: fx.GraphModule, ctx, device_type: str, warn: bool = True) -> effpass.PassResult:
         graph = gm.graph

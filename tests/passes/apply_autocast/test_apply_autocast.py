@@ -383,3 +383,8 @@ def test_fp32_routers_departure_is_named_on_every_graph_it_touches():
     m = effpass.compile(case.model, passes=[ApplyAutocast(dtype=torch.bfloat16)], lowering="eager")
     m(**case.inputs)
     assert not any("departs_from_eager_autocast" in r.stats for g in effpass.report(m).graphs for r in g.records)
+    # the graph hook changes nothing under module capture, and says why (issue 38.3)
+    graph = [r for g in effpass.report(m).graphs for r in g.records if r.phase == "torch_ir"]
+    assert graph and all(not r.changed and r.why_unchanged.startswith("the module phase's wrappers entered this "
+                                                                      "graph's autocast regions (1 region(s)")
+                         for r in graph)
