@@ -437,7 +437,7 @@ def main(script: str, *, workload: str, arms: tuple[str, ...], worker: Callable[
             ap.add_argument(f"--{k}", type=lambda s: s.lower() in ("1", "true", "yes"), default=None)
         else:
             ap.add_argument(f"--{k}", type=type(v) if v is not None else str, default=None)
-    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+    ap.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                     help="override any shape key (VALUE read as JSON, else as a string), e.g. --set hidden=4096")
     if extra_args is not None:
         extra_args(ap)

@@ -63,28 +63,30 @@ class Section:
     ref_arm: str | None = None        # the loss reference of the section
     dtype: str = "bfloat16"
     plan: str = ""                    # what the budget pays for (the time plan, docs/gpu_proof.md)
+    #: options that make the section's run one step (the prewarm: its cold compiles, started in parallel)
+    prewarm_args: tuple = ()
 
 
 SECTIONS = (
     Section("a", "loss head alone (hidden 4,096, vocabulary 128,256, 8,192 tokens, bf16)", "bench_loss_head.py",
             ("--arms", "compile,effpass,liger,cce,torch_lce"), ("--quick", "--arms", "eager,effpass"),
-            budget_s=95, arm_deadline_s=40, ref_arm="compile",
+            budget_s=95, arm_deadline_s=40, ref_arm="compile", prewarm_args=("--set", "steps=1", "warmup=0"),
             plan="5 arms x (process start + import ~6 s, one cold compile 5-20 s, 12 steps of ~3-30 ms) ~ 75 s"),
     Section("b", "LoRA r=16 step, Llama-3-8B widths, 4 layers, 4,096 tokens, bf16", "bench_lora.py",
             ("--arms", "peft_compile,peft_liger,effpass", "--set", "hidden_size=4096", "intermediate_size=14336",
              "num_hidden_layers=4", "num_attention_heads=32", "num_key_value_heads=8", "seq=4096", "steps=8",
              "warmup=2"), ("--quick", "--arms", "effpass"),
-            budget_s=100, arm_deadline_s=40, ref_arm="peft_compile",
+            budget_s=100, arm_deadline_s=40, ref_arm="peft_compile", prewarm_args=("--set", "steps=1", "warmup=1"),
             plan="3 arms x (start 6 s, model build 5 s, cold compile 20-30 s (Liger: none), 10 steps of ~0.3 s) ~ 90 s"),
     Section("c", "QLoRA (NF4 base) step, same widths", "bench_qlora_peers.py",
             ("--arms", "peft_bnb_nf4,peft_torchao_nf4,effpass_nf4", "--set", "hidden=4096", "ffn=14336", "layers=4",
              "seq=4096", "steps=8", "warmup=2"), ("--quick", "--arms", "effpass_nf4"),
-            budget_s=85, arm_deadline_s=35, ref_arm="peft_bnb_nf4",
+            budget_s=85, arm_deadline_s=35, ref_arm="peft_bnb_nf4", prewarm_args=("--set", "steps=1", "warmup=0"),
             plan="3 arms x (start 6 s, build + quantize 5 s, cold compile 15 s, 10 steps of ~0.4 s) ~ 80 s"),
     Section("d", "full fine-tuning (AdamW, bf16 autocast, GPT-2 124M shape)", "bench_mixed_precision.py",
             ("--arms", "compile_autocast_bf16,effpass_bf16,effpass_planned_bf16", "--steps", "10", "--repeats", "1"),
             ("--quick", "--arms", "effpass_bf16,effpass_planned_bf16"), budget_s=55, arm_deadline_s=18,
-            ref_arm="compile_autocast_bf16",
+            ref_arm="compile_autocast_bf16", prewarm_args=("--set", "steps=1", "warmup=1"),
             plan="3 arms x (start 6 s, cold compile 8-12 s, 13 steps of ~0.1 s) ~ 50 s"),
     Section("e", "attention at 4k/8k/16k tokens, GQA 32/8, head dim 128", "bench_attention.py",
             ("--arms", "sdpa,effpass,naive"), ("--quick", "--arms", "effpass"), budget_s=50, arm_deadline_s=25,
@@ -99,6 +101,8 @@ SECTIONS = (
     Section("h", "pytest -m gpu", "pytest", ("-m", "gpu"), ("-m", "gpu", "--collect-only", "tests/passes/offload_activations"), budget_s=40,
             arm_deadline_s=40, plan="the GPU-marked tests (~12), one process"),
 )
+#: the parallel prewarm on a GPU (its time comes out of the budget; the sections' cold compiles then hit the cache)
+PREWARM_S = 120.0
 SETUP_S = 20  # wheel install, effpass import check, device query (measured by the shell script's own clock)
 #: a dry-run section's deadline on the CPU (smoke shapes; generous: the suite runs it on a loaded 2-core machine)
 DRY_SECTION_S = 150.0
@@ -284,6 +288,51 @@ def run_section(s: Section, out: str, *, dry: bool, deadline_s: float, plant_slo
     return rows
 
 
+def prewarm(sections, out: str, *, dry: bool, seconds: float, env: dict) -> list[dict]:
+    """Start the sections that have ``prewarm_args`` at once, each a one-step run of all its arms (in their own
+    process groups), so that their cold compiles run in parallel on the machine's cores and fill the compile
+    caches the timed sections then read; stop them all at ``seconds``. One line per arm (``phase: prewarm``): its
+    first step's time is the cold compile's."""
+    device = "cpu" if dry else "cuda"
+    procs = []
+    for s in sections:
+        if not s.prewarm_args or s.script == "pytest":
+            continue
+        stem = os.path.join(out, "prewarm", f"{s.key}_{os.path.splitext(s.script)[0].removeprefix('bench_')}")
+        os.makedirs(os.path.dirname(stem), exist_ok=True)
+        cmd = [sys.executable, os.path.join(HERE, s.script), "--device", device, "--out", stem, "--label", "prewarm",
+               "--repeats", "1", "--deadline", f"{max(5.0, seconds - 5):.0f}", *(s.dry_args if dry else s.gpu_args),
+               *s.prewarm_args]
+        log = open(stem + ".log", "w")
+        procs.append((s, stem, log, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                                                     start_new_session=True)))
+    t0 = time.perf_counter()
+    for s, stem, log, p in procs:
+        try:
+            p.wait(timeout=max(0.0, seconds - (time.perf_counter() - t0)))
+        except subprocess.TimeoutExpired:
+            driver._signal_group(p.pid, signal.SIGTERM)
+    for s, stem, log, p in procs:
+        try:
+            p.wait(timeout=driver.KILL_GRACE_S)
+        except subprocess.TimeoutExpired:
+            driver._signal_group(p.pid, signal.SIGKILL)
+            p.wait()
+        driver._signal_group(p.pid, signal.SIGKILL)
+        log.close()
+    wall = time.perf_counter() - t0
+    rows = []
+    for s, stem, log, p in procs:
+        run = (driver.runs(stem) or [{}])[-1]
+        got = [dict(r) for r in run.get("results", [])] or [{"arm": "(section)", "status": "killed",
+                                                                "error": f"no arm finished within {seconds:.0f} s"}]
+        for r in got:
+            rows.append({**{k: v for k, v in r.items() if k != "rows"}, "arm": f"{r.get('arm')} (prewarm)",
+                         "phase": "prewarm", "section": s.key, "section_title": s.title,
+                         "prewarm_wall_s": round(wall, 1), "prewarm_budget_s": seconds})
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("outdir")
@@ -291,6 +340,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="comma-separated sections (default all, a-h)")
     ap.add_argument("--budget", type=float, default=None, help="seconds for all sections (default: their sum)")
     ap.add_argument("--plant-slow", default="", help="a section whose arms sleep past their deadline (a test)")
+    ap.add_argument("--prewarm", type=float, default=None,
+                    help="seconds for the parallel one-step runs that fill the compile caches first (default: 120 on "
+                         "a GPU, 0 in a dry run; counted in the budget)")
     args = ap.parse_args(argv)
     keys = [k for k in args.only.split(",") if k] or [s.key for s in SECTIONS]
     bad = [k for k in keys if k not in {s.key for s in SECTIONS}]
@@ -325,10 +377,20 @@ def main(argv=None) -> int:
     env.setdefault("TRITON_CACHE_DIR", os.path.join(out, "triton-cache"))
     env.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
     env.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
-    weights = {s.key: (DRY_SECTION_S if dry else s.budget_s) for s in chosen}
-    factor = budget / sum(weights.values())
     t_start = time.perf_counter()
     driver._write_atomic(os.path.join(out, "proof.md"), render(lines, meta))
+    warm_s = args.prewarm if args.prewarm is not None else (0.0 if dry else PREWARM_S)
+    if warm_s > 0 and any(s.prewarm_args for s in chosen):
+        rows = prewarm(chosen, out, dry=dry, seconds=min(warm_s, 0.5 * budget), env=env)
+        with open(jsonl, "a") as f:
+            for r in rows:
+                line = {**common, **r, "proof_date": _now()}
+                f.write(json.dumps(line, default=str) + "\n")
+                lines.append(line)
+        driver._write_atomic(os.path.join(out, "proof.md"), render(lines, meta))
+        print(f"gpu_proof: prewarm {len(rows)} arms [{time.perf_counter() - t_start:.0f} s]", flush=True)
+    weights = {s.key: (DRY_SECTION_S if dry else s.budget_s) for s in chosen}
+    factor = (budget - (time.perf_counter() - t_start)) / sum(weights.values())
     for i, s in enumerate(chosen):
         left = budget - (time.perf_counter() - t_start)
         # each section's share of the budget, plus what earlier sections left unused (never past the end)

@@ -283,7 +283,8 @@ def proof_lines(folder: str = PROOF_DIR) -> list[dict]:
     for dirpath, _, files in sorted(os.walk(folder)):
         if "proof.jsonl" in files:
             with open(os.path.join(dirpath, "proof.jsonl")) as f:
-                out += [ln for ln in (json.loads(x) for x in f if x.strip()) if ln.get("device_tag", "cpu") != "cpu"]
+                out += [ln for ln in (json.loads(x) for x in f if x.strip())
+                        if ln.get("device_tag", "cpu") != "cpu" and ln.get("phase") != "prewarm"]
     return out
 
 

@@ -145,3 +145,22 @@ def test_peer_table_takes_gpu_rows_from_proof_lines_and_marks_stale_ones():
     rows = []
     peer_table.gpu_proof(rows, [])
     assert rows[0][2] == "not run on a GPU yet"
+
+
+def test_prewarm_runs_one_step_of_each_section_first(tmp_path):
+    """--prewarm: the sections with a one-step form start together before the timed sections (their cold
+    compiles in parallel, filling the caches the timed runs read); each arm's prewarm line says so and carries
+    its first step's time, and the timed lines follow."""
+    out = str(tmp_path)
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_proof.py"), out, "--dry-run", "--only", "a",
+                        "--prewarm", "90", "--budget", "300"], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=400)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rows = _lines(out)
+    warm = [r for r in rows if r.get("phase") == "prewarm"]
+    timed = [r for r in rows if r.get("phase") != "prewarm"]
+    assert {r["arm"] for r in warm} == {"eager (prewarm)", "effpass (prewarm)"}
+    assert all(r["status"] == "ok" and r["first_step_s"] > 0 and r["steps"] == 1 for r in warm)
+    assert rows.index(warm[-1]) < rows.index(timed[0]) and {r["arm"] for r in timed} == {"eager", "effpass"}
+    assert all(r["status"] == "ok" for r in timed)
+    assert "effpass (prewarm)" in open(os.path.join(out, "proof.md")).read()

@@ -76,18 +76,23 @@ def _reference(name):
 
 
 _POLICIES = {"ops": {}, "full": {"policy": "full"}, "budget": {"budget": 0.5}}
+#: model -> the "ops" policy's statistics, when its case ran in this process
+_OPS_STATS: dict = {}
 
 
 @pytest.mark.parametrize("policy", [
     # every policy on llama and the default on all models in the quick run; the rest is marked slow
     pytest.param((m, p), marks=[pytest.mark.slow] if (p != "ops" and m != "llama") else [], id=f"{m}-{p}")
     for m in ("llama", "gpt2", "bert", "demo") for p in _POLICIES])
+@pytest.mark.xdist_group("checkpoint_policies")  # one worker, in order: "full" reuses its model's "ops" statistics
 def test_policies_keep_gradients_and_cut_saved_bytes(policy):
     name, label = policy
     case, ref = _reference(name)
     grads, rep, _ = _train_step(case, [CheckpointActivations(**_POLICIES[label])])
     _assert_grads_equal(grads, ref)
     st = rep.stats(NAME)
+    if label == "ops":
+        _OPS_STATS[name] = st  # the "full" case compares with these: one compile fewer where both run here
     assert st["blocks"] == case.num_layers, st
     assert st["saved_bytes_measured"] == st["saved_bytes_after"], st  # plan == real partition
     assert st["recompute_flops_measured"] == st["recompute_flops_after"], st
@@ -101,7 +106,7 @@ def test_policies_keep_gradients_and_cut_saved_bytes(policy):
     elif label == "ops":
         assert st["saved_bytes_after"] <= 0.75 * st["saved_bytes_before"], st
     else:
-        ops = partition_stats_of(case, CheckpointActivations())
+        ops = _OPS_STATS.get(name) or partition_stats_of(case, CheckpointActivations())
         assert st["saved_bytes_after"] <= ops["saved_bytes_after"], (st, ops)
         assert st["recompute_flops_added"] > ops["recompute_flops_added"]
     # per graph and in total: the graphs' numbers add up to the total (GPT-2 has a second graph for the loss)
