@@ -109,16 +109,20 @@ def worker(arm: str, cfg: dict, device: str) -> dict:
     def timed():
         return timed_step(step, cuda)
 
-    first = timed()  # cold: compiles included
-    driver.partial({"arm": arm, "status": "partial", "first_step_s": round(first, 3)})
-    for _ in range(cfg["warmup"]):
-        timed()
-    times = [timed() for _ in range(cfg["steps"])]
+    from effpass.testing import dynamo_counters
+
+    with dynamo_counters() as counters:  # graph breaks and recompiles over every step
+        first = timed()  # cold: compiles included
+        driver.partial({"arm": arm, "status": "partial", "first_step_s": round(first, 3)})
+        for _ in range(cfg["warmup"]):
+            timed()
+        times = [timed() for _ in range(cfg["steps"])]
     _, peak = peak_memory(step, device)
     out = {"arm": arm, "median_step_ms": round(1e3 * statistics.median(times), 3),
            "min_step_ms": round(1e3 * min(times), 3), "first_step_s": round(first, 3), "peak_above_start_bytes": peak,
            "peak_above_start_mib": round(peak / 2**20, 1), "loss": float(losses[0]), "steps": len(times),
-           "logits_bytes_fp32": cfg["tokens"] * cfg["vocab"] * 4}
+           "logits_bytes_fp32": cfg["tokens"] * cfg["vocab"] * 4, "graph_breaks": counters["graph_breaks"],
+           "recompiles": counters.get("recompiles", 0)}
     if arm == "effpass":
         import effpass
 
