@@ -111,9 +111,12 @@ def worker(arm: str, cfg: dict, device: str) -> dict:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
+        losses.append(loss.detach())  # read after the timed steps: no host sync inside a step
 
-    timing = time_steps(step, cfg, device == "cuda")
+    from effpass.testing import dynamo_counters
+
+    with dynamo_counters() as counters:
+        timing = time_steps(step, cfg, device == "cuda")
     named = dict(model.named_parameters())
     base = [p for n, p in named.items() if "_proj" in n and "lora_" not in n]
     qstate = _bnb_state_tensors(model)
@@ -121,10 +124,12 @@ def worker(arm: str, cfg: dict, device: str) -> dict:
     opt_states = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     live = storage_bytes(list(model.parameters()) + list(model.buffers()) + qstate + opt_states)
     _, peak = peak_memory(step, device)
+    losses = [float(x) for x in losses]
     out = {"arm": arm, "base_weight_bytes": base_bytes, "base_weights": len(base),
            "base_weight_types": sorted({type(p).__name__ for p in base}), "live_bytes": live, "peak_bytes": peak,
            **timing,
            "loss_first": losses[0], "loss_last": losses[-1], "trainable_params": sum(p.numel() for p in params),
+           "graph_breaks": counters["graph_breaks"], "recompiles": counters["recompiles"],
            "load": os.getloadavg()[0]}
     if arm == "effpass_nf4":
         import effpass
