@@ -110,13 +110,17 @@ def run_arm(arm: str, device: str, quick: bool, reps: int) -> list[dict]:
                     out.backward(torch.ones_like(out))
                     return out
 
-                t0 = time.perf_counter()
-                step()  # warm-up (and compile)
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                row["first_call_s"] = round(time.perf_counter() - t0, 3)
-                for _ in range(2):
-                    step()
+                from effpass.testing import dynamo_counters
+
+                with dynamo_counters() as counters:  # graph breaks and recompiles of this shape's compile
+                    t0 = time.perf_counter()
+                    step()  # warm-up (and compile)
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    row["first_call_s"] = round(time.perf_counter() - t0, 3)
+                    for _ in range(2):
+                        step()
+                row.update(graph_breaks=counters["graph_breaks"], recompiles=counters["recompiles"])
                 if device == "cuda":
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()

@@ -138,7 +138,16 @@ def _sync():
 
 def run_arm(name, model, steps, make_inputs, tokens, warm):
     """Times every step (fwd+bwd) after warm-up calls; returns figures."""
+    from effpass.testing import dynamo_counters
+
     make_inputs = on_device(make_inputs)
+    with dynamo_counters() as counters:  # graph breaks and recompiles over the warm-up and every step
+        res = _run_steps(name, model, steps, make_inputs, tokens, warm)
+    res.update(graph_breaks=counters["graph_breaks"], recompiles=counters["recompiles"])
+    return res
+
+
+def _run_steps(name, model, steps, make_inputs, tokens, warm):
     for idx in warm:
         inp, _, _ = make_inputs(tokens, idx)
         model(**inp).loss.backward()

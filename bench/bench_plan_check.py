@@ -89,12 +89,16 @@ def worker(arm: str, cfg: dict, device: str) -> dict:
         t1 = time.perf_counter()
         driver.partial({"arm": arm, "seq": seq, "predicted_bytes": est.peak_bytes, "status": "partial"})
         torch._dynamo.reset()
-        compiled = effpass.compile(model, passes=passes(cfg), lowering=cfg["lowering"])
-        meas = measure_step(compiled, model, inputs, optimizer="adamw", warmup=1)
+        from effpass.testing import dynamo_counters
+
+        with dynamo_counters() as counters:
+            compiled = effpass.compile(model, passes=passes(cfg), lowering=cfg["lowering"])
+            meas = measure_step(compiled, model, inputs, optimizer="adamw", warmup=1)
         err = (est.peak_bytes - meas.peak_bytes) / meas.peak_bytes
         return {"arm": arm, "seq": seq, "predicted_bytes": est.peak_bytes, "measured_bytes": meas.peak_bytes,
                 "predicted_gib": est.peak_bytes / 2**30, "measured_gib": meas.peak_bytes / 2**30,
-                "rel_error": err, "predict_s": round(t1 - t0, 2), "measure_s": round(time.perf_counter() - t1, 2)}
+                "rel_error": err, "predict_s": round(t1 - t0, 2), "measure_s": round(time.perf_counter() - t1, 2),
+                "graph_breaks": counters["graph_breaks"], "recompiles": counters["recompiles"]}
     if arm == "maxseq":
         cap = int(cfg["cap_gib"] * 2**30)
         from effpass.planning import plan_max_seq

@@ -65,6 +65,10 @@ def test_dry_run_has_every_section_with_its_status(dry_run):
                                                               for r in rows])
         assert all(r["commit"] and r["torch"] and r["device"] and r["proof_date"] for r in rows)
         assert all(r["section_wall_s"] <= r["section_budget_s"] + 15 for r in rows)
+    # every measured arm records its graph breaks and recompiles (a section's figures are read with them)
+    for key in "abcdefg":
+        assert all(isinstance(r.get("graph_breaks"), int) and isinstance(r.get("recompiles"), int)
+                   for r in by[key]), key
     # the figures each section exists for
     head = {r["arm"]: r for r in by["a"]}
     assert head["effpass"]["fused_sites"] == 1 and head["effpass"]["peak_above_start_bytes"] > 0
