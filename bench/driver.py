@@ -338,6 +338,41 @@ def stop_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, _stop)
 
 
+def _load_mega_caches(folder: str) -> None:
+    """Load every compile-cache archive in ``folder`` (``torch.compiler.load_cache_artifacts``; feature-tested):
+    an arm compiled in an earlier process, or on an earlier machine whose archives were carried, starts warm."""
+    import torch
+
+    load = getattr(torch.compiler, "load_cache_artifacts", None)
+    if load is None or not os.path.isdir(folder):
+        return
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".bin"):
+            try:
+                with open(os.path.join(folder, name), "rb") as f:
+                    load(f.read())
+            except Exception as e:  # noqa: BLE001 - a stale or foreign archive: said, not fatal
+                print(f"bench: could not load compile cache {name}: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+def _save_mega_cache(folder: str, name: str) -> None:
+    """Save this process's compile artifacts (``torch.compiler.save_cache_artifacts``) as ``folder/name.bin``."""
+    import torch
+
+    save = getattr(torch.compiler, "save_cache_artifacts", None)
+    got = save() if save is not None else None
+    if got:
+        os.makedirs(folder, exist_ok=True)
+        _write_bytes_atomic(os.path.join(folder, re.sub(r"[^A-Za-z0-9_.-]", "_", name) + ".bin"), got[0])
+
+
+def _write_bytes_atomic(path: str, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
 def missing(packages: tuple[str, ...]) -> list[str]:
     """Those of ``packages`` that are not installed (not importable by name)."""
     import importlib.util
@@ -449,7 +484,12 @@ def main(script: str, *, workload: str, arms: tuple[str, ...], worker: Callable[
         if os.environ.get("EFFPASS_PROOF_PLANT_SLOW"):  # bench/gpu_proof.py's test: an arm that outlives its deadline
             partial({"arm": args.worker, "status": "partial", "planted_slow": True})
             time.sleep(3600)
+        mega = os.environ.get("EFFPASS_MEGA_CACHE_DIR")  # bench/gpu_proof.py: portable compile caches per arm
+        if mega:
+            _load_mega_caches(mega)
         res = worker(args.worker, cfg, cfg.get("_device", "cpu"))
+        if mega:
+            _save_mega_cache(mega, f"{os.path.splitext(os.path.basename(script))[0]}_{args.worker}")
         print(json.dumps(res, default=str), flush=True)
         return
     if args.device == "auto":

@@ -377,6 +377,9 @@ def main(argv=None) -> int:
     env.setdefault("TRITON_CACHE_DIR", os.path.join(out, "triton-cache"))
     env.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
     env.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
+    # portable archives too (torch.compiler.save_cache_artifacts after each arm, loaded before each): carried to a
+    # later window's fresh machine, they make its first compiles warm
+    env.setdefault("EFFPASS_MEGA_CACHE_DIR", os.path.join(out, "mega-cache"))
     t_start = time.perf_counter()
     driver._write_atomic(os.path.join(out, "proof.md"), render(lines, meta))
     warm_s = args.prewarm if args.prewarm is not None else (0.0 if dry else PREWARM_S)
