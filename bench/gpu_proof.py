@@ -380,17 +380,21 @@ def main(argv=None) -> int:
     # portable archives too (torch.compiler.save_cache_artifacts after each arm, loaded before each): carried to a
     # later window's fresh machine, they make its first compiles warm
     env.setdefault("EFFPASS_MEGA_CACHE_DIR", os.path.join(out, "mega-cache"))
-    t_start = time.perf_counter()
-    driver._write_atomic(os.path.join(out, "proof.md"), render(lines, meta))
-    warm_s = args.prewarm if args.prewarm is not None else (0.0 if dry else PREWARM_S)
-    if warm_s > 0 and any(s.prewarm_args for s in chosen):
-        rows = prewarm(chosen, out, dry=dry, seconds=min(warm_s, 0.5 * budget), env=env)
+    def record(rows: list[dict]) -> None:
+        """Append ``rows`` to proof.jsonl (with the run's facts) and re-render proof.md."""
         with open(jsonl, "a") as f:
             for r in rows:
                 line = {**common, **r, "proof_date": _now()}
                 f.write(json.dumps(line, default=str) + "\n")
                 lines.append(line)
         driver._write_atomic(os.path.join(out, "proof.md"), render(lines, meta))
+
+    t_start = time.perf_counter()
+    driver._write_atomic(os.path.join(out, "proof.md"), render(lines, meta))
+    warm_s = args.prewarm if args.prewarm is not None else (0.0 if dry else PREWARM_S)
+    if warm_s > 0 and any(s.prewarm_args for s in chosen):
+        rows = prewarm(chosen, out, dry=dry, seconds=min(warm_s, 0.5 * budget), env=env)
+        record(rows)
         print(f"gpu_proof: prewarm {len(rows)} arms [{time.perf_counter() - t_start:.0f} s]", flush=True)
     weights = {s.key: (DRY_SECTION_S if dry else s.budget_s) for s in chosen}
     factor = (budget - (time.perf_counter() - t_start)) / sum(weights.values())
@@ -404,12 +408,7 @@ def main(argv=None) -> int:
                      "section": s.key, "section_title": s.title}]
         else:
             rows = run_section(s, out, dry=dry, deadline_s=deadline, plant_slow=args.plant_slow == s.key, env=env)
-        with open(jsonl, "a") as f:
-            for r in rows:
-                line = {**common, **r, "proof_date": _now()}
-                f.write(json.dumps(line, default=str) + "\n")
-                lines.append(line)
-        driver._write_atomic(os.path.join(out, "proof.md"), render(lines, meta))
+        record(rows)
         print(f"gpu_proof: ({s.key}) {len(rows)} rows, {sum(r.get('status') == 'ok' for r in rows)} ok "
               f"[{time.perf_counter() - t_start:.0f} s]", flush=True)
     with open(os.path.join(out, "proof_meta.json"), "w") as f:

@@ -43,6 +43,12 @@ def _env(**extra):
     return env
 
 
+def _proof(out: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """``python bench/gpu_proof.py OUT ARGS...`` (the driver itself, without the shell script's install step)."""
+    return subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_proof.py"), out, *args], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     wheels = tmp_path_factory.mktemp("wheels")
@@ -100,9 +106,7 @@ def test_planted_slow_arm_is_killed_and_its_partial_kept(tmp_path):
     """Deadlines: the arms of a planted slow section sleep past their deadline; the bench driver kills each arm's
     process group, the row keeps the partial figures the arm printed, and proof.md says killed."""
     out = str(tmp_path)
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_proof.py"), out, "--dry-run", "--only", "a",
-                        "--plant-slow", "a", "--budget", "40"], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                       timeout=300)
+    p = _proof(out, "--dry-run", "--only", "a", "--plant-slow", "a", "--budget", "40", timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     rows = _lines(out)
     assert {r["arm"] for r in rows} == {"eager", "effpass"}
@@ -113,8 +117,7 @@ def test_planted_slow_arm_is_killed_and_its_partial_kept(tmp_path):
 
 
 def test_unknown_section_is_refused_before_anything_runs(tmp_path):
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_proof.py"), str(tmp_path), "--dry-run",
-                        "--only", "a,z"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    p = _proof(str(tmp_path), "--dry-run", "--only", "a,z", timeout=120)
     assert p.returncode != 0 and "unknown section(s) ['z']" in p.stderr and "'a'" in p.stderr
     assert not os.path.exists(os.path.join(tmp_path, "proof.jsonl"))
 
@@ -156,9 +159,7 @@ def test_prewarm_runs_one_step_of_each_section_first(tmp_path):
     compiles in parallel, filling the caches the timed runs read); each arm's prewarm line says so and carries
     its first step's time, and the timed lines follow."""
     out = str(tmp_path)
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_proof.py"), out, "--dry-run", "--only", "a",
-                        "--prewarm", "90", "--budget", "300"], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                       timeout=400)
+    p = _proof(out, "--dry-run", "--only", "a", "--prewarm", "90", "--budget", "300", timeout=400)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     rows = _lines(out)
     warm = [r for r in rows if r.get("phase") == "prewarm"]
