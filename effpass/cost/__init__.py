@@ -153,18 +153,13 @@ def _resolve(passes, device_dtype) -> list:
     return out
 
 
+from effpass.planning.result import _call  # noqa: E402  (one way to call a model on a step's inputs)
+
+
 def _loss_of(out):
     from effpass.verification import loss_of
 
     return loss_of(out)
-
-
-def _call(model, inputs):
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    if isinstance(inputs, torch.Tensor):
-        return model(inputs)
-    return model(*inputs)
 
 
 def _copy_model(model, fake_mode):
@@ -321,7 +316,7 @@ def config_step_cost(config, batch: int, seq: int, *, dtype: str | None = None, 
     import transformers as tf
 
     from effpass.planning.cli import model_from_config
-    from effpass.verification import shrink_config
+    from effpass.verification import apply_config_overrides, shrink_config
 
     if batch < 1 or seq < 1:
         raise ValueError(f"effpass cost: batch and seq must be >= 1, got batch={batch}, seq={seq}")
@@ -333,10 +328,7 @@ def config_step_cost(config, batch: int, seq: int, *, dtype: str | None = None, 
     torch_dtype = next(p.dtype for p in meta.parameters())
     if layers is not None:
         cfg = shrink_config(cfg, layers)
-    for k, v in (overrides or {}).items():
-        if not hasattr(cfg, k):
-            raise ValueError(f"effpass cost: config field {k!r} does not exist on {type(cfg).__name__}")
-        setattr(cfg, k, v)
+    apply_config_overrides(cfg, overrides, "effpass cost")
     cfg.use_cache = False
     cfg._attn_implementation = "sdpa"
     n_bytes = sum(p.numel() * p.element_size() for p in meta.parameters())

@@ -392,6 +392,15 @@ def _bisect(model, inputs, pipeline, whole: Check, *, lowering, seed) -> tuple[s
 # ------------------------------------------------------------------------------------------------------
 # Hugging Face configs: effpass verify CONFIG
 # ------------------------------------------------------------------------------------------------------
+def apply_config_overrides(config, overrides, who: str = "effpass") -> None:
+    """Set ``overrides`` (field -> value) on a Hugging Face config; a field the config does not have is an error
+    naming it (a misspelt field must not be added silently)."""
+    for k, v in (overrides or {}).items():
+        if not hasattr(config, k):
+            raise ValueError(f"{who}: config field {k!r} does not exist on {type(config).__name__}")
+        setattr(config, k, v)
+
+
 def shrink_config(config, layers: int = 2):
     """A copy of a Hugging Face config with ``layers`` hidden layers (per-layer lists cut to match)."""
     config = copy.deepcopy(config)
@@ -440,10 +449,7 @@ def model_from_hf_config(config, *, layers: int = 2, seed: int = 0, overrides: d
             raise ValueError("the config has no 'model_type'; is it a Hugging Face config.json?")
         config = tf.AutoConfig.for_model(mt, **d)
     config = shrink_config(config, layers)
-    for k, v in (overrides or {}).items():
-        if not hasattr(config, k):
-            raise ValueError(f"config field {k!r} does not exist on {type(config).__name__}")
-        setattr(config, k, v)
+    apply_config_overrides(config, overrides)
     config.use_cache = False
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
