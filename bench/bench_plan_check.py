@@ -76,8 +76,7 @@ def worker(arm: str, cfg: dict, device: str) -> dict:
     seq = cfg["seq"]
     t0 = time.perf_counter()
     if arm == "cpu_replay":  # the plan made where there is no GPU: a meta model, predicted for the CPU
-        with torch.device("meta"):
-            model = build({**cfg, "dtype": cfg["dtype"]}, "meta")
+        model = build(cfg, "meta")
         est = effpass.estimate_memory(model, make_inputs(seq, "meta", cfg["vocab"]), passes=passes(cfg),
                                       lowering=cfg["lowering"], device="cpu")
         return {"arm": arm, "seq": seq, "predicted_bytes": est.peak_bytes, "predicted_gib": est.peak_bytes / 2**30,

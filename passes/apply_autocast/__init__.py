@@ -293,6 +293,8 @@ class ApplyAutocast(effpass.Pass):
         return effpass.PassResult(changed=False, stats=stats, skipped=skipped, why_unchanged=why)
 
     def _graph_capture(self, gm: fx.GraphModule, ctx, device_type: str, warn: bool = True) -> effpass.PassResult:
+        if self.fp32_routers:  # NOTE(moe): routers are found on the eager model; a traced graph alone cannot keep
+            warnings.warn(_ROUTERS_NOT_KEPT, UserWarning, stacklevel=2)  # the option: said, not silently dropped
         graph = gm.graph
         if warn:
             warnings.warn(_GRAPH_CAPTURE_WARNING, UserWarning, stacklevel=2)
@@ -371,6 +373,11 @@ class ApplyAutocast(effpass.Pass):
                     casts[arg] = c
                 n.replace_input_with(arg, casts[arg])
 
+
+_ROUTERS_NOT_KEPT = (
+    "effpass: apply_autocast(fp32_routers=True) is not applied through torch.compile(model, backend='effpass'): "
+    "the routers are found on the eager model, which this path does not see, so they run in the low-precision "
+    "dtype as eager torch.autocast runs them; use effpass.compile(model, ...) or effpass.prepare(model, ...)")
 
 _GRAPH_CAPTURE_WARNING = (
     "effpass: apply_autocast without its module phase (torch.compile(model, backend='effpass')) inserts autocast "

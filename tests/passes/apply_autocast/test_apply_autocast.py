@@ -348,6 +348,21 @@ def test_apply_autocast_string_backend_edits_the_graph_and_says_so():
     assert st["capture"] == "graph" and st["regions"] == 1
 
 
+def test_fp32_routers_through_the_string_backend_says_it_is_not_applied():
+    """fp32_routers=True cannot be kept on a traced graph alone (the routers are found on the eager model): the
+    string backend says so, naming the option and the path that keeps it, and the graph is autocast as eager
+    autocast would run it (routers included)."""
+    case = model_case("demo", layers=1)
+    m = torch.compile(case.model, backend="effpass",
+                      options={"passes": {"apply_autocast": {"dtype": "bf16", "fp32_routers": True}},
+                               "lowering": "eager"})
+    with pytest.warns(UserWarning, match=r"fp32_routers=True\) is not applied through torch\.compile.*"
+                                         r"effpass\.compile"):
+        m(**case.inputs)
+    st = effpass.report().stats("apply_autocast")
+    assert st["capture"] == "graph" and st["regions"] == 1 and "fp32_router_islands" not in st
+
+
 def test_fp32_routers_departure_is_named_on_every_graph_it_touches():
     """fp32_routers=True departs from eager torch.autocast on MoE models: the routers' logits are fp32 (eager
     autocast: bf16), and the module phase and every graph holding a router island say so, naming the option that
