@@ -29,6 +29,7 @@ def _plain_compile_counts(case):
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
+@pytest.mark.sweep
 def test_empty_pipeline_matches_eager_with_no_extra_breaks_or_recompiles(name):
     plain = _plain_compile_counts(model_case(name))
     torch._dynamo.reset()
@@ -138,6 +139,7 @@ def test_module_level_pass_through_string_backend_is_a_clear_error():
 
 @pytest.mark.inductor
 @pytest.mark.parametrize("name", ["demo", "llama"])
+@pytest.mark.sweep
 def test_inductor_lowering_matches_eager(name, tmp_path):
     case = model_case(name)
     res = compile_and_compare(case, [effpass.make_pass("scale_linears_by_one"), effpass.make_pass("count_joint_matmuls")],
@@ -168,13 +170,16 @@ CACHE_SCRIPT = textwrap.dedent('''
     torch.manual_seed(0)
     model = Mixed()
     tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-    compiled = effpass.compile(model, passes=["count_mm_for_cache_test"], lowering="inductor", dump_dir=sys.argv[1])
+    # with apply_autocast's own regions too (bf16 module capture): its autocast nodes must be cacheable as well
+    compiled = effpass.compile(model, passes=["count_mm_for_cache_test", effpass.make_pass("apply_autocast", {"dtype": "bf16"})],
+                               lowering="inductor", dump_dir=sys.argv[1])
     loss = compiled(tokens)
     loss.backward()
     rep = effpass.report(compiled)
     print("RESULT " + json.dumps({
         "loss": loss.item(), "grad": model.lm.lm_head.weight.grad.sum().item(),
         "cache": rep.graphs[0].cache, "stats": rep.stats("count_mm_for_cache_test"),
+        "autocast_regions": rep.stats("apply_autocast").get("regions"),
         "fx_hit": counters["inductor"]["fxgraph_cache_hit"], "aot_hit": counters["aot_autograd"]["autograd_cache_hit"],
         "aot_bypass": counters["aot_autograd"]["autograd_cache_bypass"]}))
 ''')
@@ -196,6 +201,7 @@ def test_second_process_hits_the_caches_with_identical_results_and_stats(tmp_pat
     assert second["cache"] == "hit" and second["aot_hit"] >= 1
     assert second["loss"] == first["loss"] and second["grad"] == first["grad"]
     assert second["stats"] == first["stats"] and first["stats"]["mm"] > 0
+    assert first["autocast_regions"] and second["autocast_regions"] == first["autocast_regions"]
     # the dump of the cache-hit run still has the joint-phase record
     index = json.loads((tmp_path / "dump1" / "graph_000" / "index.json").read_text())
     assert any(p["name"] == "count_mm_for_cache_test" and p["from_cache"] for p in index["passes"])

@@ -133,6 +133,7 @@ def _eager_and_routed(kind, family, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "mixtral"])
+@pytest.mark.sweep
 def test_dpo_step_routed_equals_trls(family, tmp_path, monkeypatch):
     """One DPOTrainer step, policy and a separate reference both effpass-compiled: the loss, every logged metric
     (rewards, margins, log-probs, entropy, mean logits, token accuracy, the router's loss for Mixtral) and every
@@ -250,6 +251,7 @@ def test_grpo_step_routed_equals_trls(family, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["llama", "mixtral"])
+@pytest.mark.sweep
 def test_kto_step_routed_equals_trls(family, tmp_path, monkeypatch):
     """One KTOTrainer step (desirable and undesirable examples, the KL term's mismatched pairs: three forwards of the
     policy and three of the reference per step): loss, every logged metric and every gradient equal TRL's own step

@@ -33,6 +33,8 @@ from effpass.testing import compile_and_compare, grads_of, loss_of
 from _families import FAMILIES, family_case
 
 BF16 = torch.bfloat16
+#: every test here is a sweep over families: CI runs a sample (tests/conftest.py); EFFPASS_TEST_SWEEP=full runs all
+pytestmark = pytest.mark.sweep
 #: the families of this suite (llama, gpt2 and bert are tested in depth by the per-pass files)
 SUITE = [f for f in FAMILIES if f not in ("llama", "gpt2", "bert")]
 #: attention sites per model (T5 and BART: encoder self, decoder self and decoder cross attention)

@@ -145,6 +145,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.sweep
 def test_fused_sites_compose_with_lora_quantized_heads_and_checkpointing(case):
     family, kind, head, ckpt = CASES[case]
     model = _model(family, kind)

@@ -110,6 +110,7 @@ def test_verify_catches_one_leaking_packing_mask(monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3_moe", "gpt_neox", "opt"])
+@pytest.mark.sweep
 def test_verify_raises_no_false_alarm_on_families(family):
     case = family_case(family)
     rep = effpass.verify(case.model, case.inputs, alone=False)  # the default pipeline

@@ -235,26 +235,8 @@ def test_apply_autocast_default_is_off_on_cpu():
     assert all(p.name != "apply_autocast" for p in effpass.default_pipeline("cpu"))
 
 
-_SECOND_PROCESS = """
-import json, os, torch, effpass
-# Inductor's CPU cache key includes the thread count: match the parent (pytest-xdist workers use 1).
-torch.set_num_threads(int(os.environ["EFFPASS_PARENT_THREADS"]))
-from torch._dynamo.utils import counters
-from effpass.passes import ApplyAutocast
-from effpass.testing import model_case, loss_of
-case = model_case("demo", layers=1)
-compiled = effpass.compile(case.model, passes=[ApplyAutocast(dtype=torch.bfloat16)], lowering="inductor")
-out = compiled(**case.inputs)
-loss_of(out).backward()
-print("RESULT", json.dumps({"aot": dict(counters["aot_autograd"]), "loss": out[0].item()}))
-"""
-
-
 @pytest.mark.inductor
-def test_apply_autocast_inductor_and_compile_cache_in_second_process():
-    import subprocess
-    import sys
-
+def test_apply_autocast_inductor_matches_eager_autocast():
     case = model_case("demo", layers=1)
     ref = copy.deepcopy(case.model)
     compiled = effpass.compile(case.model, passes=[ApplyAutocast(dtype=BF16)], lowering="inductor")
@@ -264,16 +246,9 @@ def test_apply_autocast_inductor_and_compile_cache_in_second_process():
     torch.testing.assert_close(out[0], expected[0], rtol=2e-2, atol=2e-2)
     loss_of(out).backward()
     assert effpass.report(compiled).stats("apply_autocast")["regions"] == 1
-    # A second process with the same cache directory hits the AOTAutograd cache: the autocast nodes are
-    # marked cacheable (otherwise every mixed-precision graph would bypass it).
-    p = subprocess.run([sys.executable, "-c", _SECOND_PROCESS], capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "EFFPASS_PARENT_THREADS": str(torch.get_num_threads())})
-    line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
-    assert line is not None, p.stderr[-3000:]
-    got = json.loads(line[len("RESULT "):])
-    assert got["aot"].get("autograd_cache_bypass", 0) == 0, got
-    assert got["aot"].get("autograd_cache_hit", 0) >= 1, got
-    assert got["loss"] == out[0].item()
+    # That a second process hits the AOTAutograd cache with apply_autocast's regions in the graph (its autocast
+    # nodes are marked cacheable) is checked by tests/core/test_backend.py's two-process cache test, whose pipeline
+    # includes apply_autocast: one pair of processes for both promises.
 
 
 # ---- module capture (issue 14 item 1): bit-identical to eager torch.autocast, fp16 too ---------------

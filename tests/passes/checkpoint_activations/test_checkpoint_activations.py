@@ -85,6 +85,7 @@ _OPS_STATS: dict = {}
     pytest.param((m, p), marks=[pytest.mark.slow] if (p != "ops" and m != "llama") else [], id=f"{m}-{p}")
     for m in ("llama", "gpt2", "bert", "demo") for p in _POLICIES])
 @pytest.mark.xdist_group("checkpoint_policies")  # one worker, in order: "full" reuses its model's "ops" statistics
+@pytest.mark.sweep
 def test_policies_keep_gradients_and_cut_saved_bytes(policy):
     name, label = policy
     case, ref = _reference(name)

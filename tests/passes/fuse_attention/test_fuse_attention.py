@@ -897,6 +897,7 @@ _DECODERS = ("llama", "phi3", "gpt2", "gpt_neox", "bloom")
 
 
 @pytest.mark.parametrize("family", _DECODERS)
+@pytest.mark.sweep
 def test_left_padding_loss_over_every_position_gradients_equal_eager(family):
     """Left padding leaves the pad queries of row 1 with every key masked (HF's finite ``finfo.min``). Eager
     attention gives them uniform weights and, in backward, non-zero gradients into q and k; a loss that reads

@@ -182,6 +182,7 @@ def test_kernel_rejects_out_of_range_targets():
 # real models: five Hugging Face families and DemoLM
 # ------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2", "gpt2", "cohere", "demo"])
+@pytest.mark.sweep
 def test_fuses_the_loss_of_real_models(name):
     ids, labels = _batch()
     if name == "demo":

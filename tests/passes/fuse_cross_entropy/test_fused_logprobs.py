@@ -118,6 +118,7 @@ def _run(arm, family="llama", form="log_softmax"):
 @pytest.mark.parametrize("family,arm,form", [("llama", "plain", "log_softmax"), ("gemma2", "plain", "log_softmax"),
                                              ("qwen3", "plain", "logsumexp"), ("llama", "lora", "log_softmax"),
                                              ("llama", "int8", "logsumexp"), ("gemma2", "lora_body", "log_softmax")])
+@pytest.mark.sweep
 def test_dpo_logprobs_fused_policy_and_reference(family, arm, form):
     stats, ops, recs = _run(arm, family, form)
     # two sites: the policy's (with gradient) and the frozen reference's (no_grad), both fused

@@ -60,6 +60,7 @@ def _fused_and_unfused(model):
 @pytest.mark.parametrize("family,kind,lora", [("llama", "dpo", False), ("gemma2", "grpo", False),
                                               ("qwen3", "grpo", False), ("llama", "grpo", True), ("self", "dpo", False),
                                               ("self", "grpo", False)])
+@pytest.mark.sweep
 def test_packed_logprob_losses_fuse_once_and_sum_per_example(family, kind, lora):
     model = pair(_policy(family), kind)
     if lora:   # LoRA on the policy's head and queries, injected first (the reference below is the prepared model)

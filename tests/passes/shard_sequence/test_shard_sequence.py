@@ -19,13 +19,13 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import effpass
 from effpass.passes import ShardSequence
 
 VOCAB = 96
 from _paths import ROOT  # noqa: E402  (the repository's root)
+from _ranks import spawn_ranks  # noqa: E402  (ranks forked from a preloaded fork server)
 
 
 def _free_port() -> int:
@@ -51,7 +51,7 @@ def _worker(rank, world, port, scenario, out_dir, backend="gloo"):
 
 def spawn(scenario: str, world: int, tmp_path, backend: str = "gloo") -> list[dict]:
     os.environ["SP_TMP"] = str(tmp_path)
-    mp.spawn(_worker, args=(world, _free_port(), scenario, str(tmp_path), backend), nprocs=world, join=True)
+    spawn_ranks(_worker, (world, _free_port(), scenario, str(tmp_path), backend), world)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 

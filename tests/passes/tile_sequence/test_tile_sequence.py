@@ -51,6 +51,7 @@ def _compile_pair(case, extra, tile_rows):
 
 @pytest.mark.parametrize("family,ckpt", [("llama", None), ("llama", "full"), ("llama", "ops"), ("qwen3", "full"),
                                          ("phi3", None), ("olmo2", "full")])
+@pytest.mark.sweep
 def test_gradients_equal_untiled(family, ckpt):
     case = family_case(family, batch=2, seq=32, attn="sdpa")
     case.model.train()
@@ -252,6 +253,7 @@ def _qlora_llama(seq=96):
 
 
 @pytest.mark.parametrize("scheme,ckpt", [("nf4", "full"), ("nf4", "ops"), ("int8", "full"), (None, "full")])
+@pytest.mark.sweep
 def test_quantized_base_lora_checkpoint_and_tiles_save_no_weight_copy(scheme, ckpt):
     """QLoRA (NF4 / int8 base, LoRA on q/k/v/o) + checkpoint_activations + tiles. Before, every op copied into a
     tile was marked for the tile's recompute, including the dequantization of the tile's weights (parameters only):

@@ -15,7 +15,6 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import effpass
 import effpass.testing
@@ -24,6 +23,7 @@ from effpass.passes.wrap_fsdp import estimate, estimate_table, find_units, load_
     save_checkpoint
 
 from _paths import ROOT  # noqa: E402  (the repository's root)
+from _ranks import spawn_ranks  # noqa: E402  (ranks forked from a preloaded fork server)
 STEPS = 3
 LR = 1e-3
 
@@ -63,7 +63,7 @@ def _worker(rank: int, world: int, port: int, scenario: str, out_dir: str) -> No
 
 
 def spawn(scenario: str, world: int, tmp_path) -> list[dict]:
-    mp.spawn(_worker, args=(world, _free_port(), scenario, str(tmp_path)), nprocs=world, join=True)
+    spawn_ranks(_worker, (world, _free_port(), scenario, str(tmp_path)), world)
     return [torch.load(os.path.join(tmp_path, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
