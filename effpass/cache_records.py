@@ -54,7 +54,8 @@ def save_or_replay(store: RecordStore, dump: DumpInstrument | None, report: Grap
             inputs = {k: v for k, v in report.notes.get("_dump_inputs", {}).items()
                       if v in written and v not in files_before}
             files.update({v: written[v] for v in inputs.values()})
-            store.save(phase_key, records, files, inputs)
+            figures = report.notes.get("figures", {}) if phase is Phase.POST_GRAD else None
+            store.save(phase_key, records, files, inputs, figures)
             report.cache = report.cache or "miss"
             continue
         entry = store.load(phase_key)
@@ -64,6 +65,8 @@ def save_or_replay(store: RecordStore, dump: DumpInstrument | None, report: Grap
                                   error=None, stats={"note": "compile cache hit; no record of this phase's passes"}))
             continue
         report.cache = "hit"
+        if entry.get("figures"):  # the graphs' figures as the compile that missed the cache read them
+            report.notes.setdefault("figures", {}).update(entry["figures"])
         for d in entry["records"]:
             rec = PassRecord.from_json(d)
             rec.from_cache = True

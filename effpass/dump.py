@@ -107,7 +107,8 @@ def graph_index(report: GraphReport, options_summary: dict[str, Any] | None = No
     ``timing`` is written when the backend call finished (its absence marks a compile that did not
     finish); ``dynamo`` names Dynamo's compile id (frame/recompile) and the graph-break reasons Dynamo
     had counted in this process so far. ``memory_plan`` (a JSON-able dict a memory planner leaves in
-    ``report.notes["memory_plan"]``) is copied when present: the HTML report renders it.
+    ``report.notes["memory_plan"]``) is copied when present: the HTML report renders it. ``figures`` holds, per
+    lowered graph kind (forward, backward, inference), what ``effpass.graph_figures`` reads from its metadata.
     """
     from . import __version__
 
@@ -125,6 +126,8 @@ def graph_index(report: GraphReport, options_summary: dict[str, Any] | None = No
         index["dynamo"] = report.notes["dynamo"]
     if report.notes.get("memory_plan") is not None:
         index["memory_plan"] = report.notes["memory_plan"]
+    if report.notes.get("figures"):
+        index["figures"] = report.notes["figures"]
     return index
 
 
@@ -144,11 +147,12 @@ class RecordStore:
     def _path(self, key: str) -> str:
         return os.path.join(self.root, f"{key}.json")
 
-    def save(self, key: str, records: list[PassRecord], files: dict[str, str], inputs: dict[str, str]) -> None:
+    def save(self, key: str, records: list[PassRecord], files: dict[str, str], inputs: dict[str, str],
+             figures: dict[str, Any] | None = None) -> None:
         try:
             os.makedirs(self.root, exist_ok=True)
             write_atomic(self._path(key), json.dumps({"records": [r.to_json() for r in records], "files": files,
-                                                      "inputs": inputs}, default=str))
+                                                      "inputs": inputs, "figures": figures or {}}, default=str))
         except OSError:  # pragma: no cover - a read-only cache dir costs only the replay
             pass
 

@@ -203,6 +203,8 @@ class Lowering:
         kind = _kind_of(phase, gm, report)
         changed = (manager or self.manager).run_graph_phase(phase, gm, report, kind,
                                                             regenerate=phase is not Phase.JOINT, **common)
+        if phase is Phase.POST_GRAD:
+            _record_figures(gm, report, kind)
         if changed and phase is Phase.JOINT:
             # NOTE(ordering): Inductor sorts only at the end of its own joint passes; constant folding
             # in between fails on an unsorted graph, so re-sort after ours.
@@ -211,6 +213,19 @@ class Lowering:
             stable_topological_sort(gm.graph)
             gm.graph.lint()
             gm.recompile()
+
+
+def _record_figures(gm: fx.GraphModule, report: GraphReport, kind: str) -> None:
+    """The graph's figures read from its metadata (``effpass.graph_figures``: FLOPs, transient peak, bytes saved
+    for backward, a roofline estimate) under ``report.notes["figures"][kind]``, for the dump and the HTML report.
+    Figures never fail a compile: an error is recorded in their place."""
+    from .graph_figures import graph_figures
+
+    try:
+        fig = graph_figures(gm)
+    except Exception as e:  # noqa: BLE001 - a statistic must not break the compile
+        fig = {"error": f"{type(e).__name__}: {e}"[:300]}
+    report.notes.setdefault("figures", {})[kind] = fig
 
 
 def _views_as_reshapes(g: fx.GraphModule) -> int:

@@ -13,13 +13,20 @@ needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="optional extra: he
                                     "(scripts/dev.sh test installs Debian's chromium)")
 
 
-def load_in_chromium(path: str) -> tuple[str, list[str]]:
-    """(DOM after scripts ran, console messages) of ``path`` opened from disk in headless Chromium."""
+def load_in_chromium(path: str, window: tuple[int, int] = (1280, 900), screenshot: str | None = None
+                     ) -> tuple[str, list[str]]:
+    """(DOM after scripts ran, console messages) of ``path`` opened from disk in headless Chromium with a
+    ``window`` of (width, height) CSS pixels; ``screenshot``: also write a PNG of the first screen there."""
     with tempfile.TemporaryDirectory() as profile:
+        common = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={profile}",
+                  "--hide-scrollbars", f"--window-size={window[0]},{window[1]}"]
         proc = subprocess.run(
-            [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={profile}",
-             "--enable-logging=stderr", "--v=0", "--virtual-time-budget=2000", "--dump-dom",
+            [*common, "--enable-logging=stderr", "--v=0", "--virtual-time-budget=2000", "--dump-dom",
              "file://" + os.path.abspath(path)], capture_output=True, text=True, timeout=120)
+        if screenshot is not None:
+            shot = subprocess.run([*common, "--virtual-time-budget=2000", f"--screenshot={os.path.abspath(screenshot)}",
+                                   "file://" + os.path.abspath(path)], capture_output=True, text=True, timeout=120)
+            assert shot.returncode == 0 and os.path.exists(screenshot), shot.stderr[-2000:]
     assert proc.returncode == 0, proc.stderr[-2000:]
     console = [line for line in proc.stderr.splitlines() if ":CONSOLE" in line]
     return proc.stdout, console

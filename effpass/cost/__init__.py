@@ -5,7 +5,7 @@ a dispatch mode (:mod:`effpass.cost.counter`) that records every aten op: FLOPs 
 the table ``FlopCounterMode`` reads, so the totals equal its figure), the bytes each op reads and writes, host
 synchronisations. The ops are grouped into kernels by a simple fusion rule that stands for Inductor's
 (:mod:`effpass.cost.kernels`), and each kernel is timed by a roofline on a named GPU
-(:mod:`effpass.cost.devices`). The step runs on real tensors (small models) or on fake tensors (full-size
+(:mod:`effpass.devices`). The step runs on real tensors (small models) or on fake tensors (full-size
 models: shapes only, nothing allocated).
 
 The *loss head* is the ops that touch a tensor with a vocabulary-sized dimension (the logits' matmul, the loss,
@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from .counter import CostMode, OpRecord, operand_bytes
-from .devices import DEVICES, GPU, get_device, kernel_seconds
+from ..devices import DEVICES, GPU, get_device, kernel_seconds
 from .kernels import Kernel, build_kernels, classify
 
 __all__ = ["StepCost", "step_cost", "config_step_cost", "DEVICES", "GPU", "get_device", "kernel_seconds",

@@ -8,7 +8,7 @@ import sys
 
 import effpass
 
-from .devices import DEVICES
+from ..devices import DEVICES
 
 __all__: list[str] = []
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .counter import OpRecord
-from .devices import GPU, kernel_seconds
+from ..devices import GPU, kernel_seconds
 
 __all__ = ["Kernel", "classify", "build_kernels", "FUSIBLE"]
 

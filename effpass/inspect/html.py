@@ -28,7 +28,7 @@ from typing import Any, Iterable
 
 from ..dump import INDEX, graph_index
 from ..report import CompileReport, register_renderer
-from .html_sections import _charts, _e, _graph_table, _memory_plan, _num, _pass_rows, _pipeline
+from .html_sections import _charts, _e, _graph_table, _memory_plan, _num, _pass_rows, _pipeline, memory_and_time
 
 __all__ = ["load_dump_lenient", "render_html", "write_dump_html", "write_report_html"]
 
@@ -115,13 +115,16 @@ table{border-collapse:collapse;margin:6px 0} th,td{border:1px solid #ddd;padding
 th{background:#f5f5f7} td.num{text-align:right;white-space:nowrap} code{font-size:12px}
 tr.changed td.res{color:#0a7a2f;font-weight:600} tr.failed td.res{color:#b00020;font-weight:600}
 tr.unchanged td.res{color:#777} .problems{border:2px solid #b00020;background:#fff4f4;padding:8px 14px}
-.problems li{margin:2px 0} .warn{color:#b05a00} .stat{display:inline-block;margin-right:8px;white-space:nowrap}
+.problems li{margin:2px 0} .warn{color:#b05a00} .stat{display:inline-block;margin-right:8px;max-width:100%;overflow-wrap:anywhere}
 pre{background:#fafafa;border:1px solid #eee;padding:8px;overflow:auto;max-height:600px;font-size:12px}
 pre .add{color:#0a7a2f;background:#eaffea} pre .del{color:#b00020;background:#ffecec} pre .hunk{color:#555}
 details{margin:2px 0} summary{cursor:pointer} figure.chart{margin:10px 0} figcaption{font-weight:600}
 svg .lbl,svg .val{font:11px system-ui,sans-serif;fill:#333} .b-time{fill:#4f7cd9} .b-lower{fill:#aab4c8}
 .b-before{fill:#d98b4f} .b-after{fill:#4fa36b} button{margin-right:6px}
 table.passes td:last-child{max-width:420px;overflow-wrap:anywhere}
+table{max-width:100%} td,th{overflow-wrap:anywhere} pre{max-width:100%;white-space:pre-wrap}
+table.passes{table-layout:fixed;width:100%}
+#memory-time table.figures th,#memory-time table.figures td.num{white-space:nowrap}
 """
 
 _JS = """
@@ -133,6 +136,9 @@ _JS = """
   function all(open) { document.querySelectorAll('details').forEach(function (d) { d.open = open; }); }
   document.getElementById('expand').addEventListener('click', function () { all(true); });
   document.getElementById('collapse').addEventListener('click', function () { all(false); });
+  // nothing wider than the window (a clipped column hides numbers): the page's width is checked, not assumed
+  var wide = document.documentElement.scrollWidth > window.innerWidth + 1;
+  document.documentElement.setAttribute('data-effpass-fits', wide ? 'no:' + document.documentElement.scrollWidth : 'yes');
   document.documentElement.setAttribute('data-effpass-ready', String(rows.length));
 })();
 """
@@ -175,16 +181,20 @@ def render_html(graphs: list[dict[str, Any]], problems: Iterable[str] = (), *, s
     data = json.dumps(payload, default=str).replace("</", "<\\/").replace("<!--", "<\\!--")
     n_pass = sum(len(g["passes"]) for g in graphs)
     names = sorted({r.get("name") for g in graphs for r in g["passes"]})
+    # the header counts what the body shows: compiled graphs (the module phase is not a graph)
+    n_graphs = sum(1 for g in graphs if g["_name"] != "module")
+    module = " and the module phase" if any(g["_name"] == "module" and g["passes"] for g in graphs) else ""
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
 <title>effpass report{(' - ' + _e(source)) if source else ''}</title><style>{_CSS}</style></head>
 <body>
 <h1>effpass report</h1>
 <div class="meta">{_e(source)} &middot; dump written by effpass {_e(', '.join(versions))} &middot; page by effpass
-{_e(__version__)} &middot; {len(graphs)} graph(s), {n_pass} pass run(s) of {len(names)} pass(es): {_e(', '.join(map(str, names)))}
+{_e(__version__)} &middot; <span id="n-graphs-head">{n_graphs}</span> graph(s){module}, {n_pass} pass run(s) of {len(names)} pass(es): {_e(', '.join(map(str, names)))}
 &middot; generated {_e(datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC'))}</div>
 {prob}
 <p><button id="expand" type="button">expand all</button><button id="collapse" type="button">collapse all</button></p>
+<h2>Memory and time</h2>{memory_and_time(graphs)}
 <h2>Pipeline and options</h2>{_pipeline(graphs)}
 <h2>Charts</h2>{_charts(graphs) or '<p>(nothing to chart)</p>'}
 <h2>Graphs, graph breaks and recompiles</h2>{_graph_table(graphs)}

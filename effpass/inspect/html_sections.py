@@ -303,3 +303,94 @@ def _memory_plan(plan: Any) -> str:
     if isinstance(plan, list) and plan and all(isinstance(x, dict) for x in plan):
         return _memory_plan({"rows": plan})
     return f"<code>{_e(json.dumps(plan, default=str))}</code>"
+
+
+# ------------------------------------------------------------------------------------------------------
+# memory and time first: what a user asks before anything else
+# ------------------------------------------------------------------------------------------------------
+def _short_bytes(n: Any) -> str:
+    if not isinstance(n, (int, float)):
+        return "-"
+    for unit, k in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= k:
+            return f"{n / k:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _short_num(n: Any) -> str:
+    if not isinstance(n, (int, float)):
+        return "-"
+    for unit, k in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= k:
+            return f"{n / k:.2f} {unit}"
+    return f"{n:.0f}"
+
+
+def _plan_peak(graphs: list[dict[str, Any]]) -> Any:
+    for g in graphs:
+        plan = g.get("memory_plan")
+        if isinstance(plan, dict):
+            for key in ("predicted_peak_bytes", "peak_bytes"):
+                if isinstance(plan.get(key), (int, float)):
+                    return plan[key]
+            chosen = plan.get("chosen")
+            if isinstance(chosen, dict) and isinstance(chosen.get("peak_bytes"), (int, float)):
+                return chosen["peak_bytes"]
+    return None
+
+
+def memory_and_time(graphs: list[dict[str, Any]], device: str = "h100") -> str:
+    """Per graph and for the step: saved activations and the transient peak (predicted from the graphs'
+    metadata), FLOPs, a roofline time estimate on ``device`` and the compile time (measured); the step row sums
+    them. Says which figures are predicted and which measured."""
+    rows, tot = [], {"flops": 0, "est": 0.0, "saved": 0, "peak": 0, "compile": 0.0}
+    missing = []
+    for g in graphs:
+        if g["_name"] == "module":
+            continue
+        figs = g.get("figures") or {}
+        t = g.get("timing") or {}
+        fw = figs.get("forward") or figs.get("inference") or {}
+        bw = figs.get("backward") or {}
+        if not fw and not bw:
+            missing.append(g["_name"])
+        flops = (fw.get("flops") or 0) + (bw.get("flops") or 0)
+        est = ((fw.get("est_ms") or {}).get(device) or 0.0) + ((bw.get("est_ms") or {}).get(device) or 0.0)
+        saved = bw.get("saved_bytes")
+        peak = max(fw.get("peak_bytes") or 0, (bw.get("peak_bytes") or 0) + (saved or 0))
+        tot["flops"] += flops
+        tot["est"] += est
+        tot["saved"] += saved or 0
+        tot["peak"] = max(tot["peak"], peak)
+        tot["compile"] += t.get("total_ms") or 0.0
+        kinds = "+".join(k for k in ("forward", "backward", "inference") if k in figs) or "-"
+        rows.append(f'<tr class="fig-row" data-graph="{_e(g["_name"])}" data-flops="{flops}" data-saved="{saved or 0}">'
+                    f'<td>{_e(g["_name"])}</td><td>{_e(kinds)}</td>'
+                    f'<td class="num">{_short_bytes(saved) if saved is not None else "-"}</td>'
+                    f'<td class="num">{_short_bytes(fw.get("peak_bytes"))}</td>'
+                    f'<td class="num">{_short_bytes(bw.get("peak_bytes")) if bw else "-"}</td>'
+                    f'<td class="num">{_short_num(flops)}</td><td class="num">{est:.3f}</td>'
+                    f'<td class="num">{_num(t.get("total_ms")) if t else "(unfinished)"}</td></tr>')
+    if not rows:
+        return "<p>No compiled graphs in this dump: nothing to estimate.</p>"
+    plan_peak = _plan_peak(graphs)
+    plan = (f'<p class="plan-peak">Memory planner: predicted peak of the step <b>{_short_bytes(plan_peak)}</b> '
+            f'(predicted by replaying the step; see "Memory plan").</p>' if plan_peak is not None else "")
+    gap = (f'<p class="warn">No figures for {_e(", ".join(missing))} (compiled before effpass recorded them, or a '
+           f'compile-cache hit recorded without them).</p>' if missing else "")
+    step = (f'<tr class="fig-step"><th>step</th><th>all graphs</th><th class="num">{_short_bytes(tot["saved"])}</th>'
+            f'<th class="num" colspan="2">largest: {_short_bytes(tot["peak"])}</th>'
+            f'<th class="num">{_short_num(tot["flops"])}</th><th class="num">{tot["est"]:.3f}</th>'
+            f'<th class="num">{_num(tot["compile"])}</th></tr>')
+    return (f'<div id="memory-time">{plan}'
+            f'<table class="figures"><tr><th>graph</th><th>lowered</th><th>saved for backward</th>'
+            f'<th>forward peak</th><th>backward peak</th><th>FLOPs</th><th>est. {_e(device.upper())} ms</th>'
+            f'<th>compile ms</th></tr>{"".join(rows)}{step}</table>{gap}'
+            f'<p class="meta">Memory and FLOPs are <b>predicted</b> from each graph\'s tensor metadata, nothing run: '
+            f'"saved for backward" is what the forward leaves for the backward (activations, each storage once), a '
+            f'peak is the most intermediate bytes alive at once above the graph\'s inputs with the ops unfused '
+            f'(Inductor\'s fusions hold less); the step\'s "largest" is the biggest of the graphs\' backward peak plus '
+            f'its saved bytes (or forward peak). The time is a <b>roofline estimate</b> on {_e(device.upper())} '
+            f'(each op the larger of its FLOPs at the matmul ceiling and its bytes at HBM bandwidth, plus a launch; '
+            f'<code>effpass cost</code> has the fused model), not a measurement. Compile time is <b>measured</b> '
+            f'(the backend call).</p></div>')

@@ -2,33 +2,15 @@
 (:func:`partition_stats`) and count the activation bytes saved for the backward and the FLOPs it recomputes."""
 from __future__ import annotations
 
-import operator
 from typing import Any, Iterable
 
 import torch
 import torch.fx as fx
 
 from effpass.graph import forward_nodes, is_primal, is_tangent, snapshot_graph, tensor_meta
+from effpass.graph_figures import node_flops, storage_key as _storage_key, value_bytes as _nbytes  # noqa: F401
 
-from .plan import _SAVE_PACKETS, Plan, _aten, _is_random, mark_graph, num_forward_outputs
-
-
-def _nbytes(val: torch.Tensor) -> int:
-    n = val.numel()
-    try:
-        n = int(n)
-    except Exception:  # symbolic: use the hint
-        n = int(getattr(getattr(n, "node", None), "hint", None) or 4096)
-    return n * val.element_size()
-
-
-def _storage_key(val: torch.Tensor):
-    try:
-        from torch.multiprocessing.reductions import StorageWeakRef
-
-        return StorageWeakRef(val.untyped_storage())
-    except Exception:
-        return id(val)
+from .plan import Plan, _is_random, mark_graph, num_forward_outputs
 
 
 def activation_bytes(saved: Iterable[fx.Node], inputs: Iterable[fx.Node] = (), exclude: Iterable = ()) -> int:
@@ -49,51 +31,6 @@ def activation_bytes(saved: Iterable[fx.Node], inputs: Iterable[fx.Node] = (), e
             size = _nbytes(v)
         sizes[key] = max(sizes.get(key, 0), size)
     return sum(sizes.values())
-
-
-def node_flops(node: fx.Node) -> int:
-    """FLOPs of one node: torch's flop formulas for matmuls/convs/attention; one per output element for
-    other compute ops; zero for views. A ``run_with_rng_state(state, op, *args)`` node (a random op the
-    partitioner replays in the backward) counts as its op."""
-    if node.op != "call_function":
-        return 0
-    target, args = node.target, node.args
-    if "run_with_rng_state" in str(getattr(target, "__name__", target)) and len(args) >= 2:
-        target, args = args[1], args[2:]
-    return _op_flops(target, args, node.kwargs, tensor_meta(node))
-
-
-def _op_flops(target, args, kwargs, out) -> int:
-    packet = target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target
-    if target is operator.getitem or (isinstance(target, torch._ops.OpOverload) and (
-            target.is_view or packet in (_aten.detach, _aten.alias, _aten.lift_fresh_copy, _aten.sym_size))):
-        return 0
-    from torch.utils.flop_counter import flop_registry
-    import torch.utils._pytree as pytree
-
-    metas = pytree.tree_map(lambda a: tensor_meta(a) if isinstance(a, fx.Node) else a, (args, kwargs))
-    fn = flop_registry.get(packet)
-    if fn is not None:
-        try:
-            return int(fn(*metas[0], **metas[1], out_val=out))
-        except Exception:
-            pass
-    if packet in _SAVE_PACKETS and "attention" in str(packet):
-        flops = _attention_flops(metas[0])  # e.g. the CPU flash op, which torch's flop counter lacks
-        if flops is not None:
-            return flops
-    vals = out if isinstance(out, (list, tuple)) else [out]
-    return sum(_nbytes(v) // max(v.element_size(), 1) for v in vals if isinstance(v, torch.Tensor))
-
-
-def _attention_flops(args) -> int | None:
-    """``q @ k^T`` and ``p @ v`` of an attention op from its (B, H, S, D) q/k/v arguments (GQA: k/v may
-    have fewer heads; the kernel broadcasts them)."""
-    qkv = list(args[:3])
-    if len(qkv) < 3 or not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in qkv):
-        return None
-    (b, hq, sq, d), (_, _, sk, _), (_, _, _, dv) = (tuple(int(x) for x in t.shape) for t in qkv)
-    return 2 * b * hq * sq * sk * (d + dv)
 
 
 def partition_stats(gm: fx.GraphModule, num_fwd_outputs: int | None = None, *, plan: Plan | None = None,

@@ -53,6 +53,7 @@ import torch.fx as fx
 
 import effpass
 from effpass.graph import is_primal, is_tangent, module_path_of_node, tensor_meta
+from effpass.graph_figures import storage_key as _storage_key, storage_nbytes as _storage_nbytes
 from effpass.scope import glob_match
 
 __all__ = ["CompressActivations", "compress", "decompress", "element_error_bound"]
@@ -378,19 +379,3 @@ class _Compressed(effpass.Note):
 
     originals: dict
     primal_storages: frozenset
-
-
-def _storage_key(val: torch.Tensor):
-    try:
-        from torch.multiprocessing.reductions import StorageWeakRef
-
-        return StorageWeakRef(val.untyped_storage())
-    except Exception:
-        return id(val)
-
-
-def _storage_nbytes(val: torch.Tensor) -> int:
-    try:
-        return int(val.untyped_storage().nbytes())
-    except Exception:
-        return val.numel() * val.element_size()

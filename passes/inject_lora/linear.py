@@ -230,8 +230,12 @@ def freeze_base(model: nn.Module, trainable_adapters: bool = True) -> None:
 
 
 def parameter_stats(model: nn.Module) -> dict[str, int]:
-    """Trainable and frozen parameter counts and bytes (shared parameters counted once)."""
+    """Trainable and frozen parameter counts and bytes (shared parameters counted once; bytes as storage holds
+    them: a quantized base weight (NF4, int8) counts its codes and scales, not its logical dtype)."""
+    from effpass.quantized import storage_bytes
+
     seen: set[int] = set()
+    storages: set = set()
     out = {"trainable_params": 0, "frozen_params": 0, "trainable_bytes": 0, "frozen_bytes": 0}
     for p in model.parameters():
         if id(p) in seen:
@@ -239,7 +243,7 @@ def parameter_stats(model: nn.Module) -> dict[str, int]:
         seen.add(id(p))
         kind = "trainable" if p.requires_grad else "frozen"
         out[f"{kind}_params"] += p.numel()
-        out[f"{kind}_bytes"] += p.numel() * p.element_size()
+        out[f"{kind}_bytes"] += storage_bytes(p, storages)
     return out
 
 

@@ -151,6 +151,45 @@ def test_page_from_dump_loads_clean_and_equals_inspect_json(dump, tmp_path, caps
 
 
 @needs_chromium
+def test_page_opens_with_memory_and_time_and_fits_1280_px(dump, tmp_path):
+    """What a user asks first comes first: per graph and for the step, saved activations and peaks (predicted,
+    said so), FLOPs, an estimated time and the compile time (measured); no column wider than a 1,280 px window
+    (the page measures its own width); the header counts the graphs the body shows."""
+    d, _ = dump
+    out = str(tmp_path / "report.html")
+    assert cli_main(["inspect", d, "--html", out]) == 0
+    shot = str(tmp_path / "first_screen.png")
+    dom, console = load_in_chromium(out, window=(1280, 900), screenshot=shot)
+    assert console == [], console
+    page = _parse(dom)
+    assert page.root.get("data-effpass-fits") == "yes", page.root.get("data-effpass-fits")
+    assert dom.index("Memory and time") < dom.index("Pipeline and options") < dom.index("Passes per graph")
+    assert "predicted" in dom and "measured" in dom and "roofline estimate" in dom
+    with open(shot, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    # the saved-for-backward figure of each graph is what checkpoint_activations measured on that backward graph
+    graphs = [g for g in load_dump(d) if g["_name"] != "module"]
+    figs = dict(re.findall(r'class="fig-row" data-graph="([^"]+)" data-flops="\d+" data-saved="(\d+)"', dom))
+    assert len(figs) == len(graphs) == int(page.ids["n-graphs-head"]) == int(page.ids["n-graphs"]) == 3
+    for g in graphs:
+        measured = [r["stats"]["saved_bytes_measured"] for r in g["passes"]
+                    if r["name"] == "checkpoint_activations" and "saved_bytes_measured" in r["stats"]]
+        assert measured and int(figs[g["_name"]]) == measured[0] == g["figures"]["backward"]["saved_bytes"]
+
+
+@needs_chromium
+def test_width_check_can_fail(dump, tmp_path):
+    d, _ = dump
+    out = str(tmp_path / "report.html")
+    assert cli_main(["inspect", d, "--html", out]) == 0
+    text = open(out).read().replace("<h1>", '<div style="width:3000px;height:2px"></div><h1>', 1)
+    with open(out, "w") as f:
+        f.write(text)
+    dom, console = load_in_chromium(out, window=(1280, 900))
+    assert console == [] and _parse(dom).root.get("data-effpass-fits", "").startswith("no:")
+
+
+@needs_chromium
 def test_console_check_can_fail(tmp_path):
     bad = tmp_path / "bad.html"
     bad.write_text("<html><body><script>throw new Error('boom')</script></body></html>")

@@ -427,6 +427,12 @@ def test_qlora_adapters_wrap_quantized_linears():
     assert len(mods) == 2 and all(getattr(m.base_layer, "__effpass_linear__", False) for m in mods.values())
     assert {n for n, p in case.model.named_parameters() if p.requires_grad} == {
         f"{n}.{w}.weight" for n in mods for w in ("lora_A", "lora_B")}
+    # frozen bytes as storage holds them: the int8 layers' codes and scales, not 4 bytes per parameter
+    from effpass.quantized import storage_bytes
+
+    st = effpass.report(case.model).stats("inject_lora")
+    frozen = [p for p in case.model.parameters() if not p.requires_grad]
+    assert st["frozen_bytes"] == storage_bytes(frozen) < 4 * st["frozen_params"], st
     randomize_adapters(case.model)
     res = compile_and_compare(case, passes=passes, atol=1e-4, rtol=1e-4)
     assert res.report.stats("inject_lora", graph="torch_ir")["adapters_in_graph"] == 2
