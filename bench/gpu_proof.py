@@ -206,7 +206,8 @@ def render(lines: list[dict], meta: dict) -> str:
         rows = [ln for ln in lines if ln.get("section") == s.key]
         out += [f"## ({s.key}) {s.title}", ""]
         if not rows:
-            out += ["(not run yet)", ""]
+            chosen = meta.get("sections")
+            out += ["(not chosen for this run: --only)" if chosen and s.key not in chosen else "(not run yet)", ""]
             continue
         keys: list[str] = []
         for r in rows:
@@ -364,7 +365,7 @@ def main(argv=None) -> int:
         sum(s.budget_s for s in chosen) if not dry else DRY_SECTION_S * len(chosen))
     meta = {**driver.meta("gpu_proof", "cpu" if dry else "cuda"), "dry_run": dry, "peers": _peer_versions(),
             "wheels": sorted(os.listdir(os.path.join(out, "site"))) if os.path.isdir(os.path.join(out, "site")) else [],
-            "budget_s": budget}
+            "budget_s": budget, "sections": [s.key for s in chosen]}
     jsonl = os.path.join(out, "proof.jsonl")
     lines: list[dict] = []
     if os.path.exists(jsonl):  # a second command in the same window: keep the first one's lines

@@ -29,31 +29,7 @@ LONG_FIRST = (
 )
 
 
-# Sweeps: a test marked ``sweep`` checks one promise on many inputs of the same kind (model families, the same
-# check per model or per option). By default (CI, ``bash scripts/dev.sh test``) each sweep runs a sample of its
-# cases: its first case always (the anchor) and a third of the others (rounded: a 2-case sweep runs its first), chosen by a hash of the case's id with the
-# commit (``git rev-parse HEAD``): a rerun of one commit runs the same cases, successive commits cover the rest.
-# ``EFFPASS_TEST_SWEEP=full`` runs every case; ``EFFPASS_TEST_SWEEP=<text>`` samples with that seed instead.
-SWEEP_FRACTION = 1 / 3
-
-
-def _sweep_seed() -> str | None:
-    choice = os.environ.get("EFFPASS_TEST_SWEEP", "").strip()
-    if choice.lower() in ("full", "all", "0"):
-        return None
-    if choice:
-        return choice
-    import subprocess
-
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=os.path.dirname(os.path.abspath(__file__)))
-        return head.stdout.strip()[:12] or "no-commit"
-    except (OSError, subprocess.SubprocessError):
-        return "no-git"
-
-
-SWEEP_SEED = _sweep_seed()
+from _sweep import SWEEP_FRACTION, SWEEP_SEED, sample  # noqa: E402  (the sweep sample: tests/_sweep.py)
 
 
 def pytest_report_header(config):
@@ -64,16 +40,14 @@ def pytest_report_header(config):
 
 
 def _sample_sweeps(config, items):
-    import hashlib
-
     groups: dict[tuple, list] = {}
     for item in items:
         if item.get_closest_marker("sweep") is not None and hasattr(item, "callspec"):
             groups.setdefault((item.path, item.originalname), []).append(item)
     dropped = set()
     for cases in groups.values():
-        rest = sorted(cases[1:], key=lambda it: hashlib.sha256(f"{SWEEP_SEED}:{it.nodeid}".encode()).hexdigest())
-        dropped.update(rest[round(len(rest) * SWEEP_FRACTION):])
+        kept = set(map(id, sample(cases, key=lambda it: it.nodeid)))
+        dropped.update(it for it in cases if id(it) not in kept)
     if dropped:
         config.hook.pytest_deselected(items=[it for it in items if it in dropped])
         items[:] = [it for it in items if it not in dropped]

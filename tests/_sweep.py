@@ -1,0 +1,45 @@
+"""The sample the suite runs of each sweep (tests/conftest.py) and of the few fixtures that sweep inside one test
+(the GPU proof kit's dry-run sections).
+
+Sweeps: a test marked ``sweep`` checks one promise on many inputs of the same kind (model families, the same
+check per model or per option). By default (CI, ``bash scripts/dev.sh test``) each sweep runs a sample of its
+cases: its first case always (the anchor) and a third of the others (rounded: a 2-case sweep runs its first),
+chosen by a hash of the case's id with the commit (``git rev-parse HEAD``): a rerun of one commit runs the same
+cases, successive commits cover the rest. ``EFFPASS_TEST_SWEEP=full`` runs every case; ``EFFPASS_TEST_SWEEP=<text>``
+samples with that seed instead.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+
+SWEEP_FRACTION = 1 / 3
+
+
+def _sweep_seed() -> str | None:
+    choice = os.environ.get("EFFPASS_TEST_SWEEP", "").strip()
+    if choice.lower() in ("full", "all", "0"):
+        return None
+    if choice:
+        return choice
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=os.path.dirname(os.path.abspath(__file__)))
+        return head.stdout.strip()[:12] or "no-commit"
+    except (OSError, subprocess.SubprocessError):
+        return "no-git"
+
+
+#: None: every case runs
+SWEEP_SEED = _sweep_seed()
+
+
+def sample(cases: list, key=str) -> list:
+    """The cases of one sweep that run: the first, and a third of the others chosen by ``key(case)`` hashed
+    with the seed (all of them when ``EFFPASS_TEST_SWEEP=full``); in their original order."""
+    if SWEEP_SEED is None or len(cases) <= 1:
+        return list(cases)
+    rest = sorted(cases[1:], key=lambda c: hashlib.sha256(f"{SWEEP_SEED}:{key(c)}".encode()).hexdigest())
+    keep = {id(c) for c in rest[:round(len(rest) * SWEEP_FRACTION)]}
+    return [cases[0]] + [c for c in cases[1:] if id(c) in keep]
