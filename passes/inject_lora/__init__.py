@@ -138,7 +138,10 @@ class InjectLoRA(effpass.Pass):
             stats["expert_parameters"] = expert_names
         skipped = [{"site": n, "reason": "already has a LoRA adapter"} for n, m in selected if isinstance(m, LoRALinear)]
         skipped += [{"site": n, "reason": "already has a LoRA adapter"} for n in experts if n in had]
-        return effpass.PassResult(changed=bool(names or expert_names), stats=stats, skipped=skipped)
+        why = "" if (names or expert_names) else (
+            f"every selected module already has a LoRA adapter ({len(skipped)}; a model prepared before keeps its "
+            "adapters: nothing new to inject)" if skipped else "no module selected")
+        return effpass.PassResult(changed=bool(names or expert_names), stats=stats, skipped=skipped, why_unchanged=why)
 
     # ---- torch-IR phase --------------------------------------------------------------------------
     def transform_torch_ir(self, gm: fx.GraphModule, ctx) -> effpass.PassResult:
@@ -146,7 +149,8 @@ class InjectLoRA(effpass.Pass):
         stats = {"adapters_in_graph": 0, "merged_groups": 0, "merged_adapters": 0}
         skipped: list[dict] = []
         if not a_weights:
-            return effpass.PassResult(changed=False, stats=stats)
+            return effpass.PassResult(changed=False, stats=stats, why_unchanged=(
+                "no LoRA adapter is called in this graph (its modules have none, or they are outside targets)"))
         groups: dict[fx.Node, list[fx.Node]] = {}
         for node in gm.graph.nodes:
             if not _is_linear(node) or len(node.args) < 2 or node.args[1] not in a_weights:

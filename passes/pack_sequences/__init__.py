@@ -169,7 +169,8 @@ class PackSequences(effpass.Pass):
         gname = _graph_name(graph, hook)
         sites = [n for n in graph.nodes if is_sdpa(n) or is_softmax(n)]
         if not sites:
-            return effpass.PassResult(False, stats)
+            return effpass.PassResult(False, stats, why_unchanged=(
+                "no attention (SDPA or softmax) in this graph: nothing to keep packed examples apart in"))
         rw = _GraphRewrite(graph, stats)
         unisolated: list[tuple[str, str, str]] = []
         for site in sites:

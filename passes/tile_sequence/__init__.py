@@ -265,6 +265,8 @@ def find_row_regions(gm: fx.GraphModule, model: torch.nn.Module | None = None,
     taken: set[fx.Node] = set()
     for lead in leads:
         if math.prod(lead) < min_rows:
+            skipped.append({"site": f"rows {list(lead)}", "reason": f"{math.prod(lead)} rows: fewer than "
+                            f"{min_rows} (two tiles)"})
             continue
         rw: set[fx.Node] = set()
         for n in nodes:  # graph order: operands are classified before their users
@@ -461,7 +463,12 @@ class TileSequence(effpass.Pass):
             gm.graph.lint()
             gm.recompile()
             ctx.leave(TiledRegions(count=base + stats["regions"]))
-        return effpass.PassResult(changed=bool(stats["regions"]), stats=stats, skipped=skipped)
+        why = ""
+        if not stats["regions"]:
+            why = (f"{len(skipped)} region(s) left alone (reasons below; a sequence shorter than two tiles of "
+                   f"tile_rows={self.tile_rows} rows is not tiled: lower tile_rows to tile it)" if skipped else
+                   "no row-wise region (MLP or loss head over the sequence) found in this graph")
+        return effpass.PassResult(changed=bool(stats["regions"]), stats=stats, skipped=skipped, why_unchanged=why)
 
     def transform_joint(self, gm: fx.GraphModule, ctx) -> effpass.PassResult | None:
         if ctx.graph_kind != "joint" or ctx.read(TiledRegions) is None:
