@@ -12,7 +12,7 @@ import contextlib
 import linecache
 import sys
 import weakref
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -280,17 +280,22 @@ def step_timeline(events, est: MemoryEstimate, max_points: int = 600) -> dict:
     activations (the loss included); made in the backward and alive into the optimizer step or past it =
     gradients; everything else = transients. Downsampled to ``max_points`` points, keeping each bucket's
     highest point (so the peak is drawn at its height)."""
-    made: dict[int, str | None] = {}
-    freed: dict[int, str | None] = {}
-    for delta, key, phase, _ in events:
+    # NOTE(key reuse): a key (a storage's identity) is reused once its storage is freed, so what an allocation
+    # is follows from its own lifetime (the event that made it to the event that freed it), never from the key's
+    # last use: classifying by key made a forward activation whose key a backward gradient reused a "gradient"
+    # (and the figures depended on what the process had allocated before).
+    made: dict[int, str | None] = {}      # event index of an allocation -> the phase it was made in
+    freed: dict[int, str | None] = {}     # event index of an allocation -> the phase it was freed in
+    current: dict[Any, int] = {}
+    for i, (delta, key, phase, _) in enumerate(events):
         if delta > 0:
-            made[key] = phase
-            freed.pop(key, None)
-        else:
-            freed[key] = phase
+            current[key] = i
+            made[i] = phase
+        elif key in current:
+            freed[current.pop(key)] = phase
 
-    def category(key) -> str:
-        a, f = made.get(key), freed.get(key, "end")
+    def category(i: int) -> str:
+        a, f = made.get(i), freed.get(i, "end")
         if a == "forward" and f != "forward":
             return "saved activations"
         if a == "backward" and f != "backward":
@@ -304,7 +309,7 @@ def step_timeline(events, est: MemoryEstimate, max_points: int = 600) -> dict:
     points, peak_i, peak_total = [], 0, -1
     for i, (delta, key, phase, op) in enumerate(events):
         if delta > 0:
-            c = category(key)
+            c = category(i)
             sizes[key] = (c, delta)
             live[c] += delta
         else:

@@ -78,3 +78,21 @@ def test_plan_command_writes_html_and_snapshot(tmp_path, capsys):
     assert n_candidates >= 1  # the other candidate plans, one curve each
     snap = pickle.loads(viz.read_bytes())
     assert snap["device_traces"][0][0]["action"] == "alloc"
+
+
+def test_a_reused_storage_key_is_classified_per_lifetime():
+    """Storage keys (addresses) are reused once freed: a forward activation freed in the backward is a saved
+    activation even when a backward transient later gets the same key (classified by the key's last use, it
+    was a transient, and the timeline depended on what the process had allocated before)."""
+    from types import SimpleNamespace
+
+    from effpass.planning.tracker import step_timeline
+
+    est = SimpleNamespace(parameters=0, buffers=0, optimizer_states=0, inputs=0, start_bytes=0, peak_phase="backward",
+                          peak_graph="-", peak_node="-")
+    events = [(100, 7, "forward", "mm"), (-100, 7, "backward", ""), (50, 7, "backward", "mul"), (-50, 7, "backward", ""),
+              (30, 7, "backward", "mm")]  # the last: a gradient alive past the backward
+    pts = step_timeline(events, est)["points"]
+    assert [p[2] for p in pts] == [100, 0, 0, 0, 0]     # saved activations
+    assert [p[3] for p in pts] == [0, 0, 0, 0, 30]      # gradients
+    assert [p[4] for p in pts] == [0, 0, 50, 0, 0]      # transients
