@@ -118,10 +118,24 @@ def _tensors(val) -> list[torch.Tensor]:
     return [v for v in vals if isinstance(v, torch.Tensor)]
 
 
+def _symbolic(gm: fx.GraphModule) -> bool:
+    for n in gm.graph.find_nodes(op="placeholder"):
+        v = tensor_meta(n)
+        if isinstance(v, (torch.SymInt, torch.SymFloat)):
+            return True
+        if isinstance(v, torch.Tensor) and not all(isinstance(d, int) for d in v.shape):
+            return True
+    return False
+
+
 def graph_figures(gm: fx.GraphModule, devices=("h100",)) -> dict[str, Any]:
-    """The figures of the module docstring for ``gm`` (an aten graph with tensor metadata)."""
+    """The figures of the module docstring for ``gm`` (an aten graph with tensor metadata). A graph with symbolic
+    sizes (``dynamic=True``, packed lengths) gets ``{"skipped": reason}``: reading its sizes would cost symbolic
+    algebra per op, and turning them into numbers would add guards to the compile."""
     from .devices import get_device, kernel_seconds
 
+    if _symbolic(gm):
+        return {"skipped": "symbolic sizes: figures are read from graphs with fixed sizes only"}
     nodes = list(gm.graph.nodes)
     last: dict[fx.Node, int] = {}
     for i, n in enumerate(nodes):

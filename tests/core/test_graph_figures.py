@@ -50,3 +50,10 @@ def test_matmul_flops_equal_flop_counter_mode_and_saved_bytes_equal_checkpointin
     measured = effpass.report(m).stats("checkpoint_activations")["saved_bytes_measured"]
     assert bw["saved_bytes"] == measured > 0 and "saved_bytes" not in fw
     assert fw["peak_bytes"] > 0 and bw["peak_bytes"] > 0 and fw["est_ms"]["h100"] > 0
+
+
+def test_symbolic_sizes_are_skipped_without_guards():
+    """A graph with symbolic sizes gets a reason, not figures: reading them would add guards to the compile."""
+    gm = make_fx(lambda t: (t * 2).sum(0), tracing_mode="symbolic")(torch.randn(8, 4))
+    assert graph_figures(gm) == {"skipped": "symbolic sizes: figures are read from graphs with fixed sizes only"}
+    assert "skipped" not in _figures(lambda x: x * 2)
