@@ -203,8 +203,8 @@ class Lowering:
         kind = _kind_of(phase, gm, report)
         changed = (manager or self.manager).run_graph_phase(phase, gm, report, kind,
                                                             regenerate=phase is not Phase.JOINT, **common)
-        if phase is Phase.POST_GRAD:
-            _record_figures(gm, report, kind)
+        if phase is Phase.POST_GRAD and common.get("detailed_stats"):
+            _record_figures(gm, report, kind)  # a dump is written or the user asked (detailed_stats): costs a walk
         if changed and phase is Phase.JOINT:
             # NOTE(ordering): Inductor sorts only at the end of its own joint passes; constant folding
             # in between fails on an unsorted graph, so re-sort after ours.

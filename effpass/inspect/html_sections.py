@@ -379,8 +379,9 @@ def memory_and_time(graphs: list[dict[str, Any]], device: str = "h100") -> str:
     plan_peak = _plan_peak(graphs)
     plan = (f'<p class="plan-peak">Memory planner: predicted peak of the step <b>{_short_bytes(plan_peak)}</b> '
             f'(predicted by replaying the step; see "Memory plan").</p>' if plan_peak is not None else "")
-    gap = (f'<p class="warn">No figures for {_e(", ".join(missing))} (without a reason: compiled before effpass '
-           f'recorded them, or a compile-cache hit recorded without them).</p>' if missing else "")
+    gap = (f'<p class="warn">No figures for {_e(", ".join(missing))} (without a reason: compiled without a dump '
+           f'and without <code>detailed_stats=True</code>, which record them, or a compile-cache hit recorded without '
+           f'them).</p>' if missing else "")
     step = (f'<tr class="fig-step"><th>step</th><th>all graphs</th><th class="num">{_short_bytes(tot["saved"])}</th>'
             f'<th class="num" colspan="2">largest: {_short_bytes(tot["peak"])}</th>'
             f'<th class="num">{_short_num(tot["flops"])}</th><th class="num">{tot["est"]:.3f}</th>'
