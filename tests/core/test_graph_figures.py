@@ -52,7 +52,7 @@ def test_matmul_flops_equal_flop_counter_mode_and_saved_bytes_equal_checkpointin
     assert fw["peak_bytes"] > 0 and bw["peak_bytes"] > 0 and fw["est_ms"]["h100"] > 0
 
 
-def test_symbolic_sizes_are_skipped_without_guards():
+def test_symbolic_sizes_get_a_reason_not_figures():
     """A graph with symbolic sizes gets a reason, not figures: reading them would add guards to the compile."""
     gm = make_fx(lambda t: (t * 2).sum(0), tracing_mode="symbolic")(torch.randn(8, 4))
     assert graph_figures(gm) == {"skipped": "symbolic sizes: figures are read from graphs with fixed sizes only"}
