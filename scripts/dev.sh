@@ -50,6 +50,10 @@ case "$cmd" in
   demo) exec "$VENV/bin/effpass" demo "$@" ;;
   test)
     wait_for_chromium
+    # One intra-op thread per process: the two workers already fill the two cores, and the processes tests
+    # start (CLI commands, examples, README blocks, ranks) work on tiny tensors, where a second thread costs
+    # more than it gives (the workers themselves set it in tests/conftest.py).
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
     # --dist loadgroup: tests marked xdist_group(NAME) share one worker (and its module fixtures: one launch of
     # ranks or one preloaded process serves several tests); the rest go one at a time to whichever worker is
     # free, the longest first (tests/conftest.py LONG_FIRST).

@@ -39,6 +39,13 @@ def pytest_report_header(config):
             "(EFFPASS_TEST_SWEEP=full runs every case; tests/conftest.py)")
 
 
+def _case_id(item) -> str:
+    """The item's node id without the "@group" suffix pytest-xdist's loadgroup adds (the sample must not depend
+    on whether the run is distributed, nor on the order of the two collection hooks)."""
+    n = item.nodeid
+    return n[:n.rfind("@")] if n.rfind("@") > n.rfind("]") else n
+
+
 def _sample_sweeps(config, items):
     groups: dict[tuple, list] = {}
     for item in items:
@@ -46,14 +53,29 @@ def _sample_sweeps(config, items):
             groups.setdefault((item.path, item.originalname), []).append(item)
     dropped = set()
     for cases in groups.values():
-        kept = set(map(id, sample(cases, key=lambda it: it.nodeid)))
+        kept = set(map(id, sample(cases, key=_case_id)))
         dropped.update(it for it in cases if id(it) not in kept)
     if dropped:
         config.hook.pytest_deselected(items=[it for it in items if it in dropped])
         items[:] = [it for it in items if it not in dropped]
 
 
+def _group_module_fixture_users(items) -> None:
+    """Tests that use a module-scoped fixture of their own module share one worker (``xdist_group`` named after
+    the module), so that the fixture (a compile, a replay table, a dump) is built once, not once per worker."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None or not hasattr(item, "_fixtureinfo"):
+            continue
+        here = item.nodeid.split("::")[0]
+        if any(d.scope == "module" and str(d.baseid).split("::")[0] == here
+               for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs):
+            item.add_marker(pytest.mark.xdist_group(f"module:{here}"))
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
+    _group_module_fixture_users(items)
+
     def rank(item):
         return next((i for i, key in enumerate(LONG_FIRST) if key in item.nodeid), len(LONG_FIRST))
 
@@ -94,6 +116,25 @@ def _count_inductor_graphs() -> None:
 
     counted._counted = True
     cfx.compile_fx = counted
+
+
+def pytest_collection_finish(session):
+    """``--dist loadgroup`` sends the tests of one ``xdist_group`` to one worker, so that a module fixture (a spawn
+    of ranks, a fork server, a dry run) runs once. pytest-xdist marks them by appending "@group" to the node id;
+    pytest 9.2 ignores that (its node ids are no longer the attribute xdist writes), and the groups were split
+    silently: the 2-rank spawn of tests/passes/wrap_fsdp ran three times per CI run. Fail instead of splitting."""
+    config = session.config
+    if not (os.environ.get("PYTEST_XDIST_WORKER") and config.getvalue("loadgroup")):
+        return
+    lost = [it.nodeid for it in session.items if it.get_closest_marker("xdist_group") is not None
+            and it.nodeid.rfind("@") <= it.nodeid.rfind("]")]
+    if lost:
+        import xdist
+
+        raise pytest.UsageError(
+            f"effpass tests: pytest {pytest.__version__} with pytest-xdist {xdist.__version__} does not group "
+            f"xdist_group tests under --dist loadgroup (e.g. {lost[0]}): their shared fixtures would run once per "
+            "worker and module switch. Install the pytest the dev extra pins (pyproject.toml: pytest<9.2).")
 
 
 @pytest.hookimpl(hookwrapper=True)

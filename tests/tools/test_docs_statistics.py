@@ -1,12 +1,10 @@
 """Every statistic a pass reports is defined in its docs page (docs/passes/<name>.md names it in backticks, or in
-a `prefix_a/b/c` group): one compile of a broad pipeline on the tiny Llama (eager lowering) collects the names."""
-import os
-import re
-
+a `prefix_a/b/c` group: tests/_docs.py): one compile of a broad pipeline on the tiny Llama (eager lowering) collects
+the names. wrap_fsdp and shard_sequence report only inside ranks: their tests check the same on the ranks' stats."""
 import pytest
 
 import effpass
-from _paths import ROOT
+from _docs import undocumented_statistics
 from effpass.testing import model_case
 
 PASSES = ["inject_lora", "fuse_attention", "fuse_cross_entropy", "checkpoint_activations", "tile_sequence",
@@ -14,13 +12,6 @@ PASSES = ["inject_lora", "fuse_attention", "fuse_cross_entropy", "checkpoint_act
 #: a second pipeline for the passes the first cannot hold (fp16 with loss scaling, int8 weights, the in-graph step)
 MIXED = [("apply_autocast", {"dtype": "float16"}), ("scale_loss", {}), ("quantize_linear", {"scheme": "int8"}),
          ("step_in_backward", {})]
-
-
-def _documented(doc: str) -> set[str]:
-    names = set(re.findall(r"`([a-z][a-z0-9_]*)`", doc))
-    for prefix, group in re.findall(r"`([a-z][a-z0-9_]*_)([a-z0-9]+(?:/[a-z0-9]+)+)`", doc):
-        names |= {prefix + g for g in group.split("/")}
-    return names
 
 
 def _keys(passes) -> dict[str, set]:
@@ -45,6 +36,5 @@ def reported():
 @pytest.mark.parametrize("name", PASSES + [n for n, _ in MIXED])
 def test_every_reported_statistic_is_documented(name, reported):
     assert reported.get(name), f"{name} reported no statistics"
-    with open(os.path.join(ROOT, "docs", "passes", f"{name}.md")) as fh:
-        missing = sorted(reported[name] - _documented(fh.read()))
+    missing = undocumented_statistics(name, reported[name])
     assert not missing, f"docs/passes/{name}.md does not define: {missing}"

@@ -25,6 +25,7 @@ from effpass.passes import ShardSequence
 
 VOCAB = 96
 from _paths import ROOT  # noqa: E402  (the repository's root)
+from _docs import undocumented_statistics  # noqa: E402
 from _ranks import spawn_ranks  # noqa: E402  (ranks forked from a preloaded fork server)
 
 
@@ -143,7 +144,8 @@ def _compare(family, rank, world, sp, *, attn="eager", kv_heads=2, packed=False,
             "max_grad_rel": max(rels.values()), "worst": max(rels, key=rels.get),
             "missing": sorted(set(want) - set(got)), "graphs": len(report.graphs), "pass_stats": pass_stats,
             "stats": {k: v for k, v in stats.items()
-                                                               if isinstance(v, (int, float, str))}}
+                                                               if isinstance(v, (int, float, str))},
+            "stat_names": sorted(stats)}
 
 
 def _errors(rank, world) -> dict:
@@ -385,6 +387,10 @@ def test_shard_sequence_two_ranks_equal_one_process_and_a_killed_rank_resumes(tm
             assert r["stats"]["size"] == 2 and r["stats"]["attention_modules"] == 2
             assert r["stats"]["attention"] == "ulysses"
     assert results[0]["mistral"]["stats"]["kv_replication"] == 2          # 1 kv head over 2 ranks
+    # every statistic the pass reported on the ranks is defined in its docs page (issue 38.2)
+    reported = {k for r in results for c in r.values() if isinstance(c, dict) for k in c.get("stat_names", ())}
+    assert {"size", "kv_replication", "attention"} <= reported
+    assert not undocumented_statistics("shard_sequence", reported), undocumented_statistics("shard_sequence", reported)
     assert results[0]["llama"]["stats"]["kv_replication"] == 1
     # Trainer (DDP over the 2 ranks): both ranks drew the same batches; 2 SGD steps equal one process
     t0, t1 = results[0]["trainer"], results[1]["trainer"]

@@ -23,6 +23,7 @@ from effpass.passes.wrap_fsdp import estimate, estimate_table, find_units, load_
     save_checkpoint
 
 from _paths import ROOT  # noqa: E402  (the repository's root)
+from _docs import undocumented_statistics  # noqa: E402
 from _ranks import spawn_ranks  # noqa: E402  (ranks forked from a preloaded fork server)
 STEPS = 3
 LR = 1e-3
@@ -462,6 +463,15 @@ def _two_rank_results(runs, name):
 # ------------------------------------------------------------------------------------------------------
 # the tests
 # ------------------------------------------------------------------------------------------------------
+def _fsdp_stat_names(result) -> set[str]:
+    """wrap_fsdp's statistic names in one scenario's result (top level, or per tiled/untiled run)."""
+    names = set(result.get("fsdp_stats") or ())
+    for v in result.values():
+        if isinstance(v, dict) and isinstance(v.get("fsdp_stats"), dict):
+            names |= set(v["fsdp_stats"])
+    return names
+
+
 def _assert_matches_reference(res, atol=1e-6):
     for n, ref in res["ref"].items():
         torch.testing.assert_close(res["final"][n], ref, atol=atol, rtol=1e-5, msg=lambda m: f"{n}: {m}")
@@ -492,6 +502,13 @@ def test_wrap_fsdp_two_ranks_match_one_process_and_resume_exactly(two_rank_runs)
         est = r["estimate"]["zero3"]
         assert abs(r["param_bytes"] - est["params"]) / est["params"] < 0.05, (r["param_bytes"], est)
         assert abs(r["opt_bytes"] - est["optimizer"]) / est["optimizer"] < 0.05, (r["opt_bytes"], est)
+    # every statistic the pass reports (here, and beside other passes, a fused head, tiles: the scenarios this
+    # session ran) is defined in its docs page (issue 38.2)
+    runs = [r for name in ("train", "passes", "fused_head", "tiled") if isinstance(two_rank_runs.get(name), list)
+            for r in two_rank_runs[name]]
+    reported = set().union(*map(_fsdp_stat_names, runs))
+    assert {"units", "world_size"} <= reported and not undocumented_statistics("wrap_fsdp", reported), (
+        undocumented_statistics("wrap_fsdp", reported))
     # the two ranks hold different halves of the batch; their mean loss is the full batch's loss
     assert results[0]["losses"] != results[1]["losses"]
     mean = [(a + b) / 2 for a, b in zip(results[0]["losses"], results[1]["losses"])]
