@@ -118,6 +118,27 @@ def _count_inductor_graphs() -> None:
     cfx.compile_fx = counted
 
 
+def _xdist_can_group() -> bool:
+    """Whether pytest reads the node id pytest-xdist's loadgroup writes (``item._nodeid``; pytest 9.2 does not)."""
+    from _pytest.nodes import Node
+
+    probe = object.__new__(Node)
+    probe._nodeid = "t@g"
+    try:
+        return Node.nodeid.fget(probe) == "t@g"
+    except AttributeError:
+        return False
+
+
+def pytest_configure(config):
+    if not os.environ.get("PYTEST_XDIST_WORKER") and config.getoption("dist", None) == "loadgroup" \
+            and not _xdist_can_group():
+        raise pytest.UsageError(
+            f"effpass tests: --dist loadgroup cannot group tests with pytest {pytest.__version__} (it ignores the "
+            "node ids pytest-xdist writes): shared fixtures would run once per worker. Install the pytest the dev "
+            "extra pins (pyproject.toml: pytest<9.2), or run without -n.")
+
+
 def pytest_collection_finish(session):
     """``--dist loadgroup`` sends the tests of one ``xdist_group`` to one worker, so that a module fixture (a spawn
     of ranks, a fork server, a dry run) runs once. pytest-xdist marks them by appending "@group" to the node id;
