@@ -654,9 +654,16 @@ def test_qlora_tracks_full_precision_lora():
 # ------------------------------------------------------------------------------------------------------
 # AOTAutograd's cache keys quantized weights (_stable_hash_for_caching)
 # ------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fresh_inductor_cache(tmp_path_factory):
+    """One cache directory, empty when this session starts, for the three schemes: each scheme's first compile
+    misses (its graph differs), and the kernels the three share (ReLU, the backward's sums) build once."""
+    return str(tmp_path_factory.mktemp("inductor_cache"))
+
+
 @pytest.mark.inductor
 @pytest.mark.parametrize("scheme", ["int8", "nf4", "int4"])
-def test_warm_aot_autograd_cache_hit_with_quantized_weights(scheme, tmp_path, monkeypatch):
+def test_warm_aot_autograd_cache_hit_with_quantized_weights(scheme, fresh_inductor_cache, monkeypatch):
     """A second compile of the same model (after torch._dynamo.reset) hits AOTAutograd's cache, and no
     'does not implement _stable_hash_for_caching' warning is raised for effpass's formats."""
     import warnings
@@ -665,7 +672,7 @@ def test_warm_aot_autograd_cache_hit_with_quantized_weights(scheme, tmp_path, mo
     import torch._inductor.config as ic
     from torch._dynamo.utils import counters
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", fresh_inductor_cache)
     x = torch.randn(4, 64, requires_grad=True)
     hits = []
     with warnings.catch_warnings(record=True) as caught, fc.patch(enable_autograd_cache=True), \
