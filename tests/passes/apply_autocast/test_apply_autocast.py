@@ -81,6 +81,8 @@ def test_apply_autocast_fp32_island_from_exclude():
     assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
     st = effpass.report(compiled).stats("apply_autocast")
     assert st["fp32_islands"] == 1 and st["island_modules"] == ["lm_head"]
+    # module phase: the whole model is one region (its root), lm_head the one island inside it
+    assert st["wrapped_regions"] == 1 and st["wrapped_islands"] == 1, st
     # 2 layers x 7 linears + 2 attention matmuls per layer = 18 low-precision matmuls; the lm_head stays fp32.
     assert st["matmuls_by_dtype_after"] == {"bfloat16": 18, "float32": 1}
     assert st["matmuls_by_dtype_before"] == {"float32": 19}
@@ -304,6 +306,7 @@ def test_apply_autocast_targets_make_regions_of_those_modules_only():
     assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
     st = effpass.report(compiled).stats("apply_autocast")
     assert st["region_modules"] == ["layers.1"] and st["regions"] == 1
+    assert st["wrapped_regions"] == 1 and st["wrapped_islands"] == 0, st  # nothing excluded inside layers.1
     assert st["matmuls_by_dtype_after"] == {"bfloat16": 9, "float32": 10}   # 7 linears + 2 attention matmuls
 
 

@@ -141,6 +141,10 @@ def test_ops_policy_saves_matmul_outputs_and_recomputes_pointwise():
     plain = partition_stats(gm, plan=plan_policy(fwd, find_blocks(fwd, (), _CAPTURED["model"]), "ops"))
     assert st["saved_bytes_after"] <= plain["saved_bytes"]
     assert st["recompute_flops_after"] < plain["recompute_flops"]
+    # "before" is the partition of the same graph without marks: what the partitioner recomputes on its own
+    unmarked = partition_stats(gm, clear_marks=True)
+    assert (st["saved_bytes_before"], st["recompute_flops_before"]) == (unmarked["saved_bytes"],
+                                                                         unmarked["recompute_flops"]), st
 
 
 def test_full_policy_saves_only_values_crossing_blocks():
@@ -214,10 +218,20 @@ def test_torch_budget_plan_reproduces_torch_exactly():
 
 def test_absolute_budget_string():
     case = model_case("demo")
-    _, rep, _ = _train_step(case, [CheckpointActivations(budget="40KiB")])
+    _, rep, _ = _train_step(case, [CheckpointActivations(budget="40KiB"), "capture_joint_for_ca_tests"])
     st = rep.stats(NAME)
     assert st["budget_bytes"] == 40 * 1024
     assert st["budget_met"] and st["saved_bytes_measured"] <= 40 * 1024 < st["saved_bytes_before"], st
+    # torch_solver: the graph carries torch's per-graph budget override exactly when torch's knapsack won, and
+    # then torch's partition at torch_budget_fraction is what the real partition saved
+    gm = _CAPTURED["gm"]
+    override = next(iter(gm.graph.nodes)).meta.get("memory_budget")
+    assert bool(st["torch_solver"]) == (override is not None), (st, override)
+    if st["torch_solver"]:
+        assert st["torch_budget_fraction"] == override and 0 < override <= 1
+        assert partition_stats(gm, clear_marks=True, memory_budget=override)["saved_bytes"] == st["saved_bytes_measured"]
+    else:
+        assert "torch_budget_fraction" not in st
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -106,6 +106,9 @@ def test_linear_weight_gradient_within_the_elementwise_bound():
     assert float(err.max()) > 0  # it was compressed
     st = effpass.report(cm).stats("compress_activations")
     assert st["compressed"] == 2  # up's output (gelu's input) and gelu's output; x is an input, left alone
+    # the backward saves exactly those two (gelu's derivative needs its input, down's weight gradient its output),
+    # each kept as two tensors after compression: int8 codes and fp32 scales
+    assert st["saved_tensors"] == 2 * 2, st
 
 
 # -- models: numerical and structural oracles ------------------------------------------------------------
@@ -119,6 +122,9 @@ def _check_model(model, inputs, loss_of, fmt="int8", **opts):
     assert 0 < rel <= GRAD_BOUND[fmt], rel
     st = effpass.report(cm).stats("compress_activations")
     assert st["compressed"] > 0 and st["moved_decompress"] == st["compressed"]
+    # AOTAutograd places every pack hook at the forward's end; each compress that was not already right after its
+    # input's last use is moved there (some are: at least one per model, none twice)
+    assert 0 < st["moved_compress"] <= st["compressed"] <= st["saved_tensors"], st
     # storage-true: fp32 activations -> 1 byte per element + one fp32 scale per group
     group = opts.get("group", 128)
     n = st["compressed_bytes_before"] // 4

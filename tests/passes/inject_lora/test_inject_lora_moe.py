@@ -140,6 +140,9 @@ def test_expert_lora_matches_peft_target_parameters(name, tmp_path):
         assert _rel(ga, pa) < 1e-5 and _rel(gb, pb) < 1e-5, full
         assert pb.abs().max() > 0
     assert stats["expert_adapters"] == len(experts)
+    keyed = lora._peft_expert_keys(model).values()   # (full parameter name, adapter) per adapted expert tensor
+    assert sorted(stats["expert_parameters"]) == sorted(full for full, _ in keyed) and len(keyed) == len(experts)
+    assert stats["expert_adapter_params"] == sum(ad.lora_A.numel() + ad.lora_B.numel() for _, ad in keyed) > 0
     assert stats["delta_weight_bytes_avoided"] == sum(
         getattr(m, a).numel() * 4 for m, a, _ in lora.expert_parameters(model).values() if a in ("gate_up_proj", "down_proj"))
 

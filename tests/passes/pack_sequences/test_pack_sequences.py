@@ -380,6 +380,9 @@ def test_packing_statistics_in_the_report_and_the_dump_without_host_sync(tmp_pat
             "attention_flops_block_diagonal": per_pair * pairs_block, "attention_flops_dense": per_pair * pairs_dense}
     assert {k: st[k] for k in want} == want, st
     assert st["attention_flops_ratio"] == pytest.approx(pairs_block / pairs_dense)
+    # the module phase: one boundary hook; Llama's forward takes position_ids; positions bounded by its config
+    assert st["boundary_hook"] == 1 and st["position_ids_accepted"] == 1, st
+    assert st["max_positions"] == model.config.max_position_embeddings > 0, st
     # the host helper (for logging a batch) agrees, batch by batch
     host = [packing_stats({"position_ids": p}, attention_layers=2, heads=4, head_dim=8) for _, p in batches]
     assert sum(h["attention_flops_block_diagonal"] for h in host) == want["attention_flops_block_diagonal"]

@@ -177,6 +177,7 @@ def test_bytes_per_parameter(scheme, opts, lo, hi):
     assert stats["bytes_after"] == nbytes == stats["modules"]["0"]["bytes_after"]
     assert lo <= nbytes / (512 * 1024) <= hi, nbytes / (512 * 1024)
     assert stats["bytes_before"] == 512 * 1024 * 4
+    assert stats["bytes_per_param"] == round(nbytes / (512 * 1024), 4)  # as the storage holds them
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -259,6 +259,12 @@ def test_scale_loss_scales_eager_gradients_by_the_scale():
     scaled, unscaled = grads_of(case.model), grads_of(plain)
     for k in unscaled:
         torch.testing.assert_close(scaled[k], unscaled[k] * 256.0, rtol=1e-6, atol=0)
+    # prepared a second time (another prepare or compile of the same model): the scaler and its state are kept
+    scaler = loss_scaler(case.model)
+    assert "reused" not in effpass.report(case.model).stats("scale_loss")
+    effpass.prepare(case.model, passes=[ScaleLoss(init_scale=2.0)])
+    assert effpass.report(case.model).stats("scale_loss")["reused"] == 1
+    assert loss_scaler(case.model) is scaler and float(scaler.get_scale()) == 256.0
 
 
 def test_scale_loss_skips_graph_without_loss():

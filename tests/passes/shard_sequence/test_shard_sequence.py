@@ -145,7 +145,7 @@ def _compare(family, rank, world, sp, *, attn="eager", kv_heads=2, packed=False,
             "missing": sorted(set(want) - set(got)), "graphs": len(report.graphs), "pass_stats": pass_stats,
             "stats": {k: v for k, v in stats.items()
                                                                if isinstance(v, (int, float, str))},
-            "stat_names": sorted(stats)}
+            "stat_names": sorted(stats), "trainable": sum(1 for p in model.parameters() if p.requires_grad)}
 
 
 def _errors(rank, world) -> dict:
@@ -386,6 +386,8 @@ def test_shard_sequence_two_ranks_equal_one_process_and_a_killed_rank_resumes(tm
             assert r["max_grad_rel"] <= 1e-5, r
             assert r["stats"]["size"] == 2 and r["stats"]["attention_modules"] == 2
             assert r["stats"]["attention"] == "ulysses"
+            # every trainable parameter (the adapters alone under LoRA) has its gradient averaged over the group
+            assert r["stats"]["gradient_hooks"] == r["trainable"] > 0, (key, r["stats"], r["trainable"])
     assert results[0]["mistral"]["stats"]["kv_replication"] == 2          # 1 kv head over 2 ranks
     # every statistic the pass reported on the ranks is defined in its docs page (issue 38.2)
     reported = {k for r in results for c in r.values() if isinstance(c, dict) for k in c.get("stat_names", ())}
@@ -432,6 +434,9 @@ def test_shard_sequence_data2_x_sequence2_equals_one_process(tmp_path):
             assert r["max_grad_rel"] <= 1e-5, r
             assert r["stats"]["data_parallel"] == 2
     assert results[0][2]["stats"]["kv_replication"] == 2
+    # gradients averaged by the pass's hooks, except under wrap_fsdp, whose reduce-scatter does it (qwen3 here)
+    assert results[0][0]["stats"]["gradient_hooks"] == results[0][0]["trainable"] > 0
+    assert results[0][1]["stats"]["gradient_hooks"] == 0
     # ranks of one sequence group return the same loss (their group's unsplit loss); the data mean is the
     # whole-batch loss
     for i in range(4):

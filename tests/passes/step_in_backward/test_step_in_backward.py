@@ -131,9 +131,14 @@ def test_frozen_and_excluded_parameters_keep_their_gradients():
     stats = effpass.report(m).stats("step_in_backward", "module")
     trainable = [p for p in m.parameters() if p.requires_grad]
     assert stats["parameters"] == len(trainable) - 1 == hooked_parameters(m)
+    hooked = [p for n, p in m.named_parameters() if p.requires_grad and "lm_head" not in n]
+    assert stats["elements"] == sum(p.numel() for p in hooked)
+    assert stats["gradient_bytes"] == sum(p.numel() * p.element_size() for p in hooked)
     opt = torch.optim.AdamW(trainable, lr=1e-3)
     attach(opt)
     case.loss(m(**case.inputs)).backward()
+    # one graph holds the whole step: every hooked parameter is one of its inputs
+    assert effpass.report(m).stats("step_in_backward", "torch_ir")["graph_parameters"] == len(hooked)
     assert [n.replace("_orig_mod.", "") for n, p in m.named_parameters() if p.grad is not None] == ["lm_head.weight"]
     opt.step()      # steps the excluded one in the usual way
     assert m.lm_head.weight.grad is not None

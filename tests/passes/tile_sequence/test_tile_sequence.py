@@ -285,6 +285,11 @@ def test_quantized_base_lora_checkpoint_and_tiles_save_no_weight_copy(scheme, ck
             st = effpass.report(m).stats("tile_sequence")
             # the two MLP regions, and the final norm + output head (it widens 64 -> 128: the loss is not fused)
             assert st["regions"] == 3 and st["tiles"] == 9, st
+            # nodes a tile copied that read no row (a weight's transpose, cast or dequantization): every tile of
+            # a region copies the same ones (3 tiles per region), at least one per linear it holds (3 in each MLP
+            # tile, lm_head in each head tile)
+            per_tile = 3 + 3 + 1
+            assert st["weight_nodes_left"] % 3 == 0 and st["weight_nodes_left"] >= 3 * per_tile, st
             if scheme:
                 assert effpass.report(m).stats("quantize_linear", "module")["quantized"] >= 7 * 2
     (l0, g0), (l1, g1) = grads["untiled"], grads["tiled"]

@@ -213,7 +213,8 @@ def scenario_hsdp(rank, world, out_dir):
     _train(model, _adamw(model.parameters()), _local_batch(tokens, rank, world), 2)
     p = next(model.parameters())
     return {"ref": {n: p.detach() for n, p in ref.named_parameters()}, "final": _full_params(model),
-            "placements": [x.__class__.__name__[0] + (f"({x.dim})" if hasattr(x, "dim") else "") for x in p.placements], "local_numel": p.to_local().numel(), "numel": p.numel()}
+            "placements": [x.__class__.__name__[0] + (f"({x.dim})" if hasattr(x, "dim") else "") for x in p.placements], "local_numel": p.to_local().numel(), "numel": p.numel(),
+            "fsdp_stats": effpass.report(model).stats("wrap_fsdp")}
 
 
 def _grads(model) -> dict[str, torch.Tensor]:
@@ -490,7 +491,7 @@ def test_wrap_fsdp_two_ranks_match_one_process_and_resume_exactly(two_rank_runs)
         # structural oracle: sharded (DTensor), every block compiled, the root returned
         assert r["is_model"] and r["dtensor"] == "DTensor"
         s = r["fsdp_stats"]
-        assert s["units"] == 2 and s["compiled_units"] == 2 and s["world_size"] == 2
+        assert s["units"] == 2 and s["compiled_units"] == 2 and s["world_size"] == 2 and s["replicate"] == 1
         assert s["local_params"] * 2 == s["params"]
         # the graph pass ran inside each sharded unit, one graph per unit, 7 linears each, full paths;
         # and on the root's graph after the blocks: the head only (nothing traced into the units)
@@ -726,6 +727,7 @@ def test_wrap_fsdp_four_ranks_hybrid_mesh(tmp_path):
         _assert_matches_reference(r, atol=1e-6)
         assert r["placements"] == ["R", "S(0)"]  # (replicate, shard) mesh
         assert r["local_numel"] * 2 == r["numel"]
+        assert r["fsdp_stats"]["replicate"] == 2 and r["fsdp_stats"]["world_size"] == 4, r["fsdp_stats"]
 
 
 def _torchrun(args, env=None, check=True):
