@@ -38,3 +38,29 @@ def test_every_reported_statistic_is_documented(name, reported):
     assert reported.get(name), f"{name} reported no statistics"
     missing = undocumented_statistics(name, reported[name])
     assert not missing, f"docs/passes/{name}.md does not define: {missing}"
+
+
+def test_every_documented_statistic_is_asserted_somewhere():
+    """Each statistic of a pass's 'At a glance' row is read by name in some test (issue 38.2: a test that can fail
+    when it counts the wrong thing); a statistic added to a pass and its docs without one fails here."""
+    import glob
+    import os
+    import re
+
+    from _paths import ROOT
+
+    tests = "".join(open(f).read() for f in glob.glob(os.path.join(ROOT, "tests", "**", "*.py"), recursive=True)
+                    if not f.endswith("test_docs_statistics.py"))
+    missing = {}
+    for page in sorted(glob.glob(os.path.join(ROOT, "docs", "passes", "*.md"))):
+        row = next(line for line in open(page).read().splitlines() if line.startswith("| statistics |"))
+        cell = re.sub(r"\(\[.*?\]\(.*?\)\)", "", row.split("|")[2])   # links to sections are not names
+        names = set()
+        for tok in re.findall(r"`([a-z][a-z0-9_/]*)`", cell):
+            head, *rest = tok.split("/")
+            names |= {head} | {head.rsplit("_", 1)[0] + "_" + r for r in rest}
+        names -= {"ulysses", "ring"}   # values of shard_sequence's `attention`, not statistics
+        unread = sorted(n for n in names if not re.search(rf"""["']{n}["']""", tests))
+        if unread:
+            missing[os.path.basename(page)] = unread
+    assert not missing, f"statistics no test reads: {missing}"
