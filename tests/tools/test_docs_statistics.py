@@ -1,10 +1,15 @@
 """Every statistic a pass reports is defined in its docs page (docs/passes/<name>.md names it in backticks, or in
 a `prefix_a/b/c` group: tests/_docs.py): one compile of a broad pipeline on the tiny Llama (eager lowering) collects
 the names. wrap_fsdp and shard_sequence report only inside ranks: their tests check the same on the ranks' stats."""
+import glob
+import os
+import re
+
 import pytest
 
 import effpass
-from _docs import undocumented_statistics
+from _docs import glance_statistics, undocumented_statistics
+from _paths import ROOT
 from effpass.testing import model_case
 
 PASSES = ["inject_lora", "fuse_attention", "fuse_cross_entropy", "checkpoint_activations", "tile_sequence",
@@ -43,24 +48,12 @@ def test_every_reported_statistic_is_documented(name, reported):
 def test_every_documented_statistic_is_asserted_somewhere():
     """Each statistic of a pass's 'At a glance' row is read by name in some test (issue 38.2: a test that can fail
     when it counts the wrong thing); a statistic added to a pass and its docs without one fails here."""
-    import glob
-    import os
-    import re
-
-    from _paths import ROOT
-
     tests = "".join(open(f).read() for f in glob.glob(os.path.join(ROOT, "tests", "**", "*.py"), recursive=True)
                     if not f.endswith("test_docs_statistics.py"))
     missing = {}
     for page in sorted(glob.glob(os.path.join(ROOT, "docs", "passes", "*.md"))):
-        row = next(line for line in open(page).read().splitlines() if line.startswith("| statistics |"))
-        cell = re.sub(r"\(\[.*?\]\(.*?\)\)", "", row.split("|")[2])   # links to sections are not names
-        names = set()
-        for tok in re.findall(r"`([a-z][a-z0-9_/]*)`", cell):
-            head, *rest = tok.split("/")
-            names |= {head} | {head.rsplit("_", 1)[0] + "_" + r for r in rest}
-        names -= {"ulysses", "ring"}   # values of shard_sequence's `attention`, not statistics
-        unread = sorted(n for n in names if not re.search(rf"""["']{n}["']""", tests))
+        name = os.path.basename(page)[:-3]
+        unread = sorted(n for n in glance_statistics(name) if not re.search(rf"""["']{n}["']""", tests))
         if unread:
-            missing[os.path.basename(page)] = unread
+            missing[name] = unread
     assert not missing, f"statistics no test reads: {missing}"
