@@ -1,4 +1,5 @@
-"""One TRL ``DPOTrainer`` / ``KTOTrainer`` / ``GRPOTrainer`` step (issue 40): peak memory and time per arm.
+"""One TRL ``DPOTrainer`` / ``KTOTrainer`` / ``GRPOTrainer`` / ``RLOOTrainer`` step (issue 40): peak memory and time
+per arm.
 
 TRL 1.16's trainers score tokens through the fused LM head they add to the policy and the reference
 (``add_fused_lm_head``, TRL's chunked kernel: tiles of 4,096 tokens x 32,768 vocabulary entries); for an
@@ -13,13 +14,15 @@ Arms (each in a fresh process, same seed and batch; ``bench/_common.py``'s drive
 
 Shape: a Llama-shaped policy and a separate frozen reference (fp32, hidden 64, 1 layer, vocabulary 128,256), 4 rows
 of 512 tokens (a 64-token prompt and a 448-token answer): DPO 2 pairs (chosen + rejected), KTO 4 examples (and TRL's 4
-mismatched KL rows), GRPO 4 sampled completions. The step: ``trainer.training_step`` (DPO, KTO); for GRPO the
-reference's per-token log-probs (computed by TRL at generation time) and ``compute_loss`` + backward on a fixed batch
-of completions (generation itself is left out: it is the same for every arm and not a loss). Peak: tensors allocated
+mismatched KL rows), GRPO and RLOO 4 sampled completions. The step: ``trainer.training_step`` (DPO, KTO); for GRPO
+and RLOO the reference's per-token log-probs (computed by TRL at generation time; RLOO also scores the policy's own,
+without gradients) and ``compute_loss`` + backward on a fixed batch of completions (generation itself is left out: it is the same for every arm and not a loss).
+``--dtype bfloat16``: the models' weights in bf16 (as ``from_pretrained(..., dtype=torch.bfloat16)`` loads them). Peak: tensors allocated
 during the step above those live at its start (``effpass.testing.memory.peak_memory``), after warm-up steps.
 
     python bench/bench_trl_trainers.py --trainer dpo    # -> bench/results/dpo_trainer_cpu.{json,md}
-    python bench/bench_trl_trainers.py --trainer grpo   # kto likewise
+    python bench/bench_trl_trainers.py --trainer grpo   # kto, rloo likewise
+    python bench/bench_trl_trainers.py --trainer dpo --dtype bfloat16   # -> dpo_trainer_bf16_cpu.{json,md}
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import llama, time_steps  # noqa: E402
 
 ARMS = ("eager", "compile", "liger", "effpass")
-TRAINERS = ("dpo", "kto", "grpo")
+TRAINERS = ("dpo", "kto", "grpo", "rloo")
 CPU = dict(trainer="dpo", hidden=64, layers=1, heads=4, kv_heads=2, ffn=128, vocab=128256, prompt=64, answer=448,
            rows=4, dtype="float32", warmup=1, steps=2)
 #: --quick: a smoke run
@@ -95,14 +98,15 @@ def _trainer(cfg, arm, policy, ref):
         args = trl.KTOConfig(**common, per_device_train_batch_size=rows, beta=0.1, max_length=length)
         return trl.KTOTrainer(model=policy, ref_model=ref, args=args, train_dataset=data,
                               processing_class=_tokenizer(cfg["vocab"]))
-    # GRPO loads its reference from the policy's path: the reference's weights are saved there
-    path = f"/tmp/bench_trl_grpo_ref_{os.getpid()}"
+    # GRPO and RLOO load their reference from the policy's path: the reference's weights are saved there
+    path = f"/tmp/bench_trl_{kind}_ref_{os.getpid()}"
     ref.save_pretrained(path)
     policy.config._name_or_path = path
     data = datasets.Dataset.from_dict({"prompt": [text(cfg["prompt"]) for _ in range(rows)]})
-    args = trl.GRPOConfig(**common, per_device_train_batch_size=rows, beta=0.04, num_generations=rows,
-                          generation_batch_size=rows, max_completion_length=cfg["answer"])
-    return trl.GRPOTrainer(model=policy, reward_funcs=lambda completions, **k: [0.0] * len(completions), args=args,
+    config_cls, trainer_cls = (trl.GRPOConfig, trl.GRPOTrainer) if kind == "grpo" else (trl.RLOOConfig, trl.RLOOTrainer)
+    args = config_cls(**common, per_device_train_batch_size=rows, beta=0.04, num_generations=rows,
+                      generation_batch_size=rows, max_completion_length=cfg["answer"])
+    return trainer_cls(model=policy, reward_funcs=lambda completions, **k: [0.0] * len(completions), args=args,
                            train_dataset=data, processing_class=_tokenizer(cfg["vocab"]))
 
 
@@ -138,7 +142,7 @@ def worker(arm: str, cfg: dict, device: str) -> dict:
     importlib.import_module("trl")  # before effpass.compile, as a user's script does
 
     policy, ref = _models(cfg)
-    grpo = cfg["trainer"] == "grpo"
+    grpo = cfg["trainer"] in ("grpo", "rloo")  # the reference TRL loads, the loss on a fixed batch
     compile_ = {"compile": lambda m: m.compile(), "effpass": effpass.compile}.get(arm, lambda m: None)
     compile_(policy)
     if not grpo:
@@ -157,6 +161,9 @@ def worker(arm: str, cfg: dict, device: str) -> dict:
             with torch.no_grad():
                 inputs["ref_per_token_logps"] = tr._get_per_token_logps_and_entropies(
                     tr.ref_model, ids, mask, cfg["answer"])[0]
+                if cfg["trainer"] == "rloo":  # RLOO's scoring: the policy's own sequence log-probs (no grad)
+                    old = tr._get_per_token_logps_and_entropies(policy, ids, mask, cfg["answer"])[0]
+                    inputs["old_logps"] = (old * inputs["completion_mask"]).sum(1)
             loss = tr.compute_loss(policy, inputs)
             loss.backward()
             losses.append(float(loss))
@@ -183,7 +190,7 @@ def worker(arm: str, cfg: dict, device: str) -> dict:
 
 def markdown(doc: dict) -> str:
     meta, cfg, results = doc["meta"], doc["shape"], doc["results"]
-    kind = {"dpo": "DPOTrainer", "kto": "KTOTrainer", "grpo": "GRPOTrainer"}[cfg["trainer"]]
+    kind = {"dpo": "DPOTrainer", "kto": "KTOTrainer", "grpo": "GRPOTrainer", "rloo": "RLOOTrainer"}[cfg["trainer"]]
     lines = [f"# TRL {kind}, one training step (issue 40), CPU, {meta['date'][:16]}", "",
              f"torch {meta['torch']}, transformers {meta['transformers']}, trl {meta.get('trl')}, {meta['device']}, "
              f"load {', '.join(f'{x:.1f}' for x in meta['load_average'] or [])}; shape {cfg}", "",
@@ -219,11 +226,13 @@ def main() -> None:
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--trainer", choices=TRAINERS, default="dpo")
+    pre.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     known, _ = pre.parse_known_args()
-    shape = {**CPU, "trainer": known.trainer}
-    driver.main(__file__, workload=f"{known.trainer}_trainer", arms=ARMS, worker=worker, markdown=markdown,
+    shape = {**CPU, "trainer": known.trainer, "dtype": known.dtype}
+    workload = f"{known.trainer}_trainer" + ("_bf16" if known.dtype == "bfloat16" else "")
+    driver.main(__file__, workload=workload, arms=ARMS, worker=worker, markdown=markdown,
                 cpu_shape=shape, quick=QUICK, packages=("trl", "liger_kernel"), requires={"liger": ("liger_kernel",)},
-                overrides=("trainer", "steps", "warmup"))
+                overrides=("trainer", "steps", "warmup", "dtype"))
 
 
 if __name__ == "__main__":

@@ -152,6 +152,7 @@ def install_in(trainer, model) -> None:
     """At a model's first call inside ``trainer``: route its TRL head if that was added before :func:`route` could
     wrap ``add_fused_lm_head`` (TRL's trainer module imported after ``effpass.compile``), unless the trainer's
     heads are left to TRL; then check the reference (:func:`check_reference`)."""
+    model = _common.unwrap(trainer, model)  # TRL patches the model inside accelerate's and PEFT's wrappers
     if type(trainer).__module__ in _LEFT_TO_TRL or any(c.__module__ in _LEFT_TO_TRL for c in type(trainer).__mro__):
         model._effpass_fused_head_seen = getattr(model, "__dict__", {}).get("forward")
         return

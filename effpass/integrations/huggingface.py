@@ -84,8 +84,19 @@ def attach(model: torch.nn.Module) -> bool:
     """Give an effpass-compiled Hugging Face model effpass's gradient checkpointing, adapter saving and
     Trainer checks (instance attributes only). Returns False (and does nothing) for other modules."""
     pretrained = _pretrained_class()
-    if pretrained is None or not isinstance(model, pretrained):
+    if pretrained is None:
         return False
+    if not isinstance(model, pretrained):
+        inner = _peft_base(model)
+        if inner is None or not isinstance(inner, pretrained):
+            return False
+        # a PEFT model around a Hugging Face model: PEFT's own saving and checkpointing methods stay; the loss
+        # type, the output-capturing hooks, the Trainer checks and TRL's routes (on the model inside) apply
+        set_hf_loss_type(model)
+        install_output_capturing_hooks(model)
+        _install_first_call_check(model)
+        _route_trl(inner)
+        return True
     for name in ("gradient_checkpointing_enable", "activation_checkpointing_enable"):
         setattr(model, name, types.MethodType(_checkpointing_enable, model))
     for name in ("gradient_checkpointing_disable", "activation_checkpointing_disable"):
@@ -98,12 +109,27 @@ def attach(model: torch.nn.Module) -> bool:
     set_hf_loss_type(model)
     install_output_capturing_hooks(model)
     _install_first_call_check(model)
-    from . import _trl_fused_head, _trl_orpo  # TRL's trainers without logits, when their modules are loaded
+    _route_trl(model)
+    return True
+
+
+def _peft_base(model):
+    """The model inside a PEFT wrapper (``PeftModel``: ``peft_config`` and ``get_base_model``), else None."""
+    get_base = getattr(model, "get_base_model", None)
+    if not callable(get_base) or not hasattr(model, "peft_config"):
+        return None
+    inner = get_base()
+    return inner if inner is not model else None
+
+
+def _route_trl(hf_model) -> None:
+    """TRL's trainers without logits, when their modules are loaded: route ORPO's method and TRL's fused head
+    (the head already on ``hf_model`` too: GRPO's reference, which TRL loads and patches itself)."""
+    from . import _trl_fused_head, _trl_orpo
 
     _trl_orpo.route()
     _trl_fused_head.route()
-    _trl_fused_head.install(model)  # TRL's fused head added before effpass.compile (GRPO's reference)
-    return True
+    _trl_fused_head.install(hf_model)
 
 
 def install_output_capturing_hooks(model: torch.nn.Module) -> list[str]:

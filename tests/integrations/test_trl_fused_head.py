@@ -10,7 +10,7 @@ import torch
 
 import effpass
 from effpass.integrations import _trl_fused_head, _trl_kernels
-from effpass.passes import FuseAttention, FuseCrossEntropy, InjectLoRA
+from effpass.passes import FuseAttention, FuseCrossEntropy, InjectLoRA, QuantizeLinear
 from _trl_models import tiny_model
 
 trl = pytest.importorskip("trl")
@@ -31,7 +31,7 @@ def _dataset(kind, n=4):
         return datasets.Dataset.from_dict({"prompt": [_words(g, 3 + i) for i in range(n)],
                                            "completion": [_words(g, 5 - i % 3) for i in range(n)],
                                            "label": [bool(i % 2) for i in range(n)]})
-    if kind == "grpo":
+    if kind in ("grpo", "rloo"):
         return datasets.Dataset.from_dict({"prompt": [_words(g, 3 + i % 2) for i in range(n)]})
     return datasets.Dataset.from_dict({"prompt": [_words(g, 3 + i) for i in range(n)],
                                        "chosen": [_words(g, 5 - i % 3) for i in range(n)],
@@ -42,7 +42,7 @@ def _reward(completions, **kwargs):
     return [float(len(c)) / 10.0 for c in completions]
 
 
-def _trainer(kind, policy, ref, tmp_path, **extra):
+def _trainer(kind, policy, ref, tmp_path, peft_config=None, **extra):
     from effpass.testing.hf import tiny_tokenizer
 
     common = dict(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, learning_rate=0.1,
@@ -52,14 +52,17 @@ def _trainer(kind, policy, ref, tmp_path, **extra):
     tok, data = tiny_tokenizer(), _dataset(kind)
     if kind == "dpo":
         tr = trl.DPOTrainer(model=policy, ref_model=ref, args=trl.DPOConfig(**common, beta=0.1), train_dataset=data,
-                            processing_class=tok)
+                            processing_class=tok, peft_config=peft_config)
     elif kind == "kto":
         tr = trl.KTOTrainer(model=policy, ref_model=ref, args=trl.KTOConfig(**common, beta=0.1), train_dataset=data,
-                            processing_class=tok)
+                            processing_class=tok, peft_config=peft_config)
     else:
-        cfg = trl.GRPOConfig(**common, beta=0.04, num_generations=2, max_completion_length=4, generation_batch_size=4,
-                             temperature=0.7)
-        tr = trl.GRPOTrainer(model=policy, reward_funcs=_reward, args=cfg, train_dataset=data, processing_class=tok)
+        config_cls, trainer_cls = (trl.GRPOConfig, trl.GRPOTrainer) if kind == "grpo" else (trl.RLOOConfig,
+                                                                                          trl.RLOOTrainer)
+        cfg = config_cls(**common, beta=0.04, num_generations=2, max_completion_length=4, generation_batch_size=4,
+                         temperature=0.7)
+        tr = trainer_cls(model=policy, reward_funcs=_reward, args=cfg, train_dataset=data, processing_class=tok,
+                         peft_config=peft_config)
     tr.current_gradient_accumulation_steps = 1  # set by train(); the step is called alone here
     return tr
 
@@ -164,9 +167,7 @@ def test_dpo_step_routed_with_lora_on_the_head(tmp_path):
     policy = effpass.compile(base, passes=[lora, FuseAttention(), FuseCrossEntropy()], lowering="eager")
     eager = copy.deepcopy(policy)  # the prepared model (adapters in place), eager
     want_tr = _trainer("dpo", eager, copy.deepcopy(ref_base), tmp_path / "eager")
-    for m in (want_tr.model, want_tr.ref_model):
-        fwd = m.__dict__["forward"]
-        m.forward = type(fwd)(_trl_fused_head._routed_forward(m, fwd, _trl_fused_head._cells(fwd)), m)
+    _route_eagerly(want_tr.model, want_tr.ref_model)
     batch = want_tr._prepare_inputs(next(iter(want_tr.get_train_dataloader())))
     want = _step(want_tr, want_tr.model, batch)
 
@@ -177,6 +178,154 @@ def test_dpo_step_routed_with_lora_on_the_head(tmp_path):
     assert all("lora" in n for n in got[2]) and any("lm_head" in n for n in got[2]), sorted(got[2])
     _assert_routed(policy, ("log_probs", "entropy", "mean_logits", "is_top1"))
     assert sum(r.stats["lora_heads"] for r in _fused_stats(policy)) == 1
+
+
+def _route_eagerly(*models):
+    """Give eager models the routed forward (the oracle where TRL's kernel cannot be: it reads ``lm_head.weight``
+    alone, so it ignores a head's adapter and cannot slice a quantized head's weight)."""
+    for m in models:
+        fwd = m.__dict__["forward"]
+        m.forward = type(fwd)(_trl_fused_head._routed_forward(m, fwd, _trl_fused_head._cells(fwd)), m)
+
+
+def _perturb_ref_adapter(model):
+    """TRL copies a PEFT model's adapter into a frozen "ref" adapter: move it off the policy's (a non-zero margin)."""
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".ref." in n:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+@pytest.mark.parametrize("how", ["peft_config", "peft_model"])
+def test_dpo_step_routed_with_peft_adapters(how, tmp_path, monkeypatch):
+    """PEFT LoRA, with no separate reference model (TRL scores the reference with the policy's adapter disabled, or
+    with its frozen "ref" copy of a pretrained adapter): ``peft_config``: the base compiled by effpass and wrapped by
+    the trainer (reference = adapters disabled); ``peft_model``: a ``PeftModel`` compiled by effpass (TRL adds a
+    "ref" adapter; perturbed here in both arms so the margins are not zero). Loss, metrics and the adapters'
+    gradients equal TRL's own step on an eager copy within 1e-5; the head TRL patched (inside PEFT's wrapper) is
+    routed, both calls (policy, reference) fused, TRL's kernel never called."""
+    peft = pytest.importorskip("peft")
+    monkeypatch.setattr(_trl_kernels, "CALLS", {"forward": 0, "backward": 0})
+    torch._dynamo.reset()
+    base = tiny_model("llama")
+
+    def cfg():
+        return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+
+    torch.manual_seed(3)
+    if how == "peft_config":
+        want_tr = _trainer("dpo", copy.deepcopy(base), None, tmp_path / "eager", peft_config=cfg())
+        adapters = {k: v.clone() for k, v in want_tr.model.state_dict().items() if "lora_" in k}
+        policy = effpass.compile(copy.deepcopy(base), lowering="eager")
+        tr = _trainer("dpo", policy, None, tmp_path / "effpass", peft_config=cfg())
+        assert not tr.model.load_state_dict(adapters, strict=False).unexpected_keys  # the same adapters
+        compiled = policy
+    else:
+        pm = peft.get_peft_model(base, cfg())
+        want_tr = _trainer("dpo", copy.deepcopy(pm), None, tmp_path / "eager")
+        compiled = effpass.compile(copy.deepcopy(pm), lowering="eager")
+        tr = _trainer("dpo", compiled, None, tmp_path / "effpass")
+        for t in (want_tr, tr):
+            assert "ref" in t.model.peft_config
+            _perturb_ref_adapter(t.model)
+    assert want_tr.ref_model is None and tr.ref_model is None
+    batch = want_tr._prepare_inputs(next(iter(want_tr.get_train_dataloader())))
+    want = _step(want_tr, want_tr.model, batch)
+    got = _step(tr, tr.model, batch)
+    _assert_same(want, got)
+    assert got[2] and all("lora_" in n and ".default." in n for n in got[2]), sorted(got[2])
+    assert abs(got[1]["rewards/margins"][0]) > 0, got[1]
+    _assert_routed(compiled, ("log_probs", "entropy", "mean_logits", "is_top1"))
+    assert len(_fused_stats(compiled)) == 2  # the policy's call and the reference's (adapter off or "ref")
+    assert _trl_kernels.CALLS == {"forward": 0, "backward": 0}, _trl_kernels.CALLS
+
+
+@pytest.mark.parametrize("scheme,head", [("nf4", False), ("int8", True)])
+def test_dpo_step_routed_on_quantized_bases(scheme, head, tmp_path):
+    """QLoRA-style DPO: quantized bases (effpass's quantize_linear; nf4 with the head kept in full precision, as
+    QLoRA does, and int8 with the head quantized too), LoRA on q/v of the policy, a quantized separate reference.
+    Oracle: TRL's own step on the prepared models' eager copies (the same quantized weights); with a quantized head,
+    whose weight TRL's kernel cannot slice (torchao's int8 tensor refuses it), the routed forward run eagerly (the
+    logits built). Loss, metrics and the adapters' gradients within 1e-5; both heads routed and fused."""
+    torch._dynamo.reset()
+    base = tiny_model("llama")
+    ref_base = _perturbed(base)
+
+    def quant():
+        return QuantizeLinear(scheme=scheme, exclude=[] if head else ["lm_head"],
+                              **({"block_size": 32} if scheme == "nf4" else {}))  # the tiny model's in_features: 32
+
+    torch.manual_seed(0)
+    lora = InjectLoRA(rank=4, init="gaussian", targets=["*.q_proj", "*.v_proj"])
+    policy = effpass.compile(base, passes=[quant(), lora, FuseAttention(), FuseCrossEntropy()], lowering="eager")
+    ref = effpass.compile(ref_base, passes=[quant(), FuseAttention(), FuseCrossEntropy()], lowering="eager")
+    for m in (policy, ref):
+        st = effpass.report(m).stats("quantize_linear")
+        assert st["quantized"] == 7 + head, st  # every linear, the head too when asked
+    want_tr = _trainer("dpo", copy.deepcopy(policy), copy.deepcopy(ref), tmp_path / "eager")
+    if head:
+        _route_eagerly(want_tr.model, want_tr.ref_model)
+    batch = want_tr._prepare_inputs(next(iter(want_tr.get_train_dataloader())))
+    want = _step(want_tr, want_tr.model, batch)
+    tr = _trainer("dpo", policy, ref, tmp_path / "effpass")
+    got = _step(tr, policy, batch)
+    _assert_same(want, got)
+    assert got[2] and all("lora_" in n for n in got[2]), sorted(got[2])
+    _assert_routed(policy, ("log_probs", "entropy", "mean_logits", "is_top1"))
+    _assert_routed(ref, ("log_probs",))
+    for m in (policy, ref):
+        assert sum(r.stats["dequantized_heads"] for r in _fused_stats(m)) == int(head)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "mixtral"])
+@pytest.mark.sweep
+def test_packed_rows_through_the_routed_head_equal_trls_kernel(family, monkeypatch):
+    """Padding-free rows (three examples in one row, ``position_ids`` restarting at 0, no attention mask, the label of
+    each example's first token -100: what TRL's padding-free collators feed; TRL 1.16 turns DPO's ``padding_free``
+    off, so the head is called directly here as a trainer would): every output of the routed head (log-probs,
+    entropy, mean logits, top-1, the loss, the router's loss for Mixtral) and every gradient equal TRL's kernel on an
+    eager copy within 1e-5, and each example's log-probs equal the example scored alone (nothing leaks across the
+    boundaries); one row-wise site fused, TRL's kernel never called."""
+    import trl.trainer.utils as trl_utils  # its add_fused_lm_head read after effpass.compile (which routes it)
+
+    monkeypatch.setattr(_trl_kernels, "CALLS", {"forward": 0, "backward": 0})
+    torch._dynamo.reset()
+    base = tiny_model(family)
+    outputs = ("log_probs", "entropy", "mean_logits", "is_top1")
+    eager = copy.deepcopy(base)
+    trl_utils.add_fused_lm_head(eager, outputs=outputs)
+    policy = effpass.compile(copy.deepcopy(base), lowering="eager")
+    trl_utils.add_fused_lm_head(policy, outputs=outputs)
+    g = torch.Generator().manual_seed(0)
+    lens = [5, 9, 7]
+    ids = torch.randint(1, 250, (1, sum(lens)), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    starts = torch.tensor([0, *lens[:-1]]).cumsum(0)
+    labels = ids.clone()
+    labels[0, starts] = -100
+    res = []
+    for m in (eager, policy):
+        m.zero_grad(set_to_none=True)
+        out = m(input_ids=ids, position_ids=pos, labels=labels, fused_lm_head=True)
+        (out.log_probs.sum() + 0.1 * out.entropy.sum() + out.loss).backward()
+        res.append((out, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}))
+    (want, want_g), (got, got_g) = res
+    for k in (*outputs, "loss", "aux_loss"):
+        a, b = getattr(want, k), getattr(got, k)
+        assert (a is None) == (b is None) and (k != "aux_loss" or (a is not None) == (family == "mixtral")), k
+        if a is not None:
+            torch.testing.assert_close(b.float(), a.float(), rtol=1e-5, atol=1e-5, msg=k)
+    assert set(got_g) == set(want_g) and got_g
+    for n in want_g:  # summation order: within 1e-5 of each gradient's scale (Gemma 2's tied embedding: up to 8.5)
+        scale = float(want_g[n].abs().max())
+        torch.testing.assert_close(got_g[n], want_g[n], rtol=1e-5, atol=1e-5 * scale, msg=n)
+    with torch.no_grad():  # each example alone: the packed row's log-probs over its labels (its last is the next's -100)
+        for s, n in zip(starts.tolist(), lens):
+            alone = eager(input_ids=ids[:, s:s + n], labels=labels[:, s:s + n], fused_lm_head=True).log_probs
+            torch.testing.assert_close(got.log_probs[:, s:s + n - 1], alone, rtol=1e-5, atol=1e-5)
+    _assert_routed(policy, outputs)
+    assert _trl_kernels.CALLS == {"forward": 0, "backward": 0}, _trl_kernels.CALLS
 
 
 def test_unrouted_cases_run_trls_kernel_and_say_why(tmp_path):
@@ -208,18 +357,19 @@ def _grpo_inputs(tr):
     return tr._prepare_inputs(next(iter(tr.get_train_dataloader())))
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_grpo_step_routed_equals_trls(family, tmp_path, monkeypatch):
-    """GRPOTrainer (temperature 0.7, beta 0.04): on the same sampled completions, the reference's per-token log-probs
-    (the reference TRL loads from the policy's path, compiled with effpass after the trainer built it: its fused head
-    was added before the compile) and the policy's step (loss, logged metrics incl. entropy and KL, every gradient)
-    equal TRL's own (eager) within 1e-5; both heads routed and fused, TRL's kernel never called."""
+@pytest.mark.parametrize("kind,family", [("grpo", "llama"), ("grpo", "gemma2"), ("rloo", "llama")])
+def test_grpo_and_rloo_steps_routed_equal_trls(kind, family, tmp_path, monkeypatch):
+    """GRPOTrainer and RLOOTrainer (temperature 0.7, beta 0.04): on the same sampled completions, the reference's
+    per-token log-probs (the reference TRL loads from the policy's path, compiled with effpass after the trainer built
+    it: its fused head was added before the compile) and the policy's step (loss, logged metrics incl. entropy and
+    the KL where the trainer logs it, every gradient) equal TRL's own (eager) within 1e-5; both heads routed and
+    fused, TRL's kernel never called."""
     monkeypatch.setattr(_trl_kernels, "CALLS", {"forward": 0, "backward": 0})
     torch._dynamo.reset()
     base = tiny_model(family)
     base.save_pretrained(tmp_path / "base")  # GRPO loads its reference from the policy's path
     base.config._name_or_path = str(tmp_path / "base")
-    want_tr = _trainer("grpo", copy.deepcopy(base), None, tmp_path / "eager")
+    want_tr = _trainer(kind, copy.deepcopy(base), None, tmp_path / "eager")
     inputs = _grpo_inputs(want_tr)
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
     mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
@@ -236,7 +386,7 @@ def test_grpo_step_routed_equals_trls(family, tmp_path, monkeypatch):
 
     want = step(want_tr, want_tr.model)
     policy = effpass.compile(copy.deepcopy(base), lowering="eager")
-    tr = _trainer("grpo", policy, None, tmp_path / "effpass")
+    tr = _trainer(kind, policy, None, tmp_path / "effpass")
     effpass.compile(tr.ref_model, lowering="eager")
     tr._metrics["train"].clear()
     with torch.no_grad():
@@ -244,7 +394,7 @@ def test_grpo_step_routed_equals_trls(family, tmp_path, monkeypatch):
     torch.testing.assert_close(got_ref, want_ref, rtol=1e-5, atol=1e-6)
     got = step(tr, policy)
     _assert_same(want, got)
-    assert {"entropy", "kl"} <= set(got[1]), sorted(got[1])
+    assert {"entropy", "kl"} <= set(got[1]) if kind == "grpo" else "entropy" in got[1], sorted(got[1])
     _assert_routed(policy, ("log_probs", "entropy"))
     _assert_routed(tr.ref_model, ("log_probs",))
     assert _trl_kernels.CALLS == {"forward": 0, "backward": 0}, _trl_kernels.CALLS
