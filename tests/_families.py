@@ -50,6 +50,15 @@ def _specs():
                       "model.layers.*", "model.layers.*.self_attn"),
         "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(d, num_experts=4, num_experts_per_tok=2),
                   "model.layers.*", "model.layers.*.self_attn"),
+        # an expert loop with nonzero/.item() in eager code (no use_experts_implementation), identity "zero experts"
+        # and MLA; num_layers=1 is two sub-layers (num_hidden_layers = 2 * num_layers)
+        "longcat_flash": ("LongcatFlashConfig", "LongcatFlashForCausalLM",
+                          dict(vocab_size=VOCAB, hidden_size=32, num_layers=1, num_attention_heads=4,
+                               num_key_value_heads=4, ffn_hidden_size=64, expert_ffn_hidden_size=32,
+                               n_routed_experts=4, moe_topk=2, zero_expert_num=2, kv_lora_rank=16, q_lora_rank=16,
+                               qk_rope_head_dim=8, head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                               max_position_embeddings=512, bos_token_id=0, eos_token_id=0, pad_token_id=0),
+                          "model.layers.*", "model.layers.*.self_attn.*"),
         "falcon_new": ("FalconConfig", "FalconForCausalLM",
                        dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                             num_kv_heads=2, new_decoder_architecture=True, bos_token_id=0, eos_token_id=0),
@@ -92,7 +101,7 @@ def _specs():
 
 
 #: MoE families kept out of FAMILIES (test_families' cross-family sweep): tests/passes/inject_lora/test_inject_lora_moe.py
-MOE_ONLY = ("gpt_oss", "llama4", "qwen2_moe", "olmoe")
+MOE_ONLY = ("gpt_oss", "llama4", "qwen2_moe", "olmoe", "longcat_flash")
 FAMILIES = tuple(n for n in _specs() if n not in MOE_ONLY)
 #: families whose attention takes the padding mask we pass (encoder or encoder-decoder models)
 _PADDED = {"bert", "t5", "bart"}

@@ -328,6 +328,7 @@ def _run_tracked(work, compiled, inputs, tracker, be, optimizer, dev, loss_fn, l
     est.gradients_at_peak, est.non_gradient_peak, est.gradients_at_non_gradient_peak = gradient_split(
         tracker.events, tracker.grads_at_peak)
     est.timeline = step_timeline(tracker.events, est)
+    est.notes.extend(tracker.hints.notes())
     if requested_lowering not in ("inductor", "eager"):
         est.notes.append(f"lowering={requested_lowering!r} is predicted by the eager lowering's replay of the same "
                          f"partitioned graphs (its own buffer plan is not replayed)")

@@ -18,6 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .data_dependent import RoutingHints
 from .fake_inductor import FAKE_WRAPPER_CODE
 from .result import MemoryEstimate
 
@@ -74,6 +75,7 @@ class Tracker(TorchDispatchMode):
         self.peak_where = ("-", "-", "-")
         self.largest = (0, "-")
         self.params = list(params)
+        self.hints = RoutingHints()  # sizes of data-dependent ops (planning/data_dependent.py)
         self.grads_at_peak = 0
         self.events = []
         self.phase_peaks: dict[str | None, int] = {}
@@ -97,6 +99,7 @@ class Tracker(TorchDispatchMode):
         self.grads_at_peak = 0
         self.flops = 0
         self.phase_peaks = {}
+        self.hints.reset()
 
     def _free(self, key):
         n = self.sizes.pop(key, 0)
@@ -122,15 +125,21 @@ class Tracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], torch.Tensor):
+        hinted = self.hints.handles(func, args)
+        if hinted:  # a data-dependent op on fake tensors (nonzero, .item() of its rows): a stated hint
+            out = self.hints.run(func, args)
+            if not isinstance(out, torch.Tensor):
+                return out
+        elif func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], torch.Tensor):
             a = args[0]  # .item() on a fake tensor (the optimizer's step count)
             if isinstance(a, torch._subclasses.FakeTensor) or a.device.type == "meta":
                 return 1.0 if a.is_floating_point() else (True if a.dtype == torch.bool else 1)
-        _DISPATCHING.append(self)
-        try:
-            out = func(*args, **kwargs)
-        finally:
-            _DISPATCHING.pop()
+        if not hinted:
+            _DISPATCHING.append(self)
+            try:
+                out = func(*args, **kwargs)
+            finally:
+                _DISPATCHING.pop()
         if not self.enabled:
             return out
         packet = getattr(func, "_overloadpacket", None)
