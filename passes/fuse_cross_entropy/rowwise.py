@@ -198,15 +198,23 @@ def _pass(heads, f, ext, n, chunk_bytes, want, cots, on_block, out=None):
                 for j, o in enumerate(res):
                     out[a0:a1, j] = o.reshape(a1 - a0)
                 continue
-            prog = _tile_program(f, heads, want, cots, raws[0][s0:s1], es)
-            got = prog(*[r[s0:s1] for r in raws], *es) if prog is not None else None
+            # the compiled program sees one tile shape: a short last tile of a block runs on the full tile that
+            # ends where it ends (rows are independent; the rows before it are recomputed and dropped), so a
+            # call's row count never compiles a program of its own (a compile per remainder cost minutes at a
+            # 128K vocabulary)
+            w0 = s1 - tile if s1 - s0 < tile <= r1 - r0 else s0
+            prog = _tile_program(f, heads, want, cots, raws[0][w0:s1], es)
+            got = None
+            if prog is not None:
+                got = prog(*[r[w0:s1] for r in raws], *([e[r0 + w0:a1] for e in ext] if w0 != s0 else es))
             if got is not None:  # the tile's values and gradients in a few fused loops (Inductor)
                 res, ds_all = got
+                skip = s0 - w0
                 for j, o in enumerate(res):
-                    out[a0:a1, j] = o
+                    out[a0:a1, j] = o[skip:]
                 for c in range(len(cots)):
                     for k, d in zip(want, ds_all[c]):
-                        dbufs[(c, k)][s0:s1].copy_(d)
+                        dbufs[(c, k)][s0:s1].copy_(d[skip:])
                 continue
             with _autograd_inside_op(), torch.enable_grad():
                 leaves = [r[s0:s1].detach().requires_grad_() if k in want else r[s0:s1] for k, r in enumerate(raws)]

@@ -429,6 +429,43 @@ def test_rowwise_train_op_compiled_tile_program(monkeypatch):
         assert _rel(x.grad, x2.grad) <= 1e-5 and _rel(w.grad, w2.grad) <= 1e-5, compiled
 
 
+def test_compiled_tile_program_compiles_one_tile_shape_whatever_the_row_count(monkeypatch):
+    """Row counts that are not a multiple of the tile (200 and 150 rows, 128-row tiles) run the short last tile as
+    the full tile ending where it ends, so the tile program compiles once (one graph) for both calls (a compile per
+    remainder shape cost minutes per step at a 128K vocabulary: KTO's batches of different lengths); values and
+    gradients equal the unfused graph's for every row (the recomputed rows are dropped, not added twice)."""
+    import effpass.passes.fuse_cross_entropy.rowwise as rw
+    from effpass.passes.fuse_cross_entropy.kernels import register_row_fn
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("EFFPASS_ROWWISE_COMPILE", "1")
+
+    def lse(z0, m):  # a different row function from the other tests': its own program
+        return ((z0.logsumexp(-1) - z0.mean(-1)) * m,)
+
+    key = register_row_fn(torch.fx.symbolic_trace(lse))
+    torch._dynamo.reset()
+    graphs = counters["stats"]["unique_graphs"]
+    g = torch.Generator().manual_seed(0)
+    h, v = 16, 8192
+    w0 = torch.randn(v, h, generator=g) * 0.3
+    for n in (200, 150):
+        assert n % rw._tile_rows(n, v, 1, torch.device("cpu")) != 0  # a short last tile
+        x0 = torch.randn(n, h, generator=g)
+        m = (torch.arange(n) % 5 > 0).float()
+        x2, w2 = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        refs = lse(x2 @ w2.t(), m)
+        (refs[0] * 0.7).sum().backward()
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        out = torch.ops.effpass.linear_rowwise_train(x, w, None, None, None, None, None, None, None, None, [m], key,
+                                                     [1.0, 0.0, 1.0], [1.0, 0.0, 1.0], 4 * v * n, "", 1,
+                                                     [True, True] + [False] * 8, [True])[0]
+        (out[:, 0] * 0.7).sum().backward()
+        assert _rel(out[:, 0].detach(), refs[0].detach()) <= 1e-5, n
+        assert _rel(x.grad, x2.grad) <= 1e-5 and _rel(w.grad, w2.grad) <= 1e-5, n
+    assert counters["stats"]["unique_graphs"] - graphs == 1, counters["stats"]
+
+
 def test_compiled_tile_program_inside_the_compiled_step():
     """Inside effpass's compiled step (the op's kernel runs below autograd and functorch's dispatch keys, gradients
     off) the tile program still compiles and runs (no fallback warning; the program cached, not marked failed), and
