@@ -35,11 +35,12 @@ def _sweep_seed() -> str | None:
 SWEEP_SEED = _sweep_seed()
 
 
-def sample(cases: list, key=str) -> list:
-    """The cases of one sweep that run: the first, and a third of the others chosen by ``key(case)`` hashed
-    with the seed (all of them when ``EFFPASS_TEST_SWEEP=full``); in their original order."""
+def sample(cases: list, key=str, fraction: float = SWEEP_FRACTION) -> list:
+    """The cases of one sweep that run: the first, and ``fraction`` of the others (a third unless the sweep's
+    marker says otherwise: ``@pytest.mark.sweep(fraction=0.05)``) chosen by ``key(case)`` hashed with the seed
+    (all of them when ``EFFPASS_TEST_SWEEP=full``); in their original order."""
     if SWEEP_SEED is None or len(cases) <= 1:
         return list(cases)
     rest = sorted(cases[1:], key=lambda c: hashlib.sha256(f"{SWEEP_SEED}:{key(c)}".encode()).hexdigest())
-    keep = {id(c) for c in rest[:round(len(rest) * SWEEP_FRACTION)]}
+    keep = {id(c) for c in rest[:round(len(rest) * fraction)]}
     return [cases[0]] + [c for c in cases[1:] if id(c) in keep]

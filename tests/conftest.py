@@ -53,7 +53,8 @@ def _sample_sweeps(config, items):
             groups.setdefault((item.path, item.originalname), []).append(item)
     dropped = set()
     for cases in groups.values():
-        kept = set(map(id, sample(cases, key=_case_id)))
+        fraction = cases[0].get_closest_marker("sweep").kwargs.get("fraction", SWEEP_FRACTION)
+        kept = set(map(id, sample(cases, key=_case_id, fraction=fraction)))
         dropped.update(it for it in cases if id(it) not in kept)
     if dropped:
         config.hook.pytest_deselected(items=[it for it in items if it in dropped])

@@ -1,0 +1,158 @@
+"""Every causal-LM type of the installed transformers as a tiny random-weight model (issue 41.6), built from its own
+default config shrunk by one set of rules (no hand-written spec per family, no downloads).
+
+``causal_lm_types()``: the keys of transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (196 in transformers 5.24).
+``build(model_type)``: the model (train mode, every dropout off, so the compiled step computes eager's function) and
+its inputs; raises for a type in ``KNOWN_UNBUILT`` (the shrink rules do not give a runnable model: the reason, and
+where the family is covered by a hand-written config instead). The rules: every size attribute the config (or its
+text config) has and sets is made small (``SMALL``), MLA models get one latent per head, a layer-type pattern is cut
+after its first attention layer (a hybrid's cache needs one), and the model must come out under 3M parameters
+(counted on the meta device first).
+"""
+from __future__ import annotations
+
+import torch
+
+#: the size attributes set where a config has them (and they are not None, lists or dicts)
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=128, max_position_embeddings=64, head_dim=8, moe_intermediate_size=32,
+             shared_expert_intermediate_size=32, num_experts=4, num_local_experts=4, n_routed_experts=4,
+             num_experts_per_tok=2, moe_topk=2, expert_ffn_hidden_size=32, ffn_hidden_size=64, n_embd=32, n_layer=1,
+             n_head=4, n_positions=64, d_model=32, num_layers=1, num_heads=4, kv_lora_rank=16, q_lora_rank=16,
+             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=0, n_group=1, topk_group=1,
+             n_shared_experts=1, hidden_dim=32, dim=32, n_heads=4, n_layers=1, d_ff=64, ffn_dim=64, num_kv_heads=2,
+             n_kv_heads=2, multi_query_group_num=2, kv_channels=8, seq_length=64, sliding_window=16,
+             attention_chunk_size=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+             linear_value_head_dim=8, bos_token_id=0, eos_token_id=0, pad_token_id=0, zero_expert_num=2,
+             moe_num_experts=4, moe_k=2, decoder_layers=1, encoder_layers=1, decoder_ffn_dim=64, encoder_ffn_dim=64,
+             decoder_attention_heads=4, encoder_attention_heads=4, num_decoder_layers=1, num_encoder_layers=1,
+             decoder_start_token_id=0)
+MAX_PARAMS = 3_000_000
+
+_HAND = "a hand-written config covers it: "
+_MOE = _HAND + "tests/models/test_moe_families.py"
+#: types the rules do not build, with why (transformers 5.24); ``size``: the shrunk model is still too large (a
+#: vision or audio tower, a byte-level hash embedding, per-head recurrent gates the rules do not reach), ``config``:
+#: the shrunk config is inconsistent, ``per_layer``: per-layer attributes the rules cannot set globally, ``hybrid``:
+#: the cut layer pattern leaves a hybrid's cache without an attention layer
+KNOWN_UNBUILT = {
+    "bailing_hybrid": "size: 4.3M parameters after shrinking (5 layers kept to reach the first attention layer)",
+    "bamba": "hybrid: the cache of the cut pattern has no attention layer",
+    "blt": "size: a 3.1G-parameter hash embedding (encoder_hash_tok_embedding) the rules do not shrink",
+    "codegen": "config: rotary_dim is not shrunk with head_dim (8 vs 64)",
+    "cohere_compass_text": "config: its layer-type table has no 'full_attention' entry after the cut",
+    "dbrx": "config: its attention sub-config (DbrxAttentionConfig) has no rope_theta after shrinking",
+    "deepseek_v2": "config: num_experts_per_tok is None by default (routing off); " + _MOE,
+    "dots1": "config: its default expert sizes are None; " + _MOE,
+    "dots3_note": "per_layer: num_attention_heads is a per-layer attribute",
+    "dots3_note_text": "per_layer: num_attention_heads is a per-layer attribute",
+    "gemma3": "size: the vision tower stays full size (92.9M parameters); its text decoder is gemma3_text",
+    "gemma3n": "config: needs timm for its vision tower (not installed)",
+    "gemma3n_text": "config: the cut layer pattern breaks its KV-sharing layers",
+    "gemma4": "per_layer: head_dim is a per-layer attribute",
+    "gemma4_assistant": "config: the config's architecture validator rejects the shrunk sizes",
+    "gemma4_text": "per_layer: head_dim is a per-layer attribute",
+    "gemma4_unified": "per_layer: head_dim is a per-layer attribute",
+    "gemma4_unified_assistant": "per_layer: head_dim is a per-layer attribute",
+    "gemma4_unified_text": "per_layer: head_dim is a per-layer attribute",
+    "git": "size: the vision encoder stays full size (85.8M parameters)",
+    "got_ocr2": "size: the vision tower stays full size (91.0M parameters)",
+    "gptj": "config: rotary_dim is not shrunk with head_dim (8 vs 64)",
+    "granitemoehybrid": "hybrid: the cache of the cut pattern has no attention layer",
+    "hrm_text": "config: its recurrent cycle tables are indexed past the one kept layer",
+    "hunyuan_v1_dense": "config: rope scaling's alpha is None after shrinking",
+    "hunyuan_v1_moe": "config: rope scaling's alpha is None after shrinking; " + _MOE,
+    "inkling2_loop_text": "size: its default vocabulary (6.4M-parameter head) is not the vocab_size attribute",
+    "inkling2_text": "size: its default vocabulary (6.4M-parameter head) is not the vocab_size attribute",
+    "jamba": "hybrid: the cache of the cut pattern has no attention layer; " + _MOE,
+    "kimi_linear": "size: 6.6M parameters after shrinking (its linear-attention projections keep their sizes)",
+    "lfm2_moe": "config: its layer-type table is None after shrinking",
+    "longcat_flash": "config: num_hidden_layers is derived (2 x num_layers) and its MLA head sizes are not head_dim; "
+                     + _HAND + "tests/_families.py (tests/planning/test_moe_planner.py)",
+    "mamba2": "config: n_groups/num_heads do not divide the shrunk expand x hidden",
+    "marian": "config: its decoder vocabulary (decoder_vocab_size) is not shrunk with vocab_size",
+    "ministral": "config: rope's theta is None after shrinking",
+    "moss_transcribe_diarize": "size: the audio tower stays full size (307M parameters)",
+    "musicgen": "config: a multi-codebook head (a ModuleList), not a causal LM head over one vocabulary",
+    "musicgen_melody": "config: a multi-codebook head (a ModuleList), not a causal LM head over one vocabulary",
+    "nemotron": "config: partial rotary dims are None after shrinking",
+    "phi4_multimodal": "size: the audio and vision embeddings stay full size (870M parameters)",
+    "qwen4_exp": "config: its head sizes are None after shrinking",
+    "qwen4_exp_text": "config: its head sizes are None after shrinking",
+    "recurrent_gemma": "size: its recurrent gates (lru_width) are not shrunk with hidden_size",
+    "reformer": "config: ReformerModelWithLMHead needs is_decoder=True and chunked attention sizes",
+    "roc_bert": "size: its shape and pronunciation embeddings stay full size (12.7M parameters)",
+    "rwkv": "config: attention_hidden_size/head size are not shrunk with hidden_size",
+    "xlstm": "config: its up-projected block sizes are not shrunk with the embedding size",
+    "xmod": "config: needs a default language set on the model (set_default_language)",
+    "zamba": "hybrid: the cache of the cut pattern has no attention layer",
+    "zamba2": "hybrid: the cache of the cut pattern has no attention layer",
+}
+
+
+def causal_lm_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def model_class(model_type: str):
+    import transformers as tf
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    return getattr(tf, name[0] if isinstance(name, (list, tuple)) else name)
+
+
+def _set(c, k, v) -> None:
+    try:
+        setattr(c, k, v)
+    except Exception:  # a derived or validated attribute: the rules leave it
+        pass
+
+
+def tiny_config(model_type: str):
+    """The class's default config, shrunk by the rules of the module doc."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = model_class(model_type)
+    cfg = (getattr(cls, "config_class", None) or CONFIG_MAPPING[model_type])()
+    try:
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    except ValueError:  # several text configs (an encoder and a decoder)
+        text = cfg
+    for k, v in SMALL.items():
+        cur = getattr(text, k, None)
+        if cur is not None and not isinstance(cur, (list, dict)):
+            _set(text, k, v)
+    for c in {id(cfg): cfg, id(text): text}.values():  # no dropout: the compiled step computes eager's function
+        for k, v in list(c.to_dict().items()):
+            if "drop" in k and isinstance(v, float) and v > 0:
+                _set(c, k, 0.0)
+    if getattr(text, "kv_lora_rank", None) is not None and hasattr(text, "num_key_value_heads"):
+        _set(text, "num_key_value_heads", text.num_attention_heads)  # MLA: one latent per head
+    types = getattr(text, "layer_types", None)
+    if isinstance(types, list) and types:  # cut the pattern after its first attention layer
+        first = next((i for i, t in enumerate(types) if "attention" in str(t) and "linear" not in str(t)), 0)
+        _set(text, "num_hidden_layers", first + 1)
+        _set(text, "layer_types", types[:first + 1])
+    return cfg
+
+
+def build(model_type: str, seed: int = 0):
+    """``(model, inputs)``: the tiny model in train mode (dropout off) and 2 x 8 tokens with labels."""
+    if model_type in KNOWN_UNBUILT:
+        raise ValueError(f"{model_type}: not built by the rules ({KNOWN_UNBUILT[model_type]})")
+    import transformers as tf
+
+    tf.logging.set_verbosity_error()
+    cls, cfg = model_class(model_type), tiny_config(model_type)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in cls(cfg).parameters())
+    if n > MAX_PARAMS:
+        raise ValueError(f"{model_type}: {n} parameters after shrinking (at most {MAX_PARAMS})")
+    torch.manual_seed(seed)
+    model = cls(cfg).train()
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ids = torch.randint(3, min(vocab, 128), (2, 8), generator=torch.Generator().manual_seed(seed + 1))
+    return model, {"input_ids": ids, "labels": ids}
