@@ -344,6 +344,7 @@ class PassManager:
         record.ms = (time.perf_counter() - t0) * 1e3
         record.changed = bool(result.changed)
         record.stats = dict(result.stats)
+        record.live_stats = result.live_stats
         record.skipped = list(result.skipped)
         record.why_unchanged = "" if record.changed else (result.why_unchanged or _default_why(record))
         if record.changed:

@@ -29,7 +29,8 @@ Ordering
 
 Statistics (per joint graph; ``effpass.report(m).stats("checkpoint_activations")`` sums over graphs)
     ``saved_bytes_before``: activation bytes saved for backward by the partitioner with no marks (the
-    joint graph partitioned on a copy); ``saved_bytes_after``: the same with this pass's marks;
+    joint graph partitioned on a copy); ``saved_bytes_after``: the same with this pass's marks (read from
+    the real partition when no later pass has a joint hook, else a marked copy partitioned);
     ``saved_bytes_measured``: read from the real backward graph's inputs after partitioning;
     ``recompute_flops_before/after`` and ``recompute_flops_added``: FLOPs of forward ops that the
     backward graph recomputes; ``recompute_flops_measured``: the same, counted in the real backward graph; ``marked_save``, ``marked_recompute``, ``blocks``; budget mode adds
@@ -56,8 +57,8 @@ from effpass.graph import forward_nodes, is_primal, is_tangent, tensor_meta
 
 from .budget import TorchBudget, plan_budget, refine_free_saves
 from .measure import _storage_key, activation_bytes, node_flops, partition_stats  # noqa: F401
-from .plan import (MUST_RECOMPUTE, MUST_SAVE, RECOMPUTE, _packet_of_name, find_blocks, mark_graph,  # noqa: F401
-                               num_forward_outputs, plan_policy)
+from .plan import (MUST_RECOMPUTE, MUST_SAVE, RECOMPUTE, _is_random, _packet_of_name, find_blocks,  # noqa: F401
+                   mark_graph, num_forward_outputs, plan_policy)
 
 __all__ = ["CheckpointActivations", "parse_bytes", "partition_stats", "mark_graph", "find_blocks"]
 
@@ -91,6 +92,21 @@ class CheckpointMarked(effpass.Note):
     #: forward op name -> its FLOPs (with detailed statistics only): the post-grad hook counts the ones the
     #: real backward graph recomputes
     forward_flops: dict = field(default_factory=dict)
+    #: the unmarked partition's recompute FLOPs when the "after" statistics are read from the real partition
+    #: (no later joint hook can change it: see ``transform_joint``); None when a copy was partitioned
+    before_recompute_flops: int | None = None
+    #: filled by the post-grad hook with the "after" statistics read from the real partition; the joint
+    #: record's live statistics (so they stay the joint graph's, counted once)
+    after: dict = field(default_factory=dict)
+    #: names of the random forward ops (recomputing one replays its RNG state)
+    random_ops: frozenset = frozenset()
+
+
+def _later_joint_hooks(this: effpass.Pass, ctx) -> list[str]:
+    """Names of the active passes whose joint hook runs after this pass's on the same graph."""
+    names = [p.name for p in ctx.pipeline]
+    later = ctx.pipeline[names.index(this.name) + 1:] if this.name in names else ()
+    return [p.name for p in later if effpass.Phase.JOINT in type(p).phases()]
 
 
 @effpass.register_pass("checkpoint_activations", run_after=("fuse_attention", "apply_autocast"))
@@ -172,6 +188,9 @@ class CheckpointActivations(effpass.Pass):
         # NOTE(cost): partitioning a copy of the graph costs about as much as the real partition; it is
         # done only where the plan needs it (budget mode) or a dump/report asked for detailed statistics.
         before = partition_stats(gm, num_fwd) if (self.budget is not None or ctx.detailed_stats) else None
+        # The marked graph's partition ("after") is the real one AOTAutograd runs next, unless a later joint
+        # hook changes the graph first: then only, a marked copy is partitioned here.
+        after_from_real = before is not None and self.budget is None and not _later_joint_hooks(self, ctx)
         extra = {p for p in (_packet_of_name(s) for s in self.save_ops) if p is not None}
         stats: dict[str, Any] = {}
         after = None
@@ -191,7 +210,7 @@ class CheckpointActivations(effpass.Pass):
                 next(iter(graph.nodes)).meta["memory_budget"] = float(plan.fraction)
                 plan = {}
         mark_graph(plan)
-        if before is not None and after is None:
+        if before is not None and after is None and not after_from_real:
             after = partition_stats(gm, num_fwd)
         blocks = sorted({b for b in block_of.values() if b})
         stats.update(
@@ -200,18 +219,25 @@ class CheckpointActivations(effpass.Pass):
             blocks=len(blocks),
         )
         if before is not None:
+            stats.update(saved_bytes_before=before["saved_bytes"], recompute_flops_before=before["recompute_flops"])
+        if after is not None:
             stats.update(
-                saved_bytes_before=before["saved_bytes"], saved_bytes_after=after["saved_bytes"],
-                recompute_flops_before=before["recompute_flops"], recompute_flops_after=after["recompute_flops"],
+                saved_bytes_after=after["saved_bytes"], recompute_flops_after=after["recompute_flops"],
                 recompute_flops_added=after["recompute_flops"] - before["recompute_flops"],
                 recomputed_rng_ops=after["recomputed_rng_ops"],
             )
+        calls = [n for n in fwd if n.op == "call_function"]
         # the backward graph sees only the inputs it keeps; views of other inputs are not activations either
-        ctx.leave(CheckpointMarked(stats=dict(stats), input_storages=frozenset(
-            _storage_key(tensor_meta(n)) for n in graph.find_nodes(op="placeholder")
-            if isinstance(tensor_meta(n), torch.Tensor)), forward_flops={} if before is None else {
-                n.name: node_flops(n) for n in fwd if n.op == "call_function"}))
-        return effpass.PassResult(changed=True, stats=stats)
+        marked = CheckpointMarked(
+            stats=dict(stats), input_storages=frozenset(
+                _storage_key(tensor_meta(n)) for n in graph.find_nodes(op="placeholder")
+                if isinstance(tensor_meta(n), torch.Tensor)),
+            forward_flops={} if before is None else {n.name: node_flops(n) for n in calls},
+            before_recompute_flops=before["recompute_flops"] if after_from_real else None,
+            random_ops=frozenset(n.name for n in calls if _is_random(n)) if after_from_real else frozenset())
+        ctx.leave(marked)
+        return effpass.PassResult(changed=True, stats=stats,
+                                  live_stats=(lambda: dict(marked.after)) if after_from_real else None)
 
     # -- post-grad phase: measure ------------------------------------------------------------------------
     def transform_post_grad(self, gm: fx.GraphModule, ctx) -> effpass.PassResult | None:
@@ -224,8 +250,17 @@ class CheckpointActivations(effpass.Pass):
         if marked.forward_flops:
             # the forward ops this backward graph runs again (names survive partitioning), and random ops it
             # replays from their saved RNG state: what recompute_flops_after predicted
+            calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+            replayed = [n for n in calls if "run_with_rng_state" in str(n.target)]
             stats["recompute_flops_measured"] = sum(
                 marked.forward_flops[n.name] if n.name in marked.forward_flops else node_flops(n)
-                for n in gm.graph.nodes if n.op == "call_function" and (
-                    n.name in marked.forward_flops or "run_with_rng_state" in str(n.target)))
+                for n in calls if n.name in marked.forward_flops or n in replayed)
+            if marked.before_recompute_flops is not None:
+                # no copy was partitioned: the marked graph's partition is this one (same graph, same partitioner);
+                # the joint record shows them (its live statistics)
+                marked.after.update(
+                    saved_bytes_after=stats["saved_bytes_measured"],
+                    recompute_flops_after=stats["recompute_flops_measured"],
+                    recompute_flops_added=stats["recompute_flops_measured"] - marked.before_recompute_flops,
+                    recomputed_rng_ops=len(replayed) + sum(1 for n in calls if n.name in marked.random_ops))
         return effpass.PassResult(stats=stats)
