@@ -87,7 +87,9 @@ class Candidate:
 
     @property
     def peak_bytes(self) -> int | None:
-        return self.estimate.peak_bytes if self.estimate else None
+        """What the device must hold (``MemoryEstimate.device_peak_bytes``: CUDA's reserved segments where
+        modelled, else the live peak)."""
+        return self.estimate.device_peak_bytes if self.estimate else None
 
     def replay_key(self):
         """What the replay depends on: the added passes and their options (sharding is folded, not replayed)."""

@@ -131,7 +131,10 @@ def _add_arguments(p) -> None:
     p.add_argument("--optimizer", default="adamw", help="an optimizer registered with effpass.register_optimizer "
                    "(adamw is torch's AdamW), or none")
     p.add_argument("--dtype", default=None, help="parameter dtype (default: the config's)")
-    p.add_argument("--device", default="cpu", help="device to predict for (fake tensors; cuda is untested)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="device to predict for (fake tensors). cuda: the caching allocator's segments are modelled "
+                        "and fitted to the budget; made on any machine (CPU fake tensors where there is no GPU); "
+                        "not yet checked against a GPU")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--all", dest="replay_all", action="store_true",
                    help="replay every candidate of the tiers tried (the whole table), also those whose bytes at the "

@@ -104,7 +104,11 @@ def combine_depths(ests, L: int) -> MemoryEstimate | None:
         note = (f"provisional: predicted from replays of the first {depths[0]} and {depths[1]} of {L} identical "
                 f"blocks (the peak at the same node in both); affinity in depth not yet checked at {DEPTHS[2]} "
                 f"blocks")
-    out = dataclasses.replace(c, **{f: step(f) for f in AFFINE}, phase_peaks=phase_peaks, trainable_numels=numels,
+    # CUDA's reserved bytes (allocator segments) step with depth but not exactly affinely (segment granularity):
+    # extrapolated through the last two depths, never a reason to replay the full model
+    reserved = (step("reserved_peak_bytes") if all(e.reserved_peak_bytes is not None for e in (b, c)) else None)
+    out = dataclasses.replace(c, **{f: step(f) for f in AFFINE}, reserved_peak_bytes=reserved,
+                              phase_peaks=phase_peaks, trainable_numels=numels,
                               trainable_shapes=shapes, pass_stats=stats, depths=list(depths),
                               provisional=len(ests) < 3, notes=list(c.notes) + [note])
     if out.provisional:

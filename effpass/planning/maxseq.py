@@ -224,7 +224,7 @@ class _MaxSeqSearch:
         fits = []
         fit_fn: dict = {}
         for i, c in enumerate(cands):
-            pts = [(s, peaks[s][i].peak_bytes) for s in probes if not isinstance(peaks[s][i], BaseException)]
+            pts = [(s, peaks[s][i].device_peak_bytes) for s in probes if not isinstance(peaks[s][i], BaseException)]
             errs = [peaks[s][i] for s in probes if isinstance(peaks[s][i], BaseException)]
             if len(pts) < 2:
                 c.error = _error_text(errs[0])
@@ -248,8 +248,8 @@ class _MaxSeqSearch:
         known: dict[int, dict[int, Any]] = {   # seq -> id(candidate) -> estimate (the probes' replays to start)
             p: {id(c): peaks[p][i] for i, c in enumerate(cands) if id(c) in fitted
                 and not isinstance(peaks[p][i], BaseException)} for p in probes}
-        over_at = {id(c): min(p for p in probes if id(c) in known[p] and known[p][id(c)].peak_bytes > budget)
-                   for c in live if any(id(c) in known[p] and known[p][id(c)].peak_bytes > budget for p in probes)}
+        over_at = {id(c): min(p for p in probes if id(c) in known[p] and known[p][id(c)].device_peak_bytes > budget)
+                   for c in live if any(id(c) in known[p] and known[p][id(c)].device_peak_bytes > budget for p in probes)}
         replays: list = []
         lo = hi = None  # lo: some candidate fits; hi: none in the running fits (multiples of step)
 
@@ -265,9 +265,9 @@ class _MaxSeqSearch:
                         live.remove(c)
                         continue
                     got[id(c)] = r
-                    if r.peak_bytes > budget:
+                    if r.device_peak_bytes > budget:
                         over_at[id(c)] = min(over_at.get(id(c), s), s)
-            here = [(got[id(c)].peak_bytes, i, c) for i, c in enumerate(live) if id(c) in got]
+            here = [(got[id(c)].device_peak_bytes, i, c) for i, c in enumerate(live) if id(c) in got]
             if not here:
                 raise RuntimeError(f"plan_max_seq: no plan could be replayed at {s:,} tokens "
                                    f"({'; '.join(f'{c.name}: {c.error}' for c, _, _ in fits if c.error)[:400]})")
@@ -316,7 +316,7 @@ class _MaxSeqSearch:
         """The next length to replay: a secant step through the two nearest lengths' smallest peaks, kept inside
         the bracket (else bisection)."""
         budget, step, min_len, max_len = self.setup.budget, self.step, self.min_len, self.max_len
-        pts = sorted((k, min(v[id(c)].peak_bytes for c in live if id(c) in v)) for k, v in known.items()
+        pts = sorted((k, min(v[id(c)].device_peak_bytes for c in live if id(c) in v)) for k, v in known.items()
                      if any(id(c) in v for c in live))
         slope = None
         if len(pts) >= 2:
@@ -340,7 +340,7 @@ class _MaxSeqSearch:
         is affine in the number of blocks, else the whole model is replayed): each plan fitting ``lo`` and each
         plan replayed at ``lo + step``. False when a confirmed figure changes the verdict (or cannot be had)."""
         budget, step = self.setup.budget, self.step
-        pair = [(lo, [c for c in live if id(c) in known[lo] and known[lo][id(c)].peak_bytes <= budget])]
+        pair = [(lo, [c for c in live if id(c) in known[lo] and known[lo][id(c)].device_peak_bytes <= budget])]
         if lo + step <= self.max_len:
             pair.append((lo + step, [c for c in live if id(c) in known.get(lo + step, {})]))
         for s_, cs_ in pair:
@@ -350,16 +350,16 @@ class _MaxSeqSearch:
                 if isinstance(r, BaseException):
                     return False
                 known[s_][id(c)] = r
-            peak_ = min(known[s_][id(c)].peak_bytes for c in cs_)
+            peak_ = min(known[s_][id(c)].device_peak_bytes for c in cs_)
             replays[:] = [(x, peak_, peak_ <= budget) if x == s_ else (x, p, f) for x, p, f in replays]
-        return not (not any(known[lo][id(c)].peak_bytes <= budget for c in pair[0][1]) or (
-            len(pair) > 1 and any(known[lo + step][id(c)].peak_bytes <= budget for c in pair[1][1])))
+        return not (not any(known[lo][id(c)].device_peak_bytes <= budget for c in pair[0][1]) or (
+            len(pair) > 1 and any(known[lo + step][id(c)].device_peak_bytes <= budget for c in pair[1][1])))
 
     def _answer(self, lo, live, known, replays, cands, ok, fits, notes) -> MaxSeqResult:
         """The plan: among those fitting the longest length, lossless before lossy, unrestricted before
         restricted, then the fewest FLOPs and options."""
         setup, budget, step, probes = self.setup, self.setup.budget, self.step, self.probes
-        at_lo = [c for c in live if id(c) in known[lo] and known[lo][id(c)].peak_bytes <= budget]
+        at_lo = [c for c in live if id(c) in known[lo] and known[lo][id(c)].device_peak_bytes <= budget]
         chosen = min(at_lo, key=lambda c: (c.lossy, c.restricted, known[lo][id(c)].flops, len(c.options)))
         if chosen.lossy and any(not c.lossy for c, _, _ in ok):
             notes.append(f"a lossy plan fits a longer sequence than every lossless one ({lo:,} tokens)")
@@ -372,7 +372,7 @@ class _MaxSeqSearch:
                   f"{len({s for s, *_ in replays})} lengths)")
         if others and lo + step <= self.max_len:
             notes.append(f"at {lo + step:,} tokens none of the {len(others)} plans replayed there fits (smallest "
-                         f"{format_bytes(min(e.peak_bytes for e in others.values()))})")
+                         f"{format_bytes(min(e.device_peak_bytes for e in others.values()))})")
         if chosen.restricted:
             notes.append("; ".join(f"{o.name}: {o.restricts}" for o in chosen.options if o.restricts))
         for o in chosen.options:
@@ -382,5 +382,5 @@ class _MaxSeqSearch:
                           optimizer=chosen.optimizer, world_size=setup.world_size, reason=reason, notes=[])
         fit_rows = [(c.name, c.lossy, c.restricted, L, pk) for c, L, pk in fits]
         return MaxSeqResult(seq=lo, step=step, budget=budget, plan=plan,
-                            next_peak=nxt_est.peak_bytes if nxt_est is not None else None, fits=fit_rows,
+                            next_peak=nxt_est.device_peak_bytes if nxt_est is not None else None, fits=fit_rows,
                             probes=probes, replays=replays, notes=notes)

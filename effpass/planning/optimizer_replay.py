@@ -10,7 +10,7 @@ import torch
 
 from .patches import replay_patches
 from .replay import check_optimizer
-from .result import MemoryEstimate
+from .result import MemoryEstimate, reserved_after
 from .tracker import Tracker, tracked_bytes
 
 __all__ = ["optimizer_replay", "with_optimizer"]
@@ -76,6 +76,7 @@ def with_optimizer(est: MemoryEstimate, optimizer: str, *, device=None, lr: floa
         "optimizer", "eager code", f"{optimizer} step (replayed on fake parameters)")
     return dataclasses.replace(est, optimizer=optimizer, optimizer_states=states, start_bytes=start,
                                step_peak_bytes=step_peak, peak_bytes=start + step_peak, peak_phase=where[0],
+                               reserved_peak_bytes=reserved_after(est, start + step_peak),
                                peak_graph=where[1], peak_node=where[2],
                                notes=list(est.notes) + [f"{optimizer}: states and step transient from the real "
                                                         f"optimizer built on fake parameters; forward/backward "

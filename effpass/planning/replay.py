@@ -34,8 +34,9 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .patches import replay_patches, sharing_joint_traces
-from .result import MemoryEstimate, training_step
-from .tracker import Tracker, gradient_split, step_timeline, tracked_bytes
+from .cuda_allocator import simulate
+from .result import MemoryEstimate, format_bytes, training_step
+from .tracker import Tracker, gradient_split, step_timeline, storage_sizes, tracked_bytes
 
 __all__ = ["replay_many", "module_groups", "fake_copy", "replay_options", "module_phase_key", "prepare_replay_model",
            "without_fsdp", "target_device", "check_optimizer", "largest_unit_bytes", "split_compile_options",
@@ -86,6 +87,15 @@ def _fake_inputs(inputs, fake):
         return memo[id(x)]
 
     return tree_map(one, inputs)
+
+
+def replay_device(dev: torch.device) -> torch.device:
+    """The device whose fake tensors replay a step for target ``dev``: ``dev`` itself, or the CPU for a CUDA
+    target on a machine without CUDA (autograd on fake CUDA tensors needs CUDA's device guard). The bytes are
+    still counted as CUDA's caching allocator holds them (:mod:`effpass.planning.cuda_allocator`)."""
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        return torch.device("cpu")
+    return dev
 
 
 def target_device(model: torch.nn.Module, device) -> torch.device:
@@ -221,7 +231,8 @@ def _replay_group(model, example_inputs, items, optimizer, dev, loss_fn, lr, req
     tracked with a fresh tracker). Returns one :class:`MemoryEstimate` per item (the bytes of each are those
     of a replay of that plan alone). Raises on any failure (the caller replays the items alone then)."""
     t0 = time.perf_counter()
-    fake_mode, work, inputs = fake_copy(model, example_inputs, dev)
+    rdev = replay_device(dev)
+    fake_mode, work, inputs = fake_copy(model, example_inputs, rdev)
     was_training = work.training
     work.train(True if was_training is None else was_training)
     # Inductor is replayed from its generated code (its fusions, buffer reuse and frees); every other
@@ -230,9 +241,9 @@ def _replay_group(model, example_inputs, items, optimizer, dev, loss_fn, lr, req
     results = []
     try:
         torch._dynamo.reset()
-        with replay_patches(dev, inductor=replay_lowering == "inductor"), fake_mode:
-            with Tracker(device=dev):  # as during each step: .item() on a fake tensor reads 1
-                first = prepare_replay_model(work, items[0][1], items[0][2], dev)
+        with replay_patches(rdev, inductor=replay_lowering == "inductor"), fake_mode:
+            with Tracker(device=rdev, allocator=dev):  # as during each step: .item() on a fake tensor reads 1
+                first = prepare_replay_model(work, items[0][1], items[0][2], rdev)
             backends = [first]
             for _, options, _kw in items[1:]:
                 from effpass.backend import EffpassBackend
@@ -245,10 +256,10 @@ def _replay_group(model, example_inputs, items, optimizer, dev, loss_fn, lr, req
             for i, (pass_list, options, _kw) in enumerate(items):
                 if switch is not None:
                     switch.current = i
-                tracker = Tracker(device=dev)
+                tracker = Tracker(device=rdev, allocator=dev)
                 with tracker:
                     est = _run_tracked(work, compiled, inputs, tracker, backends[i], optimizer, dev, loss_fn, lr,
-                                       replay_lowering, requested_lowering, compiled_already=i > 0)
+                                       replay_lowering, requested_lowering, compiled_already=i > 0, rdev=rdev)
                 est.seconds = time.perf_counter() - t0
                 results.append(est)
     finally:
@@ -257,7 +268,7 @@ def _replay_group(model, example_inputs, items, optimizer, dev, loss_fn, lr, req
 
 
 def _run_tracked(work, compiled, inputs, tracker, be, optimizer, dev, loss_fn, lr, replay_lowering,
-                 requested_lowering, compiled_already=False):
+                 requested_lowering, compiled_already=False, rdev=None):
     """Two training steps of the compiled fake copy (the first compiles and creates the optimizer states, the
     second is tracked); the estimate of the second.
 
@@ -273,7 +284,7 @@ def _run_tracked(work, compiled, inputs, tracker, be, optimizer, dev, loss_fn, l
     if optimizer is not None and trainable:
         from effpass.memory_options import build_optimizer
 
-        opt = build_optimizer(optimizer, trainable, lr=lr, device=dev)
+        opt = build_optimizer(optimizer, trainable, lr=lr, device=rdev or dev)
     if (compiled_already and replay_lowering == "eager"
             and not any(getattr(p, "_post_accumulate_grad_hooks", None) for p in trainable)):
         if opt is not None:
@@ -287,7 +298,8 @@ def _run_tracked(work, compiled, inputs, tracker, be, optimizer, dev, loss_fn, l
     buffers = list(work.buffers())
     states = [v for s in (opt.state.values() if opt else ()) for v in s.values() if isinstance(v, torch.Tensor)]
     flat_inputs = [x for x in tree_flatten(inputs)[0] if isinstance(x, torch.Tensor)]
-    start = tracked_bytes(params + buffers + states + flat_inputs, dev)
+    start_sizes = storage_sizes(params + buffers + states + flat_inputs, dev)
+    start = sum(start_sizes)
     p_bytes = tracked_bytes(params, dev)
     b_bytes = tracked_bytes(buffers, dev)
     s_bytes = tracked_bytes(states, dev)
@@ -333,10 +345,24 @@ def _run_tracked(work, compiled, inputs, tracker, be, optimizer, dev, loss_fn, l
         est.notes.append(f"lowering={requested_lowering!r} is predicted by the eager lowering's replay of the same "
                          f"partitioned graphs (its own buffer plan is not replayed)")
     if dev.type == "cuda":
-        est.notes.append("CUDA: every storage rounded up to the caching allocator's 512-byte blocks (as torch's "
-                         "MemTracker); untested on a GPU")
+        est.reserved_peak_bytes = cuda_reserved_peak(start_sizes, tracker.events)
+        est.notes.append(
+            "CUDA: every storage rounded up to the caching allocator's 512-byte blocks (peak_bytes: what "
+            "torch.cuda.max_memory_allocated would read); the device must hold the allocator's segments "
+            f"({format_bytes(est.reserved_peak_bytes)} reserved: the start's storages, then the step twice through "
+            "a model of the caching allocator, effpass.planning.cuda_allocator), which the plan fits to the budget"
+            + ("; replayed on CPU fake tensors (no CUDA here): CPU kernels' outputs and workspaces" if rdev is not None
+               and rdev != dev else ""))
     est.largest_unit_bytes = largest_unit_bytes(work)
     return est
+
+
+def cuda_reserved_peak(start_sizes, events) -> int:
+    """Bytes CUDA's caching allocator reserves for a step: the storages live at its start allocated first (in
+    order), then the tracked step's allocations and frees twice (the first as the warm-up step that fills the
+    allocator's cache, the second as the steady-state step)."""
+    step = [(n, key) for n, key, *_ in events]
+    return simulate([(n, ("start", i)) for i, n in enumerate(start_sizes)] + step + step).reserved
 
 
 def replay_many(model, example_inputs, pipelines, optimizer, dev, loss_fn, lr, compile_options, share=True):

@@ -10,7 +10,7 @@ import torch
 
 from effpass.config import parse_size  # noqa: F401  (re-exported)
 
-__all__ = ["MemoryEstimate", "training_step", "format_bytes", "parse_size"]
+__all__ = ["MemoryEstimate", "training_step", "format_bytes", "parse_size", "reserved_after"]
 
 
 def format_bytes(n: float) -> str:
@@ -71,6 +71,15 @@ class MemoryEstimate:
     timeline: dict | None = None
     #: predicted from two depths, affinity not yet checked at a third (``estimate_many(screen=True)``)
     provisional: bool = False
+    #: CUDA target: bytes the caching allocator reserves from the driver over the step (its segments:
+    #: ``torch.cuda.max_memory_reserved``), :mod:`effpass.planning.cuda_allocator`; None for other devices
+    reserved_peak_bytes: int | None = None
+
+    @property
+    def device_peak_bytes(self) -> int:
+        """What the device must hold for the step: the allocator's reserved segments where modelled (CUDA),
+        else the peak of live storage bytes. The planner fits this to the budget."""
+        return max(self.peak_bytes, self.reserved_peak_bytes or 0)
 
     def breakdown(self) -> dict[str, int]:
         return {"parameters": self.parameters, "buffers": self.buffers, "inputs": self.inputs,
@@ -82,7 +91,9 @@ class MemoryEstimate:
 
     def summary(self) -> str:
         lines = [f"predicted peak of one training step: {format_bytes(self.peak_bytes)} ({self.peak_bytes} bytes)"
-                 + (f" per rank, {self.world_size} ranks ({self.sharding})" if self.world_size > 1 else ""),
+                 + (f" per rank, {self.world_size} ranks ({self.sharding})" if self.world_size > 1 else "")
+                 + (f"; reserved by CUDA's caching allocator {format_bytes(self.reserved_peak_bytes)} "
+                    f"({self.reserved_peak_bytes} bytes)" if self.reserved_peak_bytes is not None else ""),
                  f"  live at the step's start: {format_bytes(self.start_bytes)} = parameters "
                  f"{format_bytes(self.parameters)} ({format_bytes(self.trainable_parameters)} trainable) + buffers "
                  f"{format_bytes(self.buffers)} + optimizer states {format_bytes(self.optimizer_states)} "
@@ -95,6 +106,14 @@ class MemoryEstimate:
                  f"{self.seconds:.1f} s; passes: {', '.join(self.passes) or '(none)'}"]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def reserved_after(est: MemoryEstimate, peak_bytes: int) -> int | None:
+    """``est``'s reserved bytes moved by a change of its live peak to ``peak_bytes`` made after the replay (a
+    sharding fold, another optimizer's states): the allocator's overhead above the live peak is kept."""
+    if est.reserved_peak_bytes is None:
+        return None
+    return max(peak_bytes, est.reserved_peak_bytes + peak_bytes - est.peak_bytes)
 
 
 def _loss_of(out) -> torch.Tensor:

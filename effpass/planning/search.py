@@ -150,7 +150,7 @@ class CandidateSearch:
         if self.sp_terms:
             est = fold_sequence_parallel(est, *self.sp_terms)
         c.estimate = est
-        c.fits = est.peak_bytes <= self.setup.budget
+        c.fits = est.device_peak_bytes <= self.setup.budget
 
     def set_floors(self, cands) -> None:
         """Each candidate's floor (bytes live at its step's start), from its module phase alone; cached with the

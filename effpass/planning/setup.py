@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from .candidates import Candidate, check_allow, is_sharding, parameter_floor, pipeline_with, usable_options
-from .replay import largest_unit_bytes, target_device
+from .replay import largest_unit_bytes, replay_device, target_device
 from .result import MemoryEstimate, format_bytes, parse_size
 from .sharding import fold_sharding
 
@@ -70,8 +70,15 @@ def prepare(model, memory_budget, allow, passes, optimizer, world_size: int, *, 
     base = _build_passes(passes) if passes is not None else default_pipeline(dev)
     base_names = {p.name for p in base}
     notes: list[str] = []
+    rdev = replay_device(dev)
+    if rdev != dev:
+        # a CUDA target replayed on CPU fake tensors: host memory is the replay's own device there, so options
+        # that trade device memory for host memory (offload_activations) cannot be predicted: left out, said
+        notes.append(f"predicted for {dev.type} on {rdev.type} fake tensors (no {dev.type} here): CUDA's caching "
+                     f"allocator is modelled; options that move tensors to host memory (offload_activations) "
+                     f"need a {dev.type} replay and are not considered")
     groups = usable_options(model, base_names, allow_t, optimizer, world_size, notes, graph_only=graph_only,
-                            device=dev, rows=rows)
+                            device=rdev if rdev != dev else dev, rows=rows)
     p_bytes, floor = parameter_floor(model, groups, world_size)
     if budget < floor:
         raise ValueError(f"memory_budget {memory_budget!r} ({format_bytes(budget)}) is below the parameters' own "

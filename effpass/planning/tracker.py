@@ -22,7 +22,8 @@ from .data_dependent import RoutingHints
 from .fake_inductor import FAKE_WRAPPER_CODE
 from .result import MemoryEstimate
 
-__all__ = ["Tracker", "replay_kernel", "step_timeline", "gradient_split", "tracked_bytes", "alloc_bytes", "TIMELINE_CATEGORIES",
+__all__ = ["Tracker", "replay_kernel", "step_timeline", "gradient_split", "tracked_bytes", "storage_sizes",
+           "alloc_bytes", "TIMELINE_CATEGORIES",
            "CUDA_MIN_ALLOCATE"]
 
 
@@ -39,9 +40,14 @@ def alloc_bytes(n: int, device) -> int:
 
 def tracked_bytes(tensors, device="cpu") -> int:
     """Storage-true bytes of ``tensors`` (each storage once), as the device's allocator holds them."""
+    return sum(storage_sizes(tensors, device))
+
+
+def storage_sizes(tensors, device="cpu") -> list[int]:
+    """The bytes of each storage of ``tensors`` (each once, in order), as the device's allocator holds them."""
     from effpass.quantized import inner_tensors, _storage_key_and_bytes
 
-    seen, total = set(), 0
+    seen, sizes = set(), []
     for t in tensors:
         if not isinstance(t, torch.Tensor):
             continue
@@ -49,8 +55,8 @@ def tracked_bytes(tensors, device="cpu") -> int:
             key, n = _storage_key_and_bytes(inner)
             if key not in seen:
                 seen.add(key)
-                total += alloc_bytes(n, device)
-    return total
+                sizes.append(alloc_bytes(n, device))
+    return sizes
 
 
 class Tracker(TorchDispatchMode):
@@ -64,9 +70,11 @@ class Tracker(TorchDispatchMode):
     def ignore_compile_internals(cls):  # NOTE: else Dynamo skips compiling under this mode
         return True
 
-    def __init__(self, params: Sequence[torch.Tensor] = (), device="cpu"):
+    def __init__(self, params: Sequence[torch.Tensor] = (), device="cpu", allocator=None):
         super().__init__()
         self.device = torch.device(device)
+        #: the device whose allocator the bytes are counted for (a CUDA target replayed on CPU tensors)
+        self.alloc_device = torch.device(allocator) if allocator is not None else self.device
         self.live = 0
         self.peak = 0
         self.sizes: dict[int, int] = {}
@@ -174,12 +182,12 @@ class Tracker(TorchDispatchMode):
                 continue
             if t.device.type != self.device.type and t.device.type != "meta":
                 continue  # NOTE(offload): host memory (offloaded activations, CPU step counters) is not device memory
-            n = alloc_bytes(st.nbytes(), self.device)
+            n = alloc_bytes(st.nbytes(), self.alloc_device)
             self.sizes[key] = n
             weakref.finalize(st, self._free, key)
             self._grow(n, key, func)
         # buffers the real kernel allocates and frees inside the op (not its outputs): live beside its outputs
-        work = alloc_bytes(_kernel_workspace(func, args), self.device)
+        work = alloc_bytes(_kernel_workspace(func, args), self.alloc_device)
         if work:
             self._scratch -= 1
             self._grow(work, self._scratch, func)
