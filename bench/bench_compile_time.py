@@ -128,7 +128,8 @@ def worker(arm: str, cfg: dict, device: str) -> dict:
         out.update(pass_ms=pass_ms, passes_ms=sum(pass_ms.values()), timing=timing,
                    effpass_ms=timing["total_ms"] - timing["lower_ms"] + sum(r.ms for r in rep.module.records),
                    pipeline=sorted({r.name for r in rep.records()}),
-                   replayed=sum(r.from_cache for r in rep.records()), graph_cache=[g.cache for g in rep.graphs])
+                   replayed=sum(r.from_cache for r in rep.records()), graph_cache=[g.cache for g in rep.graphs],
+                   source=effpass._source_digest()[:16])  # in every cache key: a warm run misses if it differs
     return out
 
 
@@ -162,21 +163,28 @@ def markdown(run: dict) -> str:
              "waited-for children). Cold: an empty Inductor cache; warm: the cache the cold run of the same arm "
              "filled. passes ms: effpass's passes' own time (`record.ms`, summed); effpass ms: everything effpass did "
              "around Inductor (backend `total_ms - lower_ms` + module phase). ratio: passes ms / plain's cold wall "
-             "(bound: <= 10%). Timings on a shared 2-core machine (load average per arm below): noisy.", "",
+             "(bound: <= 10%). 'cache miss': a warm run that missed Inductor's caches (for effpass: its source changed "
+             "since the cold run, `source` in the JSON). Timings on a shared 2-core machine (load average per arm "
+             "below): noisy.", "",
              "| model | size | plain cold | plain warm | effpass cold | effpass warm | passes ms (cold) | "
-             "effpass ms (cold) | ratio | <= 10% | slowest pass (cold) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "effpass ms (cold) | ratio | <= 10% | slowest pass (cold) |", "|---" * 11 + "|"]
     models = list(dict.fromkeys((r["model"], r["size"]) for r in res))
     for m, s in models:
         pc, pw, ec, ew = (get(a, m, s, c) for a in ARMS for c in ("cold", "warm"))
-        cell = lambda r: "-" if r is None else f"{r['first_step_s']:.1f} ({r['first_step_cpu_s']:.1f})"  # noqa: E731
+        def cell(r):
+            if r is None:
+                return "-"
+            missed = r["cache"] == "warm" and any(v for k, v in r["caches"].items() if k.endswith("_miss"))
+            return f"{r['first_step_s']:.1f} ({r['first_step_cpu_s']:.1f}){' cache miss' if missed else ''}"
+
         ratio = ec["passes_ms"] / 1e3 / pc["first_step_s"] if ec and pc else None
         top = max(ec["pass_ms"].items(), key=lambda kv: kv[1]) if ec and ec["pass_ms"] else None
         lines.append(f"| {m} | {s} | {cell(pc)} | {cell(pw)} | {cell(ec)} | {cell(ew)} | {fmt(ec, 'passes_ms')} | "
                      f"{fmt(ec, 'effpass_ms')} | {'-' if ratio is None else f'{ratio * 100:.2f}%'} | "
                      f"{'-' if ratio is None else ('yes' if ratio <= 0.10 else 'NO')} | "
                      f"{'-' if top is None else f'{top[0]} {top[1]:.0f} ms'} |")
-    lines += ["", "Per arm: load average at the start of the step, caches hit/missed (Inductor FX graph and AOTAutograd "
-              "caches), graphs, graph breaks; effpass: ms per pass.", "",
+    lines += ["", "Per arm: load average at the start of the step, caches hit/missed (Inductor FX graph and "
+              "AOTAutograd caches), graphs, graph breaks; effpass: ms per pass.", "",
               "| model | size | arm | cache | load | cache counters | graphs | breaks | ms per pass |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in res:
