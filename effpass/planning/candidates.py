@@ -60,6 +60,8 @@ class Candidate:
     floor: int | None = None
     #: why it was not replayed (it cannot fit, or cannot be the answer); None when replayed
     pruned: str | None = None
+    #: CUDA plans: a compute-bound estimate of the step's time on the planned GPU (``PlanSetup.step_seconds``)
+    est_step_s: float | None = None
 
     @property
     def lossy(self) -> bool:
@@ -118,26 +120,31 @@ class MemoryPlan:
         return self.chosen.peak_bytes
 
     def table(self) -> str:
-        rows = [("plan", "lossy", "predicted peak", "fits", "extra compute", "peak at")]
+        timed = any(c.est_step_s is not None for c in self.candidates)
+        rows = [("plan", "lossy", "predicted peak", "fits", "extra compute") + (("est. step",) if timed else ())
+                + ("peak at",)]
         base_flops = self._base_flops()
         for c in self.candidates:
             if c.pruned and c.estimate is None:
                 if c.floor is not None and c.floor > self.budget:
                     rows.append(("  " + c.name, "yes" if c.lossy else "no",
-                                 f"not replayed: >= {format_bytes(c.floor)}", "no", "-",
-                                 "start of step alone exceeds the budget"))
+                                 f"not replayed: >= {format_bytes(c.floor)}", "no", "-") + (("-",) if timed else ())
+                                + ("start of step alone exceeds the budget",))
                 else:
-                    rows.append(("  " + c.name, "yes" if c.lossy else "no", "not replayed", "-", "-",
-                                 "restricted; an unrestricted plan fits"))
+                    rows.append(("  " + c.name, "yes" if c.lossy else "no", "not replayed", "-", "-")
+                                + (("-",) if timed else ()) + ("restricted; an unrestricted plan fits",))
                 continue
             if c.estimate is None:
-                rows.append((c.name, "yes" if c.lossy else "no", c.error or "not evaluated", "-", "-", "-"))
+                rows.append((c.name, "yes" if c.lossy else "no", c.error or "not evaluated", "-", "-")
+                            + (("-",) if timed else ()) + ("-",))
                 continue
             pct = f" ({100 * c.extra_flops / base_flops:+.1f}%)" if base_flops else ""
+            step = ((f"{c.est_step_s * 1e3:.3g} ms" if c.est_step_s is not None else "-",) if timed else ())
             rows.append((("* " if c is self.chosen else "  ") + c.name, "yes" if c.lossy else "no",
                          ("~" if c.estimate.provisional else "") + format_bytes(c.peak_bytes),
                          "yes" if c.fits else "no",
-                         f"{format_flops(c.extra_flops)}{pct}", f"{c.estimate.peak_phase}: {c.estimate.peak_node}"[:60]))
+                         f"{format_flops(c.extra_flops)}{pct}") + step
+                        + (f"{c.estimate.peak_phase}: {c.estimate.peak_node}"[:60],))
         widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
         return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
 
@@ -165,7 +172,8 @@ class MemoryPlan:
                 "reason": self.reason, "optimizer": self.optimizer, "world_size": self.world_size,
                 "passes": [{"name": p.name, "options": p.options()} for p in self.passes],
                 "candidates": [{"plan": c.name, "techniques": list(c.techniques()), "lossy": c.lossy, "peak_bytes": c.peak_bytes, "fits": c.fits,
-                                "extra_flops": c.extra_flops, "error": c.error, "pruned": c.pruned,
+                                "extra_flops": c.extra_flops, "est_step_s": c.est_step_s, "error": c.error,
+                                "pruned": c.pruned,
                                 "floor_bytes": c.floor,
                                 "provisional": bool(c.estimate and c.estimate.provisional),
                                 "peak_at": f"{c.estimate.peak_phase}: {c.estimate.peak_node}" if c.estimate else None}

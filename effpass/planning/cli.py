@@ -60,8 +60,8 @@ def model_from_config(config, dtype: str | None = None):
 
 def plan_config(config, batch: int, seq: int, budget, allow=(), world_size: int = 1, passes=None,
                 lora: int | None = None, optimizer: str | None = "adamw", dtype: str | None = None,
-                device: str = "cpu", sequence_parallel: int = 1, prune: bool = True):
-    """(model, plan) for a config at ``batch`` x ``seq`` under ``budget`` (``prune``: see ``plan_memory``)."""
+                device: str = "cpu", sequence_parallel: int = 1, prune: bool = True, gpu: str | None = None):
+    """(model, plan) for a config at ``batch`` x ``seq`` under ``budget`` (``prune``, ``gpu``: see ``plan_memory``)."""
     import torch
 
     from .planner import plan_memory
@@ -74,7 +74,7 @@ def plan_config(config, batch: int, seq: int, budget, allow=(), world_size: int 
     pipeline = _pipeline_of(passes, lora)
     plan = plan_memory(model, inputs, budget, allow=allow, passes=pipeline, optimizer=optimizer,
                        world_size=world_size, device=device, lowering="eager", sequence_parallel=sequence_parallel,
-                       prune=prune)
+                       prune=prune, gpu=gpu)
     return model, plan
 
 
@@ -135,6 +135,8 @@ def _add_arguments(p) -> None:
                    help="device to predict for (fake tensors). cuda: the caching allocator's segments are modelled "
                         "and fitted to the budget; made on any machine (CPU fake tensors where there is no GPU); "
                         "not yet checked against a GPU")
+    p.add_argument("--gpu", default=None, choices=("h100", "h200"),
+                   help="with --device cuda: the GPU each plan's step time is estimated on (default h100)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--all", dest="replay_all", action="store_true",
                    help="replay every candidate of the tiers tried (the whole table), also those whose bytes at the "
@@ -158,7 +160,7 @@ def _run(args) -> int:
                                   world_size=args.world_size, passes=passes, lora=args.lora,
                                   optimizer=None if args.optimizer == "none" else args.optimizer, dtype=args.dtype,
                                   device=args.device, sequence_parallel=args.sequence_parallel,
-                                  prune=not args.replay_all)
+                                  prune=not args.replay_all, gpu=args.gpu)
     except MemoryBudgetError as e:
         print(f"effpass plan: {e}", file=sys.stderr)
         if e.candidates:

@@ -31,7 +31,7 @@ __all__ = ["MemoryPlan", "Candidate", "MemoryBudgetError", "plan_memory", "plan_
 
 def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: Iterable[str] = (), passes=None,
                 optimizer: str | None = "adamw", world_size: int = 1, *, device=None, loss_fn=None,
-                sequence_parallel: int = 1, prune: bool = True, cache: dict | None = None,
+                sequence_parallel: int = 1, prune: bool = True, cache: dict | None = None, gpu: str | None = None,
                 **compile_options) -> MemoryPlan:
     """Choose a pipeline for ``model`` whose predicted training-step peak fits ``memory_budget``
     (``"24GiB"``, bytes; per rank when ``world_size > 1``). See the module docstring for the order.
@@ -54,23 +54,27 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
     ``cache``: a dict shared by calls for several budgets of the same model, inputs, pipeline and options
     (replays do not depend on the budget; a later call reuses them).
 
+    ``device="cuda"``: the plan fits the caching allocator's reserved segments (made on any machine); each
+    candidate gets a compute-bound estimate of its step time on ``gpu`` (``"h100"``, the default, or ``"h200"``:
+    :mod:`effpass.devices`), ``Candidate.est_step_s``, shown in the table.
+
     Raises :class:`MemoryBudgetError` (a ``ValueError``) naming the smallest achievable peak and its plan
     when nothing fits, ``ValueError`` for an unreadable budget, one below the parameters' own bytes, or an
     ``allow`` entry that names no technique.
     """
     return _plan(model, example_inputs, memory_budget, allow, passes, optimizer, world_size, device=device,
-                 loss_fn=loss_fn, sequence_parallel=sequence_parallel, prune=prune, cache=cache,
+                 loss_fn=loss_fn, sequence_parallel=sequence_parallel, prune=prune, cache=cache, gpu=gpu,
                  compile_options=compile_options)
 
 
 def _plan(model, example_inputs, memory_budget, allow, passes, optimizer, world_size, *, device=None, loss_fn=None,
           sequence_parallel: int = 1, prune: bool = True, cache: dict | None = None, graph_only: bool = False,
-          compile_options) -> MemoryPlan:
+          gpu: str | None = None, compile_options) -> MemoryPlan:
     """:func:`plan_memory`; ``graph_only``: only options that act on graphs (planning on the first call)."""
     if sequence_parallel == 1:
         return _plan_one_rank(model, example_inputs, memory_budget, allow, passes, optimizer, world_size,
                               device=device, loss_fn=loss_fn, prune=prune, cache=cache, graph_only=graph_only,
-                              sp_terms=None, compile_options=compile_options)
+                              sp_terms=None, gpu=gpu, compile_options=compile_options)
     # one rank of a shard_sequence group: seq/sp tokens replayed, the sharded attention's terms folded on
     from .sharding import sequence_parallel_replay
 
@@ -80,16 +84,16 @@ def _plan(model, example_inputs, memory_budget, allow, passes, optimizer, world_
     try:
         return _plan_one_rank(model, local, memory_budget, allow, passes, optimizer, world_size, device=device,
                               loss_fn=loss_fn, prune=prune, cache=cache, graph_only=graph_only,
-                              sp_terms=(sequence_parallel, terms), compile_options=compile_options)
+                              sp_terms=(sequence_parallel, terms), gpu=gpu, compile_options=compile_options)
     finally:
         restore_sp()
 
 
 def _plan_one_rank(model, example_inputs, memory_budget, allow, passes, optimizer, world_size, *, device, loss_fn,
-                   prune, cache, graph_only, sp_terms, compile_options) -> MemoryPlan:
+                   prune, cache, graph_only, sp_terms, compile_options, gpu=None) -> MemoryPlan:
     """The plan of one rank's replayed step: set-up, candidates, search, answer."""
     setup = prepare(model, memory_budget, allow, passes, optimizer, world_size, device=device, graph_only=graph_only,
-                    rows=batch_rows(example_inputs))
+                    rows=batch_rows(example_inputs), gpu_name=gpu)
     lossless, lossy = candidate_tiers(setup.groups, optimizer)
     found = search(setup, example_inputs, lossless, lossy, loss_fn=loss_fn, replays=cache, prune=prune,
                    sp_terms=sp_terms, compile_options=compile_options)

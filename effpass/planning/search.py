@@ -151,6 +151,7 @@ class CandidateSearch:
             est = fold_sequence_parallel(est, *self.sp_terms)
         c.estimate = est
         c.fits = est.device_peak_bytes <= self.setup.budget
+        c.est_step_s = self.setup.step_seconds(est.flops)
 
     def set_floors(self, cands) -> None:
         """Each candidate's floor (bytes live at its step's start), from its module phase alone; cached with the

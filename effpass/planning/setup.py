@@ -32,6 +32,16 @@ class PlanSetup:
     notes: list = field(default_factory=list)
     base_sharding: Any = None        # the sharding option of a sharding pass in the pipeline as given
     unit_bytes: int = 0              # parameters of the largest block (FSDP unit), when world_size > 1
+    gpu: Any = None                  # CUDA plans: the GPU (effpass.devices) each candidate's step time is estimated on
+    compute_dtype: Any = None        # the dtype of the model's largest floating parameter (its matmuls' operands)
+
+    def step_seconds(self, flops: int) -> float | None:
+        """A compute-bound estimate of a step's time on ``gpu``: its FLOPs at the matmul ceiling (bf16/fp16) or
+        the fp32 rate; memory traffic and launches are not counted (``effpass cost`` has the full roofline)."""
+        if self.gpu is None:
+            return None
+        low = self.compute_dtype in (torch.bfloat16, torch.float16)
+        return flops / (self.gpu.matmul_flops if low else self.gpu.fp32_flops)
 
     @property
     def base_names(self) -> set:
@@ -56,7 +66,8 @@ class PlanSetup:
 
 
 def prepare(model, memory_budget, allow, passes, optimizer, world_size: int, *, device=None,
-            graph_only: bool = False, rows: int | None = None, answer: str = "plan") -> PlanSetup:
+            graph_only: bool = False, rows: int | None = None, answer: str = "plan",
+            gpu_name: str | None = None) -> PlanSetup:
     """The set-up of a plan search; raises ``ValueError`` for an unreadable budget, an ``allow`` entry that
     names no technique, or a budget below the parameters' own bytes (no ``answer`` can fit it). ``rows``:
     tokens in the step's batch (options meant for other batch sizes are left out); ``graph_only``: only
@@ -89,6 +100,20 @@ def prepare(model, memory_budget, allow, passes, optimizer, world_size: int, *, 
     # a sharding pass the user put in the pipeline is folded on every candidate
     base_sharding = next((o for o in declared_memory_options(model, world_size=world_size)
                           if o.sharding and o.pass_name in base_names), None) if world_size > 1 else None
+    gpu = None
+    floats = [p for p in model.parameters() if p.is_floating_point()]
+    compute_dtype = max(floats, key=lambda p: p.numel()).dtype if floats else torch.float32
+    if dev.type == "cuda":
+        from effpass.devices import get_device
+
+        gpu = get_device(gpu_name or "h100")
+        notes.append(f"est. step: each plan's FLOPs at the {gpu.name}'s "
+                     + (f"bf16 matmul ceiling ({gpu.matmul_flops / 1e12:.0f} TFLOP/s)"
+                        if compute_dtype in (torch.bfloat16, torch.float16)
+                        else f"fp32 rate ({gpu.fp32_flops / 1e12:.0f} TFLOP/s; {compute_dtype} parameters)")
+                     + ": a compute-bound estimate (memory traffic, launches and communication not counted; "
+                       "`effpass cost` gives the roofline of one step)")
     return PlanSetup(model=model, budget=budget, allow=allow_t, optimizer=optimizer, world_size=world_size,
                      device=dev, base=base, groups=groups, notes=notes, base_sharding=base_sharding,
-                     unit_bytes=largest_unit_bytes(model) if world_size > 1 else 0)
+                     unit_bytes=largest_unit_bytes(model) if world_size > 1 else 0, gpu=gpu,
+                     compute_dtype=compute_dtype)

@@ -137,6 +137,10 @@ class InjectLoRA(effpass.Pass):
         if experts:
             stats["expert_parameters"] = expert_names
         skipped = [{"site": n, "reason": "already has a LoRA adapter"} for n, m in selected if isinstance(m, LoRALinear)]
+        skipped += [{"site": n, "reason": f"an nn.Linear subclass with a forward of its own ({type(m).__name__}): "
+                                          "not a plain linear map, an adapter would change what it returns"}
+                    for n, m in model.named_modules() if n and lora.overrides_linear_forward(m)
+                    and ctx.scope.matches_globs(n) is not False and not _excluded(n, self.exclude)]
         skipped += [{"site": n, "reason": "already has a LoRA adapter"} for n in experts if n in had]
         why = "" if (names or expert_names) else (
             f"every selected module already has a LoRA adapter ({len(skipped)}; a model prepared before keeps its "

@@ -35,12 +35,20 @@ def is_linear_like(module: nn.Module) -> bool:
     if isinstance(module, LoRALinear):
         return False
     if isinstance(module, nn.Linear):
-        return True
+        return not overrides_linear_forward(module)
     conv1d = _conv1d_class()
     if conv1d is not None and isinstance(module, conv1d):
         return True
     return bool(getattr(module, "__effpass_linear__", False)) and isinstance(
         getattr(module, "in_features", None), int) and isinstance(getattr(module, "out_features", None), int)
+
+
+def overrides_linear_forward(module: nn.Module) -> bool:
+    """An ``nn.Linear`` subclass with a ``forward`` of its own (Llama 4's router returns ``(scores, logits)``) that
+    does not declare itself a linear (``__effpass_linear__``): not a plain linear map of its input, so an adapter
+    added to its output would change what it returns."""
+    return (isinstance(module, nn.Linear) and type(module).forward is not nn.Linear.forward
+            and not getattr(module, "__effpass_linear__", False))
 
 
 def linear_shape(module: nn.Module) -> tuple[int, int, bool]:

@@ -22,10 +22,10 @@ from .expert_mm import expert_mm, expert_mm_grad_w  # noqa: F401
 from .experts import (EXPERT_LAYOUTS, ExpertLoRA, expert_layout, expert_lora_modules,  # noqa: F401
                             expert_parameters, inject_experts)
 from .linear import (AdapterLinear, LoRALinear, freeze_base, inject, is_linear_like, linear_shape,  # noqa: F401
-                           lora_modules, merge, parameter_stats, unmerge)
+                           lora_modules, merge, overrides_linear_forward, parameter_stats, unmerge)
 from .peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, _peft_expert_keys, adapter_config, load, save  # noqa: F401
 
-__all__ = ["LoRALinear", "ExpertLoRA", "is_linear_like", "linear_shape", "lora_modules", "expert_lora_modules",
+__all__ = ["LoRALinear", "ExpertLoRA", "is_linear_like", "overrides_linear_forward", "linear_shape", "lora_modules", "expert_lora_modules",
            "inject", "inject_experts", "expert_parameters", "expert_layout", "freeze_base",
            "parameter_stats", "save", "load", "merge", "unmerge", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS"]
 

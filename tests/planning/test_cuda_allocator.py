@@ -205,3 +205,18 @@ def test_prediction_equals_a_real_cuda_step():
     assert abs(allocated - est.peak_bytes) <= 0.01 * est.peak_bytes, (allocated, est.peak_bytes)
     reserved = torch.cuda.max_memory_reserved() - other
     assert abs(reserved - est.reserved_peak_bytes) <= max(0.01 * reserved, 2 * MiB), (reserved, est.reserved_peak_bytes)
+
+
+def test_a_cuda_plan_estimates_each_candidates_step_time():
+    """``effpass plan --device cuda``: each candidate's FLOPs at the GPU's rate (fp32 parameters: the fp32 rate), in
+    the table and the JSON; none for a CPU plan."""
+    from effpass.devices import DEVICES
+    from effpass.planning import plan_memory
+
+    model, inputs = _meta_case()
+    plan = plan_memory(model, inputs, 1 << 30, device="cuda", lowering="eager", gpu="h200")
+    assert all(c.est_step_s == c.estimate.flops / DEVICES["h200"].fp32_flops for c in plan.candidates if c.estimate)
+    assert "est. step" in plan.table() and any("fp32 rate (67 TFLOP/s" in n for n in plan.notes)
+    assert all("est_step_s" in c for c in plan.to_dict()["candidates"])
+    cpu = plan_memory(model, inputs, 1 << 30, device="cpu", lowering="eager")
+    assert all(c.est_step_s is None for c in cpu.candidates) and "est. step" not in cpu.table()
