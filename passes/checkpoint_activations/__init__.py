@@ -236,7 +236,12 @@ class CheckpointActivations(effpass.Pass):
             before_recompute_flops=before["recompute_flops"] if after_from_real else None,
             random_ops=frozenset(n.name for n in calls if _is_random(n)) if after_from_real else frozenset())
         ctx.leave(marked)
-        return effpass.PassResult(changed=True, stats=stats,
+        changed = bool(plan) or "torch_budget_fraction" in stats
+        why = "" if changed else (
+            f"no op of this graph was marked: {'no transformer block was found in it' if not blocks else 'the policy'}"
+            f" ({self.policy!r} marks per block; blocks are the model's repeated layers, or its numbered children; "
+            "name them with targets=[...] if this graph should be checkpointed)")
+        return effpass.PassResult(changed=changed, stats=stats, why_unchanged=why,
                                   live_stats=(lambda: dict(marked.after)) if after_from_real else None)
 
     # -- post-grad phase: measure ------------------------------------------------------------------------

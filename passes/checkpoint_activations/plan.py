@@ -81,9 +81,10 @@ def find_blocks(nodes: Iterable[fx.Node], targets: Iterable[str] = (), model: to
         if stack not in cache:
             cache[stack] = _block_of_stack(stack, targets, blocks)
         out[n] = cache[stack]
-    if blocks and not targets and not any(out.values()):
+    if blocks is not None and not targets and not any(out.values()):
         # the graph's module paths are relative to another root than ctx.model (e.g. a wrapper such as a
-        # PeftModel or a Trainer's model): fall back to numbered children
+        # PeftModel or a Trainer's model), or the model has no list of identical layers (a hybrid's layers are of
+        # several classes): fall back to numbered children
         return find_blocks(nodes, targets, None)
     return out
 

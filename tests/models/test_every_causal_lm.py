@@ -42,18 +42,26 @@ def _grads(model):
     return {n: p.grad for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("model_type", BUILT)
-@pytest.mark.sweep(fraction=0.05)  # 8 of 146 per commit (~50 CPU-s); the families the hand suite lacks rotate
-def test_default_pipeline_step_equals_eager(model_type):
+def _step_against_eager(model_type, passes=None):
+    """Compile ``model_type`` with ``passes`` (None: the default pipeline), copy the prepared eager model (reference
+    semantics), run one loss and backward on each; check the losses agree. Returns (compiled, model, ref)."""
     model, inputs = build(model_type)
-    ref = copy.deepcopy(model)
     torch._dynamo.reset()
-    compiled = effpass.compile(model, lowering="eager")
+    torch.manual_seed(0)
+    compiled = effpass.compile(model, passes=passes, lowering="eager")
+    ref = copy.deepcopy(model)  # after the module phase: LoRA adapters, if any, in place
     got = compiled(**inputs).loss
     got.backward()
     want = ref(**inputs).loss
     want.backward()
     assert abs(float(got) - float(want)) <= 1e-4 * max(abs(float(want)), 1e-6), (float(got), float(want))
+    return compiled, model, ref
+
+
+@pytest.mark.parametrize("model_type", BUILT)
+@pytest.mark.sweep(fraction=0.05)  # 8 of 146 per commit (~50 CPU-s); the families the hand suite lacks rotate
+def test_default_pipeline_step_equals_eager(model_type):
+    compiled, model, ref = _step_against_eager(model_type)
     gg, wg = _grads(model), _grads(ref)
     scale = max(float(g.abs().max()) for g in wg.values() if g is not None)
     assert scale > 0
@@ -76,7 +84,10 @@ def test_default_pipeline_step_equals_eager(model_type):
 
 
 #: built types LoRA + checkpointing cannot serve, with the reason (a gap of the passes, found by the sweep below)
-LORA_CHECKPOINT_GAPS: dict[str, str] = {}
+LORA_CHECKPOINT_GAPS: dict[str, str] = {
+    "jetmoe": "graph breaks inside its layer (the MoE and attention-expert code) leave graphs whose module paths name "
+              "no layer of model.layers: no block is found, nothing is checkpointed, and the pass says so per graph",
+}
 
 
 @pytest.mark.parametrize("model_type", BUILT)
@@ -88,17 +99,8 @@ def test_lora_and_checkpointing_step_equals_the_prepared_eager_model(model_type)
     and the checkpointing pass marked every graph it saw (structural)."""
     from effpass.passes import CheckpointActivations, InjectLoRA
 
-    model, inputs = build(model_type)
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    compiled = effpass.compile(model, passes=[InjectLoRA(rank=4, init="gaussian"),
-                                              CheckpointActivations(policy="full")], lowering="eager")
-    ref = copy.deepcopy(model)  # the prepared eager model: adapters in place
-    got = compiled(**inputs).loss
-    got.backward()
-    want = ref(**inputs).loss
-    want.backward()
-    assert abs(float(got) - float(want)) <= 1e-4 * max(abs(float(want)), 1e-6), (float(got), float(want))
+    compiled, model, ref = _step_against_eager(
+        model_type, [InjectLoRA(rank=4, init="gaussian"), CheckpointActivations(policy="full")])
     gg, wg = _grads(model), _grads(ref)
     trained = {n for n, g in wg.items() if g is not None}
     assert trained and all(".lora_" in n for n in trained), sorted(trained)[:5]
@@ -111,7 +113,12 @@ def test_lora_and_checkpointing_step_equals_the_prepared_eager_model(model_type)
     assert rep.stats("inject_lora")["adapters"] >= 1
     ck = [r for r in rep.records("checkpoint_activations") if r.phase == "joint"]
     assert ck and all(r.changed or r.why_unchanged for r in ck), [(r.changed, r.why_unchanged) for r in ck]
-    assert sum(r.stats.get("marked_recompute", 0) for r in ck) > 0, [r.stats for r in ck]
+    marked = sum(r.stats.get("marked_recompute", 0) for r in ck)
+    if model_type in LORA_CHECKPOINT_GAPS:  # nothing marked, and said: no record claims a change it did not make
+        assert marked == 0 and all("no transformer block" in r.why_unchanged for r in ck if r.stats), \
+            [(r.stats, r.why_unchanged) for r in ck]
+    else:
+        assert marked > 0, [r.stats for r in ck]
 
 
 def test_lora_leaves_a_linear_subclass_with_its_own_forward_alone_and_says_why():

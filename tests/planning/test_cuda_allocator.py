@@ -155,16 +155,22 @@ def test_a_cuda_step_is_predicted_on_any_machine(monkeypatch):
     assert any("caching allocator" in n for n in cuda.notes)
 
 
-def test_the_plan_fits_the_allocators_segments_not_the_live_bytes():
+@pytest.fixture(scope="module")
+def replays():
+    """One replay cache per device for this module's plans (replays do not depend on the budget or the GPU)."""
+    return {"cpu": {}, "cuda": {}}
+
+
+def test_the_plan_fits_the_allocators_segments_not_the_live_bytes(replays):
     from effpass.planning import MemoryBudgetError, plan_memory
 
     model, inputs = _meta_case()
-    cpu = plan_memory(model, inputs, 3 * MiB, passes=[], device="cpu", lowering="eager")
+    cpu = plan_memory(model, inputs, 3 * MiB, passes=[], device="cpu", lowering="eager", cache=replays["cpu"])
     assert cpu.peak_bytes <= 3 * MiB  # the live bytes fit
     with pytest.raises(MemoryBudgetError) as e:  # on CUDA two 2 MiB segments are the least the step holds
-        plan_memory(model, inputs, 3 * MiB, passes=[], device="cuda", lowering="eager")
+        plan_memory(model, inputs, 3 * MiB, passes=[], device="cuda", lowering="eager", cache=replays["cuda"])
     assert e.value.smallest == 4 * MiB
-    plan = plan_memory(model, inputs, 4 * MiB, passes=[], device="cuda", lowering="eager")
+    plan = plan_memory(model, inputs, 4 * MiB, passes=[], device="cuda", lowering="eager", cache=replays["cuda"])
     assert plan.peak_bytes == 4 * MiB and not any(c.name.startswith("offload") for c in plan.candidates)
     assert any("offload_activations" in n and "not considered" in n for n in plan.notes) != torch.cuda.is_available()
 
@@ -207,16 +213,17 @@ def test_prediction_equals_a_real_cuda_step():
     assert abs(reserved - est.reserved_peak_bytes) <= max(0.01 * reserved, 2 * MiB), (reserved, est.reserved_peak_bytes)
 
 
-def test_a_cuda_plan_estimates_each_candidates_step_time():
+def test_a_cuda_plan_estimates_each_candidates_step_time(replays):
     """``effpass plan --device cuda``: each candidate's FLOPs at the GPU's rate (fp32 parameters: the fp32 rate), in
     the table and the JSON; none for a CPU plan."""
     from effpass.devices import DEVICES
     from effpass.planning import plan_memory
 
     model, inputs = _meta_case()
-    plan = plan_memory(model, inputs, 1 << 30, device="cuda", lowering="eager", gpu="h200")
+    plan = plan_memory(model, inputs, 1 << 30, passes=[], device="cuda", lowering="eager", gpu="h200",
+                       cache=replays["cuda"])
     assert all(c.est_step_s == c.estimate.flops / DEVICES["h200"].fp32_flops for c in plan.candidates if c.estimate)
     assert "est. step" in plan.table() and any("fp32 rate (67 TFLOP/s" in n for n in plan.notes)
     assert all("est_step_s" in c for c in plan.to_dict()["candidates"])
-    cpu = plan_memory(model, inputs, 1 << 30, device="cpu", lowering="eager")
+    cpu = plan_memory(model, inputs, 1 << 30, passes=[], device="cpu", lowering="eager", cache=replays["cpu"])
     assert all(c.est_step_s is None for c in cpu.candidates) and "est. step" not in cpu.table()
