@@ -26,7 +26,7 @@ SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_atte
              linear_value_head_dim=8, bos_token_id=0, eos_token_id=0, pad_token_id=0, zero_expert_num=2,
              moe_num_experts=4, moe_k=2, decoder_layers=1, encoder_layers=1, decoder_ffn_dim=64, encoder_ffn_dim=64,
              decoder_attention_heads=4, encoder_attention_heads=4, num_decoder_layers=1, num_encoder_layers=1,
-             decoder_start_token_id=0)
+             decoder_start_token_id=0, rotary_dim=8, decoder_vocab_size=128)
 MAX_PARAMS = 3_000_000
 
 _HAND = "a hand-written config covers it: "
@@ -39,7 +39,6 @@ KNOWN_UNBUILT = {
     "bailing_hybrid": "size: 4.3M parameters after shrinking (5 layers kept to reach the first attention layer)",
     "bamba": "hybrid: the cache of the cut pattern has no attention layer",
     "blt": "size: a 3.1G-parameter hash embedding (encoder_hash_tok_embedding) the rules do not shrink",
-    "codegen": "config: rotary_dim is not shrunk with head_dim (8 vs 64)",
     "cohere_compass_text": "config: its layer-type table has no 'full_attention' entry after the cut",
     "dbrx": "config: its attention sub-config (DbrxAttentionConfig) has no rope_theta after shrinking",
     "deepseek_v2": "config: num_experts_per_tok is None by default (routing off); " + _MOE,
@@ -57,7 +56,6 @@ KNOWN_UNBUILT = {
     "gemma4_unified_text": "per_layer: head_dim is a per-layer attribute",
     "git": "size: the vision encoder stays full size (85.8M parameters)",
     "got_ocr2": "size: the vision tower stays full size (91.0M parameters)",
-    "gptj": "config: rotary_dim is not shrunk with head_dim (8 vs 64)",
     "granitemoehybrid": "hybrid: the cache of the cut pattern has no attention layer",
     "hrm_text": "config: its recurrent cycle tables are indexed past the one kept layer",
     "hunyuan_v1_dense": "config: rope scaling's alpha is None after shrinking",
@@ -70,7 +68,6 @@ KNOWN_UNBUILT = {
     "longcat_flash": "config: num_hidden_layers is derived (2 x num_layers) and its MLA head sizes are not head_dim; "
                      + _HAND + "tests/_families.py (tests/planning/test_moe_planner.py)",
     "mamba2": "config: n_groups/num_heads do not divide the shrunk expand x hidden",
-    "marian": "config: its decoder vocabulary (decoder_vocab_size) is not shrunk with vocab_size",
     "ministral": "config: rope's theta is None after shrinking",
     "moss_transcribe_diarize": "size: the audio tower stays full size (307M parameters)",
     "musicgen": "config: a multi-codebook head (a ModuleList), not a causal LM head over one vocabulary",
