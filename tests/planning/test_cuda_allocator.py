@@ -171,8 +171,11 @@ def test_the_plan_fits_the_allocators_segments_not_the_live_bytes(replays):
         plan_memory(model, inputs, 3 * MiB, passes=[], device="cuda", lowering="eager", cache=replays["cuda"])
     assert e.value.smallest == 4 * MiB
     plan = plan_memory(model, inputs, 4 * MiB, passes=[], device="cuda", lowering="eager", cache=replays["cuda"])
-    assert plan.peak_bytes == 4 * MiB and not any(c.name.startswith("offload") for c in plan.candidates)
-    assert any("offload_activations" in n and "not considered" in n for n in plan.notes) != torch.cuda.is_available()
+    assert plan.peak_bytes == 4 * MiB
+    # without CUDA the replay runs on CPU fake tensors, where host copies cannot be told apart: offload is left out, said
+    offload = any(c.name.startswith("offload") for c in plan.candidates)
+    said = any("offload_activations" in n and "not considered" in n for n in plan.notes)
+    assert (offload, said) == ((True, False) if torch.cuda.is_available() else (False, True)), (offload, plan.notes)
 
 
 @pytest.mark.gpu
