@@ -2,8 +2,8 @@
 
 Two workloads (``--head``): the whole step of a Llama-3-8B-width model (2 layers, bf16, fake tensors) for plain
 compile, the default pipeline and each pass alone (passes needing torch.distributed left out); or the loss head
-alone at hidden 2,048, vocabulary 128,256 (the shape of the one H100 run): unfused vs fuse_cross_entropy, with
-the floor of its 3 GEMMs. FLOPs as FlopCounterMode counts them; bytes, host syncs and kernels by effpass.cost;
+alone at hidden 2,048, vocabulary 128,256 (the shape of the one H100 run; ``--head-hidden 4096``: Llama-3-8B's
+head at 8,192 tokens): unfused vs fuse_cross_entropy (on a GPU its Triton tiles) vs its chunked torch kernel. FLOPs as FlopCounterMode counts them; bytes, host syncs and kernels by effpass.cost;
 times by its roofline on the named GPU (``--gpu h100|h200``). Runs on a CPU (fake tensors).
 """
 from __future__ import annotations
@@ -26,16 +26,23 @@ DISTRIBUTED = ("shard_sequence", "wrap_fsdp")
 PASSES = ("apply_autocast", "checkpoint_activations", "compress_activations", "fuse_attention", "fuse_cross_entropy",
           "inject_lora", "offload_activations", "pack_sequences", "quantize_linear", "scale_loss", "step_in_backward",
           "tile_sequence")
-ARMS = ("plain", "default") + PASSES
+#: the fused head on its chunked torch kernel (what a CPU runs; on a GPU the default takes the Triton tiles)
+CHUNKED = "fuse_cross_entropy_chunked"
+ARMS = ("plain", "default") + PASSES + (CHUNKED,)
 
 
 def worker(arm: str, cfg: dict, device: str) -> dict:
     from effpass.cost import config_step_cost
 
     head = cfg["workload"] == "head"
-    model_cfg = HEAD_2048 if head else LLAMA3_8B
+    wide = head and cfg.get("head_hidden", 2048) == 4096
+    model_cfg = HEAD_2048 if head and not wide else LLAMA3_8B
     passes = [] if arm == "plain" else None if arm == "default" else [arm]
-    seq = cfg["seq"] or (2048 if head else 8192)
+    if arm == CHUNKED:
+        from effpass.passes import FuseCrossEntropy
+
+        passes = [FuseCrossEntropy(kernel="chunked")]
+    seq = cfg["seq"] or (2048 if head and not wide else 8192)
     t0 = time.process_time()
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(model_cfg, f)
@@ -44,7 +51,8 @@ def worker(arm: str, cfg: dict, device: str) -> dict:
                                 layers=1 if head else 2, tensors="fake", per_pass=arm == "default")
     finally:
         os.unlink(f.name)
-    return {"arm": arm, "workload": cfg["workload"], "gpu": cfg["gpu"], "seq": seq, "pipeline": cost.pipeline,
+    return {"arm": arm, "workload": cfg["workload"], "gpu": cfg["gpu"], "seq": seq,
+            "hidden": model_cfg["hidden_size"], "pipeline": cost.pipeline,
             "totals": cost.totals, "head": cost.head, "passes": cost.passes, "notes": cost.notes,
             "cpu_s": round(time.process_time() - t0, 1),
             "top_ops": dict(sorted(cost.ops.items(), key=lambda kv: -kv[1]["est_time_s"])[:15])}
@@ -74,12 +82,15 @@ def markdown(run: dict) -> str:
 
 
 def _configure(args, cfg: dict) -> None:
-    cfg["workload"] = "head" if args.head else "pipeline"
+    cfg["workload"] = "head" if args.head or args.head_hidden else "pipeline"
+    cfg["head_hidden"] = args.head_hidden or 2048
     cfg["gpu"] = args.gpu
 
 
 def _extra(ap) -> None:
     ap.add_argument("--head", action="store_true", help="the loss head alone (hidden 2,048, vocabulary 128,256)")
+    ap.add_argument("--head-hidden", type=int, choices=(2048, 4096), default=0,
+                    help="the loss head alone at this width: 2048 (= --head) or 4096 (Llama-3-8B's head, 8,192 tokens)")
     ap.add_argument("--gpu", default="h100", help="the GPU the roofline estimates for (h100, h200)")
 
 
@@ -91,7 +102,8 @@ def main():
                 cpu_shape=dict(seq=0, workload="pipeline", gpu="h100"), quick=dict(seq=512), overrides=("seq",),
                 extra_args=_extra, configure=_configure,
                 jobs=lambda chosen, cfg: [(a, {}) for a in chosen
-                                          if cfg["workload"] == "pipeline" or a in ("plain", "fuse_cross_entropy")])
+                                          if (cfg["workload"] == "pipeline" and a != CHUNKED)
+                                          or a in ("plain", "fuse_cross_entropy", CHUNKED)])
 
 
 if __name__ == "__main__":

@@ -58,8 +58,8 @@ _LAZY = {
                      "register_command", "register_cacheable_function", "Note"], ".pass_api"),
     "register_attention_op": ".attention",
     "Fact": ".facts",
-    **dict.fromkeys(["MemoryOption", "register_memory_option", "register_optimizer", "register_flop_formula"],
-                    ".memory_options"),
+    **dict.fromkeys(["MemoryOption", "register_memory_option", "register_optimizer", "register_flop_formula",
+                     "register_device_kernel"], ".memory_options"),
     **dict.fromkeys(["skip", "only", "TargetMatchError"], ".scope"),
     **dict.fromkeys(["PassContext", "PipelineError", "EffpassPassError", "WrongResultError", "order_passes"],
                     ".manager"),
@@ -121,5 +121,5 @@ __all__ = [
     "register_extension", "register_command", "register_cacheable_function", "export_onnx",
     "estimate_memory", "plan_memory",
     "MemoryBudgetError", "verify", "MemoryOption", "register_memory_option", "register_optimizer",
-    "register_flop_formula", "Note", "Fact", "register_attention_op",
+    "register_flop_formula", "register_device_kernel", "Note", "Fact", "register_attention_op",
 ]

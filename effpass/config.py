@@ -133,6 +133,12 @@ def rowwise_compile_from_env(environ: Mapping[str, str] | None = None) -> bool:
     return _environ(environ).get("EFFPASS_ROWWISE_COMPILE", "1") != "0"
 
 
+def triton_interpret_from_env(environ: Mapping[str, str] | None = None) -> bool:
+    """``TRITON_INTERPRET`` (Triton's own variable): ``1`` runs Triton kernels in Triton's interpreter on CPU
+    tensors; effpass's Triton kernels (``fuse_cross_entropy(kernel="triton")``) may then run on a CPU (tests)."""
+    return _environ(environ).get("TRITON_INTERPRET", "0") == "1"
+
+
 def default_pipeline(device=None, dtype=None) -> list[Pass]:
     """The passes ``torch.compile(model, backend="effpass")`` runs: those on by default on ``device`` for
     a model whose floating-point inputs/parameters are ``dtype``.

@@ -5,11 +5,13 @@ the device by effpass: when a GPU is lent, ``bench/`` compares these estimates w
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GPU", "DEVICES", "get_device", "kernel_seconds"]
+__all__ = ["GPU", "DEVICES", "get_device", "kernel_seconds", "targeting", "device_type_for"]
 
 
 @dataclass(frozen=True)
@@ -62,3 +64,31 @@ def kernel_seconds(gpu: GPU, flops: int, nbytes: int, dtype: torch.dtype | None)
     operands, the fp32 rate otherwise) and its memory time (``nbytes`` at the HBM bandwidth), plus one launch."""
     rate = gpu.matmul_flops if dtype in _LOW else gpu.fp32_flops
     return max(flops / rate if flops else 0.0, nbytes / gpu.hbm_bytes_per_s) + gpu.launch_s
+
+
+# ------------------------------------------------------------------------------------------------------
+# the device a computation is planned for
+# ------------------------------------------------------------------------------------------------------
+_TARGET: contextvars.ContextVar = contextvars.ContextVar("effpass_target_device_type", default=None)
+
+
+@contextlib.contextmanager
+def targeting(device_type: str | None):
+    """Inside, code that picks its kernels by device (``fuse_cross_entropy``'s Triton tiles on CUDA) picks those of
+    ``device_type`` (``"cuda"``) even on CPU tensors: the cost model estimates a GPU step on a CPU this way. Kernels
+    declared with :func:`effpass.register_device_kernel` then run their CPU reference (or fake) implementation and
+    are counted as the device's kernel."""
+    token = _TARGET.set(device_type)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
+
+def device_type_for(t: torch.Tensor | None = None) -> str:
+    """The device type code on ``t`` runs for: the one set by :func:`targeting`, else ``t``'s own (``"cpu"``
+    without a tensor)."""
+    target = _TARGET.get()
+    if target:
+        return target
+    return t.device.type if isinstance(t, torch.Tensor) else "cpu"

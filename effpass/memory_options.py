@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 __all__ = ["MemoryOption", "register_memory_option", "declared_memory_options", "register_optimizer",
+           "register_device_kernel", "is_device_kernel",
            "build_optimizer", "registered_optimizers", "register_flop_formula", "CHANGES"]
 
 #: what an option may change (for reports and the planner's checks)
@@ -181,3 +182,21 @@ def register_flop_formula(op, formula: Callable[..., int]) -> None:
     if packet in flop_registry:
         return
     torch_register(packet, get_raw=True)(formula)
+
+
+#: custom ops that are one device kernel each (schema names): the cost model records them whole
+_DEVICE_KERNELS: set[str] = set()
+
+
+def register_device_kernel(op) -> None:
+    """Declare the custom op ``op`` one device kernel (a Triton launch): ``effpass.cost`` then records it as one
+    kernel reading its operands and writing its outputs and mutated arguments once, with the FLOPs of its
+    :func:`register_flop_formula`, instead of expanding its Python implementation op by op (which on a CPU is a
+    reference computation, not what the device runs)."""
+    packet = getattr(op, "_overloadpacket", op)
+    _DEVICE_KERNELS.add(str(packet._qualified_op_name))
+
+
+def is_device_kernel(schema_name: str) -> bool:
+    """Whether the op named ``schema_name`` (``"effpass::lce_lse"``) was declared by :func:`register_device_kernel`."""
+    return schema_name in _DEVICE_KERNELS

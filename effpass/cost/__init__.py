@@ -194,6 +194,9 @@ def _record_step(model, inputs, pipeline, vocab, loss_fn, fake_mode, expand) -> 
     mode = CostMode(vocab=vocab, expand=expand)
     loss_fn = loss_fn or _loss_of
     ctx = contextlib.ExitStack()
+    from effpass.devices import targeting
+
+    ctx.enter_context(targeting("cuda"))  # kernels that choose by device take their CUDA path (counted as such)
     if fake_mode is not None:
         ctx.enter_context(replay_patches(torch.device("cpu"), inductor=False))
         ctx.enter_context(fake_mode)

@@ -7,7 +7,8 @@ writes (a *value* is one version of one storage: an in-place op makes a new vers
 it synchronises with the host.
 
 Custom ops that have a Python implementation (``torch.library.custom_op``, e.g. the fused loss head's
-``effpass::linear_cross_entropy``) are *expanded*: their implementation runs under this mode, so the chunked
+``effpass::linear_cross_entropy``) are *expanded* (except those declared one device kernel with
+:func:`effpass.register_device_kernel`: a Triton launch, recorded whole): their implementation runs under this mode, so the chunked
 kernels inside are counted op by op as they run (eagerly: every op one kernel). The custom op's own record keeps
 its registered FLOPs (what ``FlopCounterMode`` sees); the ops inside carry the FLOPs they do, which the roofline
 uses (``work_flops``).
@@ -286,6 +287,10 @@ class CostMode(TorchDispatchMode):
             from torch._library.custom_ops import OPDEFS
         except Exception:  # pragma: no cover
             return None
+        from effpass.memory_options import is_device_kernel
+
+        if is_device_kernel(func._schema.name):  # one device kernel: recorded whole, never expanded
+            return None
         opdef = OPDEFS.get(func._schema.name)
         return getattr(opdef, "_init_fn", None) if opdef is not None else None
 
@@ -298,7 +303,13 @@ class CostMode(TorchDispatchMode):
             packet = getattr(getattr(torch.ops, ns), name[:-1], None)
         if packet is None or packet not in self._flops:
             return 0
-        return int(self._flops[packet](*args, **kwargs, out_val=out))
+        try:
+            return int(self._flops[packet](*args, **kwargs, out_val=out))
+        except TypeError:
+            # an overload the formula was not written for (``addmm.dtype_out``: an ``out_dtype`` argument and
+            # ``out=``): the same product of the tensor operands
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            return int(self._flops[packet](*tensors, out_val=out))
 
     def _record(self, func, args, kwargs, flat_args, out, expanded=False):
         if not self.recording:
@@ -312,6 +323,9 @@ class CostMode(TorchDispatchMode):
         rec.sync = _is_sync(func, args)
         rec.head = self._is_head(flat_args + outs, func)
         rec.dtype = next((t.dtype for t in flat_args + outs if t.is_floating_point()), None)
+        low = next((t.dtype for t in flat_args if t.dtype in (torch.bfloat16, torch.float16)), None)
+        if low is not None and self._flops.get(getattr(func, "_overloadpacket", None)) is not None:
+            rec.dtype = low  # a matmul of low-precision operands into an fp32 buffer runs at the low rate
         if out is not None:
             flops = self._flop_count(func, args, kwargs, out)
             rec.work_flops = flops or self._flop_count(func, args, kwargs, out, inplace=True)
@@ -326,17 +340,29 @@ class CostMode(TorchDispatchMode):
                         if isinstance(t, torch.Tensor):
                             written.add(id(t))
         alloc = schema is not None and schema.name in _ALLOC
+        # ``out=`` arguments are written, not read (unless the same tensor is also an input: ``addmm(acc, ..., out=acc)``)
+        out_only = set()
+        if schema is not None:
+            inputs = {id(t) for i, a in enumerate(schema.arguments) if not a.is_out
+                      for t in tree_flatten(kwargs.get(a.name) if a.kwarg_only or i >= len(args) else args[i])[0]
+                      if isinstance(t, torch.Tensor)}
+            out_only = {id(t) for i, a in enumerate(schema.arguments) if a.is_out
+                        for t in tree_flatten(kwargs.get(a.name) if a.kwarg_only or i >= len(args) else args[i])[0]
+                        if isinstance(t, torch.Tensor) and id(t) not in inputs}
         part = indexed_bytes(func, args)
         in_keys = {}
+        seen = set()
         for a in flat_args:
             st = _storage_key(a)
             key = st._cdata if st is not None else id(a)
             vid = self._value(a, new=False)
             in_keys[key] = vid
-            if not alloc:
+            if not alloc and id(a) not in out_only and (vid, id(a)) not in seen:  # a tensor passed twice: read once
+                seen.add((vid, id(a)))
                 rec.reads.append((vid, part.get(id(a), operand_bytes(a))))
         for a in flat_args:
             if id(a) in written:
+                written.discard(id(a))  # once, however many arguments name it
                 rec.writes.append((self._value(a, new=True), part.get(id(a), operand_bytes(a))))
         for o in outs:
             st = _storage_key(o)

@@ -130,9 +130,13 @@ class FuseCrossEntropy(effpass.Pass):
     chunk_bytes: int = field(default=0, metadata={
         "doc": "bytes of one fp32 chunk of logits; 0: the larger of the batch's hidden states and "
                "min(256, rows / 4) rows of logits"})
-    kernel: Literal["effpass", "torch"] = field(default="effpass", metadata={
-        "doc": "'effpass': the chunked custom ops; 'torch': torch's F.linear_cross_entropy with chunking "
-               "(torch >= 2.13; plain heads, mean/sum, no soft-capping or smoothing; else effpass's)"})
+    kernel: Literal["effpass", "triton", "chunked", "torch"] = field(default="effpass", metadata={
+        "doc": "'effpass': effpass's custom ops, with the Triton tiles (logits kept in registers) on a CUDA "
+               "device where Triton is installed and the chunked torch kernel elsewhere; 'triton': the Triton "
+               "tiles (a CUDA device, or TRITON_INTERPRET=1 on a CPU; else an error); 'chunked': the chunked "
+               "torch kernel on every device; 'torch': torch's F.linear_cross_entropy with chunking (torch >= 2.13; "
+               "plain heads, mean/sum, no soft-capping or smoothing; else effpass's). LoRA heads and the frozen "
+               "per-row form always use the chunked kernel"})
 
     def validate(self) -> None:
         if self.chunk_bytes < 0:
@@ -158,7 +162,7 @@ class FuseCrossEntropy(effpass.Pass):
                  "logits_dropped": 0, "lora_heads": 0, "low_precision_matmuls": 0, "torch_kernel": 0,
                  "dequantized_heads": 0, "skipped": 0, "left_alone_no_grad": 0, "logprob_sites": 0,
                  "rowwise_sites": 0, "two_head_sites": 0, "rowwise_outputs": 0, "trl_logprob_sites": 0,
-                 "input_grad_in_forward": 0, "rowwise_grad_in_forward": 0, "symbolic_rows": 0}
+                 "input_grad_in_forward": 0, "rowwise_grad_in_forward": 0, "symbolic_rows": 0, "triton_tiles": 0}
         skipped: list[dict] = []
         for ce in [n for n in graph.nodes if _is_fn(n, _CE_FNS)]:
             where = f"{module_path_of_node(ce) or '<root>'}:{ce.name}"
@@ -268,16 +272,23 @@ class FuseCrossEntropy(effpass.Pass):
             reduction = a["reduction"]
             eps, ignore = float(a["label_smoothing"]), int(a["ignore_index"])
             use_torch = self.kernel == "torch" and self._torch_supports(site, reduction, eps, compute)
+            xg = reduction == "none" and eps == 0.0 and self._frozen_head(site)
+            tiles = not use_torch and self._tiles(site, _val(site.h), xg)
             if use_torch:
                 loss = call(F.linear_cross_entropy, x, weight, target, linear_bias=site.bias,
                             reduction=reduction, ignore_index=ignore,
                             options=torch.nn.LinearCrossEntropyOptions())
-            elif reduction == "none":
-                xg = eps == 0.0 and self._frozen_head(site)
+            elif reduction == "none" or tiles:
+                # with the Triton tiles a mean/sum is the per-row op summed in the graph: its backward then takes
+                # the incoming gradient as each row's factor (no gradient computed in the forward and rescaled)
                 res = call(torch.ops.effpass.linear_cross_entropy_rows.default, x, weight, x2, w2, site.bias,
-                           target, ignore, eps, site.pre, site.softcap, site.post, budget, compute, xg)
+                           target, ignore, eps, site.pre, site.softcap, site.post, budget, compute, xg, self.kernel)
                 stats["input_grad_in_forward"] += int(xg)
-                loss = call(operator.getitem, res, 0)
+                loss = call(operator.getitem, res, 0)  # 0 on ignored rows
+                if reduction != "none":
+                    loss = call(torch.sum, loss)
+                if reduction == "mean":  # over the valid rows (0/0 is nan, as torch's mean)
+                    loss = call(operator.truediv, loss, call(torch.sum, call(operator.ne, target, ignore)))
             else:
                 def needs(n):
                     v = _val(n)
@@ -287,7 +298,7 @@ class FuseCrossEntropy(effpass.Pass):
                         site.lora is not None and needs(w2), site.bias is not None and needs(site.bias)]
                 res = call(torch.ops.effpass.linear_cross_entropy.default, x, weight, x2, w2, site.bias,
                            target, ignore, eps, site.pre, site.softcap, site.post, reduction == "mean", budget,
-                           compute, mask)
+                           compute, mask, self.kernel)
                 loss = call(operator.getitem, res, 0)
             out_dtype = _val(ce).dtype
             if out_dtype != torch.float32:
@@ -305,7 +316,22 @@ class FuseCrossEntropy(effpass.Pass):
         stats["logits_returned"] += int(bool(returned) and keep)
         stats["logits_dropped"] += int(dropped)
         stats["torch_kernel"] += int(use_torch)
+        stats["triton_tiles"] += int(tiles)
         count_head(stats, site, weight, compute)
+
+    def _tiles(self, site: Site, xv, x_grad: bool) -> bool:
+        """Whether the site runs on the Triton tiles (``triton_tiles.wanted``); ``kernel="triton"`` where they
+        cannot run is an error naming why."""
+        from effpass.devices import device_type_for
+
+        from .triton_tiles import available, wanted
+
+        if self.kernel == "triton":
+            why = available(device_type_for(xv))
+            if why:
+                raise ValueError(f"effpass fuse_cross_entropy: kernel='triton' cannot run here: {why}; valid "
+                                 "kernels: 'effpass' (Triton on CUDA, chunked elsewhere), 'chunked', 'torch'")
+        return wanted(self.kernel, xv, second_projection=site.lora is not None, x_grad=x_grad)
 
     # -- chosen-token log-probabilities ---------------------------------------------------------------------
     def _rewrite_logprob(self, graph: fx.Graph, lp: LogProbSite, ctx, stats: dict) -> None:
@@ -326,8 +352,9 @@ class FuseCrossEntropy(effpass.Pass):
             target = call(torch.reshape, lp.index, (-1,))
             xg = self._frozen_head(site)
             res = call(torch.ops.effpass.linear_cross_entropy_rows.default, x, weight, x2, w2, site.bias, target,
-                       NO_IGNORE, 0.0, site.pre, site.softcap, site.post, budget, compute, xg)
+                       NO_IGNORE, 0.0, site.pre, site.softcap, site.post, budget, compute, xg, self.kernel)
             stats["input_grad_in_forward"] += int(xg)
+            stats["triton_tiles"] += int(self._tiles(site, _val(site.h), xg))
             out = call(torch.neg, call(operator.getitem, res, 0))
             if is_static(iv.shape):
                 shape = tuple(int(d) for d in iv.shape)

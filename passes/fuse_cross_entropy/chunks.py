@@ -289,6 +289,45 @@ def _backward_pass(xs, ws, b, tgt, lse_all, gscale, spec: _Spec, grads: dict):
                        grads)
 
 
+def _tiles_forward(xs, ws, b, tgt, spec: _Spec):
+    """Per-row loss and log-sum-exp by the Triton tiles (``triton_tiles.py``: the logits stay in registers)."""
+    (x,), (w,) = xs, ws
+    lse, zt, zs = torch.ops.effpass.lce_lse(x, w, b, tgt, float(spec.pre), bool(spec.softcap), float(spec.post),
+                                            bool(spec.smoothing))
+    loss = lse - zt
+    if spec.smoothing:
+        eps = spec.smoothing
+        loss = (1.0 - eps) * loss + eps * (lse - zs / spec.vocab)
+    return loss, lse
+
+
+def _tiles_grads(xs, ws, b, tgt, lse, rowg, spec: _Spec, grads: dict) -> None:
+    """The gradients by the Triton tiles: per vocabulary slab, the logits' gradient (one kernel: the logits
+    recomputed, the softmax gradient in its epilogue) then two library GEMMs: the rows' gradient accumulated, the
+    weight's gradient slab written once. ``lse``: ``inf`` on rows to leave at 0; ``rowg``: each row's factor."""
+    from .triton_tiles import slab_entries
+
+    (x,), (w,) = xs, ws
+    n, vocab = tgt.shape[0], spec.vocab
+    gx, gw, gb = grads["x"][0], grads["w"][0], grads["b"]
+    if n == 0:
+        if gw is not None:
+            gw.zero_()
+        return
+    step = slab_entries(n, vocab, x.element_size())
+    for v0 in range(0, vocab, step):
+        v1 = min(vocab, v0 + step)
+        d = torch.ops.effpass.lce_dlogits(x, w[v0:v1], b[v0:v1] if b is not None else None, tgt, lse, rowg,
+                                          float(spec.pre), bool(spec.softcap), float(spec.post),
+                                          float(spec.smoothing), v0, vocab)
+        if gx is not None:
+            _acc_mm(gx, d, w[v0:v1])
+        if gw is not None:
+            _acc_mm(gw[v0:v1], d.t(), x, once=True)
+        if gb is not None:
+            gb[v0:v1] += d.float().sum(0)
+
+
 def _softmax_(z: Tensor, lse: Tensor) -> Tensor:
     """``exp(z - lse)`` in ``z``'s buffer: the softmax of a tile given its rows' log-sum-exp."""
     return z.sub_(lse[:, None]).exp_()
@@ -338,12 +377,40 @@ def _acc_mm(acc: Tensor, a: Tensor, b: Tensor, once: bool = False) -> None:
             acc.copy_(a @ b)
         return
     if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
+        torch.addmm(acc, a, b, out=acc)  # as addmm_, in the overload FlopCounterMode counts
+    elif acc.dtype == torch.float32 and a.dtype in _LOW and _mixed_addmm(acc):
+        # one GEMM accumulating low-precision operands into the fp32 buffer (cuBLAS's C += A B with an fp32 C):
+        # no low-precision product written and read back, no rounding of each partial product
+        torch.ops.aten.addmm.dtype_out(acc, a, b, torch.float32, out=acc)
     else:
         acc.add_(a @ b)
 
 
 _LOW = (torch.bfloat16, torch.float16)
+#: whether ``addmm`` with an fp32 output of bf16/fp16 operands ran on CUDA here (None: not tried yet)
+_MIXED_ADDMM: dict[str, bool] = {}
+
+
+def _mixed_addmm(acc: Tensor) -> bool:
+    """Whether :func:`_acc_mm` may call ``aten.addmm.dtype_out`` on ``acc``: CUDA (feature-tested once: older torch
+    builds lack the kernel) or fake tensors of a CUDA-targeted estimate; never real CPU tensors (no kernel)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from effpass.devices import device_type_for
+
+    if isinstance(acc, FakeTensor):
+        return device_type_for(acc) == "cuda"
+    if acc.device.type != "cuda":
+        return False
+    if "cuda" not in _MIXED_ADDMM:
+        try:
+            probe = torch.zeros(2, 2, device=acc.device)
+            one = torch.ones(2, 2, device=acc.device, dtype=torch.bfloat16)
+            torch.ops.aten.addmm.dtype_out(probe, one, one, torch.float32, out=probe)
+            _MIXED_ADDMM["cuda"] = bool(torch.equal(probe, torch.full_like(probe, 2.0)))
+        except (RuntimeError, NotImplementedError):
+            _MIXED_ADDMM["cuda"] = False
+    return _MIXED_ADDMM["cuda"]
 
 
 def weight_grad_dtype(param_dtype: torch.dtype, compute_dtype: torch.dtype) -> torch.dtype:
@@ -354,12 +421,14 @@ def weight_grad_dtype(param_dtype: torch.dtype, compute_dtype: torch.dtype) -> t
     return param_dtype if (param_dtype in _LOW and compute_dtype == param_dtype) else torch.float32
 
 
-def _accumulators(xs, ws, has_bias, mask, vocab, device, w_dtypes=(None, None)):
+def _accumulators(xs, ws, has_bias, mask, vocab, device, w_dtypes=(None, None), w_written: bool = False):
     """fp32 accumulators of the rows' and the bias's gradients; the weights' in :func:`weight_grad_dtype`
-    (``w_dtypes``: the weights' own dtypes, before the cast to the compute dtype)."""
+    (``w_dtypes``: the weights' own dtypes, before the cast to the compute dtype). ``w_written``: every slab of the
+    weights' gradients will be written once (the Triton tiles), so they start uninitialised (no memset)."""
     f32 = torch.float32
+    new_w = torch.empty if w_written else torch.zeros
     return {"x": [torch.zeros(x.shape, dtype=f32, device=device) if mask[i] else None for i, x in enumerate(xs)],
-            "w": [torch.zeros(w.shape, dtype=weight_grad_dtype(w_dtypes[i] or f32, w.dtype), device=device)
+            "w": [new_w(w.shape, dtype=weight_grad_dtype(w_dtypes[i] or f32, w.dtype), device=device)
                   if mask[2 + i] else None for i, w in enumerate(ws)],
             "b": torch.zeros(vocab, dtype=f32, device=device) if has_bias and mask[4] else None}
 

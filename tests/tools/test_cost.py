@@ -39,6 +39,15 @@ def fused(llama):
 
 
 @pytest.fixture(scope="module")
+def chunked(llama):
+    """The fused head on its chunked torch kernel (what a CPU runs), estimated for the GPU."""
+    from effpass.passes import FuseCrossEntropy
+
+    model, inputs = llama
+    return step_cost(model, inputs, passes=[FuseCrossEntropy(kernel="chunked")], per_pass=False)
+
+
+@pytest.fixture(scope="module")
 def plain(llama):
     model, inputs = llama
     return step_cost(model, inputs, passes=[], per_pass=False)
@@ -61,11 +70,15 @@ def _flop_counter_total(model, inputs, passes) -> int:
         torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("which", ["plain", "fused"])
+@pytest.mark.parametrize("which", ["plain", "chunked", "fused"])
 def test_step_flops_equal_flop_counter_mode(which, llama, request):
+    """FlopCounterMode's count of the step, plus what a pass declares it trades: the fused head on a GPU (the
+    Triton tiles) computes the logits once more in backward (one head GEMM, 2*N*H*V: never stored)."""
     cost = request.getfixturevalue(which)
     model, inputs = llama
-    assert cost.totals["flops"] == _flop_counter_total(model, inputs, [] if which == "plain" else ["fuse_cross_entropy"])
+    recompute = 2 * BATCH * SEQ * HIDDEN * VOCAB if which == "fused" else 0
+    assert cost.totals["flops"] == _flop_counter_total(model, inputs, [] if which == "plain" else
+                                                       ["fuse_cross_entropy"]) + recompute
     # structural: one forward and one backward graph, whose parts add up to the totals
     assert {"forward graph 1", "backward graph 1"} <= set(cost.graphs)
     for key in KEYS:
@@ -74,13 +87,21 @@ def test_step_flops_equal_flop_counter_mode(which, llama, request):
     assert cost.ops["aten.mm"]["flops"] > 0
 
 
-def test_loss_head_share_is_counted_fused_or_not(fused, plain):
+def test_loss_head_share_is_counted_fused_or_not(fused, chunked, plain):
     """The head's matmul FLOPs are 3 GEMMs (logits, input and weight gradient) of 2*N*H*V each, whether the loss
-    runs unfused (aten.mm) or inside the fused custom op (its registered formula; its chunks recorded inside)."""
+    runs unfused (aten.mm) or inside the fused custom op on its chunked kernel (its registered formula; its chunks
+    recorded inside); on a GPU (the Triton tiles) 4: the logits are computed again in backward, never stored."""
     n = BATCH * SEQ
     gemms = 3 * 2 * n * HIDDEN * VOCAB
     assert plain.head["flops"] == gemms
-    assert fused.head["flops"] == gemms
+    assert chunked.head["flops"] == gemms
+    assert fused.head["flops"] == 4 * gemms // 3
+    tiles = {k: v for k, v in fused.ops.items() if "effpass.lce_" in k}
+    assert set(tiles) == {"effpass::linear_cross_entropy_rows > effpass.lce_lse",
+                          "effpass::linear_cross_entropy_rows_backward > effpass.lce_dlogits"}
+    assert all(v["kernels"] == v["calls"] for v in tiles.values())   # one kernel per call, recorded whole
+    assert fused.head["host_syncs"] == 0 and fused.head["bytes"] < chunked.head["bytes"]
+    fused = chunked
     for cost in (fused, plain):
         assert 0 < cost.head["est_time_s"] < cost.totals["est_time_s"]
         assert 0 < cost.head["bytes"] < cost.totals["bytes"] and cost.head["kernels"] > 0
