@@ -7,6 +7,8 @@ vocabulary 128,256, 8,192 tokens, bf16 operands); on a CPU a smaller shape. Arms
 * ``eager``: ``F.cross_entropy(h @ W.T, labels)`` as a model computes it (full logits).
 * ``compile``: the same under plain ``torch.compile`` (Inductor), unfused.
 * ``effpass``: the same module under ``effpass.compile(passes=["fuse_cross_entropy"])``.
+* ``effpass_chunked``: the same with ``FuseCrossEntropy(kernel="chunked")`` (the chunked torch kernel; on a GPU the
+  default takes the Triton tiles).
 * ``torch_lce``: torch's ``F.linear_cross_entropy`` where the installed torch has it.
 * ``liger``: Liger's ``LigerFusedLinearCrossEntropyLoss``; ``cce``: Apple's Cut Cross-Entropy.
 
@@ -27,7 +29,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import driver  # noqa: E402
 
-ARMS = ("eager", "compile", "effpass", "torch_lce", "liger", "cce")
+ARMS = ("eager", "compile", "effpass", "effpass_chunked", "torch_lce", "liger", "cce")
 GPU_SHAPE = dict(hidden=4096, vocab=128256, tokens=8192, dtype="bfloat16", steps=10, warmup=2, lowering="inductor")
 CPU_SHAPE = dict(hidden=256, vocab=16384, tokens=1024, dtype="float32", steps=3, warmup=1, lowering="inductor")
 QUICK = dict(hidden=64, vocab=1024, tokens=128, steps=1, warmup=0, lowering="eager")
@@ -65,10 +67,12 @@ def loss_fn(arm: str, w, device: str, lowering: str = "inductor"):
         return head
     if arm == "compile":
         return torch.compile(head)
-    if arm == "effpass":
+    if arm in ("effpass", "effpass_chunked"):
         import effpass
+        from effpass.passes import FuseCrossEntropy
 
-        return effpass.compile(head, passes=["fuse_cross_entropy"], lowering=lowering)
+        fce = FuseCrossEntropy(kernel="chunked" if arm == "effpass_chunked" else "effpass")
+        return effpass.compile(head, passes=[fce], lowering=lowering)
     if arm == "torch_lce":
         if not hasattr(F, "linear_cross_entropy"):
             raise ImportError("this torch has no F.linear_cross_entropy")
@@ -123,7 +127,7 @@ def worker(arm: str, cfg: dict, device: str) -> dict:
            "peak_above_start_mib": round(peak / 2**20, 1), "loss": float(losses[0]), "steps": len(times),
            "logits_bytes_fp32": cfg["tokens"] * cfg["vocab"] * 4, "graph_breaks": counters["graph_breaks"],
            "recompiles": counters.get("recompiles", 0)}
-    if arm == "effpass":
+    if arm in ("effpass", "effpass_chunked"):
         import effpass
 
         stats = effpass.report(f).stats("fuse_cross_entropy")

@@ -69,7 +69,7 @@ class Section:
 
 SECTIONS = (
     Section("a", "loss head alone (hidden 4,096, vocabulary 128,256, 8,192 tokens, bf16)", "bench_loss_head.py",
-            ("--arms", "compile,effpass,liger,cce,torch_lce"), ("--quick", "--arms", "eager,effpass"),
+            ("--arms", "compile,effpass,effpass_chunked,liger,cce,torch_lce"), ("--quick", "--arms", "eager,effpass"),
             budget_s=95, arm_deadline_s=40, ref_arm="compile", prewarm_args=("--set", "steps=1", "warmup=0"),
             plan="5 arms x (process start + import ~6 s, one cold compile 5-20 s, 12 steps of ~3-30 ms) ~ 75 s"),
     Section("b", "LoRA r=16 step, Llama-3-8B widths, 4 layers, 4,096 tokens, bf16", "bench_lora.py",
