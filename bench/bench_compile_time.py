@@ -7,7 +7,9 @@ Models: Hugging Face decoders built from configs with random weights (no downloa
 vocabulary 8,192, 2 x 128 tokens); fp32, the family's default attention (SDPA; Gemma 2: eager), full
 fine-tuning with AdamW.
 Arms: ``plain`` = ``torch.compile(model)`` (Inductor, default options); ``effpass`` = ``effpass.compile(model)``
-(the default pipeline, Inductor lowering). The timed span is the compile call and the first step (forward with
+(the default pipeline, Inductor lowering); ``effpass_ckpt``: the default pipeline + ``checkpoint_activations("full")``;
+``effpass_lora_ckpt``: + ``inject_lora(rank=16)`` too (the newcomer's fine-tuning path; plain compiles the full
+model, so this ratio compares effpass's pass time with a plain compile of the same model, not the same program). The timed span is the compile call and the first step (forward with
 labels, backward, ``AdamW.step``): wall seconds and CPU seconds of the process and its waited-for children
 (``getrusage`` self + children: g++ runs count; Inductor's pooled compile workers, if any, do not).
 
@@ -32,7 +34,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import token_batches  # noqa: E402
 
-ARMS = ("plain", "effpass")
+#: effpass's arms: the default pipeline; + full activation checkpointing (the training path's costliest pass);
+#: + LoRA (r=16 on every projection) and full checkpointing (the newcomer's fine-tuning path)
+ARMS = ("plain", "effpass", "effpass_ckpt", "effpass_lora_ckpt")
+EFFPASS_ARMS = ARMS[1:]
 SIZES = {"tiny": dict(vocab=256, hidden=64, ffn=128, layers=2, heads=4, kv_heads=2, seq=64),
          "medium": dict(vocab=8192, hidden=256, ffn=768, layers=4, heads=8, kv_heads=4, seq=128)}
 #: family -> (config class, model class, family-specific config keys from a size)
@@ -105,7 +110,15 @@ def worker(arm: str, cfg: dict, device: str) -> dict:
 
     load = os.getloadavg()[0]
     t0, c0 = time.perf_counter(), cpu_s()
-    compiled = torch.compile(model) if arm == "plain" else effpass.compile(model)
+    if arm == "plain":
+        compiled = torch.compile(model)
+    else:
+        from effpass.passes import CheckpointActivations, InjectLoRA
+
+        extra = {"effpass": [], "effpass_ckpt": [CheckpointActivations(policy="full")],
+                 "effpass_lora_ckpt": [InjectLoRA(rank=16), CheckpointActivations(policy="full")]}[arm]
+        passes = effpass.default_pipeline(device="cpu", dtype=torch.float32) + extra if extra else None
+        compiled = effpass.compile(model, passes=passes)
     wrap_s = time.perf_counter() - t0
     loss = step(compiled)
     first_s, first_cpu_s = time.perf_counter() - t0, cpu_s() - c0
@@ -118,7 +131,7 @@ def worker(arm: str, cfg: dict, device: str) -> dict:
            "caches": {f"{group}.{k}": v for group in ("inductor", "aot_autograd") for k, v in counters[group].items()
                       if "cache" in k},
            "graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
-    if arm == "effpass":
+    if arm != "plain":
         rep = effpass.report(model)
         pass_ms: dict[str, float] = {}
         for r in rep.records():
@@ -169,8 +182,9 @@ def markdown(run: dict) -> str:
              "| model | size | plain cold | plain warm | effpass cold | effpass warm | passes ms (cold) | "
              "effpass ms (cold) | ratio | <= 10% | slowest pass (cold) |", "|---" * 11 + "|"]
     models = list(dict.fromkeys((r["model"], r["size"]) for r in res))
-    for m, s in models:
-        pc, pw, ec, ew = (get(a, m, s, c) for a in ARMS for c in ("cold", "warm"))
+    rows = [(m, s, arm) for m, s in models for arm in EFFPASS_ARMS if get(arm, m, s, "cold")]
+    for m, s, arm in rows:
+        pc, pw, ec, ew = (get(a, m, s, c) for a in ("plain", arm) for c in ("cold", "warm"))
         def cell(r):
             if r is None:
                 return "-"
@@ -179,7 +193,8 @@ def markdown(run: dict) -> str:
 
         ratio = ec["passes_ms"] / 1e3 / pc["first_step_s"] if ec and pc else None
         top = max(ec["pass_ms"].items(), key=lambda kv: kv[1]) if ec and ec["pass_ms"] else None
-        lines.append(f"| {m} | {s} | {cell(pc)} | {cell(pw)} | {cell(ec)} | {cell(ew)} | {fmt(ec, 'passes_ms')} | "
+        lines.append(f"| {m} | {s}{'' if arm == 'effpass' else ', ' + arm} | {cell(pc)} | {cell(pw)} | {cell(ec)} | "
+                     f"{cell(ew)} | {fmt(ec, 'passes_ms')} | "
                      f"{fmt(ec, 'effpass_ms')} | {'-' if ratio is None else f'{ratio * 100:.2f}%'} | "
                      f"{'-' if ratio is None else ('yes' if ratio <= 0.10 else 'NO')} | "
                      f"{'-' if top is None else f'{top[0]} {top[1]:.0f} ms'} |")

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ..devices import targeting
 from .patches import replay_patches, sharing_joint_traces
 from .cuda_allocator import simulate
 from .result import MemoryEstimate, format_bytes, training_step
@@ -241,7 +242,9 @@ def _replay_group(model, example_inputs, items, optimizer, dev, loss_fn, lr, req
     results = []
     try:
         torch._dynamo.reset()
-        with replay_patches(rdev, inductor=replay_lowering == "inductor"), fake_mode:
+        # kernels that choose by device (the fused head's Triton tiles on CUDA) take the target's path: the replay
+        # predicts the program the target device runs, on CPU fake tensors too
+        with replay_patches(rdev, inductor=replay_lowering == "inductor"), fake_mode, targeting(dev.type):
             with Tracker(device=rdev, allocator=dev):  # as during each step: .item() on a fake tensor reads 1
                 first = prepare_replay_model(work, items[0][1], items[0][2], rdev)
             backends = [first]

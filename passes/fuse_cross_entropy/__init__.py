@@ -135,8 +135,8 @@ class FuseCrossEntropy(effpass.Pass):
                "device where Triton is installed and the chunked torch kernel elsewhere; 'triton': the Triton "
                "tiles (a CUDA device, or TRITON_INTERPRET=1 on a CPU; else an error); 'chunked': the chunked "
                "torch kernel on every device; 'torch': torch's F.linear_cross_entropy with chunking (torch >= 2.13; "
-               "plain heads, mean/sum, no soft-capping or smoothing; else effpass's). LoRA heads and the frozen "
-               "per-row form always use the chunked kernel"})
+               "plain heads, mean/sum, no soft-capping or smoothing; else effpass's). LoRA heads always use the chunked "
+               "kernel"})
 
     def validate(self) -> None:
         if self.chunk_bytes < 0:
@@ -272,8 +272,10 @@ class FuseCrossEntropy(effpass.Pass):
             reduction = a["reduction"]
             eps, ignore = float(a["label_smoothing"]), int(a["ignore_index"])
             use_torch = self.kernel == "torch" and self._torch_supports(site, reduction, eps, compute)
-            xg = reduction == "none" and eps == 0.0 and self._frozen_head(site)
-            tiles = not use_torch and self._tiles(site, _val(site.h), xg)
+            # a frozen head's per-row form computes its input gradient in the forward (2 matmul-equivalents) on the
+            # chunked kernel; the Triton tiles recompute instead (3, with no elementwise pass over a logit tile)
+            tiles = not use_torch and self._tiles(site, _val(site.h))
+            xg = not tiles and reduction == "none" and eps == 0.0 and self._frozen_head(site)
             if use_torch:
                 loss = call(F.linear_cross_entropy, x, weight, target, linear_bias=site.bias,
                             reduction=reduction, ignore_index=ignore,
@@ -319,7 +321,7 @@ class FuseCrossEntropy(effpass.Pass):
         stats["triton_tiles"] += int(tiles)
         count_head(stats, site, weight, compute)
 
-    def _tiles(self, site: Site, xv, x_grad: bool) -> bool:
+    def _tiles(self, site: Site, xv) -> bool:
         """Whether the site runs on the Triton tiles (``triton_tiles.wanted``); ``kernel="triton"`` where they
         cannot run is an error naming why."""
         from effpass.devices import device_type_for
@@ -331,7 +333,7 @@ class FuseCrossEntropy(effpass.Pass):
             if why:
                 raise ValueError(f"effpass fuse_cross_entropy: kernel='triton' cannot run here: {why}; valid "
                                  "kernels: 'effpass' (Triton on CUDA, chunked elsewhere), 'chunked', 'torch'")
-        return wanted(self.kernel, xv, second_projection=site.lora is not None, x_grad=x_grad)
+        return wanted(self.kernel, xv, second_projection=site.lora is not None, x_grad=False)
 
     # -- chosen-token log-probabilities ---------------------------------------------------------------------
     def _rewrite_logprob(self, graph: fx.Graph, lp: LogProbSite, ctx, stats: dict) -> None:
@@ -350,11 +352,12 @@ class FuseCrossEntropy(effpass.Pass):
         with graph.inserting_before(anchor):
             x, weight, x2, w2 = emit_head(graph, site, call, new, vocab, width)
             target = call(torch.reshape, lp.index, (-1,))
-            xg = self._frozen_head(site)
+            tiles = self._tiles(site, _val(site.h))
+            xg = not tiles and self._frozen_head(site)
             res = call(torch.ops.effpass.linear_cross_entropy_rows.default, x, weight, x2, w2, site.bias, target,
                        NO_IGNORE, 0.0, site.pre, site.softcap, site.post, budget, compute, xg, self.kernel)
             stats["input_grad_in_forward"] += int(xg)
-            stats["triton_tiles"] += int(self._tiles(site, _val(site.h), xg))
+            stats["triton_tiles"] += int(tiles)
             out = call(torch.neg, call(operator.getitem, res, 0))
             if is_static(iv.shape):
                 shape = tuple(int(d) for d in iv.shape)

@@ -66,6 +66,16 @@ _SCRIPT = textwrap.dedent("""
         if red == "none":
             assert torch.all(got[0][t == -100] == 0)
 
+    # a frozen head (LoRA elsewhere): only the hidden states' gradient, per row (the log-prob sites' form)
+    x = torch.randn(N, H, requires_grad=True)
+    w = torch.randn(V, H) * 0.3
+    t = torch.randint(0, V, (N,))
+    gout = torch.randn(N)
+    ref = unfused(x, w, None, t, 0.0, 1.0, None, "none")
+    got = fused(x, w, None, t, eps=0.0, pre=1.0, cap=None, red="none")
+    assert rel(got, ref) < 1e-5
+    assert rel(torch.autograd.grad(got, x, gout)[0], torch.autograd.grad(ref, x, gout)[0]) < 1e-5
+
     # low precision (fp32 accumulation in the tiles): within the unfused step's own error against fp32. fp16 here:
     # Triton's interpreter reads bf16 tensors wrongly (numpy has no bf16); bf16 is the same code (GPU test below)
     x32, w32 = torch.randn(N, H), torch.randn(V, H) * 0.3
