@@ -24,7 +24,6 @@ LONG_FIRST = (
     "test_accelerate_fsdp2.py::",
     "test_backend.py::test_second_process_hits_the_caches_with_identical_results_and_stats",
     "test_wrap_fsdp.py::test_wrap_fsdp_four_ranks_hybrid_mesh",
-    "test_shard_sequence.py::test_shard_sequence_data2_x_sequence2_equals_one_process",
     "test_memory_timeline.py::test_plan_command_writes_html_and_snapshot",
 )
 

@@ -188,14 +188,23 @@ def _unit_bytes(model):
     return max(sum(p.numel() * p.element_size() for p in u.parameters()) for _, u in transformer_blocks(model))
 
 
-def test_adamw8bit_states_are_sized_by_the_real_optimizer():
+def test_adamw8bit_states_are_sized_by_the_real_optimizer(monkeypatch):
     """torchao's AdamW8bit is built on fake parameters (no hand-copied layout): its states equal those of the
-    real optimizer after a real step on the same model, byte for byte."""
+    real optimizer after a real step on the same model, byte for byte.
+
+    The fake optimizer steps run with torchao's compiled step forced eager (its Inductor compile of one step per
+    parameter shape costs ~40 CPU-s cold; the states, made by the first step, are the same either way), in a
+    replay cache of this test's own (the compiled fake step stays what other tests and the planner use:
+    ``test_cli_plan``'s ``--allow adamw8bit`` replays it)."""
+    import effpass.planning.optimizer_replay as optimizer_replay_mod
     from effpass.planning.estimate import with_optimizer
     from effpass.planning.measure import make_optimizer
     from effpass.quantized import storage_bytes
 
     case, a = _plain_llama()
+    monkeypatch.setattr(optimizer_replay_mod, "_OPTIMIZER_REPLAYS", {})
+    with torch.compiler.set_stance("force_eager"):
+        optimizer_replay_mod.optimizer_replay("adamw8bit", a.trainable_shapes, a.device)
     b = estimate_memory(case.model, case.inputs, passes=[], lowering="eager", optimizer="adamw8bit")
     model = case.fresh().model
     opt = make_optimizer(model, "adamw8bit")

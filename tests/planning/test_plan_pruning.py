@@ -147,11 +147,18 @@ def test_floor_of_a_bad_pipeline_is_its_error():
     assert isinstance(got, Exception) and "no_such_module" in str(got)
 
 
-def test_cli_lists_pruned_plans_and_all_replays_them(tmp_path, capsys):
-    """`effpass plan` shows a pruned candidate as not replayed, with its floor; `--all` replays it."""
+def test_cli_lists_pruned_plans_and_all_replays_them(tmp_path, capsys, monkeypatch):
+    """`effpass plan` shows a pruned candidate as not replayed, with its floor; `--all` replays it. The two
+    commands share one replay cache (same config, pipeline and options, as ``plan_memory(cache=)`` allows): the
+    `--all` run replays only what the pruned run left out."""
     import json
 
     from effpass.cli import main
+    from effpass.planning import planner as planner_mod
+
+    shared: dict = {}
+    real_plan = planner_mod.plan_memory
+    monkeypatch.setattr(planner_mod, "plan_memory", lambda *a, **k: real_plan(*a, **k, cache=shared))
 
     model, inputs, passes = _setup()
     (floor,) = start_bytes_many(model, inputs, [(passes, "adamw")], lowering="eager")

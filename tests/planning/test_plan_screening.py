@@ -7,6 +7,12 @@ Oracles: numerical - every provisional figure equals, count for count, the figur
 checked at three depths (``prune=False``), and the answer (chosen plan, or smallest peak and plan) is the
 same; structural - the plans the answer rests on are not provisional, the others are marked in the table
 and notes, and fewer depth replays run.
+
+The three plans share their replays (``cache=``, as the planner's users share them across budgets): the screened
+run replays every candidate at two depths; the whole table (``prune=False``) reuses those and completes each
+figure at the third depth (the planner checks every figure it reads from a shared cache); the budget run starts
+from the screened run's replays. Each replay is deterministic, so sharing changes no figure; what the oracle
+compares is the two-depth prediction against the third depth's replay.
 """
 import pytest
 import torch
@@ -23,7 +29,7 @@ CFG = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden
 LOW = sum(p.numel() * 4 for p in model_from_config(CFG, "float32").parameters())
 
 
-def _plan(budget, prune, depths):
+def _plan(budget, prune, depths, cache):
     model = model_from_config(CFG, "float32")
     tok = torch.zeros(1, 16, dtype=torch.long, device="meta")
     inputs = {"input_ids": tok, "labels": tok, "use_cache": False}
@@ -38,7 +44,7 @@ def _plan(budget, prune, depths):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(est_mod, "_replay_depths", counting)
         try:
-            return plan_memory(model, inputs, budget, passes=passes, lowering="eager", prune=prune)
+            return plan_memory(model, inputs, budget, passes=passes, lowering="eager", prune=prune, cache=cache)
         except MemoryBudgetError as e:
             return e
 
@@ -58,31 +64,38 @@ def _same_figures(screened, full):
 
 
 @pytest.fixture(scope="module")
-def full_plans():
+def plans():
+    """The screened plan below every peak, then the whole table on its replays; and a copy of the screened
+    replays for a budget run."""
+    cache: dict = {}
     depths: list = []
-    return _plan(LOW, False, depths), depths  # below every plan: the whole table, checked at three depths
+    screened = _plan(LOW, True, depths, cache)  # nothing fits: every candidate replayed at two depths
+    after_screen = dict(cache)
+    full_depths: list = []
+    full = _plan(LOW, False, full_depths, cache)  # below every plan: the whole table, checked at three depths
+    return screened, depths, full, full_depths, after_screen
 
 
-def test_nothing_fits_names_the_same_smallest_plan_checked(full_plans):
-    full, full_depths = full_plans
-    assert isinstance(full, MemoryBudgetError)
-    depths: list = []
-    got = _plan(LOW, True, depths)
-    assert isinstance(got, MemoryBudgetError)
+def test_nothing_fits_names_the_same_smallest_plan_checked(plans):
+    got, depths, full, full_depths, _ = plans
+    assert isinstance(full, MemoryBudgetError) and isinstance(got, MemoryBudgetError)
     assert (got.smallest, got.plan.name) == (full.smallest, full.plan.name)
     assert not got.plan.estimate.provisional and not got.candidates[0].estimate.provisional
     n_prov = _same_figures(got.candidates, full.candidates)
     assert n_prov >= 1
-    assert depths.count(4) < full_depths.count(4)
+    # the whole table replays the third depth of every figure the screen left provisional, and only those
+    replayed = [c for c in full.candidates if c.estimate is not None]
+    assert full_depths.count(4) == n_prov and set(full_depths) == {4}, (full_depths, n_prov)
+    assert depths.count(4) + full_depths.count(4) >= len({c.replay_key() for c in replayed}) > depths.count(4)
 
 
-def test_a_budget_one_plan_fits_chooses_the_same_plan(full_plans):
-    full, _ = full_plans
+def test_a_budget_one_plan_fits_chooses_the_same_plan(plans):
+    _, _, full, _, after_screen = plans
     free = [c for c in full.candidates if c.estimate is not None and not c.restricted]
     budget = min(c.peak_bytes for c in free)  # only the leanest unrestricted plan(s) fit
     want = min((c for c in free if c.peak_bytes <= budget), key=lambda c: c.extra_flops)
     depths: list = []
-    got = _plan(budget, True, depths)
+    got = _plan(budget, True, depths, dict(after_screen))
     assert got.chosen.name == want.name and got.peak_bytes == want.peak_bytes
     assert all(not c.estimate.provisional for c in got.candidates if c.fits)
     assert not got.candidates[0].estimate.provisional  # the base of extra compute
