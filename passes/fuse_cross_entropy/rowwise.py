@@ -116,8 +116,9 @@ def _tile_rows(rows: int, vocab: int, heads: int, device: torch.device) -> int:
     return max(1, min(rows, CPU_ROW_TILE_BYTES // (4 * vocab * max(heads, 1))))
 
 
-#: the trained form's tile program (the row function, its outputs' gradients) is compiled with Inductor on CPU when
-#: a tile holds at least this many logits per head (large vocabularies; below, the eager tile is as fast and
+#: the trained form's tile program (the row function, its outputs' gradients) is compiled with Inductor (C++ on a CPU,
+#: Triton on a CUDA device: one fused kernel instead of an eager kernel per elementwise step) when a tile holds at
+#: least this many logits per head (large vocabularies; below, the eager tile is as fast and
 #: compiling would cost more than it saves); EFFPASS_ROWWISE_COMPILE=0 turns it off
 COMPILE_MIN_TILE_ELEMS = 1 << 18
 _PROGRAMS: dict = {}
@@ -127,10 +128,10 @@ _TOP_TLS = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_l
 
 def _tile_program(f, heads, want, cots, z, es):
     """The compiled tile program ``(*raw tiles, *row inputs) -> (values, [[d raw_k for k in want] per column])``
-    for the trained form's cotangents (ones on one output each), or None where the eager tile runs: not on CPU,
-    a small tile, under a dispatch mode (the planner's replay) or while tracing, EFFPASS_ROWWISE_COMPILE=0, a
+    for the trained form's cotangents (ones on one output each), or None where the eager tile runs: not on a CPU
+    or CUDA device, a small tile, under a dispatch mode (the planner's replay) or while tracing, EFFPASS_ROWWISE_COMPILE=0, a
     per-row cotangent (the recomputing backward), or after a compile failure (warned, never retried)."""
-    if (z.device.type != "cpu" or z.numel() < COMPILE_MIN_TILE_ELEMS or not cots
+    if (z.device.type not in ("cpu", "cuda") or z.numel() < COMPILE_MIN_TILE_ELEMS or not cots
             or not all(isinstance(c, int) for c in cots) or not rowwise_compile_from_env()
             or torch._C._len_torch_dispatch_stack() > 0 or torch.compiler.is_compiling()):
         return None
