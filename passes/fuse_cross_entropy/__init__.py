@@ -135,8 +135,7 @@ class FuseCrossEntropy(effpass.Pass):
                "device where Triton is installed and the chunked torch kernel elsewhere; 'triton': the Triton "
                "tiles (a CUDA device, or TRITON_INTERPRET=1 on a CPU; else an error); 'chunked': the chunked "
                "torch kernel on every device; 'torch': torch's F.linear_cross_entropy with chunking (torch >= 2.13; "
-               "plain heads, mean/sum, no soft-capping or smoothing; else effpass's). LoRA heads always use the chunked "
-               "kernel"})
+               "plain heads, mean/sum, no soft-capping or smoothing; else effpass's)"})
 
     def validate(self) -> None:
         if self.chunk_bytes < 0:

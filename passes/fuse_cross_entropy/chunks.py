@@ -291,9 +291,10 @@ def _backward_pass(xs, ws, b, tgt, lse_all, gscale, spec: _Spec, grads: dict):
 
 def _tiles_forward(xs, ws, b, tgt, spec: _Spec):
     """Per-row loss and log-sum-exp by the Triton tiles (``triton_tiles.py``: the logits stay in registers)."""
-    (x,), (w,) = xs, ws
+    x, w = xs[0], ws[0]
+    x2, w2 = (xs[1], ws[1]) if len(xs) > 1 else (None, None)
     lse, zt, zs = torch.ops.effpass.lce_lse(x, w, b, tgt, float(spec.pre), bool(spec.softcap), float(spec.post),
-                                            bool(spec.smoothing))
+                                            bool(spec.smoothing), x2, w2)
     loss = lse - zt
     if spec.smoothing:
         eps = spec.smoothing
@@ -307,23 +308,30 @@ def _tiles_grads(xs, ws, b, tgt, lse, rowg, spec: _Spec, grads: dict) -> None:
     weight's gradient slab written once. ``lse``: ``inf`` on rows to leave at 0; ``rowg``: each row's factor."""
     from .triton_tiles import slab_entries
 
-    (x,), (w,) = xs, ws
+    x, w = xs[0], ws[0]
+    x2, w2 = (xs[1], ws[1]) if len(xs) > 1 else (None, None)
     n, vocab = tgt.shape[0], spec.vocab
     gx, gw, gb = grads["x"][0], grads["w"][0], grads["b"]
+    gx2, gw2 = (grads["x"][1], grads["w"][1]) if len(xs) > 1 else (None, None)
     if n == 0:
-        if gw is not None:
-            gw.zero_()
+        for g in (gw, gw2):
+            if g is not None:
+                g.zero_()
         return
     step = slab_entries(n, vocab, x.element_size())
     for v0 in range(0, vocab, step):
         v1 = min(vocab, v0 + step)
         d = torch.ops.effpass.lce_dlogits(x, w[v0:v1], b[v0:v1] if b is not None else None, tgt, lse, rowg,
                                           float(spec.pre), bool(spec.softcap), float(spec.post),
-                                          float(spec.smoothing), v0, vocab)
+                                          float(spec.smoothing), v0, vocab, x2, w2[v0:v1] if w2 is not None else None)
         if gx is not None:
             _acc_mm(gx, d, w[v0:v1])
         if gw is not None:
             _acc_mm(gw[v0:v1], d.t(), x, once=True)
+        if gx2 is not None:  # a LoRA head: the adapter's rows and B
+            _acc_mm(gx2, d, w2[v0:v1])
+        if gw2 is not None:
+            _acc_mm(gw2[v0:v1], d.t(), x2, once=True)
         if gb is not None:
             gb[v0:v1] += d.float().sum(0)
 

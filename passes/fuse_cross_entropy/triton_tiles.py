@@ -80,9 +80,7 @@ if HAVE_TRITON:
         return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
     @triton.jit
-    def _logit_tile(X, W, rows, cols, rmask, cmask, H, sxn, swv, IEEE: tl.constexpr, BN: tl.constexpr,
-                    BV: tl.constexpr, BK: tl.constexpr):
-        acc = tl.zeros((BN, BV), dtype=tl.float32)
+    def _dot_acc(acc, X, W, rows, cols, rmask, cmask, H, sxn, swv, IEEE: tl.constexpr, BK: tl.constexpr):
         for k0 in range(0, H, BK):
             ks = k0 + tl.arange(0, BK)
             kmask = ks < H
@@ -95,8 +93,18 @@ if HAVE_TRITON:
         return acc
 
     @triton.jit
-    def _lse_kernel(X, W, B, T, M, S, ZT, ZS, N, V, H, sxn, swv, per_split, pre, post,
-                    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr, IEEE: tl.constexpr,
+    def _logit_tile(X, W, X2, W2, rows, cols, rmask, cmask, H, H2, sxn, swv, sx2, sw2, HAS2: tl.constexpr,
+                    IEEE: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr):
+        # x @ W^T, plus a LoRA head's second projection (A x s) @ B^T over its rank
+        acc = _dot_acc(tl.zeros((BN, BV), dtype=tl.float32), X, W, rows, cols, rmask, cmask, H, sxn, swv, IEEE, BK)
+        if HAS2:
+            acc = _dot_acc(acc, X2, W2, rows, cols, rmask, cmask, H2, sx2, sw2, IEEE, BK)
+        return acc
+
+    @triton.jit
+    def _lse_kernel(X, W, X2, W2, B, T, M, S, ZT, ZS, N, V, H, H2, sxn, swv, sx2, sw2, per_split, pre, post,
+                    HAS2: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr,
+                    IEEE: tl.constexpr,
                     BN: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr):
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
@@ -112,7 +120,8 @@ if HAVE_TRITON:
         for v0 in range(v_lo, v_hi, BV):
             cols = v0 + tl.arange(0, BV)
             cmask = cols < v_hi
-            acc = _logit_tile(X, W, rows, cols, rmask, cmask, H, sxn, swv, IEEE, BN, BV, BK)
+            acc = _logit_tile(X, W, X2, W2, rows, cols, rmask, cmask, H, H2, sxn, swv, sx2, sw2, HAS2, IEEE, BN, BV,
+                              BK)
             if HAS_BIAS:
                 acc += tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
             z = acc * pre
@@ -132,8 +141,8 @@ if HAVE_TRITON:
         tl.store(ZS + out, zs, mask=rmask)
 
     @triton.jit
-    def _dlogits_kernel(X, W, B, T, LSE, G, D, N, H, v_lo, VS, sxn, swv, sdn, pre, post, hit, eps_v,
-                        HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+    def _dlogits_kernel(X, W, X2, W2, B, T, LSE, G, D, N, H, H2, v_lo, VS, sxn, swv, sx2, sw2, sdn, pre, post, hit,
+                        eps_v, HAS2: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
                         BN: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr):
         # W, B: the slab's rows (VS of them, vocabulary entries v_lo + 0..VS-1). Programs along the vocabulary
         # first: the ones running together share a block of rows (read once from memory) and walk the slab of
@@ -144,7 +153,7 @@ if HAVE_TRITON:
         rmask = rows < N
         cols = pid_v * BV + tl.arange(0, BV)
         cmask = cols < VS
-        acc = _logit_tile(X, W, rows, cols, rmask, cmask, H, sxn, swv, IEEE, BN, BV, BK)
+        acc = _logit_tile(X, W, X2, W2, rows, cols, rmask, cmask, H, H2, sxn, swv, sx2, sw2, HAS2, IEEE, BN, BV, BK)
         if HAS_BIAS:
             acc += tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
         u = acc * pre
@@ -173,16 +182,21 @@ def _blocks(x: Tensor) -> tuple[int, int, int, int]:
     return 64, 128, 64, 8
 
 
-def _args(x: Tensor, w: Tensor, bias: Optional[Tensor]):
-    return x.contiguous(), w.contiguous(), (bias.contiguous() if bias is not None else w)
+def _args(x: Tensor, w: Tensor, bias: Optional[Tensor], x2: Optional[Tensor], w2: Optional[Tensor]):
+    """Contiguous operands; an absent bias or second projection is a placeholder pointer the kernel never reads."""
+    x, w = x.contiguous(), w.contiguous()
+    return (x, w, bias.contiguous() if bias is not None else w, x2.contiguous() if x2 is not None else x,
+            w2.contiguous() if w2 is not None else w)
 
 
 # ------------------------------------------------------------------------------------------------------
 # the reference (CPU tensors without the interpreter: what the cost model runs for a GPU step)
 # ------------------------------------------------------------------------------------------------------
-def _ref_logits(x, w, bias, v0, v1, pre, softcap, post):
-    """Logits of the rows of ``w`` (and ``bias``) ``v0:v1`` and the transform's derivative."""
+def _ref_logits(x, w, bias, v0, v1, pre, softcap, post, x2=None, w2=None):
+    """Logits of the rows of ``w`` (and ``bias``, ``w2``) ``v0:v1`` and the transform's derivative."""
     z = (x.float() @ w[v0:v1].float().t())
+    if x2 is not None:
+        z = z + x2.float() @ w2[v0:v1].float().t()
     if bias is not None:
         z = z + bias[v0:v1].float()
     u = z * pre
@@ -192,7 +206,7 @@ def _ref_logits(x, w, bias, v0, v1, pre, softcap, post):
     return u, pre
 
 
-def _ref_lse(x, w, bias, target, pre, softcap, post, smooth):
+def _ref_lse(x, w, bias, target, pre, softcap, post, smooth, x2=None, w2=None):
     n, vocab = x.shape[0], w.shape[0]
     step = max(128, slab_entries(n, vocab, 4))
     lse = torch.full((n,), -math.inf, device=x.device)
@@ -200,7 +214,7 @@ def _ref_lse(x, w, bias, target, pre, softcap, post, smooth):
     zs = torch.zeros(n, device=x.device)
     for v0 in range(0, vocab, step):
         v1 = min(vocab, v0 + step)
-        z, _ = _ref_logits(x, w, bias, v0, v1, pre, softcap, post)
+        z, _ = _ref_logits(x, w, bias, v0, v1, pre, softcap, post, x2, w2)
         inside = (target >= v0) & (target < v1)
         zt = zt + torch.where(inside, z.gather(1, (target - v0).clamp(0, v1 - v0 - 1)[:, None]).squeeze(1), 0.0)
         if smooth:
@@ -209,9 +223,9 @@ def _ref_lse(x, w, bias, target, pre, softcap, post, smooth):
     return lse, zt, zs
 
 
-def _ref_dlogits(x, w, bias, target, lse, rowg, pre, softcap, post, eps, v0, vocab):
+def _ref_dlogits(x, w, bias, target, lse, rowg, pre, softcap, post, eps, v0, vocab, x2=None, w2=None):
     vs = w.shape[0]
-    z, dz = _ref_logits(x, w, bias, 0, vs, pre, softcap, post)
+    z, dz = _ref_logits(x, w, bias, 0, vs, pre, softcap, post, x2, w2)
     d = torch.exp(z - lse[:, None])
     inside = (target >= v0) & (target < v0 + vs)
     d.scatter_add_(1, (target - v0).clamp(0, vs - 1)[:, None], inside.float().mul(-(1.0 - eps))[:, None])
@@ -225,16 +239,19 @@ def _ref_dlogits(x, w, bias, target, lse, rowg, pre, softcap, post, eps, v0, voc
 # ------------------------------------------------------------------------------------------------------
 @torch.library.custom_op("effpass::lce_lse", mutates_args=())
 def lse_rows(x: Tensor, w: Tensor, bias: Optional[Tensor], target: Tensor, pre: float, softcap: bool,
-             post: float, smooth: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Per row: log-sum-exp of the transformed logits, the target's logit, their sum over the vocabulary (0 unless
-    ``smooth``); fp32. ``target`` holds valid classes only (ignored rows mapped to 0 by the caller)."""
+             post: float, smooth: bool, x2: Optional[Tensor] = None, w2: Optional[Tensor] = None
+             ) -> tuple[Tensor, Tensor, Tensor]:
+    """Per row: log-sum-exp of the transformed logits (``x @ w^T + bias [+ x2 @ w2^T]``: a LoRA head's second
+    projection), the target's logit, their sum over the vocabulary (0 unless ``smooth``); fp32. ``target`` holds
+    valid classes only (ignored rows mapped to 0 by the caller)."""
     n, vocab, hidden = x.shape[0], w.shape[0], x.shape[1]
     if n == 0:
         e = x.new_empty(0, dtype=torch.float32)
         return e, e.clone(), e.clone()
     if x.device.type != "cuda" and not triton_interpret_from_env():
-        return _ref_lse(x, w, bias, target, pre, softcap, post, smooth)
-    x, w, b = _args(x, w, bias)
+        return _ref_lse(x, w, bias, target, pre, softcap, post, smooth, x2, w2)
+    has2 = x2 is not None
+    x, w, b, x2, w2 = _args(x, w, bias, x2, w2)
     bn, bv, bk, warps = _blocks(x)
     nblk = triton.cdiv(n, bn)
     splits = max(1, min(triton.cdiv(vocab, bv), triton.cdiv(_TARGET_PROGRAMS, nblk)))
@@ -242,8 +259,9 @@ def lse_rows(x: Tensor, w: Tensor, bias: Optional[Tensor], target: Tensor, pre: 
     splits = triton.cdiv(vocab, per_split)
     part = torch.empty(4, splits, n, dtype=torch.float32, device=x.device)
     _lse_kernel[(nblk, splits)](
-        x, w, b, target.contiguous(), part[0], part[1], part[2], part[3], n, vocab, hidden, x.stride(0),
-        w.stride(0), per_split, float(pre), float(post), HAS_BIAS=bias is not None, SOFTCAP=bool(softcap),
+        x, w, x2, w2, b, target.contiguous(), part[0], part[1], part[2], part[3], n, vocab, hidden, x2.shape[1],
+        x.stride(0), w.stride(0), x2.stride(0), w2.stride(0), per_split, float(pre), float(post), HAS2=has2,
+        HAS_BIAS=bias is not None, SOFTCAP=bool(softcap),
         SMOOTH=bool(smooth), IEEE=x.dtype == torch.float32, BN=bn, BV=bv, BK=bk, num_warps=warps)
     m, s, zt, zs = part.unbind(0)
     top = m.amax(0)
@@ -252,7 +270,7 @@ def lse_rows(x: Tensor, w: Tensor, bias: Optional[Tensor], target: Tensor, pre: 
 
 
 @lse_rows.register_fake
-def _(x, w, bias, target, pre, softcap, post, smooth):
+def _(x, w, bias, target, pre, softcap, post, smooth, x2=None, w2=None):
     n = x.shape[0]
     return (x.new_empty((n,), dtype=torch.float32), x.new_empty((n,), dtype=torch.float32),
             x.new_empty((n,), dtype=torch.float32))
@@ -260,7 +278,8 @@ def _(x, w, bias, target, pre, softcap, post, smooth):
 
 @torch.library.custom_op("effpass::lce_dlogits", mutates_args=())
 def dlogits_slab(x: Tensor, w: Tensor, bias: Optional[Tensor], target: Tensor, lse: Tensor, rowg: Tensor,
-                 pre: float, softcap: bool, post: float, eps: float, v0: int, vocab: int) -> Tensor:
+                 pre: float, softcap: bool, post: float, eps: float, v0: int, vocab: int,
+                 x2: Optional[Tensor] = None, w2: Optional[Tensor] = None) -> Tensor:
     """``d loss / d logits`` of a vocabulary slab (``w``, ``bias``: the head's rows ``v0 : v0 + len(w)`` of a
     ``vocab``-entry head; the result ``rows x len(w)`` in ``x``'s dtype):
     ``(softmax - (1 - eps) one-hot - eps / vocab) x transform' x rowg``. ``lse``: the rows' log-sum-exp (``inf``
@@ -269,28 +288,35 @@ def dlogits_slab(x: Tensor, w: Tensor, bias: Optional[Tensor], target: Tensor, l
     if n == 0 or vs == 0:
         return x.new_zeros(n, vs)
     if x.device.type != "cuda" and not triton_interpret_from_env():
-        return _ref_dlogits(x, w, bias, target, lse, rowg, pre, softcap, post, eps, v0, vocab)
-    x, w, b = _args(x, w, bias)
+        return _ref_dlogits(x, w, bias, target, lse, rowg, pre, softcap, post, eps, v0, vocab, x2, w2)
+    has2 = x2 is not None
+    x, w, b, x2, w2 = _args(x, w, bias, x2, w2)
     out = torch.empty(n, vs, dtype=x.dtype, device=x.device)
     bn, bv, bk, warps = _blocks(x)
     grid = (triton.cdiv(vs, bv), triton.cdiv(n, bn))
     _dlogits_kernel[grid](
-        x, w, b, target.contiguous(), lse.contiguous(), rowg.contiguous().float(), out, n, hidden, v0, vs,
-        x.stride(0), w.stride(0), out.stride(0), float(pre), float(post), 1.0 - float(eps), float(eps) / vocab,
-        HAS_BIAS=bias is not None, SOFTCAP=bool(softcap), IEEE=x.dtype == torch.float32, BN=bn, BV=bv, BK=bk,
+        x, w, x2, w2, b, target.contiguous(), lse.contiguous(), rowg.contiguous().float(), out, n, hidden,
+        x2.shape[1], v0, vs, x.stride(0), w.stride(0), x2.stride(0), w2.stride(0), out.stride(0), float(pre),
+        float(post), 1.0 - float(eps), float(eps) / vocab, HAS2=has2, HAS_BIAS=bias is not None, SOFTCAP=bool(softcap), IEEE=x.dtype == torch.float32, BN=bn, BV=bv, BK=bk,
         num_warps=warps)
     return out
 
 
 @dlogits_slab.register_fake
-def _(x, w, bias, target, lse, rowg, pre, softcap, post, eps, v0, vocab):
+def _(x, w, bias, target, lse, rowg, pre, softcap, post, eps, v0, vocab, x2=None, w2=None):
     return x.new_empty((x.shape[0], w.shape[0]))
 
 
-effpass.register_flop_formula(torch.ops.effpass.lce_lse,
-                              lambda x, w, *a, out_val=None, **k: 2 * x.shape[0] * x.shape[1] * w.shape[0])
+def _tile_flops(x, w, x2, w2) -> int:
+    """The logits' matmul: ``2 N H V`` plus a second projection's ``2 N r V``."""
+    return 2 * x.shape[0] * w.shape[0] * (x.shape[1] + (x2.shape[1] if x2 is not None else 0))
+
+
+effpass.register_flop_formula(torch.ops.effpass.lce_lse, lambda x, w, bias, target, pre, softcap, post, smooth,
+                              x2=None, w2=None, out_val=None: _tile_flops(x, w, x2, w2))
 effpass.register_flop_formula(torch.ops.effpass.lce_dlogits,
-                              lambda x, w, *a, out_val=None, **k: 2 * x.shape[0] * x.shape[1] * w.shape[0])
+                              lambda x, w, bias, target, lse, rowg, pre, softcap, post, eps, v0, vocab, x2=None,
+                              w2=None, out_val=None: _tile_flops(x, w, x2, w2))
 effpass.register_device_kernel(torch.ops.effpass.lce_lse)
 effpass.register_device_kernel(torch.ops.effpass.lce_dlogits)
 
@@ -298,9 +324,11 @@ effpass.register_device_kernel(torch.ops.effpass.lce_dlogits)
 def wanted(kernel: str, x: Tensor, *, second_projection: bool, x_grad: bool) -> bool:
     """Whether a call of the fused head takes the Triton tiles: ``kernel`` ``"triton"`` always (the pass checked it
     can run), ``"effpass"`` where the code runs for a CUDA device (:func:`effpass.devices.device_type_for`: the
-    tensors', or the cost model's target) and Triton is installed; never for a second projection (a LoRA head) or
-    the frozen-head form (its input gradient is computed in the forward), which keep the chunked kernel."""
-    if second_projection or x_grad or kernel not in ("effpass", "triton"):
+    tensors', or the cost model's target) and Triton is installed; never for the op's frozen-head form (``x_grad``:
+    its input gradient computed in the forward), which keeps the chunked kernel (the pass does not ask for it where
+    the tiles run). ``second_projection`` (a LoRA head) is supported."""
+    del second_projection
+    if x_grad or kernel not in ("effpass", "triton"):
         return False
     if kernel == "triton":
         return True

@@ -66,6 +66,24 @@ _SCRIPT = textwrap.dedent("""
         if red == "none":
             assert torch.all(got[0][t == -100] == 0)
 
+    # a LoRA head: the adapter's rows (A x s) and B as the second projection, every gradient
+    x = torch.randn(N, H, requires_grad=True)
+    w = (torch.randn(V, H) * 0.3).requires_grad_()
+    x2 = torch.randn(N, 8, requires_grad=True)
+    w2 = (torch.randn(V, 8) * 0.3).requires_grad_()
+    t = torch.randint(0, V, (N,))
+    t[::4] = -100
+    ref = F.cross_entropy((x @ w.t() + x2 @ w2.t()) * 0.5, t)
+    mode = CostMode()
+    mode.recording = True
+    with mode:
+        got = _lce_reduced(x, w, x2, w2, None, t, -100, 0.0, 0.5, False, 1.0, True, 0, "",
+                           [True, True, True, True, False], "triton")[0]
+    assert {"effpass.lce_lse.default", "effpass.lce_dlogits.default"} <= {r.op for r in mode.records}
+    assert rel(got, ref) < 1e-5
+    for a, c in zip(torch.autograd.grad(got, [x, w, x2, w2]), torch.autograd.grad(ref, [x, w, x2, w2])):
+        assert rel(a, c) < 1e-5, rel(a, c)
+
     # a frozen head (LoRA elsewhere): only the hidden states' gradient, per row (the log-prob sites' form)
     x = torch.randn(N, H, requires_grad=True)
     w = torch.randn(V, H) * 0.3
