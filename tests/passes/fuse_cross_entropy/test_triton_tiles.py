@@ -189,10 +189,10 @@ def test_gpu_head_by_the_cost_model_within_its_bounds(tmp_path):
     """At a small bf16 shape (hidden 256, vocabulary 32,000, 2,048 tokens, fake tensors) the GPU path of the fused
     head: FLOPs 4 GEMM-equivalents (3 + the logits once more), zero host synchronisations, one lse kernel and per
     vocabulary slab one tile kernel and two GEMMs (the kernel count set by the slabs, not the rows), and its bytes
-    equal a hand count of the design: fewer than the unfused head's and far fewer than the chunked kernel's."""
+    equal a hand count of the design, fewer than the unfused head's (the chunked kernel's: docs/cost_model.md)."""
     from effpass.passes.fuse_cross_entropy.triton_tiles import slab_entries
 
-    tiles, chunked, plain = (_head_cost(tmp_path, k) for k in ("effpass", "chunked", None))
+    tiles, plain = (_head_cost(tmp_path, k) for k in ("effpass", None))
     n = SEQ   # the rows of the loss (Hugging Face's shifted labels keep every position, the last one ignored)
     gemm = 2 * n * HIDDEN * VOCAB
     inside = {k: v for k, v in tiles.ops.items() if k.startswith("effpass::linear_cross_entropy_rows")}
@@ -215,8 +215,7 @@ def test_gpu_head_by_the_cost_model_within_its_bounds(tmp_path):
     lse_and_gemms = sum(v["bytes"] for k, v in inside.items()
                         if k.split(" > ")[1] in ("effpass.lce_lse", "effpass.lce_dlogits", "aten.addmm", "aten.mm"))
     assert hand <= lse_and_gemms <= hand * 1.02
-    assert tiles.head["bytes"] < plain.head["bytes"] < chunked.head["bytes"]
-    assert tiles.head["kernels"] < chunked.head["kernels"]
+    assert tiles.head["bytes"] < plain.head["bytes"]
 
 
 @pytest.mark.gpu
