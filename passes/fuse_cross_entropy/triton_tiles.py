@@ -81,11 +81,14 @@ if HAVE_TRITON:
 
     @triton.jit
     def _dot_acc(acc, X, W, rows, cols, rmask, cmask, H, sxn, swv, IEEE: tl.constexpr, BK: tl.constexpr):
+        # 64-bit row offsets: a 256k vocabulary x hidden 8,192 weight has more elements than an int32 indexes
+        xrow = rows.to(tl.int64)[:, None] * sxn
+        wrow = cols.to(tl.int64)[None, :] * swv
         for k0 in range(0, H, BK):
             ks = k0 + tl.arange(0, BK)
             kmask = ks < H
-            a = tl.load(X + rows[:, None] * sxn + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-            b = tl.load(W + cols[None, :] * swv + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
+            a = tl.load(X + xrow + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(W + wrow + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
             if IEEE:
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
@@ -171,7 +174,7 @@ if HAVE_TRITON:
         d = p - tl.where((cols + v_lo)[None, :] == t[:, None], hit, 0.0) - eps_v
         d = d * dz * g[:, None]
         d = tl.where(rmask[:, None] & cmask[None, :], d, 0.0)
-        tl.store(D + rows[:, None] * sdn + cols[None, :], d.to(D.dtype.element_ty),
+        tl.store(D + rows.to(tl.int64)[:, None] * sdn + cols[None, :], d.to(D.dtype.element_ty),
                  mask=rmask[:, None] & cmask[None, :])
 
 
