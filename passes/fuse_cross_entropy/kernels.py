@@ -38,13 +38,13 @@ __all__ = ["MIN_FULL_ROWS", "MIN_CHUNK_ROWS", "TILE_ROWS", "CPU_ROWS_TILE_BYTES"
 @torch.library.custom_op("effpass::linear_cross_entropy", mutates_args=())
 def _lce_reduced(x: Tensor, w: Tensor, x2: Optional[Tensor], w2: Optional[Tensor], bias: Optional[Tensor],
                  target: Tensor, ignore_index: int, smoothing: float, pre: float, softcap: bool, post: float,
-                 mean: bool, chunk_bytes: int, compute: str, grad_mask: list[bool], kernel: str = "effpass"
+                 mean: bool, chunk_bytes: int, compute: str, grad_mask: list[bool], impl: str = "effpass"
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Summed (``mean``: averaged over valid rows) loss and the gradients of x, w, x2, w2, bias. ``kernel``: the
-    pass's option (``"effpass"``: the Triton tiles where the code runs for CUDA, else the chunked kernel)."""
+    """Summed (``mean``: averaged over valid rows) loss and the gradients of x, w, x2, w2, bias. ``impl``: the
+    pass's ``kernel`` option (an argument named ``kernel`` would collide with Inductor's ``FallbackKernel.create``) (``"effpass"``: the Triton tiles where the code runs for CUDA, else the chunked kernel)."""
     spec = _Spec(w.shape[0], ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute)
     keep, tgt, xs, ws, b = _prepare(x, w, x2, w2, bias, target, spec)
-    tiles = _tiles_wanted(kernel, x, second_projection=x2 is not None, x_grad=False)
+    tiles = _tiles_wanted(impl, x, second_projection=x2 is not None, x_grad=False)
     acc = _accumulators(xs, ws, bias is not None, grad_mask, spec.vocab, x.device,
                         (w.dtype, w2.dtype if w2 is not None else None), w_written=tiles)
     count = keep.sum()  # a device tensor: no host synchronisation
@@ -64,7 +64,7 @@ def _lce_reduced(x: Tensor, w: Tensor, x2: Optional[Tensor], w2: Optional[Tensor
 
 @_lce_reduced.register_fake
 def _(x, w, x2, w2, bias, target, ignore_index, smoothing, pre, softcap, post, mean, chunk_bytes, compute,
-      grad_mask, kernel="effpass"):
+      grad_mask, impl="effpass"):
     def like(t, on):
         return torch.empty_like(t) if (t is not None and on) else x.new_empty(0)
 
@@ -92,7 +92,7 @@ _lce_reduced.register_autograd(_reduced_backward, setup_context=_reduced_setup)
 @torch.library.custom_op("effpass::linear_cross_entropy_rows", mutates_args=())
 def _lce_rows(x: Tensor, w: Tensor, x2: Optional[Tensor], w2: Optional[Tensor], bias: Optional[Tensor],
               target: Tensor, ignore_index: int, smoothing: float, pre: float, softcap: bool, post: float,
-              chunk_bytes: int, compute: str, x_grad: bool = False, kernel: str = "effpass"
+              chunk_bytes: int, compute: str, x_grad: bool = False, impl: str = "effpass"
               ) -> tuple[Tensor, Tensor, Tensor]:
     """Per-row losses (0 on ignored rows, as ``reduction="none"``), per-row log-sum-exp, and with ``x_grad``
     (a frozen head: only ``x`` needs a gradient; no second projection, no smoothing) ``d loss_i / d x_i``
@@ -104,7 +104,7 @@ def _lce_rows(x: Tensor, w: Tensor, x2: Optional[Tensor], w2: Optional[Tensor], 
             raise ValueError("linear_cross_entropy_rows(x_grad=True) takes one projection without label smoothing")
         loss_v, lse_v, gx_v = _x_grad_pass(xs, ws, b, tgt, spec)
         gx = gx_v.mul_(keep[:, None]).to(x.dtype)
-    elif _tiles_wanted(kernel, x, second_projection=x2 is not None, x_grad=False):
+    elif _tiles_wanted(impl, x, second_projection=x2 is not None, x_grad=False):
         loss_v, lse_v = _tiles_forward(xs, ws, b, tgt, spec)
         gx = x.new_empty(0)
     else:
@@ -116,7 +116,7 @@ def _lce_rows(x: Tensor, w: Tensor, x2: Optional[Tensor], w2: Optional[Tensor], 
 
 @_lce_rows.register_fake
 def _(x, w, x2, w2, bias, target, ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute, x_grad=False,
-      kernel="effpass"):
+      impl="effpass"):
     n = target.shape[0]
     return (x.new_empty((n,), dtype=torch.float32), x.new_empty((n,), dtype=torch.float32),
             torch.empty_like(x) if x_grad else x.new_empty(0))
@@ -126,10 +126,10 @@ def _(x, w, x2, w2, bias, target, ignore_index, smoothing, pre, softcap, post, c
 def _lce_rows_bwd(grad: Tensor, lse: Tensor, x: Tensor, w: Tensor, x2: Optional[Tensor], w2: Optional[Tensor],
                   bias: Optional[Tensor], target: Tensor, ignore_index: int, smoothing: float, pre: float,
                   softcap: bool, post: float, chunk_bytes: int, compute: str, grad_mask: list[bool],
-                  kernel: str = "effpass") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                  impl: str = "effpass") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     spec = _Spec(w.shape[0], ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute, True)
     keep, tgt, xs, ws, b = _prepare(x, w, x2, w2, bias, target, spec)
-    tiles = _tiles_wanted(kernel, x, second_projection=x2 is not None, x_grad=False)
+    tiles = _tiles_wanted(impl, x, second_projection=x2 is not None, x_grad=False)
     acc = _accumulators(xs, ws, bias is not None, grad_mask, spec.vocab, x.device,
                         (w.dtype, w2.dtype if w2 is not None else None), w_written=tiles)
     # ignored rows: an infinite log-sum-exp makes their softmax 0 (never exp of an unnormalised logit) and the
@@ -145,7 +145,7 @@ def _lce_rows_bwd(grad: Tensor, lse: Tensor, x: Tensor, w: Tensor, x2: Optional[
 
 @_lce_rows_bwd.register_fake
 def _(grad, lse, x, w, x2, w2, bias, target, ignore_index, smoothing, pre, softcap, post, chunk_bytes, compute,
-      grad_mask, kernel="effpass"):
+      grad_mask, impl="effpass"):
     def like(t, on):
         return torch.empty_like(t) if (t is not None and on) else x.new_empty(0)
 
@@ -177,7 +177,7 @@ def _head_flops(x, w, x2, w2, grad_mask=None, chunk_bytes=None, kernel=None) -> 
 effpass.register_flop_formula(torch.ops.effpass.linear_cross_entropy, lambda x, w, x2, w2, bias, target, *a, out_val=None, **k:
                               _head_flops(x, w, x2, w2, list(a[8]) if len(a) > 8 else k.get("grad_mask"),
                                           a[6] if len(a) > 6 else k.get("chunk_bytes"),
-                                          a[9] if len(a) > 9 else k.get("kernel", "effpass")))
+                                          a[9] if len(a) > 9 else k.get("impl", "effpass")))
 effpass.register_flop_formula(torch.ops.effpass.linear_cross_entropy_rows,  # x_grad: the input gradient too
                               lambda x, w, x2, w2, *a, out_val=None, **k: _head_flops(x, w, x2, w2) * (
                                   2 if (a[9] if len(a) > 9 else k.get("x_grad", False)) else 1))
