@@ -1,0 +1,161 @@
+"""Full fine-tuning at Llama-3-8B widths with a few layers: every weight trained (AdamW), the GPU proof's section d
+(issue 37 (d)).
+
+The model is built on the device in its dtype (bf16 on a GPU: weights, gradients and AdamW's states in bf16, no
+fp32 master copy, as with Llama-3-8B's widths: hidden 4,096, FFN 14,336, GQA 32/8 heads, vocabulary 128,256,
+untied head; ``layers`` of its 32). Arms, each in its own process (``bench/driver.py``), same seed, weights, batch:
+
+* ``compile``: the plain model under ``torch.compile`` (Inductor), the reference of the loss;
+* ``effpass``: ``effpass.compile(model)``, effpass's default pipeline;
+* ``effpass_planned``: ``effpass.compile(model, memory_budget=BUDGET, example_inputs=...)``: the default pipeline
+  plus what the planner adds to fit the step into the stated budget (``--set budget=...``; 24 GiB on a GPU,
+  ``BUDGET``); the row names the plan chosen and its predicted peak.
+
+Per arm: median step time (forward, backward, AdamW step), tokens/s, MFU of the layers measured and MFU
+extrapolated to 32 layers (``mfu_32``: the convention in :func:`extrapolate_32`), peak memory (CUDA:
+``max_memory_allocated`` over the timed steps; CPU: none), the first step's time (the cold compile), graph breaks
+and recompiles, the first and last loss.
+
+    python bench/bench_full_ft.py --device cuda                  # 4 layers at Llama-3-8B widths, 4,096 tokens, bf16
+    python bench/bench_full_ft.py --quick                        # a smoke run on the CPU
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import driver  # noqa: E402
+
+ARMS = ("compile", "effpass", "effpass_planned")
+#: effpass_planned's stated memory budget per device (``--set budget=...`` overrides)
+BUDGET = {"cuda": "24GiB", "cpu": "48MiB"}
+#: H100/H200 SXM bf16 dense peak (the spec sheet), the MFU convention of anchors.md
+PEAK_FLOPS = 989e12
+GPU_SHAPE = dict(vocab=128256, hidden=4096, ffn=14336, layers=4, heads=32, kv_heads=8, seq=4096, batch=1,
+                 dtype="bfloat16", steps=8, warmup=2, lowering="inductor", budget="")
+CPU_SHAPE = dict(vocab=4096, hidden=256, ffn=688, layers=2, heads=8, kv_heads=4, seq=256, batch=1,
+                 dtype="float32", steps=3, warmup=1, lowering="inductor", budget="")
+QUICK = dict(vocab=512, hidden=64, ffn=128, layers=1, heads=4, kv_heads=2, seq=32, steps=1, warmup=0,
+             lowering="eager")
+
+
+def flops_per_token(cfg: dict, layers: int, *, trained: str = "all") -> float:
+    """Training FLOPs per token (anchors.md): 6 N for the matmul parameters (embedding lookup excluded), 2 N when
+    only adapters are trained (forward 2N, backward through the frozen weights 2N: 4 N, plus 6 per adapter
+    parameter, added by the caller), plus attention's 12 L H Q T (forward 4 L H Q T, backward twice that)."""
+    h, f, v, heads, kv = cfg["hidden"], cfg["ffn"], cfg["vocab"], cfg["heads"], cfg["kv_heads"]
+    q = h // heads
+    per_layer = h * h * 2 + 2 * h * kv * q + 3 * h * f  # q, o; k, v; gate, up, down
+    n = layers * per_layer + v * h  # the head (untied)
+    attn = 12 * layers * heads * q * cfg["seq"]
+    return (6 if trained == "all" else 4) * n + attn
+
+
+def extrapolate_32(cfg: dict, step_s: float, layers: int, *, trained: str = "all", adapter_per_layer: int = 0) -> dict:
+    """The step at 32 layers from one measured at ``layers`` (the convention of the GPU proof, stated here):
+    the step's time is split between the decoder layers and the rest (embedding, head, loss, the optimizer's
+    pass over the head) in proportion to their FLOPs; the layers' part is scaled by 32 / ``layers`` and the rest
+    kept. Tokens/s at 32 layers is then the batch's tokens over that time, and MFU the 32-layer model's FLOPs
+    per token times those tokens/s over the peak (989 TFLOP/s bf16 dense). Time proportional to FLOPs within one
+    step means the extrapolated MFU equals the measured one wherever the layers and the head run at the same
+    rate; it differs by how much the head's share of the step shrinks at 32 layers (``head_share`` at both)."""
+    tokens = cfg["batch"] * cfg["seq"]
+
+    def fpt(n_layers):
+        return flops_per_token(dict(cfg), n_layers, trained=trained) + 6 * adapter_per_layer * n_layers
+
+    head = fpt(0)
+    layer = (fpt(layers) - head) / layers
+    t_layers = step_s * layer * layers / fpt(layers)
+    t32 = step_s - t_layers + t_layers * 32 / layers
+    tps = tokens / t32
+    return {"step_s_32": t32, "tokens_per_s_32": tps, "mfu_32": tps * fpt(32) / PEAK_FLOPS,
+            "head_share": head / fpt(layers), "head_share_32": head / fpt(32),
+            "mfu_convention": "time split layers/rest by FLOPs, layers scaled to 32; 989 TFLOP/s bf16 peak"}
+
+
+def worker(arm: str, cfg: dict, device: str) -> dict:
+    import torch
+
+    import effpass
+    from _common import llama, token_batches
+    from effpass.testing import dynamo_counters
+
+    dev = torch.device(device)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, cfg["dtype"]))
+    try:
+        with torch.device(dev):  # built on the device in its dtype (no host copy of the weights, no fp32 copy)
+            model = llama(cfg, device, tie=False, train=True)
+    finally:
+        torch.set_default_dtype(default)
+    ids = token_batches(cfg, device)[0]
+    plan_info = {}
+    if arm == "compile":
+        run = torch.compile(model)
+    elif arm == "effpass":
+        run = effpass.compile(model, lowering=cfg["lowering"])
+    elif arm == "effpass_planned":
+        budget = cfg.get("budget") or BUDGET[dev.type]
+        t0 = time.perf_counter()
+        run = effpass.compile(model, lowering=cfg["lowering"], memory_budget=budget,
+                              example_inputs={"input_ids": ids, "labels": ids})
+        plan = effpass.report(run).memory_plan
+        plan_info = {"budget": budget, "plan_s": round(time.perf_counter() - t0, 2),
+                     "plan": getattr(getattr(plan, "chosen", None), "name", None),
+                     "predicted_peak_bytes": getattr(plan, "peak_bytes", None)}
+        driver.partial({"arm": arm, "status": "partial", **plan_info})
+    else:
+        raise ValueError(f"bench_full_ft: unknown arm {arm!r}; choose from {ARMS}")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=dev.type == "cuda")
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def step():
+        loss = run(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    losses, times = [], []
+    with dynamo_counters() as counters:
+        sync()
+        t0 = time.perf_counter()
+        losses.append(step())
+        sync()
+        first = time.perf_counter() - t0
+        driver.partial({"arm": arm, "status": "partial", "first_step_s": round(first, 3), **plan_info})
+        for _ in range(cfg["warmup"]):
+            losses.append(step())
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        for _ in range(cfg["steps"]):
+            sync()
+            t0 = time.perf_counter()
+            losses.append(step())
+            sync()
+            times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    tokens = cfg["batch"] * cfg["seq"]
+    out = {"arm": arm, "median_step_s": med, "min_step_s": min(times), "tokens_per_s": tokens / med,
+           "first_step_s": first, "graph_breaks": counters["graph_breaks"], "recompiles": counters["recompiles"],
+           "loss_first": float(losses[0]), "loss_last": float(losses[-1]), "layers": cfg["layers"],
+           "params": sum(p.numel() for p in model.parameters()), **plan_info}
+    out["mfu"] = tokens / med * flops_per_token(cfg, cfg["layers"]) / PEAK_FLOPS
+    out.update(extrapolate_32(cfg, med, cfg["layers"]))
+    if dev.type == "cuda":
+        out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    else:  # a GPU's peak FLOP/s says nothing of a CPU: the figures' arithmetic runs, MFU is not claimed
+        out["mfu"] = out["mfu_32"] = None
+    return out
+
+
+if __name__ == "__main__":
+    driver.main(__file__, workload="full_ft", arms=ARMS, worker=worker, cpu_shape=CPU_SHAPE, gpu_shape=GPU_SHAPE,
+                quick=QUICK, overrides=("steps", "warmup", "budget"), deadline_s=600)
