@@ -12,7 +12,8 @@ untied head; ``layers`` of its 32). Arms, each in its own process (``bench/drive
   ``BUDGET``); the row names the plan chosen and its predicted peak.
 
 Per arm: median step time (forward, backward, AdamW step), tokens/s, MFU of the layers measured and MFU
-extrapolated to 32 layers (``mfu_32``: the convention in :func:`extrapolate_32`), peak memory (CUDA:
+extrapolated to 32 layers (``mfu_32``: the convention in ``bench/_common.py``'s ``extrapolate_layers``: the
+step's time split between layers and the rest by FLOPs, the layers' part scaled to 32; 989 TFLOP/s bf16 peak), peak memory (CUDA:
 ``max_memory_allocated`` over the timed steps; CPU: none), the first step's time (the cold compile), graph breaks
 and recompiles, the first and last loss.
 
@@ -32,8 +33,6 @@ import driver  # noqa: E402
 ARMS = ("compile", "effpass", "effpass_planned")
 #: effpass_planned's stated memory budget per device (``--set budget=...`` overrides)
 BUDGET = {"cuda": "24GiB", "cpu": "48MiB"}
-#: H100/H200 SXM bf16 dense peak (the spec sheet), the MFU convention of anchors.md
-PEAK_FLOPS = 989e12
 GPU_SHAPE = dict(vocab=128256, hidden=4096, ffn=14336, layers=4, heads=32, kv_heads=8, seq=4096, batch=1,
                  dtype="bfloat16", steps=8, warmup=2, lowering="inductor", budget="")
 CPU_SHAPE = dict(vocab=4096, hidden=256, ffn=688, layers=2, heads=8, kv_heads=4, seq=256, batch=1,
@@ -42,46 +41,11 @@ QUICK = dict(vocab=512, hidden=64, ffn=128, layers=1, heads=4, kv_heads=2, seq=3
              lowering="eager")
 
 
-def flops_per_token(cfg: dict, layers: int, *, trained: str = "all") -> float:
-    """Training FLOPs per token (anchors.md): 6 N for the matmul parameters (embedding lookup excluded), 2 N when
-    only adapters are trained (forward 2N, backward through the frozen weights 2N: 4 N, plus 6 per adapter
-    parameter, added by the caller), plus attention's 12 L H Q T (forward 4 L H Q T, backward twice that)."""
-    h, f, v, heads, kv = cfg["hidden"], cfg["ffn"], cfg["vocab"], cfg["heads"], cfg["kv_heads"]
-    q = h // heads
-    per_layer = h * h * 2 + 2 * h * kv * q + 3 * h * f  # q, o; k, v; gate, up, down
-    n = layers * per_layer + v * h  # the head (untied)
-    attn = 12 * layers * heads * q * cfg["seq"]
-    return (6 if trained == "all" else 4) * n + attn
-
-
-def extrapolate_32(cfg: dict, step_s: float, layers: int, *, trained: str = "all", adapter_per_layer: int = 0) -> dict:
-    """The step at 32 layers from one measured at ``layers`` (the convention of the GPU proof, stated here):
-    the step's time is split between the decoder layers and the rest (embedding, head, loss, the optimizer's
-    pass over the head) in proportion to their FLOPs; the layers' part is scaled by 32 / ``layers`` and the rest
-    kept. Tokens/s at 32 layers is then the batch's tokens over that time, and MFU the 32-layer model's FLOPs
-    per token times those tokens/s over the peak (989 TFLOP/s bf16 dense). Time proportional to FLOPs within one
-    step means the extrapolated MFU equals the measured one wherever the layers and the head run at the same
-    rate; it differs by how much the head's share of the step shrinks at 32 layers (``head_share`` at both)."""
-    tokens = cfg["batch"] * cfg["seq"]
-
-    def fpt(n_layers):
-        return flops_per_token(dict(cfg), n_layers, trained=trained) + 6 * adapter_per_layer * n_layers
-
-    head = fpt(0)
-    layer = (fpt(layers) - head) / layers
-    t_layers = step_s * layer * layers / fpt(layers)
-    t32 = step_s - t_layers + t_layers * 32 / layers
-    tps = tokens / t32
-    return {"step_s_32": t32, "tokens_per_s_32": tps, "mfu_32": tps * fpt(32) / PEAK_FLOPS,
-            "head_share": head / fpt(layers), "head_share_32": head / fpt(32),
-            "mfu_convention": "time split layers/rest by FLOPs, layers scaled to 32; 989 TFLOP/s bf16 peak"}
-
-
 def worker(arm: str, cfg: dict, device: str) -> dict:
     import torch
 
     import effpass
-    from _common import llama, token_batches
+    from _common import PEAK_BF16_FLOPS, extrapolate_layers, llama, llama_flops, token_batches
     from effpass.testing import dynamo_counters
 
     dev = torch.device(device)
@@ -147,8 +111,9 @@ def worker(arm: str, cfg: dict, device: str) -> dict:
            "first_step_s": first, "graph_breaks": counters["graph_breaks"], "recompiles": counters["recompiles"],
            "loss_first": float(losses[0]), "loss_last": float(losses[-1]), "layers": cfg["layers"],
            "params": sum(p.numel() for p in model.parameters()), **plan_info}
-    out["mfu"] = tokens / med * flops_per_token(cfg, cfg["layers"]) / PEAK_FLOPS
-    out.update(extrapolate_32(cfg, med, cfg["layers"]))
+    rest, layer = llama_flops(cfg)
+    out["mfu"] = tokens / med * (rest + cfg["layers"] * layer) / PEAK_BF16_FLOPS
+    out.update(extrapolate_layers(med, tokens, rest, layer, cfg["layers"]))
     if dev.type == "cuda":
         out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
     else:  # a GPU's peak FLOP/s says nothing of a CPU: the figures' arithmetic runs, MFU is not claimed
