@@ -118,14 +118,24 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def _run_group(cmd: list[str], deadline_s: float, log_path: str, env: dict) -> tuple[int | None, bool, float]:
-    """Run ``cmd`` in its own process group under ``deadline_s``; (returncode, killed, wall seconds)."""
+def _run_group(cmd: list[str], deadline_s: float, log_path: str, env: dict,
+               poll=None) -> tuple[int | None, bool, float]:
+    """Run ``cmd`` in its own process group under ``deadline_s``; (returncode, killed, wall seconds). ``poll()`` is
+    called every 2 s while it runs (proof.md re-rendered as each arm ends)."""
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
         killed = False
         try:
-            p.wait(timeout=deadline_s)
+            while True:
+                try:
+                    p.wait(timeout=max(0.0, min(2.0, deadline_s - (time.perf_counter() - t0))))
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.perf_counter() - t0 >= deadline_s:
+                        raise
+                    if poll is not None:
+                        poll()
         except subprocess.TimeoutExpired:
             killed = True
             driver._signal_group(p.pid, signal.SIGTERM)
@@ -205,7 +215,7 @@ def render(lines: list[dict], meta: dict) -> str:
     """``proof.md``: the run's facts, then one table per section (its arms' headline figures)."""
     out = ["# effpass GPU proof", "",
            f"{meta.get('device')}; torch {meta.get('torch')}, triton {meta.get('triton')}, transformers "
-           f"{meta.get('transformers')}; effpass commit {str(meta.get('commit'))[:10]}"
+           f"{meta.get('transformers')}; CUDA {meta.get('cuda')}, driver {meta.get('gpu_driver')}; effpass commit {str(meta.get('commit'))[:10]}"
            f"{' (dirty tree)' if meta.get('dirty') else ''}; started {meta.get('date')}"
            f"{'; DRY RUN on the CPU at smoke shapes (not a measurement)' if meta.get('dry_run') else ''}.", "",
            "Peers: " + ", ".join(f"{k} {v}" for k, v in (meta.get("peers") or {}).items()) + ".", ""]
@@ -239,6 +249,15 @@ def render(lines: list[dict], meta: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def _gpu_driver(out: str) -> str | None:
+    """The NVIDIA driver version (``nvidia-smi``'s line that scripts/gpu_proof.sh wrote to OUTDIR/device.txt)."""
+    try:
+        with open(os.path.join(out, "device.txt")) as f:
+            return f.readline().strip().split(",")[-1].strip() or None
+    except OSError:
+        return None
+
+
 def _peer_versions() -> dict:
     return {k: v for k, v in driver.versions(("peft", "liger_kernel", "cut_cross_entropy", "torchao", "bitsandbytes",
                                                "trl", "accelerate")).items()
@@ -265,8 +284,31 @@ def compile_times(rows: list[dict], cold: dict) -> None:
             r["compile_cold_s"] = first
 
 
-def run_section(s: Section, out: str, *, dry: bool, deadline_s: float, plant_slow: bool, env: dict) -> list[dict]:
-    """Run one section under ``deadline_s``; its rows (one per arm)."""
+def _bench_rows(s: Section, stem: str, dry: bool) -> list[dict]:
+    """The rows of a bench section's results file so far (one per arm, or per shape), with loss agreement."""
+    run = (driver.runs(stem) or [{}])[-1]
+    rows = []
+    for r in run.get("results", []):
+        subs = r.get("rows") if isinstance(r.get("rows"), list) else None
+        if subs:  # an arm that measures several shapes (attention): one line per shape
+            rows += [{**{k: v for k, v in r.items() if k != "rows"}, **sub, "arm": r.get("arm"),
+                      "status": "error" if sub.get("error") else r.get("status")} for sub in subs]
+        else:
+            rows.append(dict(r))
+    for r in rows:  # the packing arm's varlen statistic (the GPU path) on the line itself
+        if isinstance(r.get("pack_sequences_stats"), dict):
+            r["varlen"] = r["pack_sequences_stats"].get("varlen", 0)
+    for r in rows:  # a killed arm: its last partial figures, flattened
+        if r.get("status") == "killed" and isinstance(r.get("partial"), dict):
+            for k, v in r["partial"].items():
+                r.setdefault(k, v)
+    _loss_checks(rows, s.ref_arm, "float32" if dry else s.dtype)
+    return rows
+
+
+def run_section(s: Section, out: str, *, dry: bool, deadline_s: float, plant_slow: bool, env: dict,
+                progress=None) -> list[dict]:
+    """Run one section under ``deadline_s``; its rows (one per arm). ``progress(rows)``: called as arms end."""
     device = "cpu" if dry else "cuda"
     scale = deadline_s / s.budget_s
     arm_deadline = max(5.0, s.arm_deadline_s * scale) if not dry else max(5.0, deadline_s - 5)
@@ -282,29 +324,27 @@ def run_section(s: Section, out: str, *, dry: bool, deadline_s: float, plant_slo
     else:
         cmd = [sys.executable, os.path.join(HERE, s.script), "--device", device, "--out", stem, "--label", "proof",
                "--repeats", "1", "--deadline", f"{arm_deadline:.0f}", *(s.dry_args if dry else s.gpu_args)]
-    rc, killed, wall = _run_group(cmd, deadline_s, stem + ".log", env)
+    seen = [None]
+
+    def poll():  # an arm ended (the section's results file changed): its rows into proof.md, provisionally
+        try:
+            m = os.path.getmtime(stem + ".json")
+        except OSError:
+            return
+        if m != seen[0] and progress is not None:
+            seen[0] = m
+            try:  # a provisional rendering never stops the run
+                progress([{**r, "section": s.key, "section_title": s.title} for r in _bench_rows(s, stem, dry)])
+            except Exception as e:  # noqa: BLE001
+                print(f"gpu_proof: proof.md not re-rendered: {type(e).__name__}: {e}", file=sys.stderr)
+
+    rc, killed, wall = _run_group(cmd, deadline_s, stem + ".log", env, poll=None if s.script == "pytest" else poll)
     if s.script == "pytest":
         rows = _pytest_rows(stem + ".xml")
         if dry:  # --collect-only: the GPU tests exist and collect; none ran
             rows = rows or [{"arm": "collect -m gpu", "status": "ok" if rc in (0, 5) else "error"}]
     else:
-        run = (driver.runs(stem) or [{}])[-1]
-        rows = []
-        for r in run.get("results", []):
-            subs = r.get("rows") if isinstance(r.get("rows"), list) else None
-            if subs:  # an arm that measures several shapes (attention): one line per shape
-                rows += [{**{k: v for k, v in r.items() if k != "rows"}, **sub, "arm": r.get("arm"),
-                          "status": "error" if sub.get("error") else r.get("status")} for sub in subs]
-            else:
-                rows.append(dict(r))
-        for r in rows:  # the packing arm's varlen statistic (the GPU path) on the line itself
-            if isinstance(r.get("pack_sequences_stats"), dict):
-                r["varlen"] = r["pack_sequences_stats"].get("varlen", 0)
-        for r in rows:  # a killed arm: its last partial figures, flattened
-            if r.get("status") == "killed" and isinstance(r.get("partial"), dict):
-                for k, v in r["partial"].items():
-                    r.setdefault(k, v)
-        _loss_checks(rows, s.ref_arm, "float32" if dry else s.dtype)
+        rows = _bench_rows(s, stem, dry)
     if not rows:
         with open(stem + ".log") as f:
             tail = f.read()[-1500:]
@@ -390,7 +430,10 @@ def main(argv=None) -> int:
     chosen = [s for s in SECTIONS if s.key in keys]
     budget = args.budget if args.budget is not None else (
         min(TOTAL_S, sum(s.budget_s for s in chosen)) if not dry else DRY_SECTION_S * len(chosen))
+    import torch
+
     meta = {**driver.meta("gpu_proof", "cpu" if dry else "cuda"), "dry_run": dry, "peers": _peer_versions(),
+            "cuda": torch.version.cuda,
             "wheels": sorted(os.listdir(os.path.join(out, "site"))) if os.path.isdir(os.path.join(out, "site")) else [],
             "budget_s": budget, "sections": [s.key for s in chosen]}
     jsonl = os.path.join(out, "proof.jsonl")
@@ -398,8 +441,9 @@ def main(argv=None) -> int:
     if os.path.exists(jsonl):  # a second command in the same window: keep the first one's lines
         with open(jsonl) as f:
             lines = [json.loads(ln) for ln in f if ln.strip()]
+    meta["gpu_driver"] = _gpu_driver(out)
     common = {k: meta[k] for k in ("device", "device_tag", "date", "commit", "dirty", "torch", "triton", "transformers",
-                                   "python")}
+                                   "python", "cuda", "gpu_driver", "peers")}
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(out, "inductor-cache"))
     env.setdefault("TRITON_CACHE_DIR", os.path.join(out, "triton-cache"))
@@ -438,7 +482,9 @@ def main(argv=None) -> int:
             rows = [{"arm": "(section)", "status": "skipped", "error": f"out of time ({left:.0f} s left of {budget:.0f})",
                      "section": s.key, "section_title": s.title}]
         else:
-            rows = run_section(s, out, dry=dry, deadline_s=deadline, plant_slow=args.plant_slow == s.key, env=env)
+            rows = run_section(s, out, dry=dry, deadline_s=deadline, plant_slow=args.plant_slow == s.key, env=env,
+                               progress=lambda rows: driver._write_atomic(os.path.join(out, "proof.md"),
+                                                                          render(lines + rows, meta)))
             compile_times(rows, cold)
         record(rows)
         print(f"gpu_proof: ({s.key}) {len(rows)} rows, {sum(r.get('status') == 'ok' for r in rows)} ok "
