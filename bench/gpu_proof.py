@@ -409,7 +409,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=None, help="seconds for all sections (default: their sum)")
     ap.add_argument("--plant-slow", default="", help="a section whose arms sleep past their deadline (a test)")
     ap.add_argument("--prewarm", type=float, default=None,
-                    help="seconds for the parallel one-step runs that fill the compile caches first (default: 120 on "
+                    help="seconds for the parallel one-step runs that fill the compile caches first (default: 100 on "
                          "a GPU, 0 in a dry run; counted in the budget)")
     args = ap.parse_args(argv)
     keys = [k for k in args.only.split(",") if k] or [s.key for s in SECTIONS]
