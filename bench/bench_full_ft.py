@@ -8,7 +8,7 @@ untied head; ``layers`` of its 32). Arms, each in its own process (``bench/drive
 * ``compile``: the plain model under ``torch.compile`` (Inductor), the reference of the loss;
 * ``effpass``: ``effpass.compile(model)``, effpass's default pipeline;
 * ``effpass_planned``: ``effpass.compile(model, memory_budget=BUDGET, example_inputs=...)``: the default pipeline
-  plus what the planner adds to fit the step into the stated budget (``--set budget=...``; 24 GiB on a GPU,
+  plus what the planner adds to fit the step into the stated budget (``--set budget=...``; 20 GiB on a GPU,
   ``BUDGET``); the row names the plan chosen and its predicted peak.
 
 Per arm: median step time (forward, backward, AdamW step), tokens/s, MFU of the layers measured and MFU
@@ -32,7 +32,7 @@ import driver  # noqa: E402
 
 ARMS = ("compile", "effpass", "effpass_planned")
 #: effpass_planned's stated memory budget per device (``--set budget=...`` overrides)
-BUDGET = {"cuda": "24GiB", "cpu": "48MiB"}
+BUDGET = {"cuda": "20GiB", "cpu": "48MiB"}
 GPU_SHAPE = dict(vocab=128256, hidden=4096, ffn=14336, layers=4, heads=32, kv_heads=8, seq=4096, batch=1,
                  dtype="bfloat16", steps=8, warmup=2, lowering="inductor", budget="")
 CPU_SHAPE = dict(vocab=4096, hidden=256, ffn=688, layers=2, heads=8, kv_heads=4, seq=256, batch=1,

@@ -85,7 +85,7 @@ SECTIONS = (
             plan="3 arms x (start 6 s, build + quantize 4 s (bnb: save + reload 8 s), warm compile 5-8 s, 11 steps + "
                  "peak step of ~0.15 s) ~ 65 s"),
     Section("d", "full fine-tuning (AdamW, bf16), Llama-3-8B widths, 4 layers, 4,096 tokens", "bench_full_ft.py",
-            ("--arms", "compile,effpass,effpass_planned", "--set", "budget=24GiB"),
+            ("--arms", "compile,effpass,effpass_planned", "--set", "budget=20GiB"),
             ("--quick", "--arms", "effpass,effpass_planned"), budget_s=65, arm_deadline_s=28,
             ref_arm="compile", prewarm_args=("--set", "steps=1", "warmup=0"),
             plan="3 arms x (start 6 s, build 2 s, warm compile 5-8 s, planner 10-20 s (planned arm), 11 steps of "
