@@ -63,3 +63,38 @@ def time_steps(step: Callable[[], object], cfg: dict, cuda: bool) -> dict:
         cpu.append(time.process_time() - c0)
     return {"first_call_s": first, "step_s": statistics.median(times), "cpu_s": statistics.median(cpu),
             "steps_s": times, "steps_cpu_s": cpu}
+
+
+#: H100/H200 SXM bf16 dense peak (the spec sheet): the MFU convention of the GPU proof (anchors.md)
+PEAK_BF16_FLOPS = 989e12
+
+
+def extrapolate_layers(step_s: float, tokens: int, fpt_rest: float, fpt_layer: float, layers: int, *,
+                       to: int = 32, peak: float = PEAK_BF16_FLOPS) -> dict:
+    """A step measured with ``layers`` decoder layers, extrapolated to ``to`` layers (the GPU proof's convention):
+    the step's time is split between the layers and the rest (embedding, head, loss) in proportion to their
+    training FLOPs per token (``fpt_layer`` per layer, ``fpt_rest``); the layers' part is scaled by
+    ``to / layers``, the rest kept. tokens/s at ``to`` layers is ``tokens`` over that time; MFU is the
+    ``to``-layer model's FLOPs per token times those tokens/s over ``peak``. (Where layers and head run at the
+    same FLOP rate this MFU equals the measured one; ``rest_share`` says how much of the measured step's FLOPs
+    were not layers, the part whose rate differs.)"""
+    f_meas = fpt_rest + layers * fpt_layer
+    t_layers = step_s * layers * fpt_layer / f_meas
+    t_to = step_s - t_layers + t_layers * to / layers
+    tps = tokens / t_to
+    return {f"step_s_{to}": t_to, f"tokens_per_s_{to}": tps, f"mfu_{to}": tps * (fpt_rest + to * fpt_layer) / peak,
+            "rest_share": fpt_rest / f_meas, f"rest_share_{to}": fpt_rest / (fpt_rest + to * fpt_layer),
+            "mfu_convention": f"time split layers/rest by FLOPs, layers scaled to {to}; {peak / 1e12:.0f} TFLOP/s peak"}
+
+
+def llama_flops(cfg: dict, *, trained: str = "all", adapter_params_per_layer: int = 0) -> tuple[float, float]:
+    """Training FLOPs per token of a Llama shape (``hidden``, ``ffn``, ``vocab``, ``heads``, ``kv_heads``,
+    ``seq``), as (rest, per layer), anchors.md's convention: 6 N over the matmul weights when all are trained,
+    4 N when frozen (forward 2 N, input gradients 2 N) plus 6 per adapter parameter; attention 12 H Q T per
+    layer; the embedding lookup counts nothing, the head (untied or tied) counts as a matmul."""
+    h, f, heads, kv = cfg["hidden"], cfg["ffn"], cfg["heads"], cfg["kv_heads"]
+    q = h // heads
+    k = 6 if trained == "all" else 4
+    per_layer = k * (2 * h * h + 2 * h * kv * q + 3 * h * f) + 12 * heads * q * cfg["seq"] \
+        + 6 * adapter_params_per_layer
+    return k * cfg["vocab"] * h, per_layer

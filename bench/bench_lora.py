@@ -11,7 +11,9 @@ bf16, T=2048, batch 1, LoRA r=16 on all attention and MLP projections. On a CPU 
 (fp32) so the script runs on the 2-core machines; CPU numbers are noisy and say nothing about GPU speed.
 
 MFU convention (anchors.md): FLOPs/token = 4N + 12*L*H*Q*T + 6*N_adapter (N: matmul parameters of the
-frozen base, embedding lookup excluded); peak 989 TFLOP/s bf16 dense (H100/H200 spec).
+frozen base, embedding lookup excluded); peak 989 TFLOP/s bf16 dense (H100/H200 spec). ``mfu_32``: extrapolated
+to 32 layers (``bench/_common.py`` ``extrapolate_layers``: the step's time split between the layers and the rest
+by FLOPs, the layers' part scaled to 32), with ``tokens_per_s_32`` and ``step_s_32``.
 
     python bench/bench_lora.py                 # all arms, appends to bench/results/lora_<device>.{json,md}
     python bench/bench_lora.py --arms effpass --steps 5
@@ -50,7 +52,14 @@ def build_model(shape, device):
                          max_position_embeddings=max(shape["seq"], 128), bos_token_id=0, eos_token_id=0)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(cfg).to(device=device, dtype=getattr(torch, shape["dtype"]))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, shape["dtype"]))
+    try:  # built on the device in its dtype: no host copy, no fp32 copy (Llama-3-8B widths: seconds, not a minute)
+        with torch.device(device):
+            model = tf.LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    model = model.to(device=device, dtype=getattr(torch, shape["dtype"]))
     try:
         model.set_attn_implementation("sdpa")
     except Exception:
@@ -134,10 +143,18 @@ def worker(arm: str, shape: dict, steps: int, warmup: int, rank: int, dropout: f
     out = {"arm": arm, "median_step_s": med, "min_step_s": min(times), "tokens_per_s": tokens_per_step / med,
            "first_step_s": first, "graph_breaks": counters["graph_breaks"], "recompiles": counters["recompiles"],
            "trainable_params": n_adapter, "loss_first": losses[0], "loss_last": losses[-1]}
+    from _common import extrapolate_layers, llama_flops
+
+    L = shape["num_hidden_layers"]
+    rest, layer = llama_flops(dict(hidden=shape["hidden_size"], ffn=shape["intermediate_size"], vocab=shape["vocab_size"],
+                                   heads=shape["num_attention_heads"], kv_heads=shape["num_key_value_heads"],
+                                   seq=shape["seq"]), trained="adapters", adapter_params_per_layer=n_adapter // L)
+    out.update(extrapolate_layers(med, tokens_per_step, rest, layer, L))  # MFU at 32 layers (convention: _common)
     if device == "cuda":
         out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         out["mfu"] = out["tokens_per_s"] * fpt / PEAK_FLOPS
     else:
+        out["mfu_32"] = None  # a GPU's peak says nothing of a CPU: the arithmetic runs, MFU is not claimed
         import resource
 
         out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

@@ -1,19 +1,23 @@
-"""The planner against the device: predicted vs measured peak of a long-context LoRA step, and the longest
-length that fits a cap (issue 37 (g)).
+"""The planner against the device: the measured peak of a planned QLoRA step at 2-3 lengths against the planner's
+prediction, and the longest length that fits a cap (issue 37 (g)).
 
-Arms (each in its own process, ``bench/driver.py``):
+The step: QLoRA as a user writes it (``QuantizeLinear(scheme="nf4")`` on every linear but the head, LoRA r=16 on
+every projection), AdamW over the adapters, and **the planner's plan** for the memory cap ``cap_gib``
+(``effpass.plan_memory``: it adds checkpointing, the fused loss or what else fits the step into the cap with the
+least extra compute). Arms (each in its own process, ``bench/driver.py``):
 
-* ``predict_measure`` (a sweep over ``seq``): ``effpass.estimate_memory`` on the model as it sits on the device
-  (the replay of the step on fake tensors), then the measured peak of the same step
-  (``effpass.planning.measure.measure_step``: AdamW over the adapters, allocator peak); relative error.
-* ``cpu_replay`` (the same sweep): the prediction made from a meta copy of the model for the CPU, as a plan is
-  made on a machine without a GPU; compare with the measured rows above.
-* ``maxseq``: ``effpass.plan_max_seq`` under ``cap_gib``, then the measured peak at the length it answers
-  (the answer must fit the cap).
+* ``predict_measure`` (a sweep over ``seq``): ``plan_memory`` on the model as it sits on the device (the
+  replay of the step on fake tensors, for the device's allocator on CUDA), then the measured peak of the step
+  compiled with the plan's passes (``effpass.planning.measure.measure_step``: allocator peak); relative error of
+  the predicted live peak; the plan and its predicted device peak (CUDA: reserved segments) on the row too.
+* ``cpu_replay`` (the same sweep): the same plan made from a meta copy of the model, as on a machine without a
+  GPU, predicted for the run's device (``device="cuda"`` on a GPU run); compare with the measured rows above.
+* ``maxseq``: ``effpass.plan_max_seq`` under ``cap_gib`` for the same QLoRA step, then the measured peak at the
+  length it answers (the answer must fit the cap).
 
-The pipeline: LoRA (r=16 on every projection) + activation checkpointing + the fused loss, bf16 on a GPU.
+``--set qlora=false``: the LoRA step on the unquantized base instead (bf16 on a GPU).
 
-    python bench/bench_plan_check.py --device cuda        # Llama-3-8B widths, 2 layers, 4k/8k/16k tokens
+    python bench/bench_plan_check.py --device cuda        # Llama-3-8B widths, 2 layers, 4k/8k tokens, cap 12 GiB
     python bench/bench_plan_check.py --quick              # a smoke run on the CPU
 """
 from __future__ import annotations
@@ -27,9 +31,9 @@ import driver  # noqa: E402
 
 ARMS = ("predict_measure", "cpu_replay", "maxseq")
 GPU_SHAPE = dict(hidden=4096, ffn=14336, layers=2, heads=32, kv_heads=8, vocab=128256, seq=[4096, 8192, 16384],
-                 dtype="bfloat16", rank=16, cap_gib=40.0, step=1024, lowering="eager")
+                 dtype="bfloat16", rank=16, cap_gib=12.0, step=1024, lowering="eager", qlora=True)
 CPU_SHAPE = dict(hidden=256, ffn=688, layers=2, heads=8, kv_heads=4, vocab=8192, seq=[512, 1024], dtype="float32",
-                 rank=16, cap_gib=0.25, step=256, lowering="eager")
+                 rank=16, cap_gib=0.25, step=256, lowering="eager", qlora=True)
 QUICK = dict(hidden=64, ffn=128, layers=1, heads=4, kv_heads=2, vocab=1024, seq=[128], cap_gib=0.03, step=64)
 TARGETS = ["*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj", "*.gate_proj", "*.up_proj", "*.down_proj"]
 
@@ -54,9 +58,22 @@ def _seqs(cfg):
 
 
 def passes(cfg):
-    from effpass.passes import CheckpointActivations, FuseCrossEntropy, InjectLoRA
+    """The user's passes (the planner adds to them): QLoRA (NF4 base, LoRA adapters), or LoRA alone."""
+    from effpass.passes import InjectLoRA, QuantizeLinear
 
-    return [InjectLoRA(rank=cfg["rank"], targets=TARGETS), CheckpointActivations(), FuseCrossEntropy()]
+    lora = [InjectLoRA(rank=cfg["rank"], targets=TARGETS)]
+    return ([QuantizeLinear(scheme="nf4", exclude=["lm_head"])] if cfg.get("qlora", True) else []) + lora
+
+
+def plan(model, inputs, cfg, device=None):
+    """The planner's plan for the cap (``effpass.plan_memory``); its chosen candidate's estimate."""
+    from effpass.planning import plan_memory
+
+    p = plan_memory(model, inputs, int(cfg["cap_gib"] * 2**30), passes=passes(cfg), lowering=cfg["lowering"],
+                    device=device)
+    est = p.chosen.estimate
+    return p, {"plan": p.chosen.name, "predicted_bytes": est.peak_bytes, "predicted_gib": est.peak_bytes / 2**30,
+               "predicted_device_bytes": p.peak_bytes, "plan_fits": p.chosen.fits}
 
 
 def make_inputs(seq: int, device: str, vocab: int):
@@ -75,28 +92,26 @@ def worker(arm: str, cfg: dict, device: str) -> dict:
 
     seq = cfg["seq"]
     t0 = time.perf_counter()
-    if arm == "cpu_replay":  # the plan made where there is no GPU: a meta model, predicted for the CPU
+    if arm == "cpu_replay":  # the plan made where there is no GPU: a meta model, predicted for the run's device
         model = build(cfg, "meta")
-        est = effpass.estimate_memory(model, make_inputs(seq, "meta", cfg["vocab"]), passes=passes(cfg),
-                                      lowering=cfg["lowering"], device="cpu")
-        return {"arm": arm, "seq": seq, "predicted_bytes": est.peak_bytes, "predicted_gib": est.peak_bytes / 2**30,
-                "predict_s": round(time.perf_counter() - t0, 2)}
+        _, got = plan(model, make_inputs(seq, "meta", cfg["vocab"]), cfg, device=device)
+        return {"arm": arm, "seq": seq, **got, "predicted_for": device, "predict_s": round(time.perf_counter() - t0, 2)}
     model = build(cfg, device)
     if arm == "predict_measure":
         inputs = make_inputs(seq, device, cfg["vocab"])
-        est = effpass.estimate_memory(model, inputs, passes=passes(cfg), lowering=cfg["lowering"])
+        p, got = plan(model, inputs, cfg)
         t1 = time.perf_counter()
-        driver.partial({"arm": arm, "seq": seq, "predicted_bytes": est.peak_bytes, "status": "partial"})
+        driver.partial({"arm": arm, "seq": seq, **got, "status": "partial"})
         torch._dynamo.reset()
         from effpass.testing import dynamo_counters
 
         with dynamo_counters() as counters:
-            compiled = effpass.compile(model, passes=passes(cfg), lowering=cfg["lowering"])
+            compiled = effpass.compile(model, passes=p.passes, lowering=cfg["lowering"])
             meas = measure_step(compiled, model, inputs, optimizer="adamw", warmup=1)
-        err = (est.peak_bytes - meas.peak_bytes) / meas.peak_bytes
-        return {"arm": arm, "seq": seq, "predicted_bytes": est.peak_bytes, "measured_bytes": meas.peak_bytes,
-                "predicted_gib": est.peak_bytes / 2**30, "measured_gib": meas.peak_bytes / 2**30,
-                "rel_error": err, "predict_s": round(t1 - t0, 2), "measure_s": round(time.perf_counter() - t1, 2),
+        err = (got["predicted_bytes"] - meas.peak_bytes) / meas.peak_bytes
+        return {"arm": arm, "seq": seq, **got, "measured_bytes": meas.peak_bytes, "measured_gib": meas.peak_bytes / 2**30,
+                "rel_error": err, "cap_gib": cfg["cap_gib"], "fits_cap": meas.peak_bytes <= cfg["cap_gib"] * 2**30,
+                "loss": meas.loss, "predict_s": round(t1 - t0, 2), "measure_s": round(time.perf_counter() - t1, 2),
                 "graph_breaks": counters["graph_breaks"], "recompiles": counters["recompiles"]}
     if arm == "maxseq":
         cap = int(cfg["cap_gib"] * 2**30)
@@ -110,8 +125,11 @@ def worker(arm: str, cfg: dict, device: str) -> dict:
         driver.partial({"arm": arm, "max_seq": length, "status": "partial", "plan_s": round(t1 - t0, 2)})
         torch._dynamo.reset()  # the check: the plan's own pipeline, measured at the length it answers
         compiled = effpass.compile(model, passes=res.plan.passes, lowering=cfg["lowering"])
-        meas = measure_step(compiled, model, make_inputs(length, device, cfg["vocab"]), optimizer="adamw", warmup=1)
-        return {"arm": arm, "cap_gib": cfg["cap_gib"], "max_seq": length, "plan": res.plan.chosen.name,
+        from effpass.testing import dynamo_counters
+
+        with dynamo_counters() as counters:
+            meas = measure_step(compiled, model, make_inputs(length, device, cfg["vocab"]), optimizer="adamw", warmup=1)
+        return {"arm": arm, "graph_breaks": counters["graph_breaks"], "recompiles": counters["recompiles"], "cap_gib": cfg["cap_gib"], "max_seq": length, "plan": res.plan.chosen.name,
                 "predicted_bytes_at_max_seq": res.plan.peak_bytes, "measured_bytes_at_max_seq": meas.peak_bytes,
                 "measured_gib_at_max_seq": meas.peak_bytes / 2**30, "fits": meas.peak_bytes <= cap,
                 "plan_s": round(t1 - t0, 2), "measure_s": round(time.perf_counter() - t1, 2)}
@@ -131,15 +149,15 @@ def markdown(run: dict) -> str:
     cpu = {r["seq"]: r for r in rows if r.get("arm") == "cpu_replay" and r.get("status") == "ok"}
     s = run.get("shape", {})
     lines = [f"Planner vs device: Llama hidden {s.get('hidden')}, {s.get('layers')} layers, vocabulary {s.get('vocab')}, "
-             f"{s.get('dtype')}, LoRA r={s.get('rank')} + checkpointing + fused loss, AdamW; lowering "
-             f"{s.get('lowering')}.", "",
-             "| tokens | predicted on the device (GiB) | CPU replay (GiB) | measured (GiB) | error (device) | error (CPU) |",
-             "|---:|---:|---:|---:|---:|---:|"]
+             f"{s.get('dtype')}, {'QLoRA (NF4 base)' if s.get('qlora', True) else 'LoRA'} r={s.get('rank')}, AdamW, "
+             f"plus the planner's plan for {s.get('cap_gib')} GiB; lowering {s.get('lowering')}.", "",
+             "| tokens | plan | predicted on the device (GiB) | CPU replay (GiB) | measured (GiB) | error (device) | error (CPU) |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
     for seq in sorted(set(meas) | set(cpu)):
         m, c = meas.get(seq, {}), cpu.get(seq, {})
         mb = m.get("measured_bytes")
         ce = f"{(c['predicted_bytes'] - mb) / mb:+.2%}" if c and mb else ""
-        lines.append(f"| {seq} | {m.get('predicted_gib', float('nan')):.4g} | {c.get('predicted_gib', float('nan')):.4g} | "
+        lines.append(f"| {seq} | {m.get('plan', c.get('plan', ''))} | {m.get('predicted_gib', float('nan')):.4g} | {c.get('predicted_gib', float('nan')):.4g} | "
                      f"{m.get('measured_gib', float('nan')):.4g} | "
                      f"{(format(m['rel_error'], '+.2%') if 'rel_error' in m else '')} | {ce} |")
     for r in rows:
@@ -153,4 +171,4 @@ def markdown(run: dict) -> str:
 
 if __name__ == "__main__":
     driver.main(__file__, workload="plan_check", arms=ARMS, worker=worker, cpu_shape=CPU_SHAPE, gpu_shape=GPU_SHAPE,
-                quick=QUICK, markdown=markdown, jobs=jobs, deadline_s=900, overrides=("seq", "cap_gib"))
+                quick=QUICK, markdown=markdown, jobs=jobs, deadline_s=900, overrides=("seq", "cap_gib", "qlora"))

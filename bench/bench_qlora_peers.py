@@ -20,7 +20,9 @@ for bitsandbytes also every tensor of each weight's ``quant_state``: absmax, nes
 bytes live at the step's start (parameters, buffers, quant states, optimizer states), the step's peak
 above them (CPU: ``effpass.testing.memory.peak_memory``, allocator events; CUDA: ``max_memory_allocated``),
 median step time and process CPU time (forward, backward, ``opt.step()``), the first loss and its
-relative difference from ``peft_lora``'s (NF4 is lossy), trainable parameters.
+relative difference from ``peft_lora``'s (NF4 is lossy), trainable parameters; tokens/s, MFU of the layers measured
+and extrapolated to 32 layers (``mfu_32``, ``tokens_per_s_32``: ``bench/_common.py`` ``extrapolate_layers``; on a
+GPU only).
 
     python bench/bench_qlora_peers.py              # all arms; writes bench/results/qlora_peers_<device>.{json,md}
     python bench/bench_qlora_peers.py --arms effpass_nf4,peft_bnb_nf4 --steps 2
@@ -45,8 +47,18 @@ GPU_SHAPE = dict(vocab=128256, hidden=2048, ffn=8192, layers=16, heads=32, kv_he
 
 
 def build(cfg: dict, device: str):
-    """The model on the CPU (the bitsandbytes arm reloads it onto ``device``) and one batch."""
-    return llama(cfg, "cpu", tie=False, train=False), token_batches(cfg, "cpu")[0]
+    """The model built on ``device`` in its dtype (no host or fp32 copy; the bitsandbytes arm saves and reloads
+    it) and one batch."""
+    import torch
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, cfg["dtype"]))
+    try:
+        with torch.device(device):
+            model = llama(cfg, device, tie=False, train=False)
+    finally:
+        torch.set_default_dtype(default)
+    return model, token_batches(cfg, device)[0]
 
 
 def _bnb_state_tensors(model) -> list:
@@ -125,7 +137,17 @@ def worker(arm: str, cfg: dict, device: str) -> dict:
     live = storage_bytes(list(model.parameters()) + list(model.buffers()) + qstate + opt_states)
     _, peak = peak_memory(step, device)
     losses = [float(x) for x in losses]
-    out = {"arm": arm, "base_weight_bytes": base_bytes, "base_weights": len(base),
+    from _common import PEAK_BF16_FLOPS, extrapolate_layers, llama_flops
+
+    tokens = cfg["batch"] * cfg["seq"]
+    n_adapter = sum(p.numel() for p in params)
+    rest, layer = llama_flops(cfg, trained="adapters", adapter_params_per_layer=n_adapter // cfg["layers"])
+    flops = {"tokens_per_s": tokens / timing["step_s"], **extrapolate_layers(timing["step_s"], tokens, rest, layer,
+                                                                                cfg["layers"])}
+    flops["mfu"] = tokens / timing["step_s"] * (rest + cfg["layers"] * layer) / PEAK_BF16_FLOPS
+    if device != "cuda":  # a GPU's peak says nothing of a CPU: the arithmetic runs, MFU is not claimed
+        flops["mfu"] = flops["mfu_32"] = None
+    out = {**flops, "arm": arm, "base_weight_bytes": base_bytes, "base_weights": len(base),
            "base_weight_types": sorted({type(p).__name__ for p in base}), "live_bytes": live, "peak_bytes": peak,
            **timing,
            "loss_first": losses[0], "loss_last": losses[-1], "trainable_params": sum(p.numel() for p in params),

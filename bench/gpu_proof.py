@@ -70,40 +70,46 @@ class Section:
 SECTIONS = (
     Section("a", "loss head alone (hidden 4,096, vocabulary 128,256, 8,192 tokens, bf16)", "bench_loss_head.py",
             ("--arms", "compile,effpass,effpass_chunked,liger,cce,torch_lce"), ("--quick", "--arms", "eager,effpass"),
-            budget_s=95, arm_deadline_s=40, ref_arm="compile", prewarm_args=("--set", "steps=1", "warmup=0"),
-            plan="5 arms x (process start + import ~6 s, one cold compile 5-20 s, 12 steps of ~3-30 ms) ~ 75 s"),
+            budget_s=80, arm_deadline_s=25, ref_arm="compile", prewarm_args=("--set", "steps=1", "warmup=0"),
+            plan="6 arms x (process start + import ~6 s, warm compile 2-5 s (prewarmed), 12 steps of ~3-40 ms) ~ 70 s"),
     Section("b", "LoRA r=16 step, Llama-3-8B widths, 4 layers, 4,096 tokens, bf16", "bench_lora.py",
             ("--arms", "peft_compile,peft_liger,effpass", "--set", "hidden_size=4096", "intermediate_size=14336",
-             "num_hidden_layers=4", "num_attention_heads=32", "num_key_value_heads=8", "seq=4096", "steps=8",
-             "warmup=2"), ("--quick", "--arms", "effpass"),
-            budget_s=100, arm_deadline_s=40, ref_arm="peft_compile", prewarm_args=("--set", "steps=1", "warmup=1"),
-            plan="3 arms x (start 6 s, model build 5 s, cold compile 20-30 s (Liger: none), 10 steps of ~0.3 s) ~ 90 s"),
+             "num_hidden_layers=4", "num_attention_heads=32", "num_key_value_heads=8", "tie_word_embeddings=false",
+             "seq=4096", "steps=8", "warmup=2"), ("--quick", "--arms", "effpass"),
+            budget_s=80, arm_deadline_s=30, ref_arm="peft_compile", prewarm_args=("--set", "steps=1", "warmup=1"),
+            plan="3 arms x (start 6 s, build on the device 2 s, warm compile 5-8 s (prewarmed), 10 steps of ~0.1 s) ~ 50 s"),
     Section("c", "QLoRA (NF4 base) step, same widths", "bench_qlora_peers.py",
             ("--arms", "peft_bnb_nf4,peft_torchao_nf4,effpass_nf4", "--set", "hidden=4096", "ffn=14336", "layers=4",
              "seq=4096", "steps=8", "warmup=2"), ("--quick", "--arms", "effpass_nf4"),
-            budget_s=85, arm_deadline_s=35, ref_arm="peft_bnb_nf4", prewarm_args=("--set", "steps=1", "warmup=0"),
-            plan="3 arms x (start 6 s, build + quantize 5 s, cold compile 15 s, 10 steps of ~0.4 s) ~ 80 s"),
-    Section("d", "full fine-tuning (AdamW, bf16 autocast, GPT-2 124M shape)", "bench_mixed_precision.py",
-            ("--arms", "compile_autocast_bf16,effpass_bf16,effpass_planned_bf16", "--steps", "10", "--repeats", "1"),
-            ("--quick", "--arms", "effpass_bf16,effpass_planned_bf16"), budget_s=55, arm_deadline_s=18,
-            ref_arm="compile_autocast_bf16", prewarm_args=("--set", "steps=1", "warmup=1"),
-            plan="3 arms x (start 6 s, cold compile 8-12 s, 13 steps of ~0.1 s) ~ 50 s"),
+            budget_s=75, arm_deadline_s=30, ref_arm="peft_bnb_nf4", prewarm_args=("--set", "steps=1", "warmup=0"),
+            plan="3 arms x (start 6 s, build + quantize 4 s (bnb: save + reload 8 s), warm compile 5-8 s, 11 steps + "
+                 "peak step of ~0.15 s) ~ 65 s"),
+    Section("d", "full fine-tuning (AdamW, bf16), Llama-3-8B widths, 4 layers, 4,096 tokens", "bench_full_ft.py",
+            ("--arms", "compile,effpass,effpass_planned", "--set", "budget=20GiB"),
+            ("--quick", "--arms", "effpass,effpass_planned"), budget_s=65, arm_deadline_s=28,
+            ref_arm="compile", prewarm_args=("--set", "steps=1", "warmup=0"),
+            plan="3 arms x (start 6 s, build 2 s, warm compile 5-8 s, planner 10-20 s (planned arm), 11 steps of "
+                 "~0.1 s) ~ 60 s"),
     Section("e", "attention at 4k/8k/16k tokens, GQA 32/8, head dim 128", "bench_attention.py",
-            ("--arms", "sdpa,effpass,naive"), ("--quick", "--arms", "effpass"), budget_s=50, arm_deadline_s=25,
-            plan="3 arms x (start 6 s, 3 lengths x (compile 2 s + 20 reps of < 10 ms)) ~ 45 s"),
+            ("--arms", "sdpa,effpass,naive"), ("--quick", "--arms", "effpass"), budget_s=40, arm_deadline_s=15,
+            plan="3 arms x (start 6 s, 3 lengths x (compile 2 s + 20 reps of < 10 ms)) ~ 36 s"),
     Section("f", "packed rows vs padded batches (the varlen path)", "bench_packing.py",
-            ("--arms", "padded_sorted,packed_effpass"), ("--quick", "--arms", "packed_effpass", "--set", "examples=6"), budget_s=45,
-            arm_deadline_s=22, plan="2 arms x (start 6 s, compile 8 s, ~40 steps of ~20 ms) ~ 35 s"),
-    Section("g", "planner vs the device (LoRA + checkpointing + fused loss, 2 layers at 8B widths)",
-            "bench_plan_check.py", ("--arms", "predict_measure,maxseq", "--seq", "4096", "8192"),
-            ("--quick", "--arms", "predict_measure"), budget_s=70, arm_deadline_s=30, dtype="bfloat16",
-            plan="2 lengths x (start 6 s, replay 8 s, measured step 6 s) + plan_max_seq ~ 30 s ~ 70 s"),
-    Section("h", "pytest -m gpu", "pytest", ("-m", "gpu"), ("-m", "gpu", "--collect-only", "tests/passes/offload_activations"), budget_s=55,
-            arm_deadline_s=55, plan="the GPU-marked tests (~16, one a compiled tiny step for the planner), one process"),
+            ("--arms", "padded_sorted,packed_effpass"), ("--quick", "--arms", "packed_effpass", "--set", "examples=6"), budget_s=35,
+            arm_deadline_s=17, plan="2 arms x (start 6 s, compile 8 s, ~40 steps of ~20 ms) ~ 30 s"),
+    Section("g", "planner vs the device: a planned QLoRA step (NF4 + LoRA, the plan for 12 GiB), 2 layers at 8B widths",
+            "bench_plan_check.py", ("--arms", "predict_measure,cpu_replay,maxseq", "--seq", "4096", "8192",
+                                    "--cap_gib", "12"),
+            ("--quick", "--arms", "predict_measure"), budget_s=105, arm_deadline_s=45, dtype="bfloat16",
+            plan="predict_measure 2 x (start 6 s, plan ~20 s, step 3 s) + cpu_replay 2 x (6 + 20 s) + maxseq "
+                 "(killed at its deadline unless its search is short; the answer is a partial row) ~ 105 s"),
+    Section("h", "pytest -m gpu", "pytest", ("-m", "gpu"), ("-m", "gpu", "--collect-only", "tests/passes/offload_activations"), budget_s=40,
+            arm_deadline_s=40, plan="the GPU-marked tests (~16, one a compiled tiny step for the planner), one process"),
 )
 #: the parallel prewarm on a GPU (its time comes out of the budget; the sections' cold compiles then hit the cache)
-PREWARM_S = 120.0
+PREWARM_S = 100.0
 SETUP_S = 20  # wheel install, effpass import check, device query (measured by the shell script's own clock)
+#: the whole run's default budget on a GPU: 9 minutes less the set-up (the sections' budgets add up to it)
+TOTAL_S = 540 - SETUP_S
 #: a dry-run section's deadline on the CPU (smoke shapes; generous: the suite runs it on a loaded 2-core machine)
 DRY_SECTION_S = 150.0
 
@@ -112,14 +118,24 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def _run_group(cmd: list[str], deadline_s: float, log_path: str, env: dict) -> tuple[int | None, bool, float]:
-    """Run ``cmd`` in its own process group under ``deadline_s``; (returncode, killed, wall seconds)."""
+def _run_group(cmd: list[str], deadline_s: float, log_path: str, env: dict,
+               poll=None) -> tuple[int | None, bool, float]:
+    """Run ``cmd`` in its own process group under ``deadline_s``; (returncode, killed, wall seconds). ``poll()`` is
+    called every 2 s while it runs (proof.md re-rendered as each arm ends)."""
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
         killed = False
         try:
-            p.wait(timeout=deadline_s)
+            while True:
+                try:
+                    p.wait(timeout=max(0.0, min(2.0, deadline_s - (time.perf_counter() - t0))))
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.perf_counter() - t0 >= deadline_s:
+                        raise
+                    if poll is not None:
+                        poll()
         except subprocess.TimeoutExpired:
             killed = True
             driver._signal_group(p.pid, signal.SIGTERM)
@@ -181,7 +197,8 @@ def _loss_checks(rows: list[dict], ref_arm: str | None, dtype: str) -> None:
 _HEADLINE = ("S", "mode", "median_step_ms", "median_ms", "median_step_s", "step_s", "tokens_per_s",
              "useful_tokens_per_s", "varlen", "tflops", "mfu", "peak_above_start_mib", "peak_mem_gib", "peak_mem_mib",
              "peak_bytes", "padding_fraction", "per_example_rel_error", "seq", "predicted_gib", "measured_gib",
-             "rel_error", "max_seq", "measured_gib_at_max_seq", "fits", "first_step_s", "first_call_s",
+             "rel_error", "max_seq", "measured_gib_at_max_seq", "fits", "plan", "tokens_per_s_32", "mfu_32",
+             "compile_cold_s", "compile_warm_s", "first_step_s", "first_call_s",
              "graph_breaks", "recompiles", "fused", "fused_sites", "loss", "loss_first", "seconds")
 
 
@@ -198,7 +215,7 @@ def render(lines: list[dict], meta: dict) -> str:
     """``proof.md``: the run's facts, then one table per section (its arms' headline figures)."""
     out = ["# effpass GPU proof", "",
            f"{meta.get('device')}; torch {meta.get('torch')}, triton {meta.get('triton')}, transformers "
-           f"{meta.get('transformers')}; effpass commit {str(meta.get('commit'))[:10]}"
+           f"{meta.get('transformers')}; CUDA {meta.get('cuda')}, driver {meta.get('gpu_driver')}; effpass commit {str(meta.get('commit'))[:10]}"
            f"{' (dirty tree)' if meta.get('dirty') else ''}; started {meta.get('date')}"
            f"{'; DRY RUN on the CPU at smoke shapes (not a measurement)' if meta.get('dry_run') else ''}.", "",
            "Peers: " + ", ".join(f"{k} {v}" for k, v in (meta.get("peers") or {}).items()) + ".", ""]
@@ -232,14 +249,66 @@ def render(lines: list[dict], meta: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def _gpu_driver(out: str) -> str | None:
+    """The NVIDIA driver version (``nvidia-smi``'s line that scripts/gpu_proof.sh wrote to OUTDIR/device.txt)."""
+    try:
+        with open(os.path.join(out, "device.txt")) as f:
+            return f.readline().strip().split(",")[-1].strip() or None
+    except OSError:
+        return None
+
+
 def _peer_versions() -> dict:
     return {k: v for k, v in driver.versions(("peft", "liger_kernel", "cut_cross_entropy", "torchao", "bitsandbytes",
                                                "trl", "accelerate")).items()
             if k not in ("python", "torch", "transformers", "triton")}
 
 
-def run_section(s: Section, out: str, *, dry: bool, deadline_s: float, plant_slow: bool, env: dict) -> list[dict]:
-    """Run one section under ``deadline_s``; its rows (one per arm)."""
+def _first_step(r: dict):
+    v = r.get("first_step_s", r.get("first_call_s"))
+    return v if isinstance(v, (int, float)) else None
+
+
+def compile_times(rows: list[dict], cold: dict) -> None:
+    """Each row's cold and warm compile time (in place): its first step's seconds (compile included) is the warm
+    one when the prewarm compiled the same arm first (``cold``: (section, arm) -> the prewarm's first step),
+    else the cold one."""
+    for r in rows:
+        first = _first_step(r)
+        key = (r.get("section"), r.get("arm"))
+        if key in cold:
+            r["compile_cold_s"] = cold[key]
+            if first is not None:
+                r["compile_warm_s"] = first
+        elif first is not None:
+            r["compile_cold_s"] = first
+
+
+def _bench_rows(s: Section, stem: str, dry: bool) -> list[dict]:
+    """The rows of a bench section's results file so far (one per arm, or per shape), with loss agreement."""
+    run = (driver.runs(stem) or [{}])[-1]
+    rows = []
+    for r in run.get("results", []):
+        subs = r.get("rows") if isinstance(r.get("rows"), list) else None
+        if subs:  # an arm that measures several shapes (attention): one line per shape
+            rows += [{**{k: v for k, v in r.items() if k != "rows"}, **sub, "arm": r.get("arm"),
+                      "status": "error" if sub.get("error") else r.get("status")} for sub in subs]
+        else:
+            rows.append(dict(r))
+    for r in rows:  # the packing arm's varlen statistic (the GPU path) on the line itself
+        if isinstance(r.get("pack_sequences_stats"), dict):
+            r["varlen"] = r["pack_sequences_stats"].get("varlen", 0)
+    for r in rows:  # a killed arm: its last partial figures, flattened
+        if r.get("status") == "killed" and isinstance(r.get("partial"), dict):
+            for k, v in r["partial"].items():
+                r.setdefault(k, v)
+    _loss_checks(rows, s.ref_arm, "float32" if dry else s.dtype)
+    return rows
+
+
+def run_section(s: Section, out: str, *, dry: bool, deadline_s: float, plant_slow: bool, env: dict,
+                progress=None) -> list[dict]:
+    """Run one section under ``deadline_s``; its rows (one per arm). ``progress(rows)``: called as arms end."""
     device = "cpu" if dry else "cuda"
     scale = deadline_s / s.budget_s
     arm_deadline = max(5.0, s.arm_deadline_s * scale) if not dry else max(5.0, deadline_s - 5)
@@ -255,29 +324,27 @@ def run_section(s: Section, out: str, *, dry: bool, deadline_s: float, plant_slo
     else:
         cmd = [sys.executable, os.path.join(HERE, s.script), "--device", device, "--out", stem, "--label", "proof",
                "--repeats", "1", "--deadline", f"{arm_deadline:.0f}", *(s.dry_args if dry else s.gpu_args)]
-    rc, killed, wall = _run_group(cmd, deadline_s, stem + ".log", env)
+    seen = [None]
+
+    def poll():  # an arm ended (the section's results file changed): its rows into proof.md, provisionally
+        try:
+            m = os.path.getmtime(stem + ".json")
+        except OSError:
+            return
+        if m != seen[0] and progress is not None:
+            seen[0] = m
+            try:  # a provisional rendering never stops the run
+                progress([{**r, "section": s.key, "section_title": s.title} for r in _bench_rows(s, stem, dry)])
+            except Exception as e:  # noqa: BLE001
+                print(f"gpu_proof: proof.md not re-rendered: {type(e).__name__}: {e}", file=sys.stderr)
+
+    rc, killed, wall = _run_group(cmd, deadline_s, stem + ".log", env, poll=None if s.script == "pytest" else poll)
     if s.script == "pytest":
         rows = _pytest_rows(stem + ".xml")
         if dry:  # --collect-only: the GPU tests exist and collect; none ran
             rows = rows or [{"arm": "collect -m gpu", "status": "ok" if rc in (0, 5) else "error"}]
     else:
-        run = (driver.runs(stem) or [{}])[-1]
-        rows = []
-        for r in run.get("results", []):
-            subs = r.get("rows") if isinstance(r.get("rows"), list) else None
-            if subs:  # an arm that measures several shapes (attention): one line per shape
-                rows += [{**{k: v for k, v in r.items() if k != "rows"}, **sub, "arm": r.get("arm"),
-                          "status": "error" if sub.get("error") else r.get("status")} for sub in subs]
-            else:
-                rows.append(dict(r))
-        for r in rows:  # the packing arm's varlen statistic (the GPU path) on the line itself
-            if isinstance(r.get("pack_sequences_stats"), dict):
-                r["varlen"] = r["pack_sequences_stats"].get("varlen", 0)
-        for r in rows:  # a killed arm: its last partial figures, flattened
-            if r.get("status") == "killed" and isinstance(r.get("partial"), dict):
-                for k, v in r["partial"].items():
-                    r.setdefault(k, v)
-        _loss_checks(rows, s.ref_arm, "float32" if dry else s.dtype)
+        rows = _bench_rows(s, stem, dry)
     if not rows:
         with open(stem + ".log") as f:
             tail = f.read()[-1500:]
@@ -342,7 +409,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=None, help="seconds for all sections (default: their sum)")
     ap.add_argument("--plant-slow", default="", help="a section whose arms sleep past their deadline (a test)")
     ap.add_argument("--prewarm", type=float, default=None,
-                    help="seconds for the parallel one-step runs that fill the compile caches first (default: 120 on "
+                    help="seconds for the parallel one-step runs that fill the compile caches first (default: 100 on "
                          "a GPU, 0 in a dry run; counted in the budget)")
     args = ap.parse_args(argv)
     keys = [k for k in args.only.split(",") if k] or [s.key for s in SECTIONS]
@@ -362,8 +429,11 @@ def main(argv=None) -> int:
             raise SystemExit("gpu_proof: no CUDA device here; use --dry-run for the CPU rehearsal")
     chosen = [s for s in SECTIONS if s.key in keys]
     budget = args.budget if args.budget is not None else (
-        sum(s.budget_s for s in chosen) if not dry else DRY_SECTION_S * len(chosen))
+        min(TOTAL_S, sum(s.budget_s for s in chosen)) if not dry else DRY_SECTION_S * len(chosen))
+    import torch
+
     meta = {**driver.meta("gpu_proof", "cpu" if dry else "cuda"), "dry_run": dry, "peers": _peer_versions(),
+            "cuda": torch.version.cuda,
             "wheels": sorted(os.listdir(os.path.join(out, "site"))) if os.path.isdir(os.path.join(out, "site")) else [],
             "budget_s": budget, "sections": [s.key for s in chosen]}
     jsonl = os.path.join(out, "proof.jsonl")
@@ -371,8 +441,9 @@ def main(argv=None) -> int:
     if os.path.exists(jsonl):  # a second command in the same window: keep the first one's lines
         with open(jsonl) as f:
             lines = [json.loads(ln) for ln in f if ln.strip()]
+    meta["gpu_driver"] = _gpu_driver(out)
     common = {k: meta[k] for k in ("device", "device_tag", "date", "commit", "dirty", "torch", "triton", "transformers",
-                                   "python")}
+                                   "python", "cuda", "gpu_driver", "peers")}
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(out, "inductor-cache"))
     env.setdefault("TRITON_CACHE_DIR", os.path.join(out, "triton-cache"))
@@ -392,10 +463,13 @@ def main(argv=None) -> int:
 
     t_start = time.perf_counter()
     driver._write_atomic(os.path.join(out, "proof.md"), render(lines, meta))
+    cold: dict = {}
     warm_s = args.prewarm if args.prewarm is not None else (0.0 if dry else PREWARM_S)
     if warm_s > 0 and any(s.prewarm_args for s in chosen):
         rows = prewarm(chosen, out, dry=dry, seconds=min(warm_s, 0.5 * budget), env=env)
         record(rows)
+        cold.update({(r["section"], r["arm"].removesuffix(" (prewarm)")): _first_step(r) for r in rows
+                     if r.get("status") == "ok" and _first_step(r) is not None})
         print(f"gpu_proof: prewarm {len(rows)} arms [{time.perf_counter() - t_start:.0f} s]", flush=True)
     weights = {s.key: (DRY_SECTION_S if dry else s.budget_s) for s in chosen}
     factor = (budget - (time.perf_counter() - t_start)) / sum(weights.values())
@@ -408,7 +482,10 @@ def main(argv=None) -> int:
             rows = [{"arm": "(section)", "status": "skipped", "error": f"out of time ({left:.0f} s left of {budget:.0f})",
                      "section": s.key, "section_title": s.title}]
         else:
-            rows = run_section(s, out, dry=dry, deadline_s=deadline, plant_slow=args.plant_slow == s.key, env=env)
+            rows = run_section(s, out, dry=dry, deadline_s=deadline, plant_slow=args.plant_slow == s.key, env=env,
+                               progress=lambda rows: driver._write_atomic(os.path.join(out, "proof.md"),
+                                                                          render(lines + rows, meta)))
+            compile_times(rows, cold)
         record(rows)
         print(f"gpu_proof: ({s.key}) {len(rows)} rows, {sum(r.get('status') == 'ok' for r in rows)} ok "
               f"[{time.perf_counter() - t_start:.0f} s]", flush=True)

@@ -85,10 +85,20 @@ def test_dry_run_has_every_section_with_its_status(dry_run):
     head = {r["arm"]: r for r in by["a"]}
     assert head["effpass"]["fused_sites"] == 1 and head["effpass"]["peak_above_start_bytes"] > 0
     assert head["effpass"]["loss_vs_ref"]["rel_diff"] <= 1e-4 and not head["effpass"].get("loss_drift")
-    if "b" in by:
-        assert by["b"][0]["tokens_per_s"] > 0
-    if "d" in by:
-        assert by["d"][0]["tokens_per_s"] > 0
+    # each arm's compile time: cold (no prewarm in this run: its own first step), and the run's facts on every line
+    assert all(r["compile_cold_s"] > 0 and "compile_warm_s" not in r for k in set("abcdf") & set(SECTIONS)
+               for r in by[k]), [(r["arm"], r.get("compile_cold_s")) for k in by for r in by[k]]
+    assert all("gpu_driver" in r and "cuda" in r and isinstance(r["peers"], dict) for r in lines)
+    # b, c, d: tokens/s, and the 32-layer extrapolation's arithmetic (MFU itself only on a GPU: None here)
+    for key in set("bcd") & set(SECTIONS):
+        for r in by[key]:
+            assert r["tokens_per_s"] > 0 and 0 < r["tokens_per_s_32"] < r["tokens_per_s"], (key, r)
+            assert r["rest_share_32"] < r["rest_share"] and r["mfu_32"] is None, (key, r)
+    if "d" in by:  # full fine-tuning: effpass default and the planner's plan for the stated budget, same loss
+        d = {r["arm"]: r for r in by["d"]}
+        assert set(d) == {"effpass", "effpass_planned"} and d["effpass_planned"]["budget"] == "48MiB"
+        assert d["effpass_planned"]["plan"] and d["effpass_planned"]["predicted_peak_bytes"] > 0
+        assert d["effpass_planned"]["loss_vs_ref"]["rel_diff"] <= 1e-4
     if "c" in by:
         assert by["c"][0]["peak_bytes"] > 0
     if "e" in by:
@@ -97,9 +107,10 @@ def test_dry_run_has_every_section_with_its_status(dry_run):
         packed = by["f"][0]
         assert packed["pack_sequences_stats"]["packed_rows"] >= 1 and packed["padding_fraction"] == 0.0
         assert packed["per_example_rel_error"] < 1e-4 and "varlen" in packed  # the varlen statistic (> 0 on a GPU)
-    if "g" in by:
-        assert by["g"][0]["predicted_bytes"] > 0 and by["g"][0]["measured_bytes"] > 0
-        assert abs(by["g"][0]["rel_error"]) < 0.25
+    if "g" in by:  # a planned QLoRA step: the plan's prediction against the measured peak
+        g = by["g"][0]
+        assert g["predicted_bytes"] > 0 and g["measured_bytes"] > 0 and g["plan"] and g["fits_cap"]
+        assert abs(g["rel_error"]) < 0.25
 
 
 def test_dry_run_installs_the_carried_wheels_and_renders(dry_run):
@@ -182,4 +193,7 @@ def test_prewarm_runs_one_step_of_each_section_first(tmp_path):
     assert all(r["status"] == "ok" and r["first_step_s"] > 0 and r["steps"] == 1 for r in warm)
     assert rows.index(warm[-1]) < rows.index(timed[0]) and {r["arm"] for r in timed} == {"eager", "effpass"}
     assert all(r["status"] == "ok" for r in timed)
+    # cold compile from the prewarm's first step, warm from the timed run's own
+    first = {r["arm"].removesuffix(" (prewarm)"): r["first_step_s"] for r in warm}
+    assert all(r["compile_cold_s"] == first[r["arm"]] and r["compile_warm_s"] == r["first_step_s"] for r in timed)
     assert "effpass (prewarm)" in open(os.path.join(out, "proof.md")).read()
