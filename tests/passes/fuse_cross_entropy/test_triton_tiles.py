@@ -252,3 +252,18 @@ def test_triton_tiles_on_gpu(dtype):
         err = ((g - e).abs().max() / e.abs().max()).item()
         bound = 2 * ((r - e).abs().max() / e.abs().max()).item() + (1e-5 if dtype == torch.float32 else 1e-3)
         assert err <= bound, (err, bound)
+
+
+@pytest.mark.inductor
+def test_cuda_replay_lowers_the_tile_ops_with_inductor():
+    """The planner's replay for a CUDA target runs the tiles' path, and Inductor lowers the fused ops as fallback
+    kernels (an op argument named ``kernel`` collided with ``FallbackKernel.create`` and the replay fell back to
+    eager); ``strict=True`` makes any fallback an error."""
+    from effpass.passes import FuseCrossEntropy
+    from effpass.planning import estimate_memory
+    from effpass.testing import model_case
+
+    case = model_case("llama", layers=1)
+    est = estimate_memory(case.model.train(), case.inputs, passes=[FuseCrossEntropy()], device="cuda",
+                          lowering="inductor", strict=True)
+    assert est.peak_bytes > 0 and est.reserved_peak_bytes >= est.peak_bytes
