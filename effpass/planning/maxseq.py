@@ -155,6 +155,13 @@ def _candidates(setup: PlanSetup, replay_opt) -> list[Candidate]:
     return cands
 
 
+def _tiers(cands: list) -> list[list]:
+    """``cands`` grouped in the order plans are chosen: lossless unrestricted, lossless restricted, lossy
+    unrestricted, lossy restricted (empty tiers left out; the order within a tier kept)."""
+    keys = sorted({(c.lossy, c.restricted) for c in cands})
+    return [[c for c in cands if (c.lossy, c.restricted) == k] for k in keys]
+
+
 def _error_text(e) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
 
@@ -254,19 +261,28 @@ class _MaxSeqSearch:
         lo = hi = None  # lo: some candidate fits; hi: none in the running fits (multiples of step)
 
         def at(s):
-            """The smallest predicted peak among the candidates in the running at ``s`` (replaying those not yet
-            replayed there), and that candidate."""
+            """The smallest predicted peak among the candidates in the running replayed at ``s`` (replaying
+            those not yet replayed there, tier by tier), and that candidate.
+
+            NOTE(tiers): the plan is chosen lossless before lossy, unrestricted before restricted, so once a
+            plan of a tier fits ``s`` no plan of a later tier can be chosen at ``s``: the later tiers are not
+            replayed there (they stay in the running and are replayed at every longer length searched, ``L +
+            step`` included, so the bracket is unchanged). Llama-3.1-8B QLoRA: step_in_backward (restricted, its
+            own capture) is no longer replayed at the answer, one long replay in four."""
             got = known.setdefault(s, {})
-            todo = [c for c in live if id(c) not in got]
-            if todo:
-                for c, r in zip(todo, self.replay_many(todo, s, full=not screen)):
-                    if isinstance(r, BaseException):
-                        c.error = f"{_error_text(r)} (at {s:,} tokens)"
-                        live.remove(c)
-                        continue
-                    got[id(c)] = r
-                    if r.device_peak_bytes > budget:
-                        over_at[id(c)] = min(over_at.get(id(c), s), s)
+            for tier in _tiers(live):
+                todo = [c for c in tier if id(c) not in got]
+                if todo:
+                    for c, r in zip(todo, self.replay_many(todo, s, full=not screen)):
+                        if isinstance(r, BaseException):
+                            c.error = f"{_error_text(r)} (at {s:,} tokens)"
+                            live.remove(c)
+                            continue
+                        got[id(c)] = r
+                        if r.device_peak_bytes > budget:
+                            over_at[id(c)] = min(over_at.get(id(c), s), s)
+                if any(id(c) in got and got[id(c)].device_peak_bytes <= budget for c in tier):
+                    break
             here = [(got[id(c)].device_peak_bytes, i, c) for i, c in enumerate(live) if id(c) in got]
             if not here:
                 raise RuntimeError(f"plan_max_seq: no plan could be replayed at {s:,} tokens "
