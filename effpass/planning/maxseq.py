@@ -1,7 +1,8 @@
 """The longest sequence that fits a memory budget, and the plan that fits it (:func:`plan_max_seq`): candidates
 in a neighbourhood of the leanest plan, probe replays fitted and solved for the budget to choose where to
-look, then a search (secant steps, then bisection) replaying every candidate still in the running at each
-length, the answering pair confirmed at full depth when the figures were screened from two depths."""
+look, then a search (secant steps, then bisection) replaying the candidates still in the running at each
+length (a later tier only where no earlier one fits), the answering pair confirmed at full depth when the
+figures were screened from two depths."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -105,8 +106,10 @@ def plan_max_seq(model: torch.nn.Module, make_inputs, memory_budget, allow: Iter
        as with attention scores materialised; else linear: fused attention, tiles, checkpointing) and solved
        for the budget. The fits only say where to search: the longest fitted length is the first one tried.
     3. Search (secant steps on the smallest peak among the candidates, then bisection, at most ``max_replays``
-       lengths): at each length every candidate still in the running is replayed (one shared replay); a
-       candidate over the budget at a length no longer than one some candidate fits is out of the running.
+       lengths): at each length the candidates still in the running are replayed tier by tier (lossless
+       unrestricted, lossless restricted, lossy; one shared replay per tier), the later tiers only when no
+       plan of an earlier tier fits there (none of theirs could be chosen there); a candidate over the budget
+       at a length no longer than one some candidate fits is out of the running.
        It ends when a length ``L`` that some candidate fits and ``L + step`` that none in the running fits
        are both replayed. The plan: among those fitting ``L``, lossless before lossy, unrestricted before
        restricted, then the fewest FLOPs and options. Guarantee: that pair, by the planner's own replays;
@@ -153,6 +156,13 @@ def _candidates(setup: PlanSetup, replay_opt) -> list[Candidate]:
             continue
         cands.append(Candidate(options=opts, optimizer=opt))
     return cands
+
+
+def _tiers(cands: list) -> list[list]:
+    """``cands`` grouped in the order plans are chosen: lossless unrestricted, lossless restricted, lossy
+    unrestricted, lossy restricted (empty tiers left out; the order within a tier kept)."""
+    keys = sorted({(c.lossy, c.restricted) for c in cands})
+    return [[c for c in cands if (c.lossy, c.restricted) == k] for k in keys]
 
 
 def _error_text(e) -> str:
@@ -254,19 +264,28 @@ class _MaxSeqSearch:
         lo = hi = None  # lo: some candidate fits; hi: none in the running fits (multiples of step)
 
         def at(s):
-            """The smallest predicted peak among the candidates in the running at ``s`` (replaying those not yet
-            replayed there), and that candidate."""
+            """The smallest predicted peak among the candidates in the running replayed at ``s`` (replaying
+            those not yet replayed there, tier by tier), and that candidate.
+
+            NOTE(tiers): the plan is chosen lossless before lossy, unrestricted before restricted, so once a
+            plan of a tier fits ``s`` no plan of a later tier can be chosen at ``s``: the later tiers are not
+            replayed there (they stay in the running and are replayed at every longer length searched, ``L +
+            step`` included, so the bracket is unchanged). Llama-3.1-8B QLoRA: step_in_backward (restricted, its
+            own capture) is no longer replayed at the answer, one long replay in four."""
             got = known.setdefault(s, {})
-            todo = [c for c in live if id(c) not in got]
-            if todo:
-                for c, r in zip(todo, self.replay_many(todo, s, full=not screen)):
-                    if isinstance(r, BaseException):
-                        c.error = f"{_error_text(r)} (at {s:,} tokens)"
-                        live.remove(c)
-                        continue
-                    got[id(c)] = r
-                    if r.device_peak_bytes > budget:
-                        over_at[id(c)] = min(over_at.get(id(c), s), s)
+            for tier in _tiers(live):
+                todo = [c for c in tier if id(c) not in got]
+                if todo:
+                    for c, r in zip(todo, self.replay_many(todo, s, full=not screen)):
+                        if isinstance(r, BaseException):
+                            c.error = f"{_error_text(r)} (at {s:,} tokens)"
+                            live.remove(c)
+                            continue
+                        got[id(c)] = r
+                        if r.device_peak_bytes > budget:
+                            over_at[id(c)] = min(over_at.get(id(c), s), s)
+                if any(id(c) in got and got[id(c)].device_peak_bytes <= budget for c in tier):
+                    break
             here = [(got[id(c)].device_peak_bytes, i, c) for i, c in enumerate(live) if id(c) in got]
             if not here:
                 raise RuntimeError(f"plan_max_seq: no plan could be replayed at {s:,} tokens "
@@ -368,8 +387,8 @@ class _MaxSeqSearch:
         nxt_est = known.get(lo + step, {}).get(id(chosen))
         others = known.get(lo + step, {})
         reason = (f"the longest sequence any of {len(cands)} plans fits ({len(probes)} probe replays each to guess "
-                  f"it; every plan still in the running replayed at each length searched: "
-                  f"{len({s for s, *_ in replays})} lengths)")
+                  f"it; the plans still in the running replayed at each length searched, a later tier only where no "
+                  f"earlier one fits: {len({s for s, *_ in replays})} lengths)")
         if others and lo + step <= self.max_len:
             notes.append(f"at {lo + step:,} tokens none of the {len(others)} plans replayed there fits (smallest "
                          f"{format_bytes(min(e.device_peak_bytes for e in others.values()))})")

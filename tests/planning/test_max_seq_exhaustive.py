@@ -1,0 +1,155 @@
+"""``plan_max_seq``'s search against the exhaustive search (issue 39.5): every multiple of ``step`` up to
+``max_len`` replayed for every candidate, the longest length some candidate fits taken, the plan chosen by the
+same rule (lossless, unrestricted, fewest FLOPs). The search replays a few lengths; it must give the same
+length, plan, peak at the answer and peak one step more, also where a plan's peak is not affine in the length
+(a jump: a tile count, a mask saved past a length).
+
+Oracles: numerical (the four figures equal the exhaustive scan's, on analytic peaks over many budgets and on
+real replays of a tiny Llama whose tiles start past a length), structural (the search replayed far fewer lengths
+than the scan; both plans were compared at the answer).
+"""
+import pytest
+import torch
+
+from effpass.passes import CheckpointActivations, FuseCrossEntropy, TileSequence
+from effpass.planning import MemoryBudgetError, MemoryEstimate, estimate_many, plan_max_seq
+from effpass.testing import model_case
+
+STEP, MAX_LEN = 64, 4096
+
+
+def _inputs(seq):
+    ids = torch.zeros(1, seq, dtype=torch.long)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _est(peak, flops):
+    return MemoryEstimate(peak_bytes=int(peak), start_bytes=0, step_peak_bytes=int(peak), parameters=0,
+                          trainable_parameters=0, buffers=0, inputs=0, gradients=0, optimizer_states=0,
+                          activations=0, largest_transient=0, largest_transient_op="-", peak_phase="backward",
+                          peak_graph="-", peak_node="-", flops=flops)
+
+
+#: per plan (False: as given; True: + step_in_backward) the peak at ``seq``: affine, with a jump up past
+#: JUMP tokens for the plan as given (not affine: its probes below the jump promise more than it fits)
+JUMP = 1600
+
+
+def _peak(sib: bool, seq: int) -> int:
+    if sib:
+        return 900_000 + 640 * seq
+    return 1_000_000 + 560 * seq + (250_000 if seq >= JUMP else 0) + (seq * seq) // 4096
+
+
+def _exhaustive(peak_of, budget):
+    """(length, plan, peak, peak one step more of that plan) by replaying every length for every plan; the
+    plan among those fitting: unrestricted (as given) first, as plan_max_seq chooses (FLOPs equal here)."""
+    best = None
+    for s in range(STEP, MAX_LEN + 1, STEP):
+        fit = [sib for sib in (False, True) if peak_of(sib, s) <= budget]
+        if fit:
+            best = (s, fit[0])
+    if best is None:
+        return None
+    s, sib = best
+    nxt = peak_of(sib, s + STEP) if s + STEP <= MAX_LEN else None
+    return s, sib, peak_of(sib, s), nxt
+
+
+@pytest.fixture
+def analytic(monkeypatch):
+    import effpass.planning.maxseq as maxseq
+
+    lengths = []
+
+    def fake_many(model, inputs, pipelines, optimizer, **kw):
+        seq = inputs["input_ids"].shape[-1]
+        sibs = ["step_in_backward" in {p.name for p in pipe} for pipe in pipelines]
+        lengths.extend((seq, sib) for sib in sibs)
+        return [_est(_peak(sib, seq), seq) for sib in sibs]
+
+    monkeypatch.setattr(maxseq, "estimate_many", fake_many)
+    return lengths
+
+
+_PASSES = [CheckpointActivations(policy="full"), FuseCrossEntropy(), TileSequence()]
+
+
+def test_search_equals_exhaustive_on_analytic_peaks(analytic):
+    """Budgets whose answer falls before, at and past the jump and on either plan: the same four figures as
+    the exhaustive scan, each from a few replayed lengths (the scan: 64); where the plan as given fits the
+    answer, step_in_backward (a later tier: restricted) is not replayed at the answer, only one step more."""
+    model = model_case("llama", seq=16).model
+    budgets = sorted({_peak(False, s) + d for s in (640, 1536, 1600, 1664, 2496, 3392) for d in (-1, 0, 1)}
+                     | {_peak(True, s) + d for s in (1984, 2048) for d in (-1, 0)})
+    seen_both = 0
+    for budget in budgets:
+        want = _exhaustive(_peak, budget)
+        analytic.clear()
+        res = plan_max_seq(model, _inputs, budget, passes=_PASSES, step=STEP, probes=(512, 1024), max_len=MAX_LEN)
+        got = (res.seq, "step in backward" in res.plan.chosen.name, res.plan.peak_bytes, res.next_peak)
+        assert got == want, (budget, got, want)
+        searched = {seq for seq, _ in analytic} - {512, 1024}
+        assert len(searched) <= 8, (budget, sorted(searched))  # the scan replays 64 lengths
+        if not want[1]:  # the unrestricted plan fits the answer: the restricted one is not replayed there
+            assert (res.seq, False) in analytic and (res.seq, True) not in analytic, (budget, analytic)
+        if res.next_peak is not None:  # one step more: every plan in the running replayed there
+            assert {(res.seq + STEP, False), (res.seq + STEP, True)} <= set(analytic) or any(
+                seq <= res.seq + STEP and _peak(True, seq) > budget for seq, sib in analytic if sib), (budget, analytic)
+        seen_both += want[1]
+    assert 0 < seen_both < len(budgets)  # both plans answer some budget (the choice is exercised)
+
+
+def test_search_equals_exhaustive_when_nothing_fits(analytic):
+    budget = min(_peak(False, STEP), _peak(True, STEP)) - 1
+    assert _exhaustive(_peak, budget) is None
+    with pytest.raises(MemoryBudgetError) as e:
+        plan_max_seq(model_case("llama", seq=16).model, _inputs, budget, passes=_PASSES, step=STEP,
+                     probes=(512, 1024), max_len=MAX_LEN)
+    assert e.value.smallest == min(_peak(False, STEP), _peak(True, STEP))
+
+
+@pytest.mark.slow  # ~40 CPU-s: 8 replays of ~5 s; the promise is held cheaply on analytic peaks above
+def test_search_equals_exhaustive_on_real_replays():
+    """A 1-layer tiny Llama (eager attention: the peak quadratic in the length, and it moves from the forward's
+    recompute to the softmax backward at 256 tokens: a kink), no optimizer, tiles of 128 rows. The exhaustive
+    scan: every multiple of 64 up to 512 (the searches' replays reused, the other lengths replayed). The
+    search's answer, peak and peak one step more equal the scan's for budgets before the kink, past it and at
+    ``max_len``."""
+    case = model_case("llama", seq=16, layers=1)
+    passes = [CheckpointActivations(policy="full"), FuseCrossEntropy(), TileSequence(tile_rows=128)]
+    max_len, cache, results = 512, {}, []
+    # the budgets: bytes read from the scan below are only its replays (the same replay, shared cache)
+    for length, extra in ((256, -1), (448, 1), (512, 0)):
+        budget = _scan(case.model, passes, cache, length, only=length)[length] + extra
+        res = plan_max_seq(case.model, _inputs, budget, passes=passes, optimizer=None, step=STEP,
+                           probes=(128, 256), max_len=max_len, lowering="eager", cache=cache)
+        assert [n for n, *_ in res.fits] == ["as given"]
+        results.append((budget, res))
+    scan = _scan(case.model, passes, cache, max_len)
+    deltas = [scan[s + STEP] - scan[s] for s in range(STEP, max_len, STEP)]
+    assert len({b - a for a, b in zip(deltas, deltas[1:])}) > 1, deltas  # not affine, not even quadratic
+    for budget, res in results:
+        fits = [s for s, p in scan.items() if p <= budget]
+        want = (max(fits), scan[max(fits)], scan.get(max(fits) + STEP))
+        assert (res.seq, res.plan.peak_bytes, res.next_peak) == want, (budget, res.replays, scan)
+    assert [r.seq for _, r in results] == [192, 448, 512]
+
+
+def _scan(model, passes, cache, max_len, only=None):
+    """Every multiple of STEP up to ``max_len`` (or ``only``): its peak (one plan), from ``cache`` (the searches'
+    replays, keyed (seq, replay key)) where there, else replayed and kept under the searches' key (one replay
+    per length, shared by the scan and the searches)."""
+    key = next((k for (_, k) in cache if k != "scan"), "scan")
+    for (seq, k) in [k for k in cache if k[1] == "scan" and key != "scan"]:
+        cache.setdefault((seq, key), cache.pop((seq, k)))
+    out = {}
+    for s in [only] if only else range(STEP, max_len + 1, STEP):
+        got = [v for (seq, _), v in cache.items() if seq == s]
+        if not got:
+            (r,) = estimate_many(model, _inputs(s), [passes], None, lowering="eager")
+            cache[(s, key)] = r
+            got = [r]
+        assert len({g.peak_bytes for g in got}) == 1
+        out[s] = got[0].peak_bytes
+    return out
