@@ -4,7 +4,7 @@ tests/_auto_families.py, the types: tests/models/test_every_causal_lm.py). The c
 
 * ``apply_autocast`` bf16 (its defaults, ``fp32_routers=False``): logits, loss and every gradient bit-identical to
   eager ``torch.autocast``; module capture, matmuls in bf16, no fp32 island.
-* ``fuse_attention``: forward and gradients equal the unfused eager model (1e-5); every site left alone has its
+* ``fuse_attention`` (eager attention, as in the hand suite): forward and gradients equal the unfused eager model (1e-5); every site left alone has its
   reason, every site counted fused runs a fused kernel, and a type where the pass finds no attention softmax at all
   is listed with why (``NO_ATTENTION_SOFTMAX``).
 * ``quantize_linear`` int8: forward equals the prepared eager model (1e-5); every ``nn.Linear`` quantized or listed
@@ -34,8 +34,12 @@ NO_ATTENTION_SOFTMAX: dict[str, str] = {}
 QUANT_GAPS: dict[str, str] = {}
 
 
-def _case(model_type: str) -> ModelCase:
+def _case(model_type: str, attn: str | None = None) -> ModelCase:
+    """The built type as a ModelCase; ``attn``: the attention implementation (None: transformers' default, SDPA
+    where the model has it)."""
     model, inputs = build(model_type)
+    if attn is not None:
+        model.set_attn_implementation(attn)
     return ModelCase(name=model_type, model=model, inputs=inputs, num_layers=1)
 
 
@@ -59,7 +63,7 @@ def test_apply_autocast_bf16_bit_identical_to_eager_autocast(model_type):
 @pytest.mark.parametrize("model_type", BUILT)
 @pytest.mark.sweep(fraction=0.02)
 def test_fuse_attention_equals_the_unfused_model(model_type):
-    case = _case(model_type)
+    case = _case(model_type, attn="eager")  # the softmax the pass fuses (as the hand suite; SDPA is fused already)
     res = []
     if _gap(FUSE_GAPS, model_type, lambda: res.append(fuse_attention_equals_unfused(case))):
         r = res[0]
