@@ -11,8 +11,8 @@ tests/_auto_families.py, the types: tests/models/test_every_causal_lm.py). The c
   with its reason, every MoE expert tensor too.
 
 A type a column cannot serve is listed beside it (``*_GAPS``) with the reason; the test checks the gap still holds
-(a listed type that starts passing fails). Each column is a sweep: CI runs its first type and 1% of the others (2 of 161: a
-different slice per commit); ``EFFPASS_TEST_SWEEP=full`` runs all (timings in docs/families.md).
+(a listed type that starts passing fails). Each column is a sweep: CI runs its first type and 1% of the others (2 of
+161, a different slice per commit); ``EFFPASS_TEST_SWEEP=full`` runs all (timings in docs/families.md).
 """
 from __future__ import annotations
 
