@@ -4,9 +4,9 @@ tests/_auto_families.py, the types: tests/models/test_every_causal_lm.py). The c
 
 * ``apply_autocast`` bf16 (its defaults, ``fp32_routers=False``): logits, loss and every gradient bit-identical to
   eager ``torch.autocast``; module capture, matmuls in bf16, no fp32 island.
-* ``fuse_attention`` (eager attention, as in the hand suite): forward and gradients equal the unfused eager model (1e-5); every site left alone has its
-  reason, every site counted fused runs a fused kernel, and a type where the pass finds no attention softmax at all
-  is listed with why (``NO_ATTENTION_SOFTMAX``).
+* ``fuse_attention`` (eager attention, as in the hand suite): forward and gradients equal the unfused eager model
+  (1e-5); every site left alone has its reason, every site counted fused runs a fused kernel, and a type where the
+  pass finds no attention softmax at all is listed with why (``NO_ATTENTION_SOFTMAX``).
 * ``quantize_linear`` int8: forward equals the prepared eager model (1e-5); every ``nn.Linear`` quantized or listed
   with its reason, every MoE expert tensor too.
 
