@@ -114,6 +114,7 @@ def test_fuse_attention(family):
     # every attention site is fused by a fused kernel, or left alone with the reason
     assert st["fused"] == _attn_sites(case) - refused and st["skipped"] == n_skipped, (st, r.skipped)
     assert all(reason in why for why in r.skipped.values()), r.skipped
+    assert st["unfused"] == 0, r.unfused   # counted fused only where a fused kernel runs
 
 
 # --------------------------------------------------------------------------------------------------
