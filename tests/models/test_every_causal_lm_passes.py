@@ -34,6 +34,8 @@ _AOT = "plain torch.compile(backend='aot_eager') under torch.autocast differs th
 AUTOCAST_GAPS: dict[str, tuple[str, str]] = {
     "mamba": (_AOT + "rounds the fp32 A_log gradient differently: 3.6e-12); upstream", r"mixer\.A_log"),
     "falcon_mamba": (_AOT + "rounds the fp32 A_log gradient differently); upstream", r"mixer\.A_log"),
+    "big_bird": (_AOT + "rounds the fp32 embedding and LayerNorm gradients differently: 4.5e-8); upstream",
+                 r"bert\.embeddings\."),
 }
 #: type -> why fused attention does not equal the unfused model
 FUSE_GAPS: dict[str, tuple[str, str]] = {}
