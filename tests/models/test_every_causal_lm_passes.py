@@ -47,6 +47,7 @@ FUSE_GAPS: dict[str, tuple[str, str]] = {}
 NO_ATTENTION_SOFTMAX: dict[str, str] = {
     "mamba": "a state-space model: no attention, no softmax",
     "falcon_mamba": "a state-space model: no attention, no softmax",
+    "mamba2": "a state-space model: no attention, no softmax",
 }
 #: type -> why the int8 column fails
 _DIRECT_WEIGHT = ("its slow path multiplies dt_proj.weight directly (dt_proj.weight @ x), not through the linear's "
