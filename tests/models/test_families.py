@@ -1,6 +1,7 @@
 """Every pass on many Hugging Face families (tiny random-weight configs, eager lowering).
 
-Columns (one test each, parametrized by family), each with a numerical oracle (against eager) and a
+Columns (one test each, parametrized by family; the checks shared with tests/models/test_every_causal_lm_passes.py
+live in tests/_family_checks.py), each with a numerical oracle (against eager) and a
 structural one (the pass's statistics):
 
 * ``apply_autocast``: bf16 logits, loss and every gradient bit-identical to eager ``torch.autocast``;
@@ -20,17 +21,16 @@ The family x pass matrix measured here is in docs/families.md.
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
-import torch.nn as nn
 
 import effpass
-from effpass.passes import ApplyAutocast, CheckpointActivations, FuseAttention, InjectLoRA, QuantizeLinear, ScaleLoss
+from effpass.passes import ApplyAutocast, CheckpointActivations, FuseAttention, InjectLoRA, ScaleLoss
 from effpass.testing import compile_and_compare, grads_of, loss_of
 
 from _families import FAMILIES, family_case
+from _family_checks import autocast_bit_identical, fuse_attention_equals_unfused, quantize_int8_equals_prepared
 
 BF16 = torch.bfloat16
 #: every test here is a sweep over families: CI runs a sample (tests/conftest.py); EFFPASS_TEST_SWEEP=full runs all
@@ -66,26 +66,8 @@ def _attn_sites(case) -> int:
 @pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("family", SUITE)
 def test_apply_autocast_bit_identical(family, dtype):
-    case = family_case(family)
-    reference = copy.deepcopy(case.model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # fp16 without scale_loss warns (tested in test_apply_autocast.py)
-        compiled = effpass.compile(case.model, passes=[ApplyAutocast(dtype=dtype, fp32_routers=False)],
-                                  lowering="eager")  # eager torch.autocast runs routers in bf16 too
-    out = compiled(**case.inputs)
-    with torch.autocast("cpu", dtype):
-        expected = reference(**case.inputs)
-    loss_of(out).backward()
-    loss_of(expected).backward()
-    assert torch.equal(out.logits, expected.logits) and out.logits.dtype == expected.logits.dtype
-    assert torch.equal(out.loss, expected.loss)
-    got, want = grads_of(case.model), grads_of(reference)
-    assert got.keys() == want.keys() and got
-    bad = [k for k in want if not torch.equal(got[k], want[k])]
-    assert not bad, f"gradients differ from eager torch.autocast: {bad[:5]}"
-    st = effpass.report(compiled).stats("apply_autocast")
-    assert st["capture"] == "module" and st["regions"] >= 1 and st["fp32_islands"] == 0
-    assert st["matmuls_by_dtype_after"].get(str(dtype).removeprefix("torch."), 0) > 0
+    # eager torch.autocast runs routers in the low dtype too (the pass's default, said here so it stays compared)
+    autocast_bit_identical(family_case(family), dtype, fp32_routers=False)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -126,14 +108,13 @@ FUSE_FAMILIES = [pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=FUS
 @pytest.mark.parametrize("family", FUSE_FAMILIES)
 def test_fuse_attention(family):
     case = family_case(family)
-    r = compile_and_compare(case, [FuseAttention()], atol=1e-5, rtol=1e-5, step=False)
-    st = r.report.stats("fuse_attention")
-    skipped = [s for rec in r.report.records("fuse_attention") for s in rec.skipped]
+    r = fuse_attention_equals_unfused(case)
+    st = r.stats
     refused, n_skipped, reason = _FUSE_REFUSALS.get(family, (0, 0, ""))
     # every attention site is fused by a fused kernel, or left alone with the reason
-    assert st["fused"] == _attn_sites(case) - refused and st["skipped"] == n_skipped, (st, skipped)
-    assert all(reason in s["reason"] for s in skipped), skipped
-    assert st["unfused"] == 0, st   # counted fused only where a fused kernel runs
+    assert st["fused"] == _attn_sites(case) - refused and st["skipped"] == n_skipped, (st, r.skipped)
+    assert all(reason in why for why in r.skipped.values()), r.skipped
+    assert st["unfused"] == 0, r.unfused   # counted fused only where a fused kernel runs
 
 
 # --------------------------------------------------------------------------------------------------
@@ -190,28 +171,12 @@ def test_fuse_attention_with_apply_autocast(family):
 
 
 # --------------------------------------------------------------------------------------------------
-def _expert_tensors(model) -> list[str]:
-    """MoE expert weights kept as 3-D parameters (transformers 5: Mixtral, Qwen3-MoE)."""
-    return [n for n, p in model.named_parameters() if p.dim() == 3 and "expert" in n]
-
-
 @pytest.mark.parametrize("family", _marks(QUANT_GAPS))
 def test_quantize_linear_int8(family):
-    case = family_case(family)
-    linears = [n for n, m in case.model.named_modules() if isinstance(m, nn.Linear)]
-    emb = case.model.get_input_embeddings().weight
-    tied = [n for n in linears if case.model.get_submodule(n).weight is emb]
-    experts = _expert_tensors(case.model)
-    r = compile_and_compare(case, [QuantizeLinear(scheme="int8")], atol=1e-5, rtol=1e-5, backward=False)
-    st = r.report.stats("quantize_linear")
-    skipped = [s for rec in r.report.records("quantize_linear") for s in rec.skipped]
+    q = quantize_int8_equals_prepared(family_case(family))
     # every linear is quantized, except a head tied to the embedding, which is listed with the reason
-    assert st["quantized"] == len(linears) - len(tied), (st["quantized"], skipped)
-    assert sorted(s["site"] for s in skipped if "tied" in s["reason"]) == sorted(tied)
-    # MoE: every expert tensor is quantized or listed with its reason (item 4)
-    listed = {s["site"] for s in skipped} | set(st["modules"])
-    assert all(any(e.startswith(site) or site.startswith(e.rsplit(".", 1)[0]) for site in listed)
-               for e in experts), (experts, listed)
+    assert q.stats["quantized"] == len(q.linears) - len(q.tied), (q.stats["quantized"], q.skipped)
+    assert sorted(s for s, why in q.skipped.items() if "tied" in why) == sorted(q.tied)
 
 
 # --------------------------------------------------------------------------------------------------
