@@ -48,6 +48,9 @@ NO_ATTENTION_SOFTMAX: dict[str, str] = {
     "mamba": "a state-space model: no attention, no softmax",
     "falcon_mamba": "a state-space model: no attention, no softmax",
     "mamba2": "a state-space model: no attention, no softmax",
+    "falcon": ("transformers' Falcon keeps SDPA whatever is asked (FalconPreTrainedModel._check_and_enable_sdpa sets "
+               "config._attn_implementation = 'sdpa'), so its eager attention never runs: no softmax to fuse (the hand "
+               "suite's Falcon rows cover fuse_attention on Falcon's SDPA call)"),
 }
 #: type -> why the int8 column fails
 _DIRECT_WEIGHT = ("its slow path multiplies dt_proj.weight directly (dt_proj.weight @ x), not through the linear's "
