@@ -109,7 +109,14 @@ class OffloadActivations(effpass.Pass):
         return [effpass.MemoryOption(technique="offload_activations", options={}, lossless=True,
                                      group="activation_offload", changes="activations", label="offload",
                                      cost="saved activations copied to host memory and back over PCIe "
-                                          "(overlapped with compute on a side stream; CUDA only)")]
+                                          "(overlapped with compute on a side stream; CUDA only)"),
+                # the synchronous copies free each device tensor at its last forward use (the stream variant holds
+                # them until the forward ends) but do not overlap compute
+                effpass.MemoryOption(technique="offload_activations", options={"separate_stream": False},
+                                     lossless=True, group="activation_offload", changes="activations",
+                                     label="offload (sync)", order=1,
+                                     cost="saved activations copied to host memory at their last forward use and "
+                                          "back at their first backward use, not overlapped with compute (CUDA only)")]
 
     @classmethod
     def default_note(cls) -> str:
