@@ -362,7 +362,8 @@ class _MaxSeqSearch:
         restricted, then the fewest FLOPs and options."""
         setup, budget, step, probes = self.setup, self.setup.budget, self.step, self.probes
         at_lo = [c for c in live if id(c) in known[lo] and known[lo][id(c)].device_peak_bytes <= budget]
-        chosen = min(at_lo, key=lambda c: (c.lossy, c.restricted, known[lo][id(c)].flops, len(c.options)))
+        chosen = min(at_lo, key=lambda c: (c.lossy, c.restricted, bool(known[lo][id(c)].host_bytes),
+                                           known[lo][id(c)].flops, len(c.options)))
         if chosen.lossy and any(not c.lossy for c, _, _ in ok):
             notes.append(f"a lossy plan fits a longer sequence than every lossless one ({lo:,} tokens)")
         est = known[lo][id(chosen)]

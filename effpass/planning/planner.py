@@ -129,6 +129,9 @@ def _nothing_fits(setup, considered) -> Exception:
                      if not ll and t not in setup.allow)
     if missing:
         hint = f"; allow=[...] may add lossy techniques: {missing}"
+    if over_host:
+        hint += (f"; {len(over_host)} plan(s) left out as over host_budget {format_bytes(setup.host_budget)} (e.g. "
+                 f"{over_host[0].name!r}: {over_host[0].error})")
     return MemoryBudgetError(
         f"no plan fits memory_budget {format_bytes(setup.budget)}: the smallest achievable predicted peak is "
         f"{format_bytes(best.peak_bytes)} ({best.peak_bytes} bytes) with plan {best.name!r}{hint}",
@@ -149,6 +152,9 @@ def _reason(chosen, considered, budget) -> str:
                   + (" replayed" if any(c.pruned for c in considered) else ""))
         if chosen.lossy:
             reason += "; no lossless plan fits"
+    if chosen.host_bytes:  # plans without host memory are preferred: none of them fits
+        reason += (f"; it holds {format_bytes(chosen.host_bytes)} of host memory (no plan without host memory "
+                   f"fits)")
     if chosen.restricted:  # plans without restrictions are preferred: none of them fits
         reason += "; no plan without a restriction on the training loop fits"
     return reason

@@ -270,7 +270,9 @@ class CandidateSearch:
             self.set_extra_flops()
         fitting = [c for c in tier if c.fits]
         if fitting:
-            self.chosen = min(fitting, key=lambda c: (c.restricted, c.extra_flops, c.sharded, c.peak_bytes))
+            # plans that hold host memory (offloads) come after those that do not (host_memory.py)
+            self.chosen = min(fitting, key=lambda c: (c.restricted, bool(c.host_bytes), c.extra_flops, c.sharded,
+                                                      c.peak_bytes))
             return True
         return False
 
