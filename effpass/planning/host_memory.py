@@ -67,11 +67,10 @@ def pinned_bytes(n: int) -> int:
 def emulated(p, device):
     """``p`` as a CPU replay for a CUDA target runs it: ``offload_activations`` with ``cpu="emulate"`` (torch's
     synchronous rewrite on CPU graphs), so that the tracker sees which tensors move; every other pass as is."""
-    from .replay import replay_device
-
     dev = torch.device(device) if device is not None else None
+    # a CUDA target without CUDA here is replayed on CPU fake tensors (replay.replay_device)
     if (getattr(p, "name", None) == "offload_activations" and dev is not None and dev.type == "cuda"
-            and replay_device(dev) != dev and getattr(p, "cpu", "emulate") != "emulate"):
+            and not torch.cuda.is_available() and getattr(p, "cpu", "emulate") != "emulate"):
         return dataclasses.replace(p, cpu="emulate")
     return p
 
@@ -100,6 +99,11 @@ def add_host(tracker, st, n: int) -> None:
     weakref.finalize(st, tracker._free_host, key)
 
 
+def _device_bytes(n: int, device) -> int:
+    """As ``tracker.alloc_bytes``: CUDA's caching allocator rounds every block up to 512 bytes."""
+    return -(-int(n) // 512) * 512 if torch.device(device).type == "cuda" and n else int(n)
+
+
 def _ghost_free(tracker) -> None:
     if tracker._ghost is not None:
         key, n = tracker._ghost
@@ -110,11 +114,9 @@ def _ghost_free(tracker) -> None:
 
 def _ghost_next(tracker) -> None:
     """Hold the next reload's buffer ahead of its use (the prefetch window)."""
-    from .tracker import alloc_bytes
-
     if not (tracker.offload or {}).get("prefetch") or not tracker.host_sizes:
         return
-    n = alloc_bytes(max(tracker.host_sizes.values()), tracker.alloc_device)
+    n = _device_bytes(max(tracker.host_sizes.values()), tracker.alloc_device)
     tracker._scratch -= 1
     tracker._ghost = (tracker._scratch, n)
     tracker.prefetch_window = max(tracker.prefetch_window, n)
@@ -158,8 +160,6 @@ def on_phase(tracker, old, new) -> None:
 def host_optimizer_figures(shapes, device="cuda") -> dict:
     """Bytes of torchao's CPUOffloadOptimizer(AdamW) over trainable parameters of ``shapes`` ((shape, dtype) each):
     device states (small parameters' on-device AdamW), host bytes, largest offloaded gradient, bytes moved."""
-    from .tracker import alloc_bytes
-
     dev_states = host = moved = 0
     for shape, dtype in shapes:
         numel = 1
@@ -167,7 +167,7 @@ def host_optimizer_figures(shapes, device="cuda") -> dict:
             numel *= int(s)
         b = numel * torch.empty((), dtype=getattr(torch, str(dtype).removeprefix("torch."))).element_size()
         if numel < MINIMAL_SIZE:
-            dev_states += 2 * alloc_bytes(b, device) + alloc_bytes(4, device)  # exp_avg, exp_avg_sq, step (fused)
+            dev_states += 2 * _device_bytes(b, device) + _device_bytes(4, device)  # exp_avg, exp_avg_sq, step (fused)
             continue
         host += 2 * pinned_bytes(b) + 2 * b + 4  # pinned copy and gradient; exp_avg, exp_avg_sq; step
         moved += b
