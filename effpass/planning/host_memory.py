@@ -45,11 +45,12 @@ import weakref
 
 import torch
 
-__all__ = ["HOST_OPTIMIZERS", "HostBudgetError", "emulated", "offload_mode", "on_device_put", "on_phase", "add_host",
+__all__ = ["HOST_OPTIMIZERS", "HostBudgetError", "is_host_option", "emulated", "offload_mode", "on_device_put", "on_phase", "add_host",
            "pinned_bytes", "host_optimizer_figures", "with_host_optimizer", "step_time"]
 
-#: optimizers whose states live on the host: name -> torchao's CPUOffloadOptimizer keyword arguments
-HOST_OPTIMIZERS = {"adamw_offload": {"offload_gradients": False}}
+#: optimizers whose states live on the host (registered by effpass/planning/optimizers.py): name -> their
+#: CPUOffloadOptimizer keyword arguments
+HOST_OPTIMIZERS: dict[str, dict] = {}
 #: torchao CPUOffloadOptimizer's default: smaller parameters keep an on-device optimizer
 MINIMAL_SIZE = 4096
 
@@ -69,7 +70,7 @@ def emulated(p, device):
     synchronous rewrite on CPU graphs), so that the tracker sees which tensors move; every other pass as is."""
     dev = torch.device(device) if device is not None else None
     # a CUDA target without CUDA here is replayed on CPU fake tensors (replay.replay_device)
-    if (getattr(p, "name", None) == "offload_activations" and dev is not None and dev.type == "cuda"
+    if (getattr(type(p), "host_offload", False) and dev is not None and dev.type == "cuda"
             and not torch.cuda.is_available() and getattr(p, "cpu", "emulate") != "emulate"):
         return dataclasses.replace(p, cpu="emulate")
     return p
@@ -79,10 +80,22 @@ def offload_mode(passes, dev, rdev) -> dict | None:
     """What the tracker models of ``offload_activations`` in ``passes`` on a CPU replay for a CUDA target."""
     if dev.type != "cuda" or rdev is None or rdev == dev:
         return None
-    p = next((p for p in passes if p.name == "offload_activations"), None)
+    p = next((p for p in passes if getattr(type(p), "host_offload", False)), None)
     if p is None:
         return None
     return {"stream": bool(p.separate_stream), "prefetch": bool(p.separate_stream and p.prefetch)}
+
+
+def is_host_option(o) -> bool:
+    """A declared memory option that holds host memory: an optimizer of :data:`HOST_OPTIMIZERS`, or a pass whose
+    class says ``host_offload = True`` (it copies saved activations to the host; the replay emulates it)."""
+    if o.optimizer in HOST_OPTIMIZERS:
+        return True
+    if not o.pass_name:
+        return False
+    from effpass.pass_api import registered_passes
+
+    return bool(getattr(registered_passes().get(o.pass_name), "host_offload", False))
 
 
 def add_host(tracker, st, n: int) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import effpass
 
+from .host_memory import HOST_OPTIMIZERS
+
 
 def _adamw8bit(params, lr=1e-3, device=None):
     from effpass.quantized import quiet_torchao_import
@@ -34,6 +36,7 @@ def _adamw_offload(params, lr=1e-3, device=None):
     return CPUOffloadOptimizer(params, torch.optim.AdamW, lr=lr, offload_gradients=False)
 
 
+HOST_OPTIMIZERS["adamw_offload"] = {"offload_gradients": False}  # sized by effpass.planning.host_memory
 effpass.register_optimizer("adamw_offload", _adamw_offload,
                            "torchao.optim.CPUOffloadOptimizer(params, torch.optim.AdamW): AdamW's states and step on "
                            "the host (CUDA only)")

@@ -118,9 +118,9 @@ def prepare(model, memory_budget, allow, passes, optimizer, world_size: int, *, 
                      f"and their copies counted as pinned host memory (effpass.planning.host_memory)")
     groups = usable_options(model, base_names, allow_t, optimizer, world_size, notes, graph_only=graph_only,
                             device=dev, rows=rows)
-    if dev.type == "cuda" and any(o.changes and ("optimizer_states" in o.changes and o.optimizer in
-                                                 _host_optimizers() or o.pass_name == "offload_activations")
-                                  for g in groups.values() for o in g):
+    from .host_memory import is_host_option
+
+    if dev.type == "cuda" and any(is_host_option(o) for g in groups.values() for o in g):
         notes.append(f"host memory: {'bounded by host_budget ' + format_bytes(hb) if hb is not None else 'unbounded'}"
                      f" (plans that offload activations or optimizer states hold host memory"
                      + ("; --host-budget bounds it" if hb is None else "; a plan over it is not a candidate")
@@ -155,9 +155,3 @@ def prepare(model, memory_budget, allow, passes, optimizer, world_size: int, *, 
                      device=dev, base=base, groups=groups, notes=notes, base_sharding=base_sharding,
                      unit_bytes=largest_unit_bytes(model) if world_size > 1 else 0, gpu=gpu,
                      compute_dtype=compute_dtype, host_budget=hb)
-
-
-def _host_optimizers():
-    from .host_memory import HOST_OPTIMIZERS
-
-    return HOST_OPTIMIZERS

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.fx as fx
@@ -86,6 +86,10 @@ class OffloadActivations(effpass.Pass):
     Backward: ``gpu_reload_add_3 = ao.reload(cpu_offload_add_3, cuda)`` scheduled ahead of its use and
     ``ao.wait_tensor`` right before it.
     """
+
+    #: the planner's replay on CPU for a CUDA target runs this pass as cpu="emulate" and counts its copies to the
+    #: host as host memory (effpass/planning/host_memory.py)
+    host_offload: ClassVar[bool] = True
 
     min_bytes: int = field(default=1 << 20, metadata={
         "doc": "saved tensors smaller than this stay on the device (transfers of small tensors waste bandwidth)"})
