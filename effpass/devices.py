@@ -36,6 +36,13 @@ class GPU:
     #: extra cost of one host synchronisation, seconds (a device-to-host copy of a scalar and the stream wait,
     #: ~10 us; order of magnitude, not measured by effpass; the launches it stops from overlapping are not modelled)
     sync_s: float = 10e-6
+    #: host link, bytes/s per direction (device-to-host and host-to-device each; full duplex): what offloaded
+    #: activations and optimizer states cross. PCIe 5.0 x16 (H100/H200 SXM and PCIe boards): 32 GT/s x 16 lanes
+    #: = 63 GB/s raw per direction, ~55 GB/s effective (the figure issue 39 states; not measured by effpass).
+    #: GH200: NVLink-C2C, 900 GB/s total = 450 GB/s per direction (NVIDIA GH200 datasheet; not measured)
+    host_bytes_per_s: float = 55e9
+    #: what the host link is, for notes
+    host_link: str = "PCIe 5.0 x16"
 
 
 DEVICES: dict[str, GPU] = {
@@ -43,6 +50,10 @@ DEVICES: dict[str, GPU] = {
                 hbm_bytes_per_s=3.35e12),
     "h200": GPU("NVIDIA H200 SXM 141GB", bf16_peak_flops=989.4e12, matmul_flops=790e12, fp32_flops=67e12,
                 hbm_bytes_per_s=4.8e12),
+    # GH200 (Grace Hopper): the H100 GPU with 96 GB HBM3 at 4.0 TB/s (NVIDIA GH200 datasheet), joined to the Grace
+    # CPU's LPDDR5X by NVLink-C2C
+    "gh200": GPU("NVIDIA GH200 96GB", bf16_peak_flops=989.4e12, matmul_flops=790e12, fp32_flops=67e12,
+                 hbm_bytes_per_s=4.0e12, host_bytes_per_s=450e9, host_link="NVLink-C2C"),
 }
 
 

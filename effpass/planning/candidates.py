@@ -62,6 +62,13 @@ class Candidate:
     pruned: str | None = None
     #: CUDA plans: a compute-bound estimate of the step's time on the planned GPU (``PlanSetup.step_seconds``)
     est_step_s: float | None = None
+    #: CUDA plans that use host memory: a phase's transfers over the host link outlast its compute
+    transfer_bound: bool = False
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the plan holds (offloaded activations, optimizer states on the host); 0 when none."""
+        return self.estimate.host_bytes if self.estimate else 0
 
     @property
     def lossy(self) -> bool:
@@ -121,25 +128,29 @@ class MemoryPlan:
 
     def table(self) -> str:
         timed = any(c.est_step_s is not None for c in self.candidates)
+        host = any(c.host_bytes for c in self.candidates)
         rows = [("plan", "lossy", "predicted peak", "fits", "extra compute") + (("est. step",) if timed else ())
-                + ("peak at",)]
+                + (("host",) if host else ()) + ("peak at",)]
         base_flops = self._base_flops()
         for c in self.candidates:
             if c.pruned and c.estimate is None:
                 if c.floor is not None and c.floor > self.budget:
                     rows.append(("  " + c.name, "yes" if c.lossy else "no",
                                  f"not replayed: >= {format_bytes(c.floor)}", "no", "-") + (("-",) if timed else ())
-                                + ("start of step alone exceeds the budget",))
+                                + (("-",) if host else ()) + ("start of step alone exceeds the budget",))
                 else:
                     rows.append(("  " + c.name, "yes" if c.lossy else "no", "not replayed", "-", "-")
-                                + (("-",) if timed else ()) + ("restricted; an unrestricted plan fits",))
+                                + (("-",) if timed else ()) + (("-",) if host else ())
+                                + ("restricted; an unrestricted plan fits",))
                 continue
             if c.estimate is None:
                 rows.append((c.name, "yes" if c.lossy else "no", c.error or "not evaluated", "-", "-")
-                            + (("-",) if timed else ()) + ("-",))
+                            + (("-",) if timed else ()) + (("-",) if host else ()) + ("-",))
                 continue
             pct = f" ({100 * c.extra_flops / base_flops:+.1f}%)" if base_flops else ""
-            step = ((f"{c.est_step_s * 1e3:.3g} ms" if c.est_step_s is not None else "-",) if timed else ())
+            step = ((f"{c.est_step_s * 1e3:.3g} ms" + (" transfer-bound" if c.transfer_bound else "")
+                     if c.est_step_s is not None else "-",) if timed else ())
+            step += ((format_bytes(c.host_bytes) if c.host_bytes else "-",) if host else ())
             rows.append((("* " if c is self.chosen else "  ") + c.name, "yes" if c.lossy else "no",
                          ("~" if c.estimate.provisional else "") + format_bytes(c.peak_bytes),
                          "yes" if c.fits else "no",
@@ -156,6 +167,11 @@ class MemoryPlan:
         lines = [f"memory plan for a budget of {format_bytes(self.budget)}"
                  + (f" per rank ({self.world_size} ranks)" if self.world_size > 1 else "") + f": {self.chosen.name}",
                  f"  predicted peak {format_bytes(self.peak_bytes)}; why: {self.reason}",
+                 *([f"  host memory {format_bytes(self.chosen.host_bytes)} ({self.chosen.host_bytes} bytes: pinned "
+                    f"offload buffers and optimizer states on the host)"
+                    + (f"; est. step {self.chosen.est_step_s * 1e3:.3g} ms" if self.chosen.est_step_s else "")
+                    + (", transfer-bound (the host link's transfers outlast the compute they overlap)"
+                       if self.chosen.transfer_bound else "")] if self.chosen.host_bytes else []),
                  f"  pipeline: {', '.join(p.name for p in self.passes) or '(none)'}; optimizer: {self.optimizer}"]
         lines += [f"  note: {n}" for n in self.notes]
         lines += ["", self.table()]
@@ -173,6 +189,7 @@ class MemoryPlan:
                 "passes": [{"name": p.name, "options": p.options()} for p in self.passes],
                 "candidates": [{"plan": c.name, "techniques": list(c.techniques()), "lossy": c.lossy, "peak_bytes": c.peak_bytes, "fits": c.fits,
                                 "extra_flops": c.extra_flops, "est_step_s": c.est_step_s, "error": c.error,
+                                "host_bytes": c.host_bytes, "transfer_bound": c.transfer_bound,
                                 "pruned": c.pruned,
                                 "floor_bytes": c.floor,
                                 "provisional": bool(c.estimate and c.estimate.provisional),

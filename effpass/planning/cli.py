@@ -60,8 +60,10 @@ def model_from_config(config, dtype: str | None = None):
 
 def plan_config(config, batch: int, seq: int, budget, allow=(), world_size: int = 1, passes=None,
                 lora: int | None = None, optimizer: str | None = "adamw", dtype: str | None = None,
-                device: str = "cpu", sequence_parallel: int = 1, prune: bool = True, gpu: str | None = None):
-    """(model, plan) for a config at ``batch`` x ``seq`` under ``budget`` (``prune``, ``gpu``: see ``plan_memory``)."""
+                device: str = "cpu", sequence_parallel: int = 1, prune: bool = True, gpu: str | None = None,
+                host_budget=None):
+    """(model, plan) for a config at ``batch`` x ``seq`` under ``budget`` (``prune``, ``gpu``, ``host_budget``: see
+    ``plan_memory``)."""
     import torch
 
     from .planner import plan_memory
@@ -74,7 +76,7 @@ def plan_config(config, batch: int, seq: int, budget, allow=(), world_size: int 
     pipeline = _pipeline_of(passes, lora)
     plan = plan_memory(model, inputs, budget, allow=allow, passes=pipeline, optimizer=optimizer,
                        world_size=world_size, device=device, lowering="eager", sequence_parallel=sequence_parallel,
-                       prune=prune, gpu=gpu)
+                       prune=prune, gpu=gpu, host_budget=host_budget)
     return model, plan
 
 
@@ -89,7 +91,7 @@ def _pipeline_of(passes, lora):
 
 def max_seq_config(config, batch: int, budget, allow=(), world_size: int = 1, passes=None, lora: int | None = None,
                    optimizer: str | None = "adamw", dtype: str | None = None, device: str = "cpu", step: int = 1024,
-                   probes=(8192, 16384, 32768), max_len: int = 1 << 24):
+                   probes=(8192, 16384, 32768), max_len: int = 1 << 24, host_budget=None):
     """(model, :class:`~effpass.planning.planner.MaxSeqResult`): the longest sequence of ``batch`` rows of a
     config that fits ``budget``, and its plan."""
     import torch
@@ -106,7 +108,7 @@ def max_seq_config(config, batch: int, budget, allow=(), world_size: int = 1, pa
 
     res = plan_max_seq(model, make_inputs, budget, allow=allow, passes=_pipeline_of(passes, lora),
                        optimizer=optimizer, world_size=world_size, device=device, step=step, probes=tuple(probes),
-                       max_len=max_len, lowering="eager")
+                       max_len=max_len, lowering="eager", host_budget=host_budget)
     return model, res
 
 
@@ -135,8 +137,15 @@ def _add_arguments(p) -> None:
                    help="device to predict for (fake tensors). cuda: the caching allocator's segments are modelled "
                         "and fitted to the budget; made on any machine (CPU fake tensors where there is no GPU); "
                         "not yet checked against a GPU")
-    p.add_argument("--gpu", default=None, choices=("h100", "h200"),
-                   help="with --device cuda: the GPU each plan's step time is estimated on (default h100)")
+    from effpass.devices import DEVICES
+
+    p.add_argument("--gpu", default=None, choices=tuple(DEVICES),
+                   help="with --device cuda: the GPU each plan's step time (and host-link transfers) is estimated on "
+                        "(default h100)")
+    p.add_argument("--host-budget", dest="host_budget", default=None, metavar="SIZE",
+                   help="with --device cuda: host memory a plan may hold (offloaded activations, optimizer states on "
+                        "the host), e.g. 512GiB; a plan over it is not a candidate. Default: unbounded (the plan is "
+                        "for a CUDA machine, not this one)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--all", dest="replay_all", action="store_true",
                    help="replay every candidate of the tiers tried (the whole table), also those whose bytes at the "
@@ -160,7 +169,7 @@ def _run(args) -> int:
                                   world_size=args.world_size, passes=passes, lora=args.lora,
                                   optimizer=None if args.optimizer == "none" else args.optimizer, dtype=args.dtype,
                                   device=args.device, sequence_parallel=args.sequence_parallel,
-                                  prune=not args.replay_all, gpu=args.gpu)
+                                  prune=not args.replay_all, gpu=args.gpu, host_budget=args.host_budget)
     except MemoryBudgetError as e:
         print(f"effpass plan: {e}", file=sys.stderr)
         if e.candidates:
@@ -196,7 +205,8 @@ def _run_max_seq(args, passes) -> int:
         model, res = max_seq_config(args.config, args.batch, args.budget, allow=args.allow,
                                     world_size=args.world_size, passes=passes, lora=args.lora,
                                     optimizer=None if args.optimizer == "none" else args.optimizer, dtype=args.dtype,
-                                    device=args.device, step=args.step, probes=args.probes, max_len=args.max_len)
+                                    device=args.device, step=args.step, probes=args.probes, max_len=args.max_len,
+                                    host_budget=args.host_budget)
     except MemoryBudgetError as e:
         print(f"effpass plan: {e}", file=sys.stderr)
         return 2

@@ -26,7 +26,9 @@ AUTO_MIN_BLOCKS = 12
 AFFINE = ("peak_bytes", "start_bytes", "step_peak_bytes", "parameters", "trainable_parameters", "buffers",
            "inputs", "gradients", "optimizer_states", "activations", "largest_transient", "gradients_at_peak",
            "non_gradient_peak", "gradients_at_non_gradient_peak",
-           "flops", "largest_unit_bytes")
+           "flops", "largest_unit_bytes",
+           # host memory (planning/host_memory.py): each block adds its offloaded checkpoints
+           "host_bytes", "offload_d2h_bytes", "offload_h2d_bytes", "prefetch_window", "forward_flops")
 
 
 def block_list(model: torch.nn.Module):

@@ -94,7 +94,7 @@ def plan_max_seq(model: torch.nn.Module, make_inputs, memory_budget, allow: Iter
                  optimizer: str | None = "adamw", world_size: int = 1, *, step: int = 1024,
                  probes: tuple = (8192, 16384, 32768), max_len: int = 1 << 24, min_len: int | None = None,
                  device=None, loss_fn=None, max_replays: int = 12, screen: bool = True,
-                 cache: dict | None = None, **compile_options) -> MaxSeqResult:
+                 cache: dict | None = None, host_budget=None, **compile_options) -> MaxSeqResult:
     """The longest sequence (a multiple of ``step``) whose predicted training-step peak fits ``memory_budget``,
     and the plan that fits it. ``make_inputs(seq)`` builds the step's inputs at a sequence length.
 
@@ -125,14 +125,16 @@ def plan_max_seq(model: torch.nn.Module, make_inputs, memory_budget, allow: Iter
     Raises :class:`MemoryBudgetError` when even ``min_len`` (default ``step``) fits no candidate; it names the
     smallest peak among all of them there (every candidate is replayed at ``min_len``: the same for any budget).
     ``cache``: a dict shared by calls for several budgets of the same model, inputs and options (the probe
-    replays do not depend on the budget).
+    replays do not depend on the budget). ``host_budget``: as :func:`~effpass.planning.plan_memory`'s (a plan over
+    it at a length is out of the running there: host bytes grow with the length).
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise ValueError(f"step must be a positive number of tokens, got {step!r}")
     probes = tuple(sorted(set(int(p) for p in probes)))
     if len(probes) < 2 or probes[0] < 1:
         raise ValueError(f"probes must be at least two positive lengths, got {probes!r}")
-    setup = prepare(model, memory_budget, allow, passes, optimizer, world_size, device=device, answer="sequence")
+    setup = prepare(model, memory_budget, allow, passes, optimizer, world_size, device=device, answer="sequence",
+                    host_budget=host_budget)
     search = _MaxSeqSearch(setup, make_inputs, step=step, probes=probes, max_len=max_len,
                            min_len=step if min_len is None else int(min_len), loss_fn=loss_fn,
                            max_replays=max_replays, cache={} if cache is None else cache,
@@ -379,7 +381,8 @@ class _MaxSeqSearch:
         restricted, then the fewest FLOPs and options."""
         setup, budget, step, probes = self.setup, self.setup.budget, self.step, self.probes
         at_lo = [c for c in live if id(c) in known[lo] and known[lo][id(c)].device_peak_bytes <= budget]
-        chosen = min(at_lo, key=lambda c: (c.lossy, c.restricted, known[lo][id(c)].flops, len(c.options)))
+        chosen = min(at_lo, key=lambda c: (c.lossy, c.restricted, bool(known[lo][id(c)].host_bytes),
+                                           known[lo][id(c)].flops, len(c.options)))
         if chosen.lossy and any(not c.lossy for c, _, _ in ok):
             notes.append(f"a lossy plan fits a longer sequence than every lossless one ({lo:,} tokens)")
         est = known[lo][id(chosen)]

@@ -33,6 +33,10 @@ def optimizer_replay(optimizer: str, shapes: Sequence[tuple], device="cpu", lr: 
 
     from effpass.memory_options import build_optimizer
 
+    from .host_memory import HOST_OPTIMIZERS, host_optimizer_figures
+
+    if optimizer in HOST_OPTIMIZERS:  # states on the host (CUDA only: not built here); the device keeps small ones'
+        return host_optimizer_figures(shapes, device)["device_states"], 0
     dev = torch.device(device)
     total, transient = 0, 0
     for (shape, dtype), n in Counter((tuple(s), str(d)) for s, d in shapes).items():
@@ -66,6 +70,10 @@ def with_optimizer(est: MemoryEstimate, optimizer: str, *, device=None, lr: floa
     backward are the same; the states and the optimizer step's transient are measured by building the
     real optimizer on fake parameters (:func:`optimizer_replay`)."""
     check_optimizer(optimizer)
+    from .host_memory import HOST_OPTIMIZERS, with_host_optimizer
+
+    if optimizer in HOST_OPTIMIZERS:
+        return with_host_optimizer(est, optimizer)
     shapes = est.trainable_shapes or [((n,), "float32") for n in est.trainable_numels]
     states, transient = optimizer_replay(optimizer, shapes, device or est.device, lr)
     fwd_bwd = max(est.phase_peaks.get("forward", 0), est.phase_peaks.get("backward", 0))

@@ -32,7 +32,7 @@ __all__ = ["MemoryPlan", "Candidate", "MemoryBudgetError", "plan_memory", "plan_
 def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: Iterable[str] = (), passes=None,
                 optimizer: str | None = "adamw", world_size: int = 1, *, device=None, loss_fn=None,
                 sequence_parallel: int = 1, prune: bool = True, cache: dict | None = None, gpu: str | None = None,
-                **compile_options) -> MemoryPlan:
+                host_budget=None, **compile_options) -> MemoryPlan:
     """Choose a pipeline for ``model`` whose predicted training-step peak fits ``memory_budget``
     (``"24GiB"``, bytes; per rank when ``world_size > 1``). See the module docstring for the order.
 
@@ -56,7 +56,12 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
 
     ``device="cuda"``: the plan fits the caching allocator's reserved segments (made on any machine); each
     candidate gets a compute-bound estimate of its step time on ``gpu`` (``"h100"``, the default, or ``"h200"``:
-    :mod:`effpass.devices`), ``Candidate.est_step_s``, shown in the table.
+    :mod:`effpass.devices`), ``Candidate.est_step_s``, shown in the table. Offloaded activations
+    (``offload_activations``) and AdamW's states on the host (``adamw_offload``) are candidates there, predicted
+    on any machine (:mod:`effpass.planning.host_memory`): each with its host bytes and its transfers over the
+    GPU's host link in the step time (``transfer_bound`` when they outlast the compute they overlap).
+    ``host_budget`` (``"512GiB"``, bytes; default None: unbounded): a plan holding more host memory is not a
+    candidate (listed with why).
 
     Raises :class:`MemoryBudgetError` (a ``ValueError``) naming the smallest achievable peak and its plan
     when nothing fits, ``ValueError`` for an unreadable budget, one below the parameters' own bytes, or an
@@ -64,17 +69,17 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
     """
     return _plan(model, example_inputs, memory_budget, allow, passes, optimizer, world_size, device=device,
                  loss_fn=loss_fn, sequence_parallel=sequence_parallel, prune=prune, cache=cache, gpu=gpu,
-                 compile_options=compile_options)
+                 host_budget=host_budget, compile_options=compile_options)
 
 
 def _plan(model, example_inputs, memory_budget, allow, passes, optimizer, world_size, *, device=None, loss_fn=None,
           sequence_parallel: int = 1, prune: bool = True, cache: dict | None = None, graph_only: bool = False,
-          gpu: str | None = None, compile_options) -> MemoryPlan:
+          gpu: str | None = None, host_budget=None, compile_options) -> MemoryPlan:
     """:func:`plan_memory`; ``graph_only``: only options that act on graphs (planning on the first call)."""
     if sequence_parallel == 1:
         return _plan_one_rank(model, example_inputs, memory_budget, allow, passes, optimizer, world_size,
                               device=device, loss_fn=loss_fn, prune=prune, cache=cache, graph_only=graph_only,
-                              sp_terms=None, gpu=gpu, compile_options=compile_options)
+                              sp_terms=None, gpu=gpu, host_budget=host_budget, compile_options=compile_options)
     # one rank of a shard_sequence group: seq/sp tokens replayed, the sharded attention's terms folded on
     from .sharding import sequence_parallel_replay
 
@@ -84,16 +89,17 @@ def _plan(model, example_inputs, memory_budget, allow, passes, optimizer, world_
     try:
         return _plan_one_rank(model, local, memory_budget, allow, passes, optimizer, world_size, device=device,
                               loss_fn=loss_fn, prune=prune, cache=cache, graph_only=graph_only,
-                              sp_terms=(sequence_parallel, terms), gpu=gpu, compile_options=compile_options)
+                              sp_terms=(sequence_parallel, terms), gpu=gpu, host_budget=host_budget,
+                              compile_options=compile_options)
     finally:
         restore_sp()
 
 
 def _plan_one_rank(model, example_inputs, memory_budget, allow, passes, optimizer, world_size, *, device, loss_fn,
-                   prune, cache, graph_only, sp_terms, compile_options, gpu=None) -> MemoryPlan:
+                   prune, cache, graph_only, sp_terms, compile_options, gpu=None, host_budget=None) -> MemoryPlan:
     """The plan of one rank's replayed step: set-up, candidates, search, answer."""
     setup = prepare(model, memory_budget, allow, passes, optimizer, world_size, device=device, graph_only=graph_only,
-                    rows=batch_rows(example_inputs), gpu_name=gpu)
+                    rows=batch_rows(example_inputs), gpu_name=gpu, host_budget=host_budget)
     lossless, lossy = candidate_tiers(setup.groups, optimizer)
     found = search(setup, example_inputs, lossless, lossy, loss_fn=loss_fn, replays=cache, prune=prune,
                    sp_terms=sp_terms, compile_options=compile_options)
@@ -110,6 +116,10 @@ def _plan_one_rank(model, example_inputs, memory_budget, allow, passes, optimize
 def _nothing_fits(setup, considered) -> Exception:
     """The error when no candidate fits: the smallest achievable peak and its plan (or why none was replayed)."""
     done = [c for c in considered if c.estimate is not None]
+    over_host = [c for c in considered if c.error and c.error.startswith("over the host budget")]
+    if not done and over_host and len(over_host) == sum(1 for c in considered if c.error):
+        return MemoryBudgetError(f"no plan fits: every plan replayed is over the host budget "
+                                 f"({over_host[0].name}: {over_host[0].error})", candidates=considered)
     if not done:
         errors = "; ".join(f"{c.name}: {c.error}" for c in considered[:3])
         return RuntimeError(f"plan_memory: no plan could be replayed ({errors})")
@@ -119,6 +129,9 @@ def _nothing_fits(setup, considered) -> Exception:
                      if not ll and t not in setup.allow)
     if missing:
         hint = f"; allow=[...] may add lossy techniques: {missing}"
+    if over_host:
+        hint += (f"; {len(over_host)} plan(s) left out as over host_budget {format_bytes(setup.host_budget)} (e.g. "
+                 f"{over_host[0].name!r}: {over_host[0].error})")
     return MemoryBudgetError(
         f"no plan fits memory_budget {format_bytes(setup.budget)}: the smallest achievable predicted peak is "
         f"{format_bytes(best.peak_bytes)} ({best.peak_bytes} bytes) with plan {best.name!r}{hint}",
@@ -139,6 +152,9 @@ def _reason(chosen, considered, budget) -> str:
                   + (" replayed" if any(c.pruned for c in considered) else ""))
         if chosen.lossy:
             reason += "; no lossless plan fits"
+    if chosen.host_bytes:  # plans without host memory are preferred: none of them fits
+        reason += (f"; it holds {format_bytes(chosen.host_bytes)} of host memory (no plan without host memory "
+                   f"fits)")
     if chosen.restricted:  # plans without restrictions are preferred: none of them fits
         reason += "; no plan without a restriction on the training loop fits"
     return reason

@@ -308,6 +308,9 @@ def _run_tracked(work, compiled, inputs, tracker, be, optimizer, dev, loss_fn, l
     s_bytes = tracked_bytes(states, dev)
     i_bytes = tracked_bytes(flat_inputs, dev)
     tracker.reset()
+    from .host_memory import offload_mode
+
+    tracker.offload = offload_mode(be.options.passes, dev, rdev)
     tracker.enabled = True
     phases = {}
 
@@ -318,6 +321,7 @@ def _run_tracked(work, compiled, inputs, tracker, be, optimizer, dev, loss_fn, l
 
     training_step(compiled, inputs, opt, loss_fn, on_phase=set_phase)
     tracker.enabled = False
+    tracker.keepalive.clear()
     del opt, states
     grads = sum(tracked_bytes([p], dev) for p in trainable)  # a gradient is laid out as its parameter (empty_like)
     step_peak = tracker.peak
@@ -339,7 +343,10 @@ def _run_tracked(work, compiled, inputs, tracker, be, optimizer, dev, loss_fn, l
         optimizer=optimizer, device=str(dev), replay_lowering=replay_lowering,
         requested_lowering=requested_lowering, passes=[p.name for p in be.options.passes],
         pass_stats=stats, notes=notes, trainable_numels=[p.numel() for p in trainable],
-        trainable_shapes=[(tuple(p.shape), str(p.dtype).removeprefix("torch.")) for p in trainable])
+        trainable_shapes=[(tuple(p.shape), str(p.dtype).removeprefix("torch.")) for p in trainable],
+        host_bytes=tracker.host_peak, offload_d2h_bytes=tracker.d2h_bytes, offload_h2d_bytes=tracker.h2d_bytes,
+        offload_overlapped=bool(tracker.offload and tracker.offload["stream"]),
+        prefetch_window=tracker.prefetch_window, forward_flops=tracker.forward_flops)
     est.gradients_at_peak, est.non_gradient_peak, est.gradients_at_non_gradient_peak = gradient_split(
         tracker.events, tracker.grads_at_peak)
     est.timeline = step_timeline(tracker.events, est)
@@ -430,8 +437,11 @@ def without_fsdp(passes, device):
 
     if passes is None:
         return None
+    from .host_memory import emulated
+
     built = _build_passes(passes)
-    return [p for p in built if not any(o.sharding for o in type(p).memory_options(None, world_size=2))]
+    return [emulated(p, device) for p in built
+            if not any(o.sharding for o in type(p).memory_options(None, world_size=2))]
 
 
 def largest_unit_bytes(model: torch.nn.Module) -> int:

@@ -74,6 +74,16 @@ class MemoryEstimate:
     #: CUDA target: bytes the caching allocator reserves from the driver over the step (its segments:
     #: ``torch.cuda.max_memory_reserved``), :mod:`effpass.planning.cuda_allocator`; None for other devices
     reserved_peak_bytes: int | None = None
+    #: host memory (CUDA plans, :mod:`effpass.planning.host_memory`): the most pinned/host bytes the step holds
+    #: (offloaded activations, optimizer states on the host), and the bytes moved over the host link per step
+    host_bytes: int = 0
+    offload_d2h_bytes: int = 0        # offloaded activations to the host (forward)
+    offload_h2d_bytes: int = 0        # and back (backward)
+    offload_overlapped: bool = False  # the copies overlap compute (offload_activations' stream variant)
+    prefetch_window: int = 0          # the reload buffer held ahead of its use (device bytes, modelled)
+    optimizer_d2h_bytes: int = 0      # gradients to the host (optimizer on the host)
+    optimizer_h2d_bytes: int = 0      # parameters back
+    forward_flops: int = 0            # of ``flops``, those of the forward (the window offload copies overlap)
 
     @property
     def device_peak_bytes(self) -> int:

@@ -12,6 +12,7 @@ after all where they could be smaller).
 from __future__ import annotations
 
 from .candidates import Candidate
+from .host_memory import HostBudgetError
 from .estimate import confirm_many, estimate_many, estimate_memory, start_bytes_many, with_optimizer
 from .result import MemoryEstimate, format_bytes
 from .setup import PlanSetup
@@ -146,12 +147,16 @@ class CandidateSearch:
             c.error = f"{type(r).__name__}: {str(r).splitlines()[0][:120] if str(r) else ''}"
             c.estimate, c.fits = None, False
             return
-        est = self.setup.fold(c, r)
+        try:
+            est = self.setup.fold(c, r)
+        except HostBudgetError as e:  # over host_budget: not a candidate (the table says why)
+            c.error, c.estimate, c.fits = str(e), None, False
+            return
         if self.sp_terms:
             est = fold_sequence_parallel(est, *self.sp_terms)
         c.estimate = est
         c.fits = est.device_peak_bytes <= self.setup.budget
-        c.est_step_s = self.setup.step_seconds(est.flops)
+        c.est_step_s, c.transfer_bound = self.setup.step_time(est)
 
     def set_floors(self, cands) -> None:
         """Each candidate's floor (bytes live at its step's start), from its module phase alone; cached with the
@@ -265,7 +270,9 @@ class CandidateSearch:
             self.set_extra_flops()
         fitting = [c for c in tier if c.fits]
         if fitting:
-            self.chosen = min(fitting, key=lambda c: (c.restricted, c.extra_flops, c.sharded, c.peak_bytes))
+            # plans that hold host memory (offloads) come after those that do not (host_memory.py)
+            self.chosen = min(fitting, key=lambda c: (c.restricted, bool(c.host_bytes), c.extra_flops, c.sharded,
+                                                      c.peak_bytes))
             return True
         return False
 

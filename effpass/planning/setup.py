@@ -34,6 +34,7 @@ class PlanSetup:
     unit_bytes: int = 0              # parameters of the largest block (FSDP unit), when world_size > 1
     gpu: Any = None                  # CUDA plans: the GPU (effpass.devices) each candidate's step time is estimated on
     compute_dtype: Any = None        # the dtype of the model's largest floating parameter (its matmuls' operands)
+    host_budget: int | None = None   # bytes of host memory a plan may hold (None: unbounded)
 
     def step_seconds(self, flops: int) -> float | None:
         """A compute-bound estimate of a step's time on ``gpu``: its FLOPs at the matmul ceiling (bf16/fp16) or
@@ -42,6 +43,17 @@ class PlanSetup:
             return None
         low = self.compute_dtype in (torch.bfloat16, torch.float16)
         return flops / (self.gpu.matmul_flops if low else self.gpu.fp32_flops)
+
+    def step_time(self, est: MemoryEstimate) -> tuple[float | None, bool]:
+        """(the estimated step time on ``gpu``, transfer-bound): :meth:`step_seconds` with the host link's transfers
+        (offloaded activations, optimizer states on the host) overlapped or added
+        (:func:`effpass.planning.host_memory.step_time`); (None, False) without a GPU."""
+        if self.gpu is None:
+            return None, False
+        from .host_memory import step_time
+
+        seconds, bound, _ = step_time(est, self.gpu, self.compute_dtype in (torch.bfloat16, torch.float16))
+        return seconds, bound
 
     @property
     def base_names(self) -> set:
@@ -57,21 +69,36 @@ class PlanSetup:
     def fold(self, c: Candidate, est: MemoryEstimate) -> MemoryEstimate:
         """A one-rank replay's estimate as per-rank figures of ``c`` over ``world_size`` ranks."""
         if self.world_size <= 1:
+            self.check_host(est)
             return est
         sharding = next((o.sharding for o in c.options if o.sharding), None) or (
             self.base_sharding.sharding if self.base_sharding else None)
         if sharding:
-            return fold_sharding(est, self.world_size, self.unit_bytes, sharding)
-        return dataclasses.replace(est, world_size=self.world_size)
+            est = fold_sharding(est, self.world_size, self.unit_bytes, sharding)
+        else:
+            est = dataclasses.replace(est, world_size=self.world_size)
+        self.check_host(est)
+        return est
+
+    def check_host(self, est: MemoryEstimate) -> None:
+        """Raise :class:`~effpass.planning.host_memory.HostBudgetError` when ``est`` holds more host memory than
+        ``host_budget`` (such a plan is not a candidate)."""
+        if self.host_budget is not None and est.host_bytes > self.host_budget:
+            from .host_memory import HostBudgetError
+
+            raise HostBudgetError(f"over the host budget: holds {format_bytes(est.host_bytes)} of host memory "
+                                  f"({est.host_bytes} bytes) > host_budget {format_bytes(self.host_budget)} "
+                                  f"(device peak {format_bytes(est.device_peak_bytes)})")
 
 
 def prepare(model, memory_budget, allow, passes, optimizer, world_size: int, *, device=None,
             graph_only: bool = False, rows: int | None = None, answer: str = "plan",
-            gpu_name: str | None = None) -> PlanSetup:
+            gpu_name: str | None = None, host_budget=None) -> PlanSetup:
     """The set-up of a plan search; raises ``ValueError`` for an unreadable budget, an ``allow`` entry that
     names no technique, or a budget below the parameters' own bytes (no ``answer`` can fit it). ``rows``:
     tokens in the step's batch (options meant for other batch sizes are left out); ``graph_only``: only
-    options that act on graphs (planning on the first call, after the optimizer exists)."""
+    options that act on graphs (planning on the first call, after the optimizer exists); ``host_budget``: host
+    memory a plan may hold (``"512GiB"``, bytes; None: unbounded)."""
     from effpass.config import _build_passes, default_pipeline
     from effpass.memory_options import declared_memory_options
 
@@ -82,14 +109,22 @@ def prepare(model, memory_budget, allow, passes, optimizer, world_size: int, *, 
     base_names = {p.name for p in base}
     notes: list[str] = []
     rdev = replay_device(dev)
+    hb = parse_size(host_budget, "host_budget") if host_budget is not None else None
     if rdev != dev:
-        # a CUDA target replayed on CPU fake tensors: host memory is the replay's own device there, so options
-        # that trade device memory for host memory (offload_activations) cannot be predicted: left out, said
+        # a CUDA target replayed on CPU fake tensors: offload_activations runs as torch's synchronous rewrite and
+        # its copies are counted as CUDA holds them (planning/host_memory.py)
         notes.append(f"predicted for {dev.type} on {rdev.type} fake tensors (no {dev.type} here): CUDA's caching "
-                     f"allocator is modelled; options that move tensors to host memory (offload_activations) "
-                     f"need a {dev.type} replay and are not considered")
+                     f"allocator is modelled; offloaded activations are replayed as torch's synchronous rewrite "
+                     f"and their copies counted as pinned host memory (effpass.planning.host_memory)")
     groups = usable_options(model, base_names, allow_t, optimizer, world_size, notes, graph_only=graph_only,
-                            device=rdev if rdev != dev else dev, rows=rows)
+                            device=dev, rows=rows)
+    from .host_memory import is_host_option
+
+    if dev.type == "cuda" and any(is_host_option(o) for g in groups.values() for o in g):
+        notes.append(f"host memory: {'bounded by host_budget ' + format_bytes(hb) if hb is not None else 'unbounded'}"
+                     f" (plans that offload activations or optimizer states hold host memory"
+                     + ("; --host-budget bounds it" if hb is None else "; a plan over it is not a candidate")
+                     + ")")
     p_bytes, floor = parameter_floor(model, groups, world_size)
     if budget < floor:
         raise ValueError(f"memory_budget {memory_budget!r} ({format_bytes(budget)}) is below the parameters' own "
@@ -112,8 +147,11 @@ def prepare(model, memory_budget, allow, passes, optimizer, world_size: int, *, 
                         if compute_dtype in (torch.bfloat16, torch.float16)
                         else f"fp32 rate ({gpu.fp32_flops / 1e12:.0f} TFLOP/s; {compute_dtype} parameters)")
                      + ": a compute-bound estimate (memory traffic, launches and communication not counted; "
-                       "`effpass cost` gives the roofline of one step)")
+                       "`effpass cost` gives the roofline of one step); plans that use host memory add their "
+                       f"transfers at {gpu.host_bytes_per_s / 1e9:.0f} GB/s per direction ({gpu.host_link}), "
+                       "overlapped with the compute of their phase or added to it; 'transfer-bound' when a "
+                       "phase's transfers outlast its compute")
     return PlanSetup(model=model, budget=budget, allow=allow_t, optimizer=optimizer, world_size=world_size,
                      device=dev, base=base, groups=groups, notes=notes, base_sharding=base_sharding,
                      unit_bytes=largest_unit_bytes(model) if world_size > 1 else 0, gpu=gpu,
-                     compute_dtype=compute_dtype)
+                     compute_dtype=compute_dtype, host_budget=hb)

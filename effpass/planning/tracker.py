@@ -90,6 +90,11 @@ class Tracker(TorchDispatchMode):
         self.graphs: dict[tuple[str, str], str] = {}
         self._scratch = 0  # keys of in-kernel scratch buffers (negative: never a storage's key)
         self.flops = 0
+        #: offload_activations emulated on a CPU replay for a CUDA target (:mod:`effpass.planning.host_memory`):
+        #: None, or {"stream": bool, "prefetch": bool} (set by the replay from the pipeline)
+        self.offload = None
+        self._reset_host()
+        self.forward_flops = 0
         self._flop_registry = None
         try:
             from torch.utils.flop_counter import flop_registry
@@ -107,7 +112,36 @@ class Tracker(TorchDispatchMode):
         self.grads_at_peak = 0
         self.flops = 0
         self.phase_peaks = {}
+        self.forward_flops = 0
+        self._reset_host()
         self.hints.reset()
+
+    # -- host memory (offloaded activations): counted apart from the device's bytes -------------------------
+    def _reset_host(self):
+        self.host_live = self.host_peak = 0          # pinned host bytes (each storage rounded to a power of two)
+        self.d2h_bytes = self.h2d_bytes = 0          # bytes copied to the host / back over the step
+        self.host_sizes: dict[int, int] = {}         # host storage key -> its bytes (unrounded), until reloaded
+        self._host_alloc: dict[int, int] = {}        # host storage key -> its pinned bytes, while alive
+        self.keepalive: list = []                    # device tensors kept until the forward ends (stream variant)
+        self.prefetch_window = 0                     # the largest prefetch buffer held ahead of a reload
+        self._ghost = None                           # (key, bytes) of the prefetch buffer live now
+
+    @property
+    def phase(self):
+        return getattr(self, "_phase", None)
+
+    @phase.setter
+    def phase(self, p):
+        old = getattr(self, "_phase", None)
+        self._phase = p
+        if self.enabled and self.offload and old != p:
+            from .host_memory import on_phase
+
+            on_phase(self, old, p)
+
+    def _free_host(self, key):
+        n = self._host_alloc.pop(key, 0)
+        self.host_live -= n
 
     def _free(self, key):
         n = self.sizes.pop(key, 0)
@@ -160,9 +194,16 @@ class Tracker(TorchDispatchMode):
                 pass
         elif not func.is_view:  # every other op: one per element it writes
             self.flops += sum(t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        if self.phase == "forward":
+            self.forward_flops = self.flops
         from effpass.quantized import inner_tensors
 
         flat_in = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        if func is torch.ops.prims.device_put.default and (self.offload or self.alloc_device.type != self.device.type):
+            from .host_memory import on_device_put
+
+            if on_device_put(self, func, args, out):
+                return out  # an offload: the copy is host memory
         ins = set()
         for a in flat_in:
             for i in inner_tensors(a):
@@ -181,7 +222,13 @@ class Tracker(TorchDispatchMode):
             if key in ins or key in self.sizes:
                 continue
             if t.device.type != self.device.type and t.device.type != "meta":
-                continue  # NOTE(offload): host memory (offloaded activations, CPU step counters) is not device memory
+                # NOTE(offload): host memory (offloaded activations, CPU step counters) is not device memory; a
+                # CUDA replay's copies to the host (ao.offload) are counted as pinned host bytes
+                if t.device.type == "cpu" and self.alloc_device.type == "cuda" and self.phase == "forward":
+                    from .host_memory import add_host
+
+                    add_host(self, st, st.nbytes())
+                continue
             n = alloc_bytes(st.nbytes(), self.alloc_device)
             self.sizes[key] = n
             weakref.finalize(st, self._free, key)

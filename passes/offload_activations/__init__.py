@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.fx as fx
@@ -87,6 +87,10 @@ class OffloadActivations(effpass.Pass):
     ``ao.wait_tensor`` right before it.
     """
 
+    #: the planner's replay on CPU for a CUDA target runs this pass as cpu="emulate" and counts its copies to the
+    #: host as host memory (effpass/planning/host_memory.py)
+    host_offload: ClassVar[bool] = True
+
     min_bytes: int = field(default=1 << 20, metadata={
         "doc": "saved tensors smaller than this stay on the device (transfers of small tensors waste bandwidth)"})
     separate_stream: bool = field(default=True, metadata={
@@ -109,7 +113,14 @@ class OffloadActivations(effpass.Pass):
         return [effpass.MemoryOption(technique="offload_activations", options={}, lossless=True,
                                      group="activation_offload", changes="activations", label="offload",
                                      cost="saved activations copied to host memory and back over PCIe "
-                                          "(overlapped with compute on a side stream; CUDA only)")]
+                                          "(overlapped with compute on a side stream; CUDA only)"),
+                # the synchronous copies free each device tensor at its last forward use (the stream variant holds
+                # them until the forward ends) but do not overlap compute
+                effpass.MemoryOption(technique="offload_activations", options={"separate_stream": False},
+                                     lossless=True, group="activation_offload", changes="activations",
+                                     label="offload (sync)", order=1,
+                                     cost="saved activations copied to host memory at their last forward use and "
+                                          "back at their first backward use, not overlapped with compute (CUDA only)")]
 
     @classmethod
     def default_note(cls) -> str:

@@ -167,15 +167,19 @@ def test_the_plan_fits_the_allocators_segments_not_the_live_bytes(replays):
     model, inputs = _meta_case()
     cpu = plan_memory(model, inputs, 3 * MiB, passes=[], device="cpu", lowering="eager", cache=replays["cpu"])
     assert cpu.peak_bytes <= 3 * MiB  # the live bytes fit
-    with pytest.raises(MemoryBudgetError) as e:  # on CUDA two 2 MiB segments are the least the step holds
-        plan_memory(model, inputs, 3 * MiB, passes=[], device="cuda", lowering="eager", cache=replays["cuda"])
+    # on CUDA two 2 MiB segments are the least the step holds (host_budget=1 byte: AdamW's states on the host, which
+    # lower it, are left out here; tests/planning/test_host_memory.py has them)
+    with pytest.raises(MemoryBudgetError) as e:
+        plan_memory(model, inputs, 3 * MiB, passes=[], device="cuda", lowering="eager", cache=replays["cuda"],
+                    host_budget=1)
     assert e.value.smallest == 4 * MiB
-    plan = plan_memory(model, inputs, 4 * MiB, passes=[], device="cuda", lowering="eager", cache=replays["cuda"])
+    plan = plan_memory(model, inputs, 4 * MiB, passes=[], device="cuda", lowering="eager", cache=replays["cuda"],
+                       host_budget=1)
     assert plan.peak_bytes == 4 * MiB
-    # without CUDA the replay runs on CPU fake tensors, where host copies cannot be told apart: offload is left out, said
-    offload = any(c.name.startswith("offload") for c in plan.candidates)
-    said = any("offload_activations" in n and "not considered" in n for n in plan.notes)
-    assert (offload, said) == ((True, False) if torch.cuda.is_available() else (False, True)), (offload, plan.notes)
+    # offloaded activations are candidates of a CUDA plan on any machine (on CPU: torch's synchronous rewrite replayed,
+    # its copies counted as host memory: tests/planning/test_host_memory.py)
+    assert any(c.name.startswith("offload") for c in plan.candidates), [c.name for c in plan.candidates]
+    assert not any("not considered" in n for n in plan.notes), plan.notes
 
 
 @pytest.mark.gpu
@@ -225,7 +229,10 @@ def test_a_cuda_plan_estimates_each_candidates_step_time(replays):
     model, inputs = _meta_case()
     plan = plan_memory(model, inputs, 1 << 30, passes=[], device="cuda", lowering="eager", gpu="h200",
                        cache=replays["cuda"])
-    assert all(c.est_step_s == c.estimate.flops / DEVICES["h200"].fp32_flops for c in plan.candidates if c.estimate)
+    # plans that move nothing over the host link: their FLOPs at the rate (those that do: test_host_memory.py)
+    still = [c for c in plan.candidates if c.estimate and not c.estimate.optimizer_h2d_bytes
+             and not c.estimate.offload_d2h_bytes]
+    assert still and all(c.est_step_s == c.estimate.flops / DEVICES["h200"].fp32_flops for c in still)
     assert "est. step" in plan.table() and any("fp32 rate (67 TFLOP/s" in n for n in plan.notes)
     assert all("est_step_s" in c for c in plan.to_dict()["candidates"])
     cpu = plan_memory(model, inputs, 1 << 30, passes=[], device="cpu", lowering="eager", cache=replays["cpu"])

@@ -257,7 +257,7 @@ def test_unknown_device_is_a_clear_error(tmp_path):
         main(["cost", str(cfg), "--batch", "1", "--seq", "8", "--device", "a100x"])
     msg = str(e.value)
     assert "effpass cost" in msg and "'a100x'" in msg and "h100" in msg and "h200" in msg
-    with pytest.raises(ValueError, match=r"effpass cost: device 'tpu' is not known; choose one of \['h100', 'h200'\]"):
+    with pytest.raises(ValueError, match=r"effpass cost: device 'tpu' is not known; choose one of \['gh200', 'h100', 'h200'\]"):
         get_device("tpu")
 
 
