@@ -313,10 +313,26 @@ def run_arm(script: str, arm: str, cfg: dict, *, deadline_s: float | None, env: 
         res = dict(objs[-1])
         res.setdefault("arm", arm)
         res.setdefault("status", "error" if "error" in res else "ok")
+        if isinstance(res.get("error"), str):
+            res["error"] = _scrub_paths(res["error"])
         return {**book, **res}  # the arm's own figures (a wall_s of its own) win over the driver's
     lines = [ln for ln in stderr.splitlines() if ln.strip() and "_pytree" not in ln and "Failed to load" not in ln]
-    return {"arm": arm, "status": "error", "error": "\n".join(lines[-15:]) or f"exit code {p.returncode}",
+    return {"arm": arm, "status": "error",
+            "error": _scrub_paths("\n".join(lines[-15:])) or f"exit code {p.returncode}",
             "partial": objs[-1] if objs else None, **book}
+
+
+def _scrub_paths(text: str) -> str:
+    """An error's text without this machine's paths (results files carry no machine paths): the repository's root
+    and the Python installation's package folders become relative / ``<site-packages>``."""
+    import site
+    import sysconfig
+
+    roots = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *site.getsitepackages()},
+                   key=len, reverse=True)
+    for r in roots:
+        text = text.replace(r.rstrip("/") + "/", "<site-packages>/")
+    return text.replace(ROOT.rstrip("/") + "/", "")
 
 
 def _signal_group(pid: int, sig: int) -> None:
