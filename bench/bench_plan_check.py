@@ -102,18 +102,20 @@ def _saved(cfg: dict, device: str, seq: int | None = None):
         return None, {"plan_source": "on the device", "plan_load_error": f"{type(e).__name__}: {e}"[:300]}, None
 
 
-def make_plans(cfg: dict, device: str, folder: str | None = None) -> list[str]:
-    """Every plan the arms need for ``device``, made here on a meta model (a CUDA plan is the same on any
+def make_plans(cfg: dict, device: str, folder: str | None = None, arms=ARMS) -> list[str]:
+    """The plans ``arms`` need for ``device``, made here on a meta model (a CUDA plan is the same on any
     machine): one per length (predict_measure compiles it; cpu_replay reports it), and ``plan_max_seq``'s answer."""
     from effpass.planning import plan_max_seq
 
     out = []
-    for seq in _seqs(cfg):
+    for seq in (_seqs(cfg) if {"predict_measure", "cpu_replay"} & set(arms) else []):
         c0 = plans.cpu_seconds()
         p, _ = plan(build({**cfg, "seq": seq}, "meta"), make_inputs(seq, "meta", cfg["vocab"]), cfg, device=device)
         out.append(plans.save("plan_check", plan_key(cfg, device, seq), plans.plan_record(p),
                               plans.cpu_seconds() - c0, folder))
         print(f"wrote {out[-1]}", flush=True)
+    if "maxseq" not in arms:
+        return out
     c0 = plans.cpu_seconds()
     res = plan_max_seq(build(cfg, "meta"), lambda s: make_inputs(s, "meta", cfg["vocab"]), int(cfg["cap_gib"] * 2**30),
                        passes=passes(cfg), step=cfg["step"], probes=tuple(cfg["step"] * k for k in (2, 4, 8)),
@@ -130,7 +132,7 @@ def configure(args, cfg: dict) -> None:
         import torch
 
         make_plans(cfg, args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"),
-                   args.plans)
+                   args.plans, [a for a in args.arms.split(",") if a])
         raise SystemExit(0)
 
 

@@ -411,6 +411,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prewarm", type=float, default=None,
                     help="seconds for the parallel one-step runs that fill the compile caches first (default: 100 on "
                          "a GPU, 0 in a dry run; counted in the budget)")
+    ap.add_argument("--plans", default=None, help="the planned arms' precomputed plans (default bench/plans)")
     args = ap.parse_args(argv)
     keys = [k for k in args.only.split(",") if k] or [s.key for s in SECTIONS]
     bad = [k for k in keys if k not in {s.key for s in SECTIONS}]
@@ -444,7 +445,7 @@ def main(argv=None) -> int:
     meta["gpu_driver"] = _gpu_driver(out)
     common = {k: meta[k] for k in ("device", "device_tag", "date", "commit", "dirty", "torch", "triton", "transformers",
                                    "python", "cuda", "gpu_driver", "peers")}
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"EFFPASS_BENCH_PLANS": os.path.abspath(args.plans)} if args.plans else {})}
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(out, "inductor-cache"))
     env.setdefault("TRITON_CACHE_DIR", os.path.join(out, "triton-cache"))
     env.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")

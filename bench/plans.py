@@ -27,8 +27,10 @@ def _digest(key: dict) -> str:
 
 
 def path(workload: str, key: dict, folder: str | None = None) -> str:
-    """``bench/plans/<workload>_<device>_<hash of key>.json`` (``key`` must hold ``device``)."""
-    return os.path.join(folder or PLANS, f"{workload}_{key['device']}_{_digest(key)}.json")
+    """``<folder>/<workload>_<device>_<hash of key>.json`` (``key`` must hold ``device``); the folder: ``folder``
+    (a script's ``--plans``), else ``EFFPASS_BENCH_PLANS`` (``bench/gpu_proof.py --plans``), else ``bench/plans``."""
+    folder = folder or os.environ.get("EFFPASS_BENCH_PLANS") or PLANS
+    return os.path.join(folder, f"{workload}_{key['device']}_{_digest(key)}.json")
 
 
 def plan_record(plan) -> dict:
