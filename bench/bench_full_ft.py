@@ -19,6 +19,8 @@ and recompiles, the first and last loss.
 
     python bench/bench_full_ft.py --device cuda                  # 4 layers at Llama-3-8B widths, 4,096 tokens, bf16
     python bench/bench_full_ft.py --quick                        # a smoke run on the CPU
+    python bench/bench_full_ft.py --device cuda --set budget=20GiB --make-plans   # effpass_planned's CUDA plan,
+                                                                 # made here (bench/plans.py), loaded on the GPU
 """
 from __future__ import annotations
 

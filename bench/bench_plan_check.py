@@ -19,6 +19,12 @@ least extra compute). Arms (each in its own process, ``bench/driver.py``):
 
     python bench/bench_plan_check.py --device cuda        # Llama-3-8B widths, 2 layers, 4k/8k tokens, cap 12 GiB
     python bench/bench_plan_check.py --quick              # a smoke run on the CPU
+    python bench/bench_plan_check.py --device cuda --seq 4096 8192 --cap_gib 12 --make-plans
+                                                          # the arms' CUDA plans made here (bench/plans.py)
+
+With a plan made ahead for the arm's shape (``bench/plans/``) the arms plan nothing on the device:
+``predict_measure`` and ``maxseq`` compile the saved pipeline and measure, ``cpu_replay`` reports the saved
+figures (``plan_source: "precomputed"``); without one they plan on the spot (``"on the device"``).
 """
 from __future__ import annotations
 
