@@ -197,7 +197,7 @@ def _loss_checks(rows: list[dict], ref_arm: str | None, dtype: str) -> None:
 _HEADLINE = ("S", "mode", "median_step_ms", "median_ms", "median_step_s", "step_s", "tokens_per_s",
              "useful_tokens_per_s", "varlen", "tflops", "mfu", "peak_above_start_mib", "peak_mem_gib", "peak_mem_mib",
              "peak_bytes", "padding_fraction", "per_example_rel_error", "seq", "predicted_gib", "measured_gib",
-             "rel_error", "max_seq", "measured_gib_at_max_seq", "fits", "plan", "tokens_per_s_32", "mfu_32",
+             "rel_error", "max_seq", "measured_gib_at_max_seq", "fits", "plan", "plan_source", "plan_stale", "tokens_per_s_32", "mfu_32",
              "compile_cold_s", "compile_warm_s", "first_step_s", "first_call_s",
              "graph_breaks", "recompiles", "fused", "fused_sites", "loss", "loss_first", "seconds")
 
