@@ -19,6 +19,8 @@ and recompiles, the first and last loss.
 
     python bench/bench_full_ft.py --device cuda                  # 4 layers at Llama-3-8B widths, 4,096 tokens, bf16
     python bench/bench_full_ft.py --quick                        # a smoke run on the CPU
+    python bench/bench_full_ft.py --device cuda --set budget=20GiB --make-plans   # effpass_planned's CUDA plan,
+                                                                 # made here (bench/plans.py), loaded on the GPU
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import driver  # noqa: E402
+import plans  # noqa: E402
 
 ARMS = ("compile", "effpass", "effpass_planned")
 #: effpass_planned's stated memory budget per device (``--set budget=...`` overrides)
@@ -41,21 +44,60 @@ QUICK = dict(vocab=512, hidden=64, ffn=128, layers=1, heads=4, kv_heads=2, seq=3
              lowering="eager")
 
 
+def plan_key(cfg: dict, device: str) -> dict:
+    """What effpass_planned's plan depends on (``bench/plans.py``): the model's shape, the batch, the budget."""
+    keys = ("vocab", "hidden", "ffn", "layers", "heads", "kv_heads", "seq", "batch", "dtype", "lowering")
+    return {"device": device, **{k: cfg[k] for k in keys}, "budget": cfg.get("budget") or BUDGET[device]}
+
+
+def _model(cfg: dict, device: str):
+    import torch
+
+    from _common import llama
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, cfg["dtype"]))
+    try:
+        with torch.device(device):  # built on the device in its dtype (no host copy of the weights, no fp32 copy)
+            return llama(cfg, device, tie=False, train=True)
+    finally:
+        torch.set_default_dtype(default)
+
+
+def make_plans(cfg: dict, device: str, folder: str | None = None) -> list[str]:
+    """effpass_planned's plan for ``device`` made here, on a meta model (what ``effpass.compile(memory_budget=...,
+    example_inputs=...)`` plans on the device: the default pipeline, AdamW, the plan for the budget)."""
+    from _common import token_batches
+    from effpass.planning import plan_memory
+
+    key = plan_key(cfg, device)
+    c0 = plans.cpu_seconds()
+    ids = token_batches(cfg, "meta")[0]
+    plan = plan_memory(_model(cfg, "meta"), {"input_ids": ids, "labels": ids}, key["budget"], device=device,
+                       lowering=cfg["lowering"])
+    return [plans.save("full_ft", key, plans.plan_record(plan), plans.cpu_seconds() - c0, folder)]
+
+
+def configure(args, cfg: dict) -> None:
+    cfg["_plans"] = args.plans
+    if args.make_plans:
+        import torch
+
+        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        for p in make_plans(cfg, device, args.plans):
+            print(f"wrote {p}", flush=True)
+        raise SystemExit(0)
+
+
 def worker(arm: str, cfg: dict, device: str) -> dict:
     import torch
 
     import effpass
-    from _common import PEAK_BF16_FLOPS, extrapolate_layers, llama, llama_flops, token_batches
+    from _common import PEAK_BF16_FLOPS, extrapolate_layers, llama_flops, token_batches
     from effpass.testing import dynamo_counters
 
     dev = torch.device(device)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(getattr(torch, cfg["dtype"]))
-    try:
-        with torch.device(dev):  # built on the device in its dtype (no host copy of the weights, no fp32 copy)
-            model = llama(cfg, device, tie=False, train=True)
-    finally:
-        torch.set_default_dtype(default)
+    model = _model(cfg, device)
     ids = token_batches(cfg, device)[0]
     plan_info = {}
     if arm == "compile":
@@ -65,12 +107,23 @@ def worker(arm: str, cfg: dict, device: str) -> dict:
     elif arm == "effpass_planned":
         budget = cfg.get("budget") or BUDGET[dev.type]
         t0 = time.perf_counter()
-        run = effpass.compile(model, lowering=cfg["lowering"], memory_budget=budget,
-                              example_inputs={"input_ids": ids, "labels": ids})
-        plan = effpass.report(run).memory_plan
-        plan_info = {"budget": budget, "plan_s": round(time.perf_counter() - t0, 2),
-                     "plan": getattr(getattr(plan, "chosen", None), "name", None),
-                     "predicted_peak_bytes": getattr(plan, "peak_bytes", None)}
+        saved, pipeline = plans.load("full_ft", plan_key(cfg, dev.type), cfg.get("_plans")), None
+        if saved is not None:  # made ahead (bench/plans.py): compiled with the saved pipeline, not replanned
+            try:
+                pipeline = plans.passes_of(saved[0])
+            except Exception as e:  # noqa: BLE001 - a pass renamed since: planned on the spot, said on the row
+                plan_info["plan_load_error"] = f"{type(e).__name__}: {e}"[:300]
+        if pipeline is not None:
+            rec, prov = saved
+            run = effpass.compile(model, passes=pipeline, lowering=cfg["lowering"])
+            plan_info.update(prov, plan=rec["plan"], predicted_peak_bytes=rec["predicted_device_bytes"])
+        else:
+            run = effpass.compile(model, lowering=cfg["lowering"], memory_budget=budget,
+                                  example_inputs={"input_ids": ids, "labels": ids})
+            plan = effpass.report(run).memory_plan
+            plan_info.update(plan_source="on the device", plan=getattr(getattr(plan, "chosen", None), "name", None),
+                             predicted_peak_bytes=getattr(plan, "peak_bytes", None))
+        plan_info.update(budget=budget, plan_s=round(time.perf_counter() - t0, 2))
         driver.partial({"arm": arm, "status": "partial", **plan_info})
     else:
         raise ValueError(f"bench_full_ft: unknown arm {arm!r}; choose from {ARMS}")
@@ -123,4 +176,5 @@ def worker(arm: str, cfg: dict, device: str) -> dict:
 
 if __name__ == "__main__":
     driver.main(__file__, workload="full_ft", arms=ARMS, worker=worker, cpu_shape=CPU_SHAPE, gpu_shape=GPU_SHAPE,
-                quick=QUICK, overrides=("steps", "warmup", "budget"), deadline_s=600)
+                quick=QUICK, overrides=("steps", "warmup", "budget"), deadline_s=600,
+                extra_args=plans.add_options, configure=configure)

@@ -19,6 +19,12 @@ least extra compute). Arms (each in its own process, ``bench/driver.py``):
 
     python bench/bench_plan_check.py --device cuda        # Llama-3-8B widths, 2 layers, 4k/8k tokens, cap 12 GiB
     python bench/bench_plan_check.py --quick              # a smoke run on the CPU
+    python bench/bench_plan_check.py --device cuda --seq 4096 8192 --cap_gib 12 --make-plans
+                                                          # the arms' CUDA plans made here (bench/plans.py)
+
+With a plan made ahead for the arm's shape (``bench/plans/``) the arms plan nothing on the device:
+``predict_measure`` and ``maxseq`` compile the saved pipeline and measure, ``cpu_replay`` reports the saved
+figures (``plan_source: "precomputed"``); without one they plan on the spot (``"on the device"``).
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import driver  # noqa: E402
+import plans  # noqa: E402
 
 ARMS = ("predict_measure", "cpu_replay", "maxseq")
 GPU_SHAPE = dict(hidden=4096, ffn=14336, layers=2, heads=32, kv_heads=8, vocab=128256, seq=[4096, 8192, 16384],
@@ -71,9 +78,68 @@ def plan(model, inputs, cfg, device=None):
 
     p = plan_memory(model, inputs, int(cfg["cap_gib"] * 2**30), passes=passes(cfg), lowering=cfg["lowering"],
                     device=device)
-    est = p.chosen.estimate
-    return p, {"plan": p.chosen.name, "predicted_bytes": est.peak_bytes, "predicted_gib": est.peak_bytes / 2**30,
-               "predicted_device_bytes": p.peak_bytes, "plan_fits": p.chosen.fits}
+    return p, _figures(plans.plan_record(p))
+
+
+def _figures(rec: dict) -> dict:
+    """A plan record's figures as the rows show them."""
+    return {"plan": rec["plan"], "predicted_bytes": rec["predicted_bytes"], "predicted_gib": rec["predicted_bytes"] / 2**30,
+            "predicted_device_bytes": rec["predicted_device_bytes"], "plan_fits": rec["plan_fits"]}
+
+
+def plan_key(cfg: dict, device: str, seq: int | None = None) -> dict:
+    """What a plan depends on (``bench/plans.py``): the model, the user's passes, the cap; the length (one
+    plan per ``seq``), or for ``plan_max_seq`` (``seq=None``) its step and the model's position limit."""
+    keys = ("hidden", "ffn", "layers", "heads", "kv_heads", "vocab", "dtype", "rank", "cap_gib", "lowering", "qlora")
+    key = {"device": device, **{k: cfg.get(k, True if k == "qlora" else None) for k in keys}}
+    return {**key, "seq": seq} if seq is not None else {**key, "maxseq_step": cfg["step"],
+                                                          "max_position": max(_seqs(cfg)) * 4}
+
+
+def _saved(cfg: dict, device: str, seq: int | None = None):
+    """(record, provenance, the saved pipeline) of the precomputed plan, or (None, provenance, None) when the arm
+    plans on the spot (no file, or one whose passes no longer build: said on the row)."""
+    got = plans.load("plan_check", plan_key(cfg, device, seq), cfg.get("_plans"))
+    if got is None:
+        return None, {"plan_source": "on the device"}, None
+    try:
+        return got[0], got[1], plans.passes_of(got[0])
+    except Exception as e:  # noqa: BLE001 - a pass renamed since the plan was made
+        return None, {"plan_source": "on the device", "plan_load_error": f"{type(e).__name__}: {e}"[:300]}, None
+
+
+def make_plans(cfg: dict, device: str, folder: str | None = None, arms=ARMS) -> list[str]:
+    """The plans ``arms`` need for ``device``, made here on a meta model (a CUDA plan is the same on any
+    machine): one per length (predict_measure compiles it; cpu_replay reports it), and ``plan_max_seq``'s answer."""
+    from effpass.planning import plan_max_seq
+
+    out = []
+    for seq in (_seqs(cfg) if {"predict_measure", "cpu_replay"} & set(arms) else []):
+        c0 = plans.cpu_seconds()
+        p, _ = plan(build({**cfg, "seq": seq}, "meta"), make_inputs(seq, "meta", cfg["vocab"]), cfg, device=device)
+        out.append(plans.save("plan_check", plan_key(cfg, device, seq), plans.plan_record(p),
+                              plans.cpu_seconds() - c0, folder))
+        print(f"wrote {out[-1]}", flush=True)
+    if "maxseq" not in arms:
+        return out
+    c0 = plans.cpu_seconds()
+    res = plan_max_seq(build(cfg, "meta"), lambda s: make_inputs(s, "meta", cfg["vocab"]), int(cfg["cap_gib"] * 2**30),
+                       passes=passes(cfg), step=cfg["step"], probes=tuple(cfg["step"] * k for k in (2, 4, 8)),
+                       lowering=cfg["lowering"], device=device)
+    rec = {**plans.plan_record(res.plan), "max_seq": res.seq}
+    out.append(plans.save("plan_check", plan_key(cfg, device), rec, plans.cpu_seconds() - c0, folder))
+    print(f"wrote {out[-1]}", flush=True)
+    return out
+
+
+def configure(args, cfg: dict) -> None:
+    cfg["_plans"] = args.plans
+    if args.make_plans:
+        import torch
+
+        make_plans(cfg, args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"),
+                   args.plans, [a for a in args.arms.split(",") if a])
+        raise SystemExit(0)
 
 
 def make_inputs(seq: int, device: str, vocab: int):
@@ -93,20 +159,30 @@ def worker(arm: str, cfg: dict, device: str) -> dict:
     seq = cfg["seq"]
     t0 = time.perf_counter()
     if arm == "cpu_replay":  # the plan made where there is no GPU: a meta model, predicted for the run's device
+        rec, prov, _ = _saved(cfg, device, seq)
+        if rec is not None:  # made ahead on a CPU (bench/plans.py): what this arm exists to show
+            return {"arm": arm, "seq": seq, **_figures(rec), "predicted_for": device, **prov,
+                    "predict_s": round(time.perf_counter() - t0, 2)}
         model = build(cfg, "meta")
         _, got = plan(model, make_inputs(seq, "meta", cfg["vocab"]), cfg, device=device)
-        return {"arm": arm, "seq": seq, **got, "predicted_for": device, "predict_s": round(time.perf_counter() - t0, 2)}
+        return {"arm": arm, "seq": seq, **got, "predicted_for": device, **prov,
+                "predict_s": round(time.perf_counter() - t0, 2)}
     model = build(cfg, device)
     if arm == "predict_measure":
         inputs = make_inputs(seq, device, cfg["vocab"])
-        p, got = plan(model, inputs, cfg)
+        rec, prov, pipeline = _saved(cfg, device, seq)
+        if rec is not None:  # the plan made ahead for this device (a CUDA plan is the same on any machine)
+            got = {**_figures(rec), **prov}
+        else:
+            p, got = plan(model, inputs, cfg)
+            pipeline, got = p.passes, {**got, **prov}
         t1 = time.perf_counter()
         driver.partial({"arm": arm, "seq": seq, **got, "status": "partial"})
         torch._dynamo.reset()
         from effpass.testing import dynamo_counters
 
         with dynamo_counters() as counters:
-            compiled = effpass.compile(model, passes=p.passes, lowering=cfg["lowering"])
+            compiled = effpass.compile(model, passes=pipeline, lowering=cfg["lowering"])
             meas = measure_step(compiled, model, inputs, optimizer="adamw", warmup=1)
         err = (got["predicted_bytes"] - meas.peak_bytes) / meas.peak_bytes
         return {"arm": arm, "seq": seq, **got, "measured_bytes": meas.peak_bytes, "measured_gib": meas.peak_bytes / 2**30,
@@ -117,20 +193,23 @@ def worker(arm: str, cfg: dict, device: str) -> dict:
         cap = int(cfg["cap_gib"] * 2**30)
         from effpass.planning import plan_max_seq
 
-        res = plan_max_seq(model, lambda s: make_inputs(s, device, cfg["vocab"]), cap, passes=passes(cfg),
-                                   step=cfg["step"], probes=tuple(cfg["step"] * k for k in (2, 4, 8)),
-                                   lowering=cfg["lowering"])
-        length = res.seq
+        rec, prov, pipeline = _saved(cfg, device)
+        if rec is None:
+            res = plan_max_seq(model, lambda s: make_inputs(s, device, cfg["vocab"]), cap, passes=passes(cfg),
+                               step=cfg["step"], probes=tuple(cfg["step"] * k for k in (2, 4, 8)),
+                               lowering=cfg["lowering"])
+            rec, pipeline = {**plans.plan_record(res.plan), "max_seq": res.seq}, res.plan.passes
+        length = rec["max_seq"]
         t1 = time.perf_counter()
-        driver.partial({"arm": arm, "max_seq": length, "status": "partial", "plan_s": round(t1 - t0, 2)})
+        driver.partial({"arm": arm, "max_seq": length, "status": "partial", "plan_s": round(t1 - t0, 2), **prov})
         torch._dynamo.reset()  # the check: the plan's own pipeline, measured at the length it answers
-        compiled = effpass.compile(model, passes=res.plan.passes, lowering=cfg["lowering"])
+        compiled = effpass.compile(model, passes=pipeline, lowering=cfg["lowering"])
         from effpass.testing import dynamo_counters
 
         with dynamo_counters() as counters:
             meas = measure_step(compiled, model, make_inputs(length, device, cfg["vocab"]), optimizer="adamw", warmup=1)
-        return {"arm": arm, "graph_breaks": counters["graph_breaks"], "recompiles": counters["recompiles"], "cap_gib": cfg["cap_gib"], "max_seq": length, "plan": res.plan.chosen.name,
-                "predicted_bytes_at_max_seq": res.plan.peak_bytes, "measured_bytes_at_max_seq": meas.peak_bytes,
+        return {"arm": arm, "graph_breaks": counters["graph_breaks"], "recompiles": counters["recompiles"], "cap_gib": cfg["cap_gib"], "max_seq": length, "plan": rec["plan"],
+                "predicted_bytes_at_max_seq": rec["predicted_device_bytes"], **prov, "measured_bytes_at_max_seq": meas.peak_bytes,
                 "measured_gib_at_max_seq": meas.peak_bytes / 2**30, "fits": meas.peak_bytes <= cap,
                 "plan_s": round(t1 - t0, 2), "measure_s": round(time.perf_counter() - t1, 2)}
     raise ValueError(f"bench_plan_check: unknown arm {arm!r}; choose from {ARMS}")
@@ -171,4 +250,5 @@ def markdown(run: dict) -> str:
 
 if __name__ == "__main__":
     driver.main(__file__, workload="plan_check", arms=ARMS, worker=worker, cpu_shape=CPU_SHAPE, gpu_shape=GPU_SHAPE,
-                quick=QUICK, markdown=markdown, jobs=jobs, deadline_s=900, overrides=("seq", "cap_gib", "qlora"))
+                quick=QUICK, markdown=markdown, jobs=jobs, deadline_s=900, overrides=("seq", "cap_gib", "qlora"),
+                extra_args=plans.add_options, configure=configure)

@@ -11,12 +11,12 @@ a     the loss head alone at Llama-3-8B widths (hidden 4,096, vocabulary 128,256
 b     one LoRA step (r=16, every projection) at Llama-3-8B widths, 4 layers, 4,096 tokens, bf16: PEFT +
       ``torch.compile``, PEFT + Liger's kernels, and effpass on the unmodified model
 c     the same for QLoRA (NF4 base): PEFT + bitsandbytes, PEFT + torchao, effpass
-d     full fine-tuning (AdamW, bf16 autocast): plain compile, effpass, and effpass with its planner's plan for
-      a stated budget (``--set budget=...``: 5 GiB on a GPU)
+d     full fine-tuning (AdamW, bf16 weights): plain compile, effpass, and effpass with its planner's plan for
+      a stated budget (``--set budget=...``: 20 GiB on a GPU; the plan made ahead, ``bench/plans/``)
 e     attention at 4k/8k/16k tokens, GQA 32/8, head dim 128: naive attention under effpass vs SDPA
 f     packed rows (the varlen path; its statistic) vs padded batches: useful tokens/s
 g     the planner against the device: predicted vs measured peak at 4k/8k tokens, the CPU replay, and the
-      longest length under a cap measured at its answer
+      longest length under a cap measured at its answer (the plans made ahead on a CPU, ``bench/plans/``)
 h     ``pytest -m gpu``
 ====  =======================================================================================================
 
@@ -88,8 +88,8 @@ SECTIONS = (
             ("--arms", "compile,effpass,effpass_planned", "--set", "budget=20GiB"),
             ("--quick", "--arms", "effpass,effpass_planned"), budget_s=65, arm_deadline_s=28,
             ref_arm="compile", prewarm_args=("--set", "steps=1", "warmup=0"),
-            plan="3 arms x (start 6 s, build 2 s, warm compile 5-8 s, planner 10-20 s (planned arm), 11 steps of "
-                 "~0.1 s) ~ 60 s"),
+            plan="3 arms x (start 6 s, build 2 s, warm compile 5-8 s, 11 steps of ~0.1 s; the planned arm loads its "
+                 "plan made ahead, bench/plans/) ~ 45 s"),
     Section("e", "attention at 4k/8k/16k tokens, GQA 32/8, head dim 128", "bench_attention.py",
             ("--arms", "sdpa,effpass,naive"), ("--quick", "--arms", "effpass"), budget_s=40, arm_deadline_s=15,
             plan="3 arms x (start 6 s, 3 lengths x (compile 2 s + 20 reps of < 10 ms)) ~ 36 s"),
@@ -100,8 +100,8 @@ SECTIONS = (
             "bench_plan_check.py", ("--arms", "predict_measure,cpu_replay,maxseq", "--seq", "4096", "8192",
                                     "--cap_gib", "12"),
             ("--quick", "--arms", "predict_measure"), budget_s=105, arm_deadline_s=45, dtype="bfloat16",
-            plan="predict_measure 2 x (start 6 s, plan ~20 s, step 3 s) + cpu_replay 2 x (6 + 20 s) + maxseq "
-                 "(killed at its deadline unless its search is short; the answer is a partial row) ~ 105 s"),
+            plan="plans made ahead (bench/plans/): predict_measure 2 x (start 6 s, build 3 s, compile + 2 steps 5 s) + "
+                 "cpu_replay 2 x 6 s (the saved figures) + maxseq (6 + 3 + 5 s at its answer) ~ 55 s"),
     Section("h", "pytest -m gpu", "pytest", ("-m", "gpu"), ("-m", "gpu", "--collect-only", "tests/passes/offload_activations"), budget_s=40,
             arm_deadline_s=40, plan="the GPU-marked tests (~16, one a compiled tiny step for the planner), one process"),
 )
@@ -197,7 +197,7 @@ def _loss_checks(rows: list[dict], ref_arm: str | None, dtype: str) -> None:
 _HEADLINE = ("S", "mode", "median_step_ms", "median_ms", "median_step_s", "step_s", "tokens_per_s",
              "useful_tokens_per_s", "varlen", "tflops", "mfu", "peak_above_start_mib", "peak_mem_gib", "peak_mem_mib",
              "peak_bytes", "padding_fraction", "per_example_rel_error", "seq", "predicted_gib", "measured_gib",
-             "rel_error", "max_seq", "measured_gib_at_max_seq", "fits", "plan", "tokens_per_s_32", "mfu_32",
+             "rel_error", "max_seq", "measured_gib_at_max_seq", "fits", "plan", "plan_source", "plan_stale", "tokens_per_s_32", "mfu_32",
              "compile_cold_s", "compile_warm_s", "first_step_s", "first_call_s",
              "graph_breaks", "recompiles", "fused", "fused_sites", "loss", "loss_first", "seconds")
 
@@ -411,6 +411,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prewarm", type=float, default=None,
                     help="seconds for the parallel one-step runs that fill the compile caches first (default: 100 on "
                          "a GPU, 0 in a dry run; counted in the budget)")
+    ap.add_argument("--plans", default=None, help="the planned arms' precomputed plans (default bench/plans)")
     args = ap.parse_args(argv)
     keys = [k for k in args.only.split(",") if k] or [s.key for s in SECTIONS]
     bad = [k for k in keys if k not in {s.key for s in SECTIONS}]
@@ -444,7 +445,7 @@ def main(argv=None) -> int:
     meta["gpu_driver"] = _gpu_driver(out)
     common = {k: meta[k] for k in ("device", "device_tag", "date", "commit", "dirty", "torch", "triton", "transformers",
                                    "python", "cuda", "gpu_driver", "peers")}
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"EFFPASS_BENCH_PLANS": os.path.abspath(args.plans)} if args.plans else {})}
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(out, "inductor-cache"))
     env.setdefault("TRITON_CACHE_DIR", os.path.join(out, "triton-cache"))
     env.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")

@@ -54,13 +54,24 @@ def _proof(out: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
                           env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
+#: the planned sections' dry-run arms and the script that makes their plans ahead (bench/plans.py)
+PLANNED = {"d": ("bench_full_ft.py", "effpass,effpass_planned"), "g": ("bench_plan_check.py", "predict_measure")}
+
+
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     wheels = tmp_path_factory.mktemp("wheels")
     _standin_wheel(str(wheels))
     out = str(tmp_path_factory.mktemp("proof"))
+    plans = str(tmp_path_factory.mktemp("plans"))
+    for key in set(PLANNED) & set(SECTIONS):  # the planned arms' plans made first, as for a GPU window
+        script, arms = PLANNED[key]
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), "--quick", "--device", "cpu",
+                            "--arms", arms, "--make-plans", "--plans", plans], cwd=ROOT, env=_env(),
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0 and "wrote " in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
     p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_proof.sh"), out, "--dry-run", "--only",
-                        ",".join(SECTIONS)], cwd=ROOT,
+                        ",".join(SECTIONS), "--plans", plans], cwd=ROOT,
                        env=_env(EFFPASS_PROOF_WHEELS=str(wheels)), capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return out
@@ -99,6 +110,8 @@ def test_dry_run_has_every_section_with_its_status(dry_run):
         assert set(d) == {"effpass", "effpass_planned"} and d["effpass_planned"]["budget"] == "48MiB"
         assert d["effpass_planned"]["plan"] and d["effpass_planned"]["predicted_peak_bytes"] > 0
         assert d["effpass_planned"]["loss_vs_ref"]["rel_diff"] <= 1e-4
+        # the plan made ahead was loaded (same tree: not stale), not replanned in the arm
+        assert d["effpass_planned"]["plan_source"] == "precomputed" and d["effpass_planned"]["plan_stale"] is False
     if "c" in by:
         assert by["c"][0]["peak_bytes"] > 0
     if "e" in by:
@@ -111,6 +124,7 @@ def test_dry_run_has_every_section_with_its_status(dry_run):
         g = by["g"][0]
         assert g["predicted_bytes"] > 0 and g["measured_bytes"] > 0 and g["plan"] and g["fits_cap"]
         assert abs(g["rel_error"]) < 0.25
+        assert g["plan_source"] == "precomputed" and g["plan_stale"] is False and g["plan_cpu_s"] > 0
 
 
 def test_dry_run_installs_the_carried_wheels_and_renders(dry_run):

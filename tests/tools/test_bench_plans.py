@@ -1,0 +1,74 @@
+"""bench/plans.py: plans made ahead of a GPU window are found by their exact key, keep their figures and pipeline,
+say when effpass's source changed since (stale), and are not found for another shape (the arm then plans on the
+spot)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from _paths import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import plans  # noqa: E402
+
+KEY = {"device": "cuda", "hidden": 4096, "layers": 2, "seq": 8192, "cap_gib": 12.0, "dtype": "bfloat16"}
+
+
+def _record():
+    import effpass
+
+    pipeline = [effpass.make_pass("fuse_cross_entropy", {"chunk_bytes": 1 << 20})]
+    return {"plan": "as given", "passes": [{"name": p.name, "options": p.options()} for p in pipeline],
+            "predicted_bytes": 7_234_567_891, "predicted_device_bytes": 7_516_192_768, "plan_fits": True}
+
+
+def test_saved_plan_loads_by_its_key_and_rebuilds_its_pipeline(tmp_path):
+    rec = _record()
+    path = plans.save("plan_check", KEY, rec, cpu_s=126.04, folder=str(tmp_path))
+    assert os.path.dirname(path) == str(tmp_path) and os.path.basename(path).startswith("plan_check_cuda_")
+    got, prov = plans.load("plan_check", dict(KEY), folder=str(tmp_path))
+    # numerical: the figures exactly as saved; structural: the provenance and the same pipeline rebuilt
+    assert got["predicted_bytes"] == 7_234_567_891 and got["predicted_device_bytes"] == 7_516_192_768
+    assert prov["plan_source"] == "precomputed" and prov["plan_stale"] is False and prov["plan_cpu_s"] == 126.0
+    (p,) = plans.passes_of(got)
+    assert p.name == "fuse_cross_entropy" and p.options() == rec["passes"][0]["options"]
+    assert p.options()["chunk_bytes"] == 1 << 20
+    # another shape: no plan (the arm plans on the device)
+    assert plans.load("plan_check", {**KEY, "seq": 4096}, folder=str(tmp_path)) is None
+    assert plans.load("full_ft", KEY, folder=str(tmp_path)) is None
+
+
+def test_plan_from_another_source_is_marked_stale_and_a_renamed_pass_raises(tmp_path):
+    path = plans.save("plan_check", KEY, _record(), cpu_s=1.0, folder=str(tmp_path))
+    doc = json.load(open(path))
+    doc["source_digest"] = "0" * 64
+    doc["record"]["passes"][0]["name"] = "fuse_cross_entropy_renamed"
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    got, prov = plans.load("plan_check", KEY, folder=str(tmp_path))
+    assert prov["plan_stale"] is True and got["predicted_bytes"] == 7_234_567_891
+    with pytest.raises(ValueError, match="unknown pass 'fuse_cross_entropy_renamed'"):
+        plans.passes_of(got)
+    # a file whose key is not the asked one (hand-edited) is not taken for it
+    doc["key"] = {**KEY, "seq": 1}
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    assert plans.load("plan_check", KEY, folder=str(tmp_path)) is None
+
+
+def test_shipped_gpu_plans_are_for_the_proofs_shapes():
+    """The plans committed under bench/plans/ are keyed by the GPU proof's shapes (section d: 20 GiB; section g:
+    4,096 and 8,192 tokens under 12 GiB, and plan_max_seq), each with its figures and a pipeline that builds."""
+    files = sorted(os.listdir(plans.PLANS))
+    docs = [json.load(open(os.path.join(plans.PLANS, f))) for f in files if f.endswith(".json")]
+    keys = {(d["workload"], d["key"].get("seq"), d["key"].get("budget", d["key"].get("cap_gib"))) for d in docs}
+    assert {("full_ft", 4096, "20GiB"), ("plan_check", 4096, 12.0), ("plan_check", 8192, 12.0),
+            ("plan_check", None, 12.0)} <= keys, keys
+    for d in docs:
+        assert d["key"]["device"] == "cuda" and plans.path(d["workload"], d["key"]).endswith(
+            os.path.basename(plans.path(d["workload"], d["key"])))
+        assert d["record"]["predicted_device_bytes"] > 0 and d["record"]["passes"] and len(d["commit"]) == 40
+        assert d["workload"] != "plan_check" or d["key"].get("seq") is not None or d["record"]["max_seq"] > 0
