@@ -91,9 +91,11 @@ ENV_VARS: dict[str, str] = {
     "EFFPASS_PROGRESS": "progress bars of planning, verification and replays: 0/false/no hides them, any other value "
                         "shows them; unset: shown only when standard error is a terminal",
     "EFFPASS_ROWWISE_COMPILE": "0: fuse_cross_entropy's row-wise tile program runs eagerly instead of compiled with "
-                               "Inductor on CPU (large vocabularies)",
+                               "Inductor on CPU and CUDA (large vocabularies)",
     "EFFPASS_PLAN_WORKERS": "processes for a planner replay's independent parts (a whole number >= 1; 1: all in this "
                             "process); unset: up to 2 where this process may use 2 cores",
+    "TRITON_INTERPRET": "Triton's own: 1 runs Triton kernels in its interpreter on CPU tensors; effpass's Triton "
+                        "loss-head kernels (fuse_cross_entropy(kernel='triton')) then run on a CPU",
 }
 
 

@@ -237,9 +237,14 @@ INDEX = {'passes': {'quantize_linear': {'summary': 'Quantize linear weights in p
                                                 'hidden states and min(256, rows / 4) rows of logits'],
                                                ['kernel',
                                                 "'effpass'",
-                                                "'effpass': the chunked custom ops; 'torch': torch's "
-                                                'F.linear_cross_entropy with chunking (torch >= 2.13; plain heads, '
-                                                "mean/sum, no soft-capping or smoothing; else effpass's)"]]},
+                                                "'effpass': effpass's custom ops, with the Triton tiles (logits "
+                                                'kept in registers) on a CUDA device where Triton is installed and '
+                                                "the chunked torch kernel elsewhere; 'triton': the Triton tiles (a "
+                                                'CUDA device, or TRITON_INTERPRET=1 on a CPU; else an error); '
+                                                "'chunked': the chunked torch kernel on every device; 'torch': "
+                                                "torch's F.linear_cross_entropy with chunking (torch >= 2.13; "
+                                                'plain heads, mean/sum, no soft-capping or smoothing; else '
+                                                "effpass's)"]]},
             'shard_sequence': {'summary': 'Ulysses sequence parallelism: each rank keeps 1/n of the tokens, '
                                           'all-to-all around attention',
                                'class': 'effpass.passes.shard_sequence.ShardSequence',
