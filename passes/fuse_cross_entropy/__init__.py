@@ -94,6 +94,13 @@ __all__ = ["FuseCrossEntropy", "default_chunk_bytes", "linear_cross_entropy", "p
            "set_hf_loss_type"]
 
 
+def _slabs(rows: int, vocab: int, xv) -> int:
+    """The vocabulary slabs the Triton tiles' backward loops over (what ``chunks`` counts on that path)."""
+    from .triton_tiles import slab_entries
+
+    return -(-vocab // slab_entries(rows, vocab, xv.element_size())) if rows > 0 else 0
+
+
 @effpass.register_pass("fuse_cross_entropy",
                        run_after=("fuse_attention", "apply_autocast", "inject_lora", "quantize_linear",
                                   "checkpoint_activations"))
@@ -311,7 +318,8 @@ class FuseCrossEntropy(effpass.Pass):
         stats["fused"] += 1
         rows = size_hint(n_rows)
         stats["logits_bytes_avoided"] += rows * vocab * 4
-        stats["chunks"] += 1 if use_torch else num_chunks(rows, vocab, stat_budget, per_row)
+        stats["chunks"] += 1 if use_torch else (_slabs(rows, vocab, _val(site.h)) if tiles
+                                                else num_chunks(rows, vocab, stat_budget, per_row))
         stats["chunk_bytes"] = stat_budget
         stats["symbolic_rows"] += int(not isinstance(n_rows, int))
         stats["logits_returned"] += int(bool(returned) and keep)
@@ -374,7 +382,7 @@ class FuseCrossEntropy(effpass.Pass):
         stats["logprob_sites"] += 1
         rows = size_hint(n_rows)
         stats["logits_bytes_avoided"] += 0 if keep else rows * vocab * 4
-        stats["chunks"] += num_chunks(rows, vocab, stat_budget, True)
+        stats["chunks"] += _slabs(rows, vocab, _val(site.h)) if tiles else num_chunks(rows, vocab, stat_budget, True)
         stats["chunk_bytes"] = stat_budget
         stats["symbolic_rows"] += int(not isinstance(n_rows, int))
         stats["logits_returned"] += int(bool(returned) and keep)
