@@ -85,8 +85,11 @@ QUANT_GAPS: dict[str, tuple[str, str]] = {
     "mamba": (_DIRECT_WEIGHT, r"Int8WeightTensor dispatch: .*aten\.expand"),
     "falcon_mamba": (_DIRECT_WEIGHT, r"Int8WeightTensor dispatch: .*aten\.expand"),
     "prophetnet": ("AOTAutograd refuses its graph with torchao's int8 weight tensors as inputs ('torch.compile is "
-                   "currently being used with tensor subclass inputs'), both lowerings: a loud error naming the pass "
-                   "that would be skipped, not a wrong answer; not triaged further", r"tensor subclass inputs"),
+                   "currently being used with tensor subclass inputs': two graph outputs alias one intermediate), both "
+                   "lowerings: a loud error naming the pass that would be skipped, not a wrong answer; plain "
+                   "torch.compile(backend='aot_eager') of the prepared model raises the same (with grad enabled; "
+                   "under no_grad it runs, equal); upstream",
+                   r"tensor subclass inputs"),
 }
 
 
