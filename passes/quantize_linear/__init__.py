@@ -62,7 +62,7 @@ from effpass.scope import glob_match_within
 from .expert_sites import expert_tensors, quantize_experts
 from .linear import (conv1d_class, dequantized_weight, float8_linear, fp8_supported, is_float8_linear,
                             outlier_hook, outlier_load_pre_hook, probe_matches, set_submodule,
-                            weight_problem, with_linear_forward)
+                            weight_problem, with_linear_forward, direct_weight_use)
 
 SCHEMES = ("int8", "int4", "nf4", "fp8")
 KERNELS = ("auto", "torchao", "triton")
@@ -375,6 +375,10 @@ class QuantizeLinear(effpass.Pass):
                 continue
             kind = "conv1d" if not isinstance(mod, nn.Linear) else (
                 "linear" if type(mod) is nn.Linear else "linear_subclass")
+            problem = direct_weight_use(model, name) if self.scheme != "fp8" else None  # fp8 keeps the weight
+            if problem:
+                skip(name, kind, problem)
+                continue
             if kind == "conv1d":
                 problem = weight_problem(mod.weight, tied)
                 if problem:

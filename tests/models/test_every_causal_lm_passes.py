@@ -78,12 +78,9 @@ NO_ATTENTION_SOFTMAX: dict[str, str] = {
                "config._attn_implementation = 'sdpa'), so its eager attention never runs: no softmax to fuse (the hand "
                "suite's Falcon rows cover fuse_attention on Falcon's SDPA call)"),
 }
-#: type -> why the int8 column fails
-_DIRECT_WEIGHT = ("its slow path multiplies dt_proj.weight directly (dt_proj.weight @ x), not through the linear's "
-                  "forward; the int8 weight tensor has no aten.expand: a loud NotImplementedError, not a wrong answer")
+#: type -> why the int8 column fails (Mamba and Falcon-Mamba were here until quantize_linear left a linear whose weight
+#: its parent reads directly, dt_proj, unquantized with the reason: tests/passes/quantize_linear/test_direct_weight_reads.py)
 QUANT_GAPS: dict[str, tuple[str, str]] = {
-    "mamba": (_DIRECT_WEIGHT, r"Int8WeightTensor dispatch: .*aten\.expand"),
-    "falcon_mamba": (_DIRECT_WEIGHT, r"Int8WeightTensor dispatch: .*aten\.expand"),
     "prophetnet": ("AOTAutograd refuses its graph with torchao's int8 weight tensors as inputs ('torch.compile is "
                    "currently being used with tensor subclass inputs': two graph outputs alias one intermediate), both "
                    "lowerings: a loud error naming the pass that would be skipped, not a wrong answer; plain "
