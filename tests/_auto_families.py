@@ -83,6 +83,34 @@ KNOWN_UNBUILT = {
     "zamba2": "hybrid: the cache of the cut pattern has no attention layer",
 }
 
+#: per-type fixes where no rule reaches, each ``type -> (attributes, why)``: ``INIT_OVERRIDES`` are passed to the config
+#: class (a default config its own validator rejects), ``OVERRIDES`` are set after the rules (a key is an attribute of
+#: the text config or a dotted path from the top config); random weights, no downloads, the size limit holds
+INIT_OVERRIDES: dict[str, tuple[dict, str]] = {}
+_PURE_MAMBA = "its default layer pattern is all Mamba, which transformers' hybrid cache cannot serve (get_seq_length)"
+OVERRIDES: dict[str, tuple[dict, str]] = {
+    "bamba": (dict(num_hidden_layers=2, attn_layer_indices=[1]), _PURE_MAMBA),
+    "granitemoehybrid": (dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]), _PURE_MAMBA),
+    "cohere_compass_text": (dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+                            "its default config has no RoPE parameters for its 'full_attention' layers (KeyError)"),
+    "dbrx": ({"attn_config.rope_theta": 1e4}, "its model reads attn_config.rope_theta, which the default sub-config "
+                                               "lacks (AttributeError)"),
+    "gemma3n_text": (dict(num_hidden_layers=2, layer_types=["sliding_attention"] * 2, num_kv_shared_layers=1),
+                     "its KV-sharing layers need a producing layer of their type: two layers, the second reuses"),
+    "hrm_text": (dict(num_layers_per_stack=1, num_hidden_layers=8),
+                 "num_hidden_layers is derived: num_layers_per_stack x H_cycles (2) x (L_cycles (3) + 1)"),
+    "lfm2_moe": (dict(num_hidden_layers=2, layer_types=["conv", "full_attention"], num_dense_layers=1),
+                 "its default layer_types is None (the model indexes it): one conv layer, one attention + MoE layer"),
+    "longcat_flash": (dict(qk_head_dim=16), "qk_head_dim is derived (qk_nope_head_dim + qk_rope_head_dim)"),
+    "qwen4_exp_text": (dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4,
+                            indexer_compress_ratio=2),
+                       "its indexed-attention layers need the indexer sizes, None in the default config"),
+    "rwkv": (dict(num_hidden_layers=2), "its weight init divides by num_hidden_layers - 1"),
+    "xlstm": (dict(embedding_dim=32), "embedding_dim is derived from hidden_size (4096) when the config is made"),
+    "xmod": (dict(default_language="en_XX"), "its adapters need a language (set_default_language)"),
+}
+OVERRIDES["qwen4_exp"] = OVERRIDES["qwen4_exp_text"]
+
 
 def causal_lm_types() -> list[str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -105,20 +133,72 @@ def _set(c, k, v) -> None:
         pass
 
 
-def tiny_config(model_type: str):
-    """The class's default config, shrunk by the rules of the module doc."""
+def _attention_layers(types) -> list[bool]:
+    """Which layers of a pattern have softmax attention (a hybrid's cache needs one): not a linear or state-space
+    mixer; Zamba's ``hybrid`` (a shared attention block beside a Mamba layer) among ``linear_attention`` ones too."""
+    zamba = "linear_attention" in types
+    return [("attention" in str(t) and "linear" not in str(t)) or (zamba and t == "hybrid") for t in types]
+
+
+def _pattern(text, attr):
+    try:
+        types = getattr(text, attr, None)
+    except Exception:  # a derived pattern the unshrunk config cannot compute
+        return None
+    return list(types) if isinstance(types, (list, tuple)) and types else None
+
+
+def _set_path(cfg, text, key, v) -> None:
+    """``key``: an attribute of the text config, or a dotted path from the top config (``vision_config.x``)."""
+    *path, attr = key.split(".")
+    obj = text if not path else cfg
+    for a in path:
+        obj = getattr(obj, a)
+    setattr(obj, attr, v)
+
+
+def _sub_configs(cfg, text):
+    """The configs below ``cfg`` other than the text config (vision and audio towers), depth first."""
+    seen, out = {id(cfg), id(text)}, []
+
+    def walk(c):
+        for k in list(vars(c)):
+            v = getattr(c, k, None) if not k.startswith("_") else None
+            if hasattr(v, "to_dict") and hasattr(v, "model_type") and id(v) not in seen:
+                seen.add(id(v))
+                out.append(v)
+                walk(v)
+    walk(cfg)
+    return out
+
+
+def _shrink(c) -> None:
+    for k, v in SMALL.items():
+        try:
+            cur = getattr(c, k, None)
+        except Exception:  # a per-layer attribute read globally
+            continue
+        if cur is not None and not isinstance(cur, (list, dict)):
+            _set(c, k, v)
+
+
+def tiny_config(model_type: str, towers: bool = False):
+    """The class's default config, shrunk by the rules of the module doc (``towers``: the vision and audio
+    sub-configs too, for a model over the size limit otherwise)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cls = model_class(model_type)
-    cfg = (getattr(cls, "config_class", None) or CONFIG_MAPPING[model_type])()
+    cfg = (getattr(cls, "config_class", None) or CONFIG_MAPPING[model_type])(**INIT_OVERRIDES.get(model_type, ({},))[0])
     try:
         text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     except ValueError:  # several text configs (an encoder and a decoder)
         text = cfg
-    for k, v in SMALL.items():
-        cur = getattr(text, k, None)
-        if cur is not None and not isinstance(cur, (list, dict)):
-            _set(text, k, v)
+    per_layer = {}
+    if getattr(text, "is_heterogeneous", False):  # per-layer overrides: dropped now, kept layers' re-applied shrunk
+        per_layer = {int(i): dict(o) for i, o in text.to_dict().get("per_layer_config", {}).items()}
+        text.per_layer_config = None
+    full = {a: _pattern(text, a) for a in ("layer_types", "block_types", "layers_block_type")}
+    _shrink(text)
     for k, v in {**NONE_MEANS, **(MOE_NONE if getattr(text, "moe_intermediate_size", None) else {})}.items():
         if k in text.to_dict() and getattr(text, k, 0) is None:
             _set(text, k, v)
@@ -128,12 +208,27 @@ def tiny_config(model_type: str):
                 _set(c, k, 0.0)
     if getattr(text, "kv_lora_rank", None) is not None and hasattr(text, "num_key_value_heads"):
         _set(text, "num_key_value_heads", text.num_attention_heads)  # MLA: one latent per head
-    for attr in ("layer_types", "block_types"):
-        types = getattr(text, attr, None)
-        if isinstance(types, list) and types:  # cut the pattern after its first attention layer
-            first = next((i for i, t in enumerate(types) if "attention" in str(t) and "linear" not in str(t)), 0)
+    for attr in ("layer_types", "block_types", "layers_block_type"):
+        types = _pattern(text, attr)
+        if types is None:
+            continue
+        if not any(_attention_layers(types)) and full[attr] and any(_attention_layers(full[attr])):
+            types = full[attr]  # a pattern derived from the layer count: cut the unshrunk one
+        if attr != "layers_block_type" or types is full[attr]:  # cut the pattern after its first attention layer
+            first = next((i for i, a in enumerate(_attention_layers(types)) if a), 0)
             _set(text, "num_hidden_layers", first + 1)
             _set(text, attr, types[:first + 1])
+    for attr in ("hybrid_layer_ids",):  # layer-index lists: the kept layers only
+        if isinstance(getattr(text, attr, None), list):
+            _set(text, attr, [i for i in getattr(text, attr) if i < text.num_hidden_layers])
+    kept = {i: o for i, o in per_layer.items() if i < text.num_hidden_layers}
+    if kept:
+        text.per_layer_config = {i: {k: SMALL.get(k, v) for k, v in o.items()} for i, o in kept.items()}
+    if towers:
+        for c in _sub_configs(cfg, text):
+            _shrink(c)
+    for k, v in OVERRIDES.get(model_type, ({},))[0].items():
+        _set_path(cfg, text, k, v)
     return cfg
 
 
@@ -147,6 +242,10 @@ def build(model_type: str, seed: int = 0):
     cls, cfg = model_class(model_type), tiny_config(model_type)
     with torch.device("meta"):
         n = sum(p.numel() for p in cls(cfg).parameters())
+    if n > MAX_PARAMS:  # a vision or audio tower at full size: shrink it by the same rules
+        cfg = tiny_config(model_type, towers=True)
+        with torch.device("meta"):
+            n = sum(p.numel() for p in cls(cfg).parameters())
     if n > MAX_PARAMS:
         raise ValueError(f"{model_type}: {n} parameters after shrinking (at most {MAX_PARAMS})")
     torch.manual_seed(seed)
