@@ -31,7 +31,8 @@ SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_atte
              decoder_start_token_id=0, rotary_dim=8, decoder_vocab_size=128, lru_width=32, attention_hidden_size=32,
              pronunciation_embed_dim=32, pronunciation_vocab_size=32, shape_embed_dim=32, shape_vocab_size=32,
              unpadded_vocab_size=128, linear_head_dim=8, linear_num_heads=4, state_size=16, time_step_rank=8,
-             n_groups=1, expand=1)
+             n_groups=1, expand=1, vocab_size_per_layer_input=128,
+             hidden_size_per_layer_input=8)
 #: attributes a default config leaves None where the model needs a value, set to what None would mean at the small
 #: sizes (hidden 32 / 4 heads: head_dim 8, one key/value head per query head) or, in an MoE config (one that sets
 #: ``moe_intermediate_size``), to the small routing sizes
@@ -87,14 +88,21 @@ KNOWN_UNBUILT = {
 #: class (a default config its own validator rejects), ``OVERRIDES`` are set after the rules (a key is an attribute of
 #: the text config or a dotted path from the top config); random weights, no downloads, the size limit holds
 INIT_OVERRIDES: dict[str, tuple[dict, str]] = {}
-_PURE_MAMBA = "its default layer pattern is all Mamba, which transformers' hybrid cache cannot serve (get_seq_length)"
+_PURE_MAMBA = ("its default layer pattern is all Mamba, which transformers' hybrid cache cannot serve (get_seq_length): "
+               "a Mamba and an attention layer; its Mamba heads must tile mamba_expand x hidden_size (2 x 32)")
+_MAMBA_HEADS = dict(mamba_n_heads=4, mamba_d_head=16)
 OVERRIDES: dict[str, tuple[dict, str]] = {
-    "bamba": (dict(num_hidden_layers=2, attn_layer_indices=[1]), _PURE_MAMBA),
-    "granitemoehybrid": (dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]), _PURE_MAMBA),
+    "bamba": (dict(num_hidden_layers=2, attn_layer_indices=[1], **_MAMBA_HEADS), _PURE_MAMBA),
+    "granitemoehybrid": (dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                              **_MAMBA_HEADS), _PURE_MAMBA),
     "cohere_compass_text": (dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4}}),
                             "its default config has no RoPE parameters for its 'full_attention' layers (KeyError)"),
-    "dbrx": ({"attn_config.rope_theta": 1e4}, "its model reads attn_config.rope_theta, which the default sub-config "
-                                               "lacks (AttributeError)"),
+    "blt": (dict(encoder_hash_byte_group_vocab=64, use_cache=False),
+            "its hash embedding's vocabulary (500002 rows per byte-group size, 3.1G parameters in all); and its "
+            "forward builds a cache from the top config, which has no num_hidden_layers (AttributeError)"),
+    "dbrx": ({"attn_config.rope_theta": 1e4, "attn_config.clip_qkv": 8.0},
+             "its attention reads attn_config.rope_theta, absent from the default sub-config, and clamps q/k/v by "
+             "clip_qkv, whose default None torch.clamp rejects (min and max both None)"),
     "gemma3n_text": (dict(num_hidden_layers=2, layer_types=["sliding_attention"] * 2, num_kv_shared_layers=1),
                      "its KV-sharing layers need a producing layer of their type: two layers, the second reuses"),
     "hrm_text": (dict(num_layers_per_stack=1, num_hidden_layers=8),
@@ -180,6 +188,8 @@ def _shrink(c) -> None:
             continue
         if cur is not None and not isinstance(cur, (list, dict)):
             _set(c, k, v)
+        elif isinstance(cur, list) and cur and all(type(x) is int for x in cur) and "token" not in k:  # per layer
+            _set(c, k, [v] * len(cur))
 
 
 def tiny_config(model_type: str, towers: bool = False):
