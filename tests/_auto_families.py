@@ -78,6 +78,12 @@ KNOWN_UNBUILT = {
     "qwen4_exp_text": "config: its indexer sizes (indexer_n_heads, indexer_head_dim, ...) are None by default",
     "reformer": "config: ReformerModelWithLMHead needs is_decoder=True and chunked attention sizes",
     "rwkv": "config: its weight init divides by num_hidden_layers - 1 (one layer kept: ZeroDivisionError)",
+    "zamba": (dict(num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"],
+                   attention_hidden_size=64, attention_head_dim=16),
+              "its shared attention block is tied across its hybrid layers, which needs two of them; its attention "
+              "sizes are derived from hidden_size when the config is made (2 x 32, / 4 heads)"),
+    "zamba2": (dict(mamba_headdim=8, attention_hidden_size=64, attention_head_dim=16),
+               "its Mamba and attention sizes are derived from hidden_size when the config is made (2 x 32 / heads)"),
     "xlstm": "config: its up-projected block sizes are not shrunk with the embedding size",
     "xmod": "config: needs a default language set on the model (set_default_language)",
     "zamba": "hybrid: the cache of the cut pattern has no attention layer",
@@ -97,9 +103,12 @@ OVERRIDES: dict[str, tuple[dict, str]] = {
                               **_MAMBA_HEADS), _PURE_MAMBA),
     "cohere_compass_text": (dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4}}),
                             "its default config has no RoPE parameters for its 'full_attention' layers (KeyError)"),
-    "blt": (dict(encoder_hash_byte_group_vocab=64, use_cache=False),
-            "its hash embedding's vocabulary (500002 rows per byte-group size, 3.1G parameters in all); and its "
-            "forward builds a cache from the top config, which has no num_hidden_layers (AttributeError)"),
+    "blt": ({"encoder_hash_byte_group_vocab": 64, "use_cache": False, "global_config.hidden_size": 64,
+             "global_config.head_dim": 16, "encoder_config.hidden_size_global": 64,
+             "decoder_config.hidden_size_global": 64},
+            "its hash embedding's vocabulary (500002 rows per byte-group size, 3.1G parameters in all); its global "
+            "transformer's width is cross_attn_k (2) x the local one; its forward builds a cache from the top "
+            "config, which has no num_hidden_layers (AttributeError)"),
     "dbrx": ({"attn_config.rope_theta": 1e4, "attn_config.clip_qkv": 8.0},
              "its attention reads attn_config.rope_theta, absent from the default sub-config, and clamps q/k/v by "
              "clip_qkv, whose default None torch.clamp rejects (min and max both None)"),
@@ -114,7 +123,15 @@ OVERRIDES: dict[str, tuple[dict, str]] = {
                             indexer_compress_ratio=2),
                        "its indexed-attention layers need the indexer sizes, None in the default config"),
     "rwkv": (dict(num_hidden_layers=2), "its weight init divides by num_hidden_layers - 1"),
-    "xlstm": (dict(embedding_dim=32), "embedding_dim is derived from hidden_size (4096) when the config is made"),
+    "zamba": (dict(num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"],
+                   attention_hidden_size=64, attention_head_dim=16),
+              "its shared attention block is tied across its hybrid layers, which needs two of them; its attention "
+              "sizes are derived from hidden_size when the config is made (2 x 32, / 4 heads)"),
+    "zamba2": (dict(mamba_headdim=8, attention_hidden_size=64, attention_head_dim=16),
+               "its Mamba and attention sizes are derived from hidden_size when the config is made (2 x 32 / heads)"),
+    "xlstm": (dict(hidden_size=128, embedding_dim=128, num_blocks=1),
+              "embedding_dim and num_blocks are hidden_size and the layer count under other names; the config rounds "
+              "the q/k and v widths up to multiples of 64, its cell state does not (matC shape error below 128)"),
     "xmod": (dict(default_language="en_XX"), "its adapters need a language (set_default_language)"),
 }
 OVERRIDES["qwen4_exp"] = OVERRIDES["qwen4_exp_text"]
