@@ -8,8 +8,11 @@ where the family is covered by a hand-written config instead). The rules: every 
 text config) has and sets is made small (``SMALL``), a few it leaves None where the model needs a value get what None
 means at the small sizes (``NONE_MEANS``; in an MoE config the routing sizes, ``MOE_NONE``), MLA models get one latent
 per head, a layer-type pattern (``layer_types``, ``block_types``) is cut after its first attention layer (a hybrid's
-cache needs one), and the model must come out under 3M parameters (counted on the meta device first). 162 of the 196
-types of transformers 5.24 are built.
+cache needs one; a pattern derived from the layer count is cut before shrinking, Zamba's ``hybrid`` layers count as
+attention), per-layer size lists and per-layer overrides (``per_layer_config``) are shrunk (the cut layers' dropped),
+and the model must come out under 3M parameters (counted on the meta device first; over it, the vision and audio
+sub-configs are shrunk by the same rules). Where no rule reaches, a per-type table sets config attributes, each with
+its reason (``OVERRIDES``). 190 of the 196 types of transformers 5.24 are built.
 """
 from __future__ import annotations
 
@@ -40,60 +43,30 @@ NONE_MEANS = dict(head_dim=8, num_key_value_heads=SMALL["num_attention_heads"])
 MOE_NONE = dict(num_experts_per_tok=2, n_routed_experts=4, n_shared_experts=1)
 MAX_PARAMS = 3_000_000
 
-_HAND = "a hand-written config covers it: "
-_MOE = _HAND + "tests/models/test_moe_families.py"
-#: types the rules do not build, with why (transformers 5.24); ``size``: the shrunk model is still too large (a
-#: vision or audio tower, a byte-level hash embedding, per-head recurrent gates the rules do not reach), ``config``:
-#: the shrunk config is inconsistent, ``per_layer``: per-layer attributes the rules cannot set globally, ``hybrid``:
-#: the cut layer pattern leaves a hybrid's cache without an attention layer
+#: types the rules do not build, with why (transformers 5.24); a reason starts with its group: ``size`` (the shrunk
+#: model is still too large), ``config`` (the shrunk config is inconsistent, or the model is not a tokens-in,
+#: one-vocabulary LM), ``per_layer`` (per-layer attributes the rules cannot set), ``hybrid`` (the cut layer pattern
+#: leaves a hybrid's cache without an attention layer); since the rules for towers, per-layer configs and derived
+#: patterns and the override table, only ``config`` reasons are left
 KNOWN_UNBUILT = {
-    "bamba": "hybrid: the cache of the cut pattern has no attention layer",
-    "blt": "size: a 3.1G-parameter hash embedding (encoder_hash_tok_embedding) the rules do not shrink",
-    "cohere_compass_text": "config: its layer-type table has no 'full_attention' entry after the cut",
-    "dbrx": "config: its attention sub-config (DbrxAttentionConfig) has no rope_theta after shrinking",
-    "dots3_note": "per_layer: num_attention_heads is a per-layer attribute",
-    "dots3_note_text": "per_layer: num_attention_heads is a per-layer attribute",
-    "gemma3": "size: the vision tower stays full size (92.9M parameters); its text decoder is gemma3_text",
-    "gemma3n": "config: needs timm for its vision tower (not installed)",
-    "gemma3n_text": "config: the cut layer pattern breaks its KV-sharing layers",
-    "gemma4": "per_layer: head_dim is a per-layer attribute",
-    "gemma4_assistant": "config: the config's architecture validator rejects the shrunk sizes",
-    "gemma4_text": "per_layer: head_dim is a per-layer attribute",
-    "gemma4_unified": "per_layer: head_dim is a per-layer attribute",
-    "gemma4_unified_assistant": "per_layer: head_dim is a per-layer attribute",
-    "gemma4_unified_text": "per_layer: head_dim is a per-layer attribute",
-    "git": "size: the vision encoder stays full size (85.8M parameters)",
-    "got_ocr2": "size: the vision tower stays full size (91.0M parameters)",
-    "granitemoehybrid": "hybrid: the cache of the cut pattern has no attention layer",
-    "hrm_text": "config: its recurrent cycle tables are indexed past the one kept layer",
-    "jamba": "hybrid: the cache of the cut pattern has no attention layer; " + _MOE,
-    "lfm2_moe": "config: its layer-type table is None after shrinking",
-    "longcat_flash": "config: num_hidden_layers is derived (2 x num_layers) and its MLA head sizes are not head_dim; "
-                     + _HAND + "tests/_families.py (tests/planning/test_moe_planner.py)",
-    "moss_transcribe_diarize": "size: the audio tower stays full size (307M parameters)",
-    "musicgen": "config: a multi-codebook head (a ModuleList), not a causal LM head over one vocabulary",
-    "musicgen_melody": "config: a multi-codebook head (a ModuleList), not a causal LM head over one vocabulary",
-    "phi4_multimodal": "size: the audio and vision embeddings stay full size (870M parameters)",
-    "qwen4_exp": "config: its indexer sizes (indexer_n_heads, indexer_head_dim, ...) are None by default",
-    "qwen4_exp_text": "config: its indexer sizes (indexer_n_heads, indexer_head_dim, ...) are None by default",
-    "reformer": "config: ReformerModelWithLMHead needs is_decoder=True and chunked attention sizes",
-    "rwkv": "config: its weight init divides by num_hidden_layers - 1 (one layer kept: ZeroDivisionError)",
-    "zamba": (dict(num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"],
-                   attention_hidden_size=64, attention_head_dim=16),
-              "its shared attention block is tied across its hybrid layers, which needs two of them; its attention "
-              "sizes are derived from hidden_size when the config is made (2 x 32, / 4 heads)"),
-    "zamba2": (dict(mamba_headdim=8, attention_hidden_size=64, attention_head_dim=16),
-               "its Mamba and attention sizes are derived from hidden_size when the config is made (2 x 32 / heads)"),
-    "xlstm": "config: its up-projected block sizes are not shrunk with the embedding size",
-    "xmod": "config: needs a default language set on the model (set_default_language)",
-    "zamba": "hybrid: the cache of the cut pattern has no attention layer",
-    "zamba2": "hybrid: the cache of the cut pattern has no attention layer",
+    "gemma3n": "config: its vision tower is a TimmWrapperModel, which needs timm and PIL (neither installed here); "
+               "its text decoder is gemma3n_text",
+    "gemma4_assistant": "config: a drafter: its forward raises without inputs_embeds and shared_kv_states (a target "
+                        "model's key/value states, reused by every layer), which a tokens-only step does not have",
+    "gemma4_unified_assistant": "config: a drafter: its forward raises without inputs_embeds and shared_kv_states (a "
+                                "target model's key/value states, reused by every layer), which a tokens-only step "
+                                "does not have",
+    "git": "config: its loss drops the first image_patch_tokens logits (the image prefix, (image_size / patch_size)^2 "
+           "+ 1 of them) whatever the input: with tokens only, no logits are left (batch size 0 against 14 targets)",
+    "musicgen": "config: one head and one embedding per codebook (ModuleLists), input_ids of batch x num_codebooks "
+                "rows and labels of shape (batch, seq, num_codebooks): not a one-vocabulary token LM",
+    "musicgen_melody": "config: one head and one embedding per codebook (ModuleLists), input_ids of batch x "
+                       "num_codebooks rows and labels of shape (batch, seq, num_codebooks): not a one-vocabulary "
+                       "token LM",
 }
 
-#: per-type fixes where no rule reaches, each ``type -> (attributes, why)``: ``INIT_OVERRIDES`` are passed to the config
-#: class (a default config its own validator rejects), ``OVERRIDES`` are set after the rules (a key is an attribute of
-#: the text config or a dotted path from the top config); random weights, no downloads, the size limit holds
-INIT_OVERRIDES: dict[str, tuple[dict, str]] = {}
+#: per-type fixes where no rule reaches, each ``type -> (attributes, why)``, set after the rules (a key is an attribute
+#: of the text config or a dotted path from the top config); random weights, no downloads, the size limit holds
 _PURE_MAMBA = ("its default layer pattern is all Mamba, which transformers' hybrid cache cannot serve (get_seq_length): "
                "a Mamba and an attention layer; its Mamba heads must tile mamba_expand x hidden_size (2 x 32)")
 _MAMBA_HEADS = dict(mamba_n_heads=4, mamba_d_head=16)
@@ -119,9 +92,18 @@ OVERRIDES: dict[str, tuple[dict, str]] = {
     "lfm2_moe": (dict(num_hidden_layers=2, layer_types=["conv", "full_attention"], num_dense_layers=1),
                  "its default layer_types is None (the model indexes it): one conv layer, one attention + MoE layer"),
     "longcat_flash": (dict(qk_head_dim=16), "qk_head_dim is derived (qk_nope_head_dim + qk_rope_head_dim)"),
+    "phi4_multimodal": ({"audio_config.num_blocks": 1, "audio_config.nemo_conv_channels": 32,
+                         "audio_config.ext_pw_out_channel": 32, "audio_config.depthwise_separable_out_channel": 32},
+                        "its audio encoder's block count and convolution widths have names of their own"),
     "qwen4_exp_text": (dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4,
                             indexer_compress_ratio=2),
                        "its indexed-attention layers need the indexer sizes, None in the default config"),
+    "reformer": (dict(is_decoder=True, axial_pos_shape=(2, 4), axial_pos_embds_dim=(8, 24), attention_head_size=8,
+                      feed_forward_size=64, local_attn_chunk_length=4, lsh_attn_chunk_length=4, num_buckets=2,
+                      attn_layers=("local", "lsh"), hash_seed=0),
+                 "its LM head needs is_decoder; in training the axial position shape must multiply to the sequence "
+                 "length (8) and its widths sum to hidden_size; chunks divide 8; a local and an LSH layer, the LSH "
+                 "hash seeded (compiled and eager hash alike)"),
     "rwkv": (dict(num_hidden_layers=2), "its weight init divides by num_hidden_layers - 1"),
     "zamba": (dict(num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"],
                    attention_hidden_size=64, attention_head_dim=16),
@@ -215,7 +197,7 @@ def tiny_config(model_type: str, towers: bool = False):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cls = model_class(model_type)
-    cfg = (getattr(cls, "config_class", None) or CONFIG_MAPPING[model_type])(**INIT_OVERRIDES.get(model_type, ({},))[0])
+    cfg = (getattr(cls, "config_class", None) or CONFIG_MAPPING[model_type])()
     try:
         text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     except ValueError:  # several text configs (an encoder and a decoder)
