@@ -42,6 +42,31 @@ AUTOCAST_GAPS: dict[str, tuple[str, str]] = {
                        r"self_attn\.key_layernorm\.weight"),
     "jetmoe": ("the embedding's fp32 gradient differs from eager autocast by 6.0e-8 (found by a CI sample at the "
                "session's end); not triaged", r"model\.embed_tokens\.weight"),
+    # newly built types (h2-unbuilt)
+    "blt": (_AOT + "rounds the local encoder's gradients differently: 9.8e-4 on q_proj); upstream",
+            r"model\.local_encoder\."),
+    "cohere_compass_text": (_AOT + "rounds the fp32 embedding gradient differently: 3.7e-4); upstream",
+                            r"model\.embed_tokens\.weight"),
+    "dbrx": ("eager torch.autocast raises the same: its expert loop index_add_s the bf16 expert outputs into an fp32 "
+             "buffer; upstream, a loud error", r"index_add_\(\): self \(Float\) and source \(BFloat16\)"),
+    "gemma3n_text": (_AOT + "rounds the fp32 AltUp router gradient differently: 2.2e-7); upstream",
+                     r"altup\.modality_router\.weight"),
+    "gemma4": (_AOT + "rounds the fp32 embedding gradient differently: 1.8e-3); upstream",
+               r"language_model\.embed_tokens\.weight"),
+    "hrm_text": (_AOT + "rounds the attention gradients differently: 1.5e-8 on q_proj); upstream",
+                 r"model\.L_module\.layers\.0\.self_attn\."),
+    "jamba": (_AOT + "rounds the fp32 A_log gradient differently: 2.8e-14); upstream", r"mamba\.A_log"),
+    "longcat_flash": (_AOT + "rounds the fp32 embedding gradient differently: 5.6e-4); upstream",
+                      r"model\.embed_tokens\.weight"),
+    "qwen4_exp": ("the embedding's fp32 gradient differs from eager autocast by 1.8e-5; plain aot_eager under autocast "
+                  "raises in this model (a view of a non-contiguous tensor), so no upstream oracle; not triaged",
+                  r"model\.embed_tokens\.weight"),
+    "qwen4_exp_text": ("the embedding's fp32 gradient differs from eager autocast by 1.8e-5; plain aot_eager under "
+                       "autocast raises in this model (a view of a non-contiguous tensor), so no upstream oracle; not "
+                       "triaged", r"model\.embed_tokens\.weight"),
+    "xmod": ("eager torch.autocast raises the same: its language adapter index-puts bf16 rows into an fp32 tensor "
+             "(lang_adapter); upstream, a loud error", r"Index put requires the source and destination dtypes"),
+    "zamba": (_AOT + "rounds the fp32 A_log gradient differently: 5.1e-21); upstream", r"mamba\.A_log"),
 }
 #: type -> why fused attention does not equal the unfused model
 FUSE_GAPS: dict[str, tuple[str, str]] = {}
@@ -53,6 +78,10 @@ NO_ATTENTION_SOFTMAX: dict[str, str] = {
     "falcon": ("transformers' Falcon keeps SDPA whatever is asked (FalconPreTrainedModel._check_and_enable_sdpa sets "
                "config._attn_implementation = 'sdpa'), so its eager attention never runs: no softmax to fuse (the hand "
                "suite's Falcon rows cover fuse_attention on Falcon's SDPA call)"),
+    # newly built types (h2-unbuilt)
+    "reformer": "its local and LSH attention normalize by exp(x - logsumexp(x)), not a softmax the pass knows",
+    "rwkv": "a recurrent model (time mixing with decayed state): no attention, no softmax",
+    "xlstm": "a recurrent model (mLSTM cells): no attention, no softmax",
 }
 #: type -> why the int8 column fails
 _DIRECT_WEIGHT = ("its slow path multiplies dt_proj.weight directly (dt_proj.weight @ x), not through the linear's "
@@ -63,6 +92,11 @@ QUANT_GAPS: dict[str, tuple[str, str]] = {
     "prophetnet": ("AOTAutograd refuses its graph with torchao's int8 weight tensors as inputs ('torch.compile is "
                    "currently being used with tensor subclass inputs'), both lowerings: a loud error naming the pass "
                    "that would be skipped, not a wrong answer; not triaged further", r"tensor subclass inputs"),
+    # newly built types (h2-unbuilt)
+    "gemma3n_text": ("its AltUp block clamps a linear's weight in place in training (prediction_coefs.weight.data."
+                     "clamp_); the int8 weight tensor has no aten.clamp_: a loud NotImplementedError, not a wrong "
+                     "answer", r"Int8WeightTensor dispatch: .*aten\.clamp_"),
+    "jamba": (_DIRECT_WEIGHT, r"Int8WeightTensor dispatch: .*aten\.expand"),
 }
 
 
