@@ -59,11 +59,11 @@ AUTOCAST_GAPS: dict[str, tuple[str, str]] = {
     "longcat_flash": (_AOT + "rounds the fp32 embedding gradient differently: 5.6e-4); upstream",
                       r"model\.embed_tokens\.weight"),
     "qwen4_exp": ("the embedding's fp32 gradient differs from eager autocast by 1.8e-5; plain aot_eager under autocast "
-                  "raises in this model (a view of a non-contiguous tensor), so no upstream oracle; not triaged",
-                  r"model\.embed_tokens\.weight"),
+                  "fails in its backward (an aten.view of a _to_copy output whose strides do not allow it: upstream), "
+                  "so there is no upstream oracle; not triaged", r"model\.embed_tokens\.weight"),
     "qwen4_exp_text": ("the embedding's fp32 gradient differs from eager autocast by 1.8e-5; plain aot_eager under "
-                       "autocast raises in this model (a view of a non-contiguous tensor), so no upstream oracle; not "
-                       "triaged", r"model\.embed_tokens\.weight"),
+                       "autocast fails in its backward (an aten.view of a _to_copy output whose strides do not allow "
+                       "it: upstream), so there is no upstream oracle; not triaged", r"model\.embed_tokens\.weight"),
     "xmod": ("eager torch.autocast raises the same: its language adapter index-puts bf16 rows into an fp32 tensor "
              "(lang_adapter); upstream, a loud error", r"Index put requires the source and destination dtypes"),
     "zamba": (_AOT + "rounds the fp32 A_log gradient differently: 5.1e-21); upstream", r"mamba\.A_log"),
