@@ -32,6 +32,7 @@ import torch.fx as fx
 
 import effpass
 from effpass.graph import copy_provenance, infer_fake_values, source_path
+from effpass.linear_like import direct_weight_read
 from effpass.scope import Scope, check_patterns, glob_match, glob_match_within
 
 from . import lora
@@ -113,7 +114,12 @@ class InjectLoRA(effpass.Pass):
                     f"inject_lora: targets {list(self.targets)} / exclude {list(self.exclude)} leave no linear module; "
                     f"linear names here include: {', '.join(repr(n) for n in linear_names[:8])}"
                     f"{' ...' if len(linear_names) > 8 else ''}")
-        names = lora.inject(model, [n for n, m in selected if not isinstance(m, LoRALinear)], rank=self.rank, alpha=self.alpha, dropout=self.dropout,
+        # NOTE(direct reads): a linear whose weight its parent reads directly (Mamba's dt_proj.weight @ x) would
+        # bypass an adapter on that path: the adapter would not train there while the statistics counted it
+        bypassed = {n: direct_weight_read(model, n) for n, m in selected if not isinstance(m, LoRALinear)}
+        bypassed = {n: why for n, why in bypassed.items() if why}
+        names = lora.inject(model, [n for n, m in selected if not isinstance(m, LoRALinear) and n not in bypassed],
+                            rank=self.rank, alpha=self.alpha, dropout=self.dropout,
                             use_rslora=self.use_rslora, init=self.init, dtype=self.adapter_dtype)
         had = lora.expert_lora_modules(model)
         expert_names = lora.inject_experts(model, [n for n in experts if n not in had], rank=self.rank,
@@ -142,7 +148,10 @@ class InjectLoRA(effpass.Pass):
                     for n, m in model.named_modules() if n and lora.overrides_linear_forward(m)
                     and ctx.scope.matches_globs(n) is not False and not _excluded(n, self.exclude)]
         skipped += [{"site": n, "reason": "already has a LoRA adapter"} for n in experts if n in had]
-        why = "" if (names or expert_names) else (
+        skipped += [{"site": n, "reason": f"{why}, outside the linear's forward: an adapter there would be bypassed on "
+                                          "that path (it would not train there)"} for n, why in bypassed.items()]
+        why = "" if (names or expert_names) else (f"every selected module's weight is read directly by its parent "
+                                                  f"({len(bypassed)}: see 'skipped')" if bypassed else
             f"every selected module already has a LoRA adapter ({len(skipped)}; a model prepared before keeps its "
             "adapters: nothing new to inject)" if skipped else "no module selected")
         return effpass.PassResult(changed=bool(names or expert_names), stats=stats, skipped=skipped, why_unchanged=why)

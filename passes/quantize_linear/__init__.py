@@ -56,13 +56,14 @@ from torch import nn
 
 import effpass
 from effpass.graph import parameter_only_nodes, val
+from effpass.linear_like import direct_weight_read
 from effpass.quantized import is_quantized, storage_bytes
 from effpass.scope import glob_match_within
 
 from .expert_sites import expert_tensors, quantize_experts
 from .linear import (conv1d_class, dequantized_weight, float8_linear, fp8_supported, is_float8_linear,
                             outlier_hook, outlier_load_pre_hook, probe_matches, set_submodule,
-                            weight_problem, with_linear_forward, direct_weight_use)
+                            weight_problem, with_linear_forward)
 
 SCHEMES = ("int8", "int4", "nf4", "fp8")
 KERNELS = ("auto", "torchao", "triton")
@@ -375,9 +376,10 @@ class QuantizeLinear(effpass.Pass):
                 continue
             kind = "conv1d" if not isinstance(mod, nn.Linear) else (
                 "linear" if type(mod) is nn.Linear else "linear_subclass")
-            problem = direct_weight_use(model, name) if self.scheme != "fp8" else None  # fp8 keeps the weight
-            if problem:
-                skip(name, kind, problem)
+            read = direct_weight_read(model, name) if self.scheme != "fp8" else None  # fp8 keeps the weight
+            if read:
+                skip(name, kind, f"{read}, outside the linear's forward: a quantized weight supports only the "
+                                 "linear's own matmul")
                 continue
             if kind == "conv1d":
                 problem = weight_problem(mod.weight, tied)

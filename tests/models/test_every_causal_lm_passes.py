@@ -108,7 +108,7 @@ NO_ATTENTION_SOFTMAX: dict[str, str] = {
     "xlstm": "a recurrent model (mLSTM cells): no attention, no softmax",
 }
 #: type -> why the int8 column fails (Mamba and Falcon-Mamba were here until quantize_linear left a linear whose weight
-#: its parent reads directly, dt_proj, unquantized with the reason: tests/passes/quantize_linear/test_direct_weight_reads.py)
+#: its parent reads directly, dt_proj, unquantized with the reason: tests/core/test_direct_weight_reads.py)
 QUANT_GAPS: dict[str, tuple[str, str]] = {
     "prophetnet": ("AOTAutograd refuses its graph with torchao's int8 weight tensors as inputs ('torch.compile is "
                    "currently being used with tensor subclass inputs': two graph outputs alias one intermediate), both "

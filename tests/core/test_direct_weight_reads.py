@@ -1,4 +1,4 @@
-"""``quantize_linear`` leaves a linear whose parent module reads its weight directly (``self.dt_proj.weight @ x``:
+"""``quantize_linear`` (and ``inject_lora``, whose adapter would be bypassed there) leave a linear whose parent module reads its weight directly (``self.dt_proj.weight @ x``:
 Mamba's training path) unquantized, with the method and line as the reason; a read in a branch the module's own
 attributes decide is not taken (Bloom's ``if self.pretraining_tp > 1 and self.slow_but_exact``), a read of the
 weight's metadata (``self.proj.weight.dtype``, common in Hugging Face attention code) or a type check does not count.
@@ -84,3 +84,21 @@ def test_a_branch_the_modules_attributes_take_counts():
     assert sorted(left) == ["mixer.down", "mixer.dt"], left
     assert isinstance(model.mixer.up.weight, Int8WeightTensor)
     model(torch.randn(2, 5, 32))  # runs: nothing quantized is read outside its linear
+
+
+def test_inject_lora_leaves_a_directly_read_linear_without_an_adapter():
+    """An adapter on ``dt`` would be bypassed by ``self.dt.weight @ x``: it would not train while the statistics
+    counted it. The other linears get adapters, and every adapter gets a gradient."""
+    from effpass.passes import InjectLoRA
+
+    torch.manual_seed(0)
+    model = Net()
+    effpass.prepare(model, passes=[InjectLoRA(rank=2)])
+    st = effpass.report(model).stats("inject_lora")
+    assert sorted(st["modules"]) == ["mixer.down", "mixer.up"], st["modules"]
+    left = {s["site"]: s["reason"] for r in effpass.report(model).records("inject_lora") for s in r.skipped}
+    assert "bypassed" in left["mixer.dt"] and "Mixer.forward" in left["mixer.dt"], left
+    for lin in (model.mixer.up, model.mixer.down):  # no adapter starts at zero: give B a value, then check its grad
+        torch.nn.init.normal_(lin.lora_B.weight)
+    model(torch.randn(2, 5, 32)).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if p.requires_grad)
