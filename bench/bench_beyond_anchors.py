@@ -42,7 +42,7 @@ ARMS = {
     "full_24g": ("full", 4096, 24, [("adamw on host", [], "adamw_offload"),
                                     ("offload (sync) + adamw on host",
                                      [("offload_activations", {"separate_stream": False})], "adamw_offload"),
-                                    ("step_in_backward + adamw8bit", [("step_in_backward", {})], "adamw8bit")]),
+                                    ("step_in_backward (AdamW on the device)", [("step_in_backward", {})], None)]),
 }
 PUBLISHED = {
     "qlora_344k": "Unsloth: 342,733-token QLoRA of Llama-3.1-8B on one 80 GB GPU (offloaded checkpoints)",
@@ -94,12 +94,19 @@ def row(arm: str, seq: int | None = None, screen: bool = False, gpu: str = "h100
             continue
         adamw_peak = est.device_peak_bytes
         if opt is not None:
-            est = with_optimizer(est, opt, device=est.device)
+            try:
+                est = with_optimizer(est, opt, device=est.device)
+            except Exception as e:  # noqa: BLE001 - the row says why (e.g. a CUDA-only optimizer step on a CPU torch)
+                r["error"] = f"{opt}: {type(e).__name__}: {str(e)[:500]}"
+                out.append(r)
+                continue
         seconds, bound, terms = step_time(est, DEVICES[gpu], True)
         r.update(pipeline=[p.name for p in pipelines[todo.index((label, extra, opt))]], optimizer=opt or "adamw",
                  allocated_peak=est.peak_bytes, device_peak=est.device_peak_bytes, adamw_replay_peak=adamw_peak,
                  start_bytes=est.start_bytes, parameters=est.parameters,
                  gradients=est.gradients, optimizer_states=est.optimizer_states, activations=est.activations,
+                 gradients_at_peak=est.gradients_at_peak, largest_transient=est.largest_transient,
+                 non_gradient_peak=est.non_gradient_peak, phase_peaks=dict(est.phase_peaks),
                  host_bytes=est.host_bytes, fits=est.device_peak_bytes <= budget * GIB,
                  host_fits=est.host_bytes <= host_budget_gib * GIB,
                  peak_at=f"{est.peak_phase} / {est.peak_graph} / {est.peak_node}", flops=est.flops,
