@@ -12,7 +12,7 @@ with ``screen``), each variant's device peak (CUDA allocated and reserved), host
 time (``effpass.planning.host_memory.step_time``). ``adamw on host`` (torchao CPUOffloadOptimizer,
 offload_gradients=False) is derived from the AdamW replay, not replayed.
 
-Arms: ``qlora_344k`` (344,064 tokens > Unsloth's 342,733 on 80 GB), ``full_512k`` (512,000 tokens >= ALST's 500K on
+Arms: ``qlora_344k`` (344,064 tokens > Unsloth's 342,733 on 80 GB; ``qlora_344k_stream`` the stream variant), ``full_512k`` (512,000 tokens >= ALST's 500K on
 one H100), ``full_24g`` (full fine-tuning at 4,096 tokens against a 24 GiB budget). Results:
 bench/results/beyond_anchors_cpu.{json,md} (the file's device is the machine that predicted: CPU).
 """
@@ -37,6 +37,7 @@ GIB = 1 << 30
 #: arm -> (mode, tokens, device budget GiB, variants: (label, extra passes, optimizer derived from the AdamW replay))
 ARMS = {
     "qlora_344k": ("qlora", 344064, 80, [("offload (sync)", [("offload_activations", {"separate_stream": False})], None)]),
+    "qlora_344k_stream": ("qlora", 344064, 80, [("offload (stream)", [("offload_activations", {})], None)]),
     "full_512k": ("full", 512000, 80, [("offload (sync) + adamw on host",
                                         [("offload_activations", {"separate_stream": False})], "adamw_offload")]),
     "full_24g": ("full", 4096, 24, [("adamw on host", [], "adamw_offload"),
@@ -46,6 +47,7 @@ ARMS = {
 }
 PUBLISHED = {
     "qlora_344k": "Unsloth: 342,733-token QLoRA of Llama-3.1-8B on one 80 GB GPU (offloaded checkpoints)",
+    "qlora_344k_stream": "Unsloth: 342,733-token QLoRA of Llama-3.1-8B on one 80 GB GPU (offloaded checkpoints)",
     "full_512k": "ALST (arXiv 2506.13996): Llama-3-8B full fine-tuning at 500K tokens on one 80 GB H100 (tiled MLP "
                  "and loss, checkpoints offloaded to host)",
     "full_24g": "-",
