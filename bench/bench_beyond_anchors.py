@@ -153,6 +153,9 @@ def markdown(run: dict) -> str:
                   f"({format_bytes(r['allocated_peak'])}) | {r['budget_gib']} GiB | {r['fits']} | "
                   f"{format_bytes(r['host_bytes'])} | {step} | {r['peak_at'][:70]} | {r['wall_s']} / {r['cpu_s']} CPU "
                   f"({r['load']}{', screened' if r['screen'] else ''}) | {r['published']} |")
+    for r in rows:
+        if r.get("caveat"):
+            md.append(f"\n{r['arm']} ({r['variant']}, {r['seq']:,} tokens): {r['caveat']}")
     return "\n".join(md) + "\n"
 
 
