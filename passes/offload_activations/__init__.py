@@ -36,6 +36,7 @@ Untested on GPU (no GPU in the session that wrote it): the stream variant (``ao.
 from __future__ import annotations
 
 import operator
+import contextlib
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -155,6 +156,11 @@ class OffloadActivations(effpass.Pass):
         # NOTE(versions): only the switches the installed torch has (the stream ones are newer)
         return {f"functorch.{k}": v for k, v in want.items() if hasattr(fc, k)}
 
+    def lowering_context(self, ctx):
+        """Around the lowering (the partition runs torch's offloading): forward outputs that are not graph values
+        (``None``) kept out of torch's rewrite (:func:`_none_outputs_kept_out`)."""
+        return _none_outputs_kept_out() if offload_supported() else None
+
     # -- joint: marks ----------------------------------------------------------------------------------
     def transform_joint(self, gm: fx.GraphModule, ctx) -> effpass.PassResult | None:
         if ctx.graph_kind != "joint":
@@ -192,3 +198,38 @@ class OffloadActivations(effpass.Pass):
         if ctx.graph_kind == "backward":
             return effpass.PassResult(stats={"reloaded": sum(1 for n in gm.graph.nodes if _is_reload(n))})
         return None
+
+
+@contextlib.contextmanager
+def _none_outputs_kept_out():
+    """torch's ``enable_activation_offloading`` with the forward graph's non-node outputs taken out around it.
+
+    NOTE(torch 2.13): ``offload_activation_fw`` (and its async and ``offload_chosen_sets`` siblings) read ``.meta``
+    and ``.name`` of every forward output; a forward that returns ``None`` among the model's outputs (the logits
+    under ``fuse_cross_entropy``) raised ``AttributeError: 'NoneType' object has no attribute 'meta'`` in the
+    partition, so no pipeline with the fused loss could offload. The ``None`` entries are removed from the output
+    (the count of model outputs lowered by those before it), torch rewrites the rest, and they are put back at
+    their places (torch maps the output tuple element by element, so the order is kept)."""
+    from torch._functorch._activation_offloading import activation_offloading as mod
+
+    orig = mod.enable_activation_offloading
+
+    def kept_out(fwd_module, bwd_module, num_fwd_outputs, *args, **kwargs):
+        out = fwd_module.graph.find_nodes(op="output")[0]
+        vals = list(out.args[0])
+        holes = {i for i, v in enumerate(vals) if not isinstance(v, fx.Node)}
+        if not holes:
+            return orig(fwd_module, bwd_module, num_fwd_outputs, *args, **kwargs)
+        out.update_arg(0, tuple(v for i, v in enumerate(vals) if i not in holes))
+        try:
+            return orig(fwd_module, bwd_module, num_fwd_outputs - sum(1 for i in holes if i < num_fwd_outputs),
+                        *args, **kwargs)
+        finally:
+            done = iter(out.args[0])
+            out.update_arg(0, tuple(v if i in holes else next(done) for i, v in enumerate(vals)))
+
+    mod.enable_activation_offloading = kept_out
+    try:
+        yield
+    finally:
+        mod.enable_activation_offloading = orig

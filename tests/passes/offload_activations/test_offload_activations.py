@@ -123,6 +123,32 @@ def test_emulated_on_cpu_llama_with_full_checkpointing():
     assert st["offloaded"] == st["reloaded"] == len(offl) > 0 and st["marked"] > st["offloaded"]
 
 
+def test_emulated_with_the_fused_loss_whose_forward_returns_none():
+    """fuse_cross_entropy's forward returns None for the logits; torch's offload rewrite read ``.meta`` of every
+    forward output and failed (AttributeError in the partition: every lowering failed). The Nones are kept out of
+    torch's rewrite and put back at their places: exact gradients, the output's None where it was."""
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(cfg).train()
+    tok = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    inputs = {"input_ids": tok, "labels": tok, "use_cache": False}
+    passes = [CheckpointActivations(policy="full"), effpass.make_pass("fuse_cross_entropy", {})]
+    ref = effpass.compile(copy.deepcopy(model), passes=passes, lowering="eager")
+    cm = effpass.compile(copy.deepcopy(model), passes=passes + [OffloadActivations(cpu="emulate", min_bytes=0),
+                                                                effpass.make_pass("record_offload_graphs")],
+                         lowering="eager", strict=True)
+    l0, g0 = _grads(ref, inputs, lambda out: out.loss)
+    l1, g1 = _grads(cm, inputs, lambda out: out.loss)
+    assert l0 == l1 and g0.keys() == g1.keys() and all(torch.equal(g0[k], g1[k]) for k in g0)
+    offl = _check_placement()
+    st = effpass.report(cm).stats("offload_activations")
+    assert st["offloaded"] == st["reloaded"] == len(offl) > 0
+    assert None in _GRAPHS["forward"].graph.output_node().args[0]  # the None output kept, not offloaded or dropped
+
+
 def test_min_bytes_leaves_small_tensors():
     model, inputs = _mlp()
     cm = effpass.compile(copy.deepcopy(model), passes=[OffloadActivations(cpu="emulate", min_bytes=1 << 30)],
