@@ -35,8 +35,8 @@ Untested on GPU (no GPU in the session that wrote it): the stream variant (``ao.
 """
 from __future__ import annotations
 
-import operator
 import contextlib
+import operator
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
