@@ -131,9 +131,7 @@ def worker(arm: str, cfg: dict, device: str) -> dict:
 
 def markdown(run: dict) -> str:
     cfg = run["shape"]
-    rows = []
-    for r in run["results"]:
-        rows += r.get("rows") or (r.get("partial") or {}).get("rows") or []
+    rows = driver.result_rows(run)
     md = ["# Llama-3.1-8B beyond the anchors: predicted for a CUDA GPU with host memory (not measured)\n",
           f"One row per (arm, variant), batch 1 at a fixed length, predicted on fake CPU tensors for device='cuda' "
           f"(eager lowering, bf16, depth extrapolation; 'screened' = 2 and 3 blocks only, else 2, 3 and 4). Device peak "

@@ -367,9 +367,7 @@ def worker(arm: str, cfg: dict, device: str) -> dict:
 
 def markdown(run: dict) -> str:
     cfg = run["shape"]
-    rows = []
-    for r in run["results"]:
-        rows += r.get("rows") or (r.get("partial") or {}).get("rows") or []
+    rows = driver.result_rows(run)
     md = {"accuracy": md_accuracy, "budget": md_budget, "table": md_table, "maxseq": md_maxseq}[cfg["section"]]
     text = md(rows, **cfg)
     failed = [r for r in run["results"] if r.get("status") != "ok"]

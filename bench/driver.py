@@ -235,6 +235,14 @@ def _demote(md: str) -> str:
     return "\n".join("##" + ln if re.match(r"#+ ", ln) else ln for ln in md.splitlines())
 
 
+def result_rows(run: dict) -> list[dict]:
+    """The rows every arm of ``run`` returned (``{"rows": [...]}``), a partial arm's rows included."""
+    rows: list[dict] = []
+    for r in run["results"]:
+        rows += r.get("rows") or (r.get("partial") or {}).get("rows") or []
+    return rows
+
+
 def table(run: dict) -> str:
     """A generic table of a run's rows: every scalar field."""
     rows = run.get("results") or []
