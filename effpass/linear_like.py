@@ -90,6 +90,8 @@ _TYPE_CHECKS = frozenset({"isinstance", "hasattr", "getattr", "type"})
 #: methods that do not run in a step (besides every method with "init" in its name: construction, initialisation)
 _NOT_IN_A_STEP = frozenset({"reset_parameters", "_reset_parameters", "extra_repr"})
 _UNKNOWN = object()
+#: a method -> (its parsed source, its first line): the class's code, the same for every instance
+_PARSED: dict = {}
 
 
 def _value(node, module):
@@ -133,10 +135,16 @@ def _direct_read(fn, module, child: str) -> int | None:
     import inspect
     import textwrap
 
-    try:
-        src, first = inspect.getsourcelines(fn)
-        tree = ast.parse(textwrap.dedent("".join(src)))
-    except (OSError, TypeError, SyntaxError):
+    parsed = _PARSED.get(fn)
+    if parsed is None:  # NOTE(cost): parsed once per method, not once per linear of a 32-layer model
+        try:
+            src, first = inspect.getsourcelines(fn)
+            parsed = (ast.parse(textwrap.dedent("".join(src))), first)
+        except (OSError, TypeError, SyntaxError):
+            parsed = (None, 0)
+        _PARSED[fn] = parsed
+    tree, first = parsed
+    if tree is None:
         return None
 
     def is_read(node, parent) -> bool:
