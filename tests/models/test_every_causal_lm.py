@@ -100,15 +100,17 @@ LORA_CHECKPOINT_GAPS: dict[str, str] = {
 
 @pytest.mark.parametrize("model_type", BUILT)
 @pytest.mark.sweep(fraction=0.05)
-def test_lora_and_checkpointing_step_equals_the_prepared_eager_model(model_type):
-    """The family x pass matrix's second column: LoRA adapters on every linear layer and full activation
-    checkpointing. Reference semantics: after effpass prepared the model (adapters injected), the eager model
-    computes the compiled step's loss and adapter gradients (numerical); adapters were injected, only they train,
-    and the checkpointing pass marked every graph it saw (structural)."""
-    from effpass.passes import CheckpointActivations, InjectLoRA
+def test_lora_checkpointing_and_loss_scaling_step_equals_the_prepared_eager_model(model_type):
+    """The family x pass matrix's second column (the hand suite's training column): LoRA adapters on every linear
+    layer, full activation checkpointing and dynamic loss scaling (``init_scale=1``: gradients keep their size).
+    Reference semantics: after effpass prepared the model (adapters injected), the eager model computes the compiled
+    step's loss and adapter gradients (numerical); adapters were injected, only they train, the checkpointing pass
+    marked every graph it saw, and one loss was scaled (structural)."""
+    from effpass.passes import CheckpointActivations, InjectLoRA, ScaleLoss
 
     compiled, model, ref = _step_against_eager(
-        model_type, [InjectLoRA(rank=4, init="gaussian"), CheckpointActivations(policy="full")])
+        model_type, [InjectLoRA(rank=4, init="gaussian"), CheckpointActivations(policy="full"),
+                     ScaleLoss(init_scale=1.0)])
     gg, wg = _grads(model), _grads(ref)
     trained = {n for n, g in wg.items() if g is not None}
     assert trained and all(".lora_" in n for n in trained), sorted(trained)[:5]
@@ -119,6 +121,7 @@ def test_lora_and_checkpointing_step_equals_the_prepared_eager_model(model_type)
         assert float((gg[n] - wg[n]).abs().max()) <= tol, (n, float((gg[n] - wg[n]).abs().max()), tol)
     rep = effpass.report(compiled)
     assert rep.stats("inject_lora")["adapters"] >= 1
+    assert rep.stats("scale_loss")["scaled_losses"] >= 1, rep.stats("scale_loss")
     ck = [r for r in rep.records("checkpoint_activations") if r.phase == "joint"]
     assert ck and all(r.changed or r.why_unchanged for r in ck), [(r.changed, r.why_unchanged) for r in ck]
     marked = sum(r.stats.get("marked_recompute", 0) for r in ck)
