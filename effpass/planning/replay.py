@@ -363,9 +363,9 @@ def _run_tracked(work, compiled, inputs, tracker, be, optimizer, dev, loss_fn, l
         est.notes.append(f"lowering={requested_lowering!r} is predicted by the eager lowering's replay of the same "
                          f"partitioned graphs (its own buffer plan is not replayed)")
     if host_opt_bytes:
-        est.notes.append(f"{optimizer}: its host tensors ({format_bytes(host_opt_bytes)}: parameter copies and gradient "
-                         f"buffers pinned on CUDA, AdamW's states) counted as host memory; gradients taken in the step "
-                         f"{moved.get('gradients_taken', 0)}; the CPU's AdamW step is not timed")
+        est.notes.append(f"{optimizer}: its host tensors (parameter copies and gradient buffers, pinned on CUDA; "
+                         f"AdamW's states) counted as host memory (host_bytes), the gradients it took and the "
+                         f"parameters it copied back as the bytes moved; the CPU's AdamW step is not timed")
     if dev.type == "cuda":
         est.reserved_peak_bytes = cuda_reserved_peak(start_sizes, tracker.events)
         est.reserved_expandable_bytes = cuda_reserved_peak(start_sizes, tracker.events, expandable_segments=True)
