@@ -81,8 +81,9 @@ def base_pipeline(mode: str) -> list:
 
 
 def row(arm: str, seq: int | None = None, screen: bool = False, gpu: str = "h100", host_budget_gib: int = 256,
-        variants: list | None = None) -> list[dict]:
-    """The arm's variants at ``seq`` tokens (default the arm's): one dict per variant."""
+        variants: list | None = None, full_depth: bool = False) -> list[dict]:
+    """The arm's variants at ``seq`` tokens (default the arm's): one dict per variant. ``full_depth``: every block
+    replayed (no depth extrapolation: the reserved bytes simulated on the whole model's allocations)."""
     import effpass.passes  # noqa: F401  (registers adamw_offload, adamw8bit, adamw_host)
     from effpass.devices import DEVICES
     from effpass.memory_options import replayed_optimizer
@@ -104,12 +105,14 @@ def row(arm: str, seq: int | None = None, screen: bool = False, gpu: str = "h100
     for ro in dict.fromkeys(replay_opt):
         idx = [i for i, r in enumerate(replay_opt) if r == ro]
         for i, e in zip(idx, estimate_many(model, inputs, [pipelines[i] for i in idx], ro, device="cuda",
-                                           lowering="eager", screen=screen, workers=1)):
+                                           lowering="eager", screen=screen and not full_depth, workers=1,
+                                           extrapolate=False if full_depth else None)):
             ests[i] = e
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     out = []
     for (label, extra, opt), est in zip(todo, ests):
-        r = dict(arm=arm, mode=mode, seq=seq, budget_gib=budget, variant=label, screen=screen, gpu=gpu,
+        r = dict(arm=arm, mode=mode, seq=seq, budget_gib=budget, variant=label, screen=screen and not full_depth,
+                 full_depth=full_depth, gpu=gpu,
                  host_budget_gib=host_budget_gib, wall_s=round(wall, 1), cpu_s=round(cpu, 1),
                  load=round(os.getloadavg()[0], 1), published=PUBLISHED[arm])
         if isinstance(est, BaseException):
@@ -149,7 +152,7 @@ def row(arm: str, seq: int | None = None, screen: bool = False, gpu: str = "h100
 
 def worker(arm: str, cfg: dict, device: str) -> dict:
     rows = row(arm, seq=cfg.get("seq") or None, screen=bool(cfg.get("screen")), gpu=cfg["gpu"],
-               host_budget_gib=cfg["host_budget_gib"])
+               host_budget_gib=cfg["host_budget_gib"], full_depth=bool(cfg.get("full_depth")))
     driver.partial({"rows": rows})
     return {"arm": arm, "rows": rows}
 
@@ -159,7 +162,7 @@ def markdown(run: dict) -> str:
     rows = driver.result_rows(run)
     md = ["# Llama-3.1-8B beyond the anchors: predicted for a CUDA GPU with host memory (not measured)\n",
           f"One row per (arm, variant), batch 1 at a fixed length, predicted on fake CPU tensors for device='cuda' "
-          f"(eager lowering, bf16, depth extrapolation; 'screened' = 2 and 3 blocks only, else 2, 3 and 4). Device peak "
+          f"(eager lowering, bf16, depth extrapolation; 'screened' = 2 and 3 blocks only, 'all 32 blocks' = no extrapolation, else 2, 3 and 4). Device peak "
           f"= CUDA caching-allocator reserved bytes, default mode (allocated beside it); 'expandable' = reserved with "
           f"expandable segments (each pool's live bytes in 2 MiB pages; '-': not recorded by that run); host = "
           f"pinned + plain host bytes; est. step on "
@@ -180,7 +183,8 @@ def markdown(run: dict) -> str:
         md.append(f"| {r['arm']} | {r['seq']:,} | {r['variant']} | {format_bytes(r['device_peak'])} "
                   f"({format_bytes(r['allocated_peak'])}) | {r['budget_gib']} GiB | {r['fits']} | {exp} | "
                   f"{format_bytes(r['host_bytes'])} | {step} | {r['peak_at'][:70]} | {r['wall_s']} / {r['cpu_s']} CPU "
-                  f"({r['load']}{', screened' if r['screen'] else ''}) | {r['published']} |")
+                  f"({r['load']}{', screened' if r['screen'] else ''}{', all 32 blocks' if r.get('full_depth') else ''}) "
+                  f"| {r['published']} |")
     for r in rows:
         if r.get("caveat"):
             md.append(f"\n{r['arm']} ({r['variant']}, {r['seq']:,} tokens): {r['caveat']}")
@@ -190,7 +194,7 @@ def markdown(run: dict) -> str:
 def main() -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.getcwd(), ".cache", "inductor"))
     os.environ.setdefault("EFFPASS_PLAN_WORKERS", "1")
-    cfg = dict(seq=0, screen=False, gpu="h100", host_budget_gib=256)
+    cfg = dict(seq=0, screen=False, gpu="h100", host_budget_gib=256, full_depth=False)
     driver.main(__file__, workload="beyond_anchors", arms=tuple(ARMS), worker=worker, markdown=markdown,
                 cpu_shape=cfg, quick=dict(seq=4096, screen=True), overrides=tuple(cfg), deadline_s=4 * 3600,
                 meta_extra=lambda cfg: {"argv": ["bench/bench_beyond_anchors.py"] + sys.argv[1:]})
