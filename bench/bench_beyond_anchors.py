@@ -162,12 +162,13 @@ def markdown(run: dict) -> str:
     rows = driver.result_rows(run)
     md = ["# Llama-3.1-8B beyond the anchors: predicted for a CUDA GPU with host memory (not measured)\n",
           f"One row per (arm, variant), batch 1 at a fixed length, predicted on fake CPU tensors for device='cuda' "
-          f"(eager lowering, bf16, depth extrapolation; 'screened' = 2 and 3 blocks only, 'all 32 blocks' = no extrapolation, else 2, 3 and 4). Device peak "
-          f"= CUDA caching-allocator reserved bytes, default mode (allocated beside it); 'expandable' = reserved with "
-          f"expandable segments (each pool's live bytes in 2 MiB pages; '-': not recorded by that run); host = "
-          f"pinned + plain host bytes; est. step on "
+          f"(eager lowering, bf16, depth extrapolation; 'screened' = 2 and 3 blocks only, 'all 32 blocks' = no "
+          f"extrapolation, else 2, 3 and 4). Device peak = CUDA caching-allocator reserved bytes, default mode "
+          f"(allocated beside it); 'expandable' = reserved with expandable segments (each pool's live bytes in "
+          f"2 MiB pages; '-': not recorded by that run); host = pinned + plain host bytes; est. step on "
           f"{cfg['gpu'].upper()} = FLOPs at the bf16 matmul ceiling with the host-link transfers "
-          f"(effpass.planning.host_memory.step_time; the CPU AdamW step of the host optimizers is not timed). Host budget "
+          f"(effpass.planning.host_memory.step_time; the CPU AdamW step of the host optimizers is not timed). "
+          f"Host budget "
           f"stated: {cfg['host_budget_gib']} GiB. Seconds: wall / CPU of the arm's one replay call, one process "
           f"(EFFPASS_PLAN_WORKERS=1), 1-minute load average.\n",
           "| arm | tokens | variant | device peak (allocated) | budget | fits | expandable: reserved, fits | host | "
@@ -183,7 +184,8 @@ def markdown(run: dict) -> str:
         md.append(f"| {r['arm']} | {r['seq']:,} | {r['variant']} | {format_bytes(r['device_peak'])} "
                   f"({format_bytes(r['allocated_peak'])}) | {r['budget_gib']} GiB | {r['fits']} | {exp} | "
                   f"{format_bytes(r['host_bytes'])} | {step} | {r['peak_at'][:70]} | {r['wall_s']} / {r['cpu_s']} CPU "
-                  f"({r['load']}{', screened' if r['screen'] else ''}{', all 32 blocks' if r.get('full_depth') else ''}) "
+                  f"({r['load']}{', screened' if r['screen'] else ''}"
+                  f"{', all 32 blocks' if r.get('full_depth') else ''}) "
                   f"| {r['published']} |")
     for r in rows:
         if r.get("caveat"):

@@ -20,8 +20,8 @@ from effpass.quantized import storage_bytes
 from .result import MemoryEstimate, format_bytes
 
 __all__ = ["techniques", "MemoryBudgetError", "Candidate", "MemoryPlan", "usable_options", "candidate_tiers",
-           "neighbourhood", "optimizers_agree", "pipeline_with", "batch_rows", "check_allow", "parameter_floor", "is_sharding",
-           "format_flops"]
+           "neighbourhood", "optimizers_agree", "pipeline_with", "batch_rows", "check_allow", "parameter_floor",
+           "is_sharding", "format_flops"]
 
 
 def techniques(world_size: int = 2) -> dict[str, tuple[bool, str]]:

@@ -55,7 +55,8 @@ import weakref
 
 import torch
 
-__all__ = ["HOST_OPTIMIZERS", "REPLAYED_HOST_OPTIMIZERS", "replayed_host_optimizer", "HostBudgetError", "is_host_option", "emulated", "offload_mode", "on_device_put", "on_phase", "add_host",
+__all__ = ["HOST_OPTIMIZERS", "REPLAYED_HOST_OPTIMIZERS", "replayed_host_optimizer", "HostBudgetError",
+           "is_host_option", "emulated", "offload_mode", "on_device_put", "on_phase", "add_host",
            "pinned_bytes", "host_optimizer_figures", "with_host_optimizer", "step_time"]
 
 #: optimizers whose states live on the host (registered by effpass/planning/optimizers.py): name -> their

@@ -92,7 +92,8 @@ def _plan(model, example_inputs, memory_budget, allow, passes, optimizer, world_
     try:
         return _plan_one_rank(model, local, memory_budget, allow, passes, optimizer, world_size, device=device,
                               loss_fn=loss_fn, prune=prune, cache=cache, graph_only=graph_only,
-                              sp_terms=(sequence_parallel, terms), gpu=gpu, host_budget=host_budget, allocator=allocator,
+                              sp_terms=(sequence_parallel, terms), gpu=gpu, host_budget=host_budget,
+                              allocator=allocator,
                               compile_options=compile_options)
     finally:
         restore_sp()
