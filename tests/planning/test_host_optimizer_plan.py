@@ -149,3 +149,27 @@ def test_allocator_is_checked():
         plan_memory(model, inputs, "1GiB", device="cuda", allocator="pages")
     with pytest.raises(ValueError, match=r"effpass: allocator 'expandable' is a CUDA caching-allocator mode"):
         plan_memory(model, inputs, "1GiB", device="cpu", allocator="expandable")
+
+
+def test_cli_states_the_allocator(monkeypatch):
+    """``effpass plan --device cuda --expandable-segments`` plans for that allocator mode (structural: the option
+    reaches plan_memory; without the flag, the default mode)."""
+    import argparse
+
+    from effpass.planning import cli
+
+    p = argparse.ArgumentParser()
+    cli._add_arguments(p)
+    base = ["c.json", "--batch", "1", "--seq", "8", "--budget", "1GiB", "--device", "cuda"]
+    assert p.parse_args(base).allocator == "default"
+    args = p.parse_args(base + ["--expandable-segments"])
+    seen = {}
+
+    def fake_plan_config(*a, **k):
+        seen.update(k)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(cli, "plan_config", fake_plan_config)
+    with pytest.raises(SystemExit, match="stop here"):
+        cli._run(args)
+    assert seen["allocator"] == "expandable" and seen["device"] == "cuda"
