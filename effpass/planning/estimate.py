@@ -39,7 +39,8 @@ def estimate_memory(model: torch.nn.Module, example_inputs, passes=None, optimiz
     ``compile_options`` (``lowering``, ``strict``, ``disable``, ...) are those of :func:`effpass.compile`.
     ``optimizer``: ``"adamw"`` (``torch.optim.AdamW`` over the trainable parameters), any name registered
     with ``effpass.register_optimizer`` (``"adamw8bit"``: torchao's 8-bit states; built on fake parameters,
-    see :func:`with_optimizer`) or ``None`` (no optimizer: gradients are dropped after backward).
+    see :func:`with_optimizer`; ``"adamw_host"``: ``effpass.HostOffloadAdamW``, registered ``replayed=True``, so run
+    inside the replayed step) or ``None`` (no optimizer: gradients are dropped after backward).
     ``world_size > 1``: per-rank figures under FSDP (ZeRO-3) sharding, see :func:`fold_fsdp`.
     ``device``: the device to predict for (default: the model's; a meta model is predicted for the CPU).
 

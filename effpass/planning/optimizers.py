@@ -65,7 +65,7 @@ def _adamw_host(params, lr=1e-3, device=None):
     return HostOffloadAdamW(params, lr=lr)
 
 
-REPLAYED_HOST_OPTIMIZERS.add("adamw_host")  # its host buffers sized by the replay (host_memory.replayed_host_bytes)
+REPLAYED_HOST_OPTIMIZERS.add("adamw_host")  # its host buffers sized by the replay (host_memory.replayed_host_optimizer)
 effpass.register_optimizer("adamw_host", _adamw_host,
                            "effpass.HostOffloadAdamW(params): AdamW's states and step on the host, gradients taken "
                            "one at a time (from step_in_backward inside the backward, or in step())", replayed=True)
