@@ -68,6 +68,7 @@ _LAZY = {
     **dict.fromkeys(["compile", "prepare", "report", "backend_of"], ".api"),
     "EffpassBackend": ".backend",
     "export_onnx": ".export",
+    **dict.fromkeys(["HostOffloadAdamW", "takes_gradients"], ".host_optim"),
     **dict.fromkeys(["estimate_memory", "plan_memory", "MemoryBudgetError"], ".planning"),
 }
 
@@ -122,4 +123,5 @@ __all__ = [
     "estimate_memory", "plan_memory",
     "MemoryBudgetError", "verify", "MemoryOption", "register_memory_option", "register_optimizer",
     "register_flop_formula", "register_device_kernel", "Note", "Fact", "register_attention_op",
+    "HostOffloadAdamW", "takes_gradients",
 ]

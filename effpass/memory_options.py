@@ -40,7 +40,7 @@ import torch
 
 __all__ = ["MemoryOption", "register_memory_option", "declared_memory_options", "register_optimizer",
            "register_device_kernel", "is_device_kernel",
-           "build_optimizer", "registered_optimizers", "register_flop_formula", "CHANGES"]
+           "build_optimizer", "registered_optimizers", "replayed_optimizer", "register_flop_formula", "CHANGES"]
 
 #: what an option may change (for reports and the planner's checks)
 CHANGES = ("activations", "parameters", "gradients", "optimizer_states", "sharding", "logits", "compute")
@@ -142,13 +142,30 @@ def declared_memory_options(model: torch.nn.Module | None = None, *, world_size:
 # optimizers: built on fake parameters by the replay (their states are sized by the real optimizer)
 # ------------------------------------------------------------------------------------------------------
 _OPTIMIZERS: dict[str, tuple[Callable, str]] = {}
+#: optimizers the replay builds and runs in the replayed step itself (not derived from the AdamW replay)
+_REPLAYED: set[str] = {"adamw"}
 
 
-def register_optimizer(name: str, factory: Callable[..., torch.optim.Optimizer], doc: str = "") -> None:
-    """``factory(params, lr=..., device=...)`` builds the optimizer ``name`` (e.g. ``"adamw8bit"``)."""
+def register_optimizer(name: str, factory: Callable[..., torch.optim.Optimizer], doc: str = "", *,
+                       replayed: bool = False) -> None:
+    """``factory(params, lr=..., device=...)`` builds the optimizer ``name`` (e.g. ``"adamw8bit"``).
+
+    ``replayed``: the planner's replay builds it on the fake parameters and runs it inside the replayed training
+    step (its states, its step and any work it does inside the backward, e.g. taking gradients from
+    ``step_in_backward``, are seen as they happen). Otherwise a plan with it reuses the AdamW replay's forward and
+    backward and builds the optimizer alone on fake parameters (``effpass.planning.with_optimizer``)."""
     if not callable(factory):
         raise TypeError(f"register_optimizer({name!r}): factory must be callable")
     _OPTIMIZERS[name] = (factory, doc)
+    if replayed:
+        _REPLAYED.add(name)
+    elif name != "adamw":
+        _REPLAYED.discard(name)
+
+
+def replayed_optimizer(name: str | None) -> bool:
+    """Whether the replay runs the optimizer ``name`` in the replayed step itself (``None``: no optimizer, yes)."""
+    return name is None or name in _REPLAYED
 
 
 def registered_optimizers() -> dict[str, str]:

@@ -20,8 +20,8 @@ from effpass.quantized import storage_bytes
 from .result import MemoryEstimate, format_bytes
 
 __all__ = ["techniques", "MemoryBudgetError", "Candidate", "MemoryPlan", "usable_options", "candidate_tiers",
-           "neighbourhood", "pipeline_with", "batch_rows", "check_allow", "parameter_floor", "is_sharding",
-           "format_flops"]
+           "neighbourhood", "optimizers_agree", "pipeline_with", "batch_rows", "check_allow", "parameter_floor",
+           "is_sharding", "format_flops"]
 
 
 def techniques(world_size: int = 2) -> dict[str, tuple[bool, str]]:
@@ -305,18 +305,31 @@ def candidate_tiers(groups: dict, optimizer):
         opts = tuple(o for o in combo if o is not None)
         if _conflict(opts):
             continue
+        if not optimizers_agree(opts, optimizer):
+            continue
         opt_o = next((o for o in opts if o.optimizer), None)
-        if any(o.optimizers and (opt_o.optimizer if opt_o else optimizer) not in o.optimizers for o in opts):
-            continue
-        if opt_o is not None and any(o.optimizers for o in opts):
-            # NOTE(replay): a replaced optimizer is replayed alone on the AdamW twin's forward and backward,
-            # which cannot model an option that runs the optimizer inside the backward
-            continue
         c = Candidate(options=opts, optimizer=opt_o.optimizer if opt_o else optimizer)
         (lossy if c.lossy else lossless).append(c)
     # lossy plans: those with fewer lossy options first (a stable order for reports)
     lossy.sort(key=lambda c: sum(not o.lossless for o in c.options))
     return lossless, lossy
+
+
+def optimizers_agree(opts, optimizer) -> bool:
+    """The options ``opts`` of one plan agree on its optimizer (``optimizer``: the one asked for): at most one
+    option builds another optimizer, every option that names the optimizers it works with gets one of them, and an
+    optimizer built alone on the AdamW replay (not replayed itself) is not combined with such an option."""
+    from effpass.memory_options import replayed_optimizer
+
+    opt_os = [o for o in opts if o.optimizer]
+    if len(opt_os) > 1:
+        return False
+    opt_o = opt_os[0] if opt_os else None
+    if any(o.optimizers and (opt_o.optimizer if opt_o else optimizer) not in o.optimizers for o in opts):
+        return False
+    # NOTE(replay): an optimizer that is not replayed is built alone on the AdamW twin's forward and backward,
+    # which cannot model an option that runs the optimizer inside the backward
+    return not (opt_o is not None and any(o.optimizers for o in opts) and not replayed_optimizer(opt_o.optimizer))
 
 
 def neighbourhood(groups: dict, allowed_lossy: bool) -> list[tuple]:

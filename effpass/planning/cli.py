@@ -61,8 +61,9 @@ def model_from_config(config, dtype: str | None = None):
 def plan_config(config, batch: int, seq: int, budget, allow=(), world_size: int = 1, passes=None,
                 lora: int | None = None, optimizer: str | None = "adamw", dtype: str | None = None,
                 device: str = "cpu", sequence_parallel: int = 1, prune: bool = True, gpu: str | None = None,
-                host_budget=None):
-    """(model, plan) for a config at ``batch`` x ``seq`` under ``budget`` (``prune``, ``gpu``, ``host_budget``: see
+                host_budget=None, allocator: str = "default"):
+    """(model, plan) for a config at ``batch`` x ``seq`` under ``budget`` (``prune``, ``gpu``, ``host_budget``,
+    ``allocator``: see
     ``plan_memory``)."""
     import torch
 
@@ -76,7 +77,7 @@ def plan_config(config, batch: int, seq: int, budget, allow=(), world_size: int 
     pipeline = _pipeline_of(passes, lora)
     plan = plan_memory(model, inputs, budget, allow=allow, passes=pipeline, optimizer=optimizer,
                        world_size=world_size, device=device, lowering="eager", sequence_parallel=sequence_parallel,
-                       prune=prune, gpu=gpu, host_budget=host_budget)
+                       prune=prune, gpu=gpu, host_budget=host_budget, allocator=allocator)
     return model, plan
 
 
@@ -91,7 +92,8 @@ def _pipeline_of(passes, lora):
 
 def max_seq_config(config, batch: int, budget, allow=(), world_size: int = 1, passes=None, lora: int | None = None,
                    optimizer: str | None = "adamw", dtype: str | None = None, device: str = "cpu", step: int = 1024,
-                   probes=(8192, 16384, 32768), max_len: int = 1 << 24, host_budget=None):
+                   probes=(8192, 16384, 32768), max_len: int = 1 << 24, host_budget=None,
+                   allocator: str = "default"):
     """(model, :class:`~effpass.planning.planner.MaxSeqResult`): the longest sequence of ``batch`` rows of a
     config that fits ``budget``, and its plan."""
     import torch
@@ -108,7 +110,7 @@ def max_seq_config(config, batch: int, budget, allow=(), world_size: int = 1, pa
 
     res = plan_max_seq(model, make_inputs, budget, allow=allow, passes=_pipeline_of(passes, lora),
                        optimizer=optimizer, world_size=world_size, device=device, step=step, probes=tuple(probes),
-                       max_len=max_len, lowering="eager", host_budget=host_budget)
+                       max_len=max_len, lowering="eager", host_budget=host_budget, allocator=allocator)
     return model, res
 
 
@@ -146,6 +148,11 @@ def _add_arguments(p) -> None:
                    help="with --device cuda: host memory a plan may hold (offloaded activations, optimizer states on "
                         "the host), e.g. 512GiB; a plan over it is not a candidate. Default: unbounded (the plan is "
                         "for a CUDA machine, not this one)")
+    p.add_argument("--expandable-segments", dest="allocator", action="store_const", const="expandable",
+                   default="default",
+                   help="with --device cuda: fit the reserved bytes of CUDA's caching allocator with expandable "
+                        "segments (train with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True); default: its "
+                        "default mode")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--all", dest="replay_all", action="store_true",
                    help="replay every candidate of the tiers tried (the whole table), also those whose bytes at the "
@@ -169,7 +176,8 @@ def _run(args) -> int:
                                   world_size=args.world_size, passes=passes, lora=args.lora,
                                   optimizer=None if args.optimizer == "none" else args.optimizer, dtype=args.dtype,
                                   device=args.device, sequence_parallel=args.sequence_parallel,
-                                  prune=not args.replay_all, gpu=args.gpu, host_budget=args.host_budget)
+                                  prune=not args.replay_all, gpu=args.gpu, host_budget=args.host_budget,
+                                  allocator=args.allocator)
     except MemoryBudgetError as e:
         print(f"effpass plan: {e}", file=sys.stderr)
         if e.candidates:
@@ -206,7 +214,7 @@ def _run_max_seq(args, passes) -> int:
                                     world_size=args.world_size, passes=passes, lora=args.lora,
                                     optimizer=None if args.optimizer == "none" else args.optimizer, dtype=args.dtype,
                                     device=args.device, step=args.step, probes=args.probes, max_len=args.max_len,
-                                    host_budget=args.host_budget)
+                                    host_budget=args.host_budget, allocator=args.allocator)
     except MemoryBudgetError as e:
         print(f"effpass plan: {e}", file=sys.stderr)
         return 2
@@ -229,7 +237,8 @@ def _assumptions(model, args) -> str:
     lora = getattr(args, "lora", None)
     return (f"assumes: {dtype} weights ({'--dtype' if getattr(args, 'dtype', None) else 'the config'}), optimizer "
             f"{getattr(args, 'optimizer', None) or 'none'}, {f'LoRA rank {lora} (base frozen)' if lora else 'full fine-tuning'}"
-            f", device {getattr(args, 'device', None) or 'the default'}")
+            f", device {getattr(args, 'device', None) or 'the default'}"
+            + (", expandable segments" if getattr(args, "allocator", "default") == "expandable" else ""))
 
 
 def _write_pictures(plan, args) -> None:

@@ -28,7 +28,9 @@ AFFINE = ("peak_bytes", "start_bytes", "step_peak_bytes", "parameters", "trainab
            "non_gradient_peak", "gradients_at_non_gradient_peak",
            "flops", "largest_unit_bytes",
            # host memory (planning/host_memory.py): each block adds its offloaded checkpoints
-           "host_bytes", "offload_d2h_bytes", "offload_h2d_bytes", "prefetch_window", "forward_flops")
+           "host_bytes", "offload_d2h_bytes", "offload_h2d_bytes", "prefetch_window", "forward_flops",
+           # an optimizer on the host that the replay runs (effpass.HostOffloadAdamW): each block's gradients out
+           "optimizer_d2h_bytes", "optimizer_h2d_bytes")
 
 
 def block_list(model: torch.nn.Module):
@@ -117,7 +119,10 @@ def combine_depths(ests, L: int) -> MemoryEstimate | None:
     # CUDA's reserved bytes (allocator segments) step with depth but not exactly affinely (segment granularity):
     # extrapolated through the last two depths, never a reason to replay the full model
     reserved = (step("reserved_peak_bytes") if all(e.reserved_peak_bytes is not None for e in (b, c)) else None)
+    expandable = (step("reserved_expandable_bytes") if all(e.reserved_expandable_bytes is not None for e in (b, c))
+                  else None)
     out = dataclasses.replace(c, **{f: step(f) for f in AFFINE}, reserved_peak_bytes=reserved,
+                              reserved_expandable_bytes=expandable,
                               phase_peaks=phase_peaks, trainable_numels=numels,
                               trainable_shapes=shapes, pass_stats=stats, depths=list(depths),
                               provisional=len(ests) < 3, notes=list(c.notes) + [note])

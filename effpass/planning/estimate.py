@@ -39,7 +39,8 @@ def estimate_memory(model: torch.nn.Module, example_inputs, passes=None, optimiz
     ``compile_options`` (``lowering``, ``strict``, ``disable``, ...) are those of :func:`effpass.compile`.
     ``optimizer``: ``"adamw"`` (``torch.optim.AdamW`` over the trainable parameters), any name registered
     with ``effpass.register_optimizer`` (``"adamw8bit"``: torchao's 8-bit states; built on fake parameters,
-    see :func:`with_optimizer`) or ``None`` (no optimizer: gradients are dropped after backward).
+    see :func:`with_optimizer`; ``"adamw_host"``: ``effpass.HostOffloadAdamW``, registered ``replayed=True``, so run
+    inside the replayed step) or ``None`` (no optimizer: gradients are dropped after backward).
     ``world_size > 1``: per-rank figures under FSDP (ZeRO-3) sharding, see :func:`fold_fsdp`.
     ``device``: the device to predict for (default: the model's; a meta model is predicted for the CPU).
 
@@ -56,7 +57,9 @@ def estimate_memory(model: torch.nn.Module, example_inputs, passes=None, optimiz
         raise TypeError(f"example_inputs must be a tuple of arguments or a dict of keyword arguments, got "
                         f"{type(example_inputs).__name__}")
     t0 = time.perf_counter()
-    if optimizer not in ("adamw", None):  # the AdamW replay's forward/backward, the optimizer built on fakes
+    from effpass.memory_options import replayed_optimizer
+
+    if not replayed_optimizer(optimizer):  # the AdamW replay's forward/backward, the optimizer built on fakes
         est = estimate_memory(model, example_inputs, passes, "adamw", 1, device=device, loss_fn=loss_fn, lr=lr,
                               extrapolate=extrapolate, **compile_options)
         est = with_optimizer(est, optimizer, device=est.device, lr=lr)
@@ -93,9 +96,12 @@ def estimate_many(model: torch.nn.Module, example_inputs, pipelines: Sequence, o
     every plan it chooses or names as the smallest). Where the peak moved, the pipeline is confirmed here.
     ``check``: indices of pipelines replayed at all three depths all the same (known to need a checked
     figure; their third depth is replayed beside the others' first two, over the same workers)."""
-    if optimizer not in ("adamw", None):
-        raise ValueError(f"estimate_many: optimizer {optimizer!r}: only 'adamw' or None are replayed (other "
-                         f"optimizers: with_optimizer on the AdamW replay)")
+    from effpass.memory_options import replayed_optimizer
+
+    if not replayed_optimizer(optimizer):
+        raise ValueError(f"estimate_many: optimizer {optimizer!r} is not replayed: only 'adamw', None and optimizers "
+                         f"registered with replayed=True (e.g. 'adamw_host') are; other optimizers: with_optimizer on "
+                         f"the AdamW replay")
     t0 = time.perf_counter()
     dev = target_device(model, device)
     pipelines = list(pipelines)

@@ -32,6 +32,16 @@ it is), and AdamW's two states (plain host memory, the parameter's dtype) and it
 every offloaded gradient to the host (during the backward, on a side stream), every offloaded parameter back
 (after the host optimizer step, not overlapped). The CPU's AdamW step itself is not timed (a lower bound).
 
+AdamW on the host replayed (:func:`replayed_host_optimizer`; ``adamw_host``: :class:`effpass.HostOffloadAdamW`, the
+optimizer of ``step_in_backward`` + host): the replay builds the real optimizer on the fake parameters and runs
+it in the replayed step, so the device bytes are what it leaves on the device (parameters, the on-device AdamW
+of parameters under ``minimal_size`` elements, each gradient freed when ``step_in_backward``'s in-graph op hands
+it over, no step transient on the device). Its host tensors are not device memory: the replay leaves them out of
+the states and counts them here, as CUDA would hold them (the parameters' host copies and gradient buffers
+pinned, each a power of two; AdamW's states and step plain host memory). Moved: the optimizer's own counts over
+the tracked step (every offloaded gradient to the host inside the backward, overlapping it; every offloaded
+parameter back after the host step, not overlapped). The CPU's AdamW step is not timed.
+
 Step time (:func:`step_time`): the plan's FLOPs at the GPU's rate split at the forward's end; host-to-device and
 device-to-host are separate directions of the link (full duplex), each at ``GPU.host_bytes_per_s``
 (:mod:`effpass.devices`). Overlapped transfers (the stream variant, gradients to the host) cost
@@ -45,12 +55,15 @@ import weakref
 
 import torch
 
-__all__ = ["HOST_OPTIMIZERS", "HostBudgetError", "is_host_option", "emulated", "offload_mode", "on_device_put", "on_phase", "add_host",
+__all__ = ["HOST_OPTIMIZERS", "REPLAYED_HOST_OPTIMIZERS", "replayed_host_optimizer", "HostBudgetError",
+           "is_host_option", "emulated", "offload_mode", "on_device_put", "on_phase", "add_host",
            "pinned_bytes", "host_optimizer_figures", "with_host_optimizer", "step_time"]
 
 #: optimizers whose states live on the host (registered by effpass/planning/optimizers.py): name -> their
 #: CPUOffloadOptimizer keyword arguments
 HOST_OPTIMIZERS: dict[str, dict] = {}
+#: optimizers with host memory that the replay runs itself (registered by effpass/planning/optimizers.py)
+REPLAYED_HOST_OPTIMIZERS: set[str] = set()
 #: torchao CPUOffloadOptimizer's default: smaller parameters keep an on-device optimizer
 MINIMAL_SIZE = 4096
 
@@ -89,7 +102,7 @@ def offload_mode(passes, dev, rdev) -> dict | None:
 def is_host_option(o) -> bool:
     """A declared memory option that holds host memory: an optimizer of :data:`HOST_OPTIMIZERS`, or a pass whose
     class says ``host_offload = True`` (it copies saved activations to the host; the replay emulates it)."""
-    if o.optimizer in HOST_OPTIMIZERS:
+    if o.optimizer in HOST_OPTIMIZERS or o.optimizer in REPLAYED_HOST_OPTIMIZERS:
         return True
     if not o.pass_name:
         return False
@@ -189,7 +202,7 @@ def host_optimizer_figures(shapes, device="cuda") -> dict:
 
 def with_host_optimizer(est, optimizer: str):
     """``est`` (a replay with AdamW on the device) with the optimizer's states on the host (module docstring)."""
-    from .result import reserved_after
+    from .result import both_reserved_after
 
     shapes = est.trainable_shapes or [((n,), "float32") for n in est.trainable_numels]
     f = host_optimizer_figures(shapes, est.device)
@@ -203,7 +216,7 @@ def with_host_optimizer(est, optimizer: str):
         where = (est.peak_phase, est.peak_graph, est.peak_node)
     return dataclasses.replace(
         est, optimizer=optimizer, optimizer_states=f["device_states"], start_bytes=start, step_peak_bytes=step_peak,
-        peak_bytes=start + step_peak, reserved_peak_bytes=reserved_after(est, start + step_peak),
+        peak_bytes=start + step_peak, **both_reserved_after(est, start + step_peak),
         peak_phase=where[0], peak_graph=where[1], peak_node=where[2],
         host_bytes=est.host_bytes + f["host_bytes"], optimizer_d2h_bytes=f["d2h"], optimizer_h2d_bytes=f["h2d"],
         notes=list(est.notes) + [
@@ -211,6 +224,22 @@ def with_host_optimizer(est, optimizer: str):
             f"{f['device_states']} B (parameters under {MINIMAL_SIZE} elements), host {f['host_bytes']} B (pinned "
             f"parameter and gradient copies rounded to powers of two, AdamW's states); the CPU AdamW step is not "
             f"timed"])
+
+
+def replayed_host_optimizer(opt, device) -> tuple[set, int]:
+    """(ids of the host tensors of ``opt``, their host bytes as ``device`` holds them) for an optimizer the replay
+    runs that keeps tensors on the host (``host_buffers()``: ``effpass.HostOffloadAdamW``); (empty, 0) for any
+    other. On a CUDA target the buffers pinned there are rounded to powers of two (:func:`pinned_bytes`)."""
+    buffers = getattr(opt, "host_buffers", None)
+    if opt is None or not callable(buffers):
+        return set(), 0
+    cuda = torch.device(device).type == "cuda"
+    ids, total = set(), 0
+    for t, pinned in buffers():
+        ids.add(id(t))
+        n = t.numel() * t.element_size()
+        total += pinned_bytes(n) if pinned and cuda else n
+    return ids, total
 
 
 # -- the step's time --------------------------------------------------------------------------------------------

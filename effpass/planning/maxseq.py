@@ -10,7 +10,9 @@ from typing import Any, Iterable
 
 import torch
 
-from .candidates import Candidate, MemoryBudgetError, MemoryPlan, neighbourhood, pipeline_with
+from effpass.memory_options import replayed_optimizer
+
+from .candidates import Candidate, MemoryBudgetError, MemoryPlan, neighbourhood, optimizers_agree, pipeline_with
 from .estimate import confirm_many, estimate_many, with_optimizer
 from .result import format_bytes
 from .setup import PlanSetup, prepare
@@ -94,7 +96,8 @@ def plan_max_seq(model: torch.nn.Module, make_inputs, memory_budget, allow: Iter
                  optimizer: str | None = "adamw", world_size: int = 1, *, step: int = 1024,
                  probes: tuple = (8192, 16384, 32768), max_len: int = 1 << 24, min_len: int | None = None,
                  device=None, loss_fn=None, max_replays: int = 12, screen: bool = True,
-                 cache: dict | None = None, host_budget=None, **compile_options) -> MaxSeqResult:
+                 cache: dict | None = None, host_budget=None, allocator: str = "default",
+                 **compile_options) -> MaxSeqResult:
     """The longest sequence (a multiple of ``step``) whose predicted training-step peak fits ``memory_budget``,
     and the plan that fits it. ``make_inputs(seq)`` builds the step's inputs at a sequence length.
 
@@ -126,7 +129,8 @@ def plan_max_seq(model: torch.nn.Module, make_inputs, memory_budget, allow: Iter
     smallest peak among all of them there (every candidate is replayed at ``min_len``: the same for any budget).
     ``cache``: a dict shared by calls for several budgets of the same model, inputs and options (the probe
     replays do not depend on the budget). ``host_budget``: as :func:`~effpass.planning.plan_memory`'s (a plan over
-    it at a length is out of the running there: host bytes grow with the length).
+    it at a length is out of the running there: host bytes grow with the length); ``allocator``: as
+    ``plan_memory``'s (``"expandable"``: the reserved bytes with expandable segments).
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise ValueError(f"step must be a positive number of tokens, got {step!r}")
@@ -134,7 +138,7 @@ def plan_max_seq(model: torch.nn.Module, make_inputs, memory_budget, allow: Iter
     if len(probes) < 2 or probes[0] < 1:
         raise ValueError(f"probes must be at least two positive lengths, got {probes!r}")
     setup = prepare(model, memory_budget, allow, passes, optimizer, world_size, device=device, answer="sequence",
-                    host_budget=host_budget)
+                    host_budget=host_budget, allocator=allocator)
     search = _MaxSeqSearch(setup, make_inputs, step=step, probes=probes, max_len=max_len,
                            min_len=step if min_len is None else int(min_len), loss_fn=loss_fn,
                            max_replays=max_replays, cache={} if cache is None else cache,
@@ -150,14 +154,33 @@ def _candidates(setup: PlanSetup, replay_opt) -> list[Candidate]:
     combos = neighbourhood(lossless_groups, False)
     if setup.allow:
         combos += [c for c in neighbourhood(groups, True) if any(not o.lossless for o in c)]
-    cands = []
+    cands, seen = [], set()
     for opts in combos:
-        opt_o = next((o for o in opts if o.optimizer), None)
-        opt = opt_o.optimizer if opt_o else setup.optimizer
-        if any(o.optimizers and (opt not in o.optimizers or opt != replay_opt) for o in opts):
+        if not _agree(opts, setup.optimizer, replay_opt):
+            # NOTE(repair): an optimizer-only option that disagrees with the plan's others (another option that
+            # builds an optimizer, e.g. step_in_backward + AdamW on the host, or one that steps in the backward
+            # with the replayed optimizer) is left out of that plan, not the plan dropped: the neighbourhood of
+            # {adamw on host, step in backward + adamw on host} is then {step in backward + adamw on host}
+            opts = tuple(o for o in opts if not (o.optimizer and not o.pass_name))
+            if not _agree(opts, setup.optimizer, replay_opt):
+                continue
+        key = tuple(id(o) for o in opts)
+        if key in seen:
             continue
-        cands.append(Candidate(options=opts, optimizer=opt))
+        seen.add(key)
+        opt_o = next((o for o in opts if o.optimizer), None)
+        cands.append(Candidate(options=opts, optimizer=opt_o.optimizer if opt_o else setup.optimizer))
     return cands
+
+
+def _agree(opts, optimizer, replay_opt) -> bool:
+    """The options of one plan agree on its optimizer (``optimizers_agree``), and an option that names the
+    optimizers it works with gets the replayed one (another is built alone on the AdamW replay)."""
+    if not optimizers_agree(opts, optimizer):
+        return False
+    opt_o = next((o for o in opts if o.optimizer), None)
+    opt = opt_o.optimizer if opt_o else optimizer
+    return not any(o.optimizers and opt != replay_opt for o in opts)
 
 
 def _tiers(cands: list) -> list[list]:
@@ -185,32 +208,41 @@ class _MaxSeqSearch:
         # parameters of the trainable shapes (with_optimizer), which cannot model a step inside the backward
         self.replay_opt = setup.optimizer if setup.optimizer in ("adamw", None) else "adamw"
 
+    def twin(self, c: Candidate) -> Candidate:
+        """The candidate whose replay ``c``'s figures come from: ``c`` itself when the replay runs its optimizer,
+        else ``c`` with the replayed optimizer (``c``'s built alone on fake parameters, :meth:`finish`)."""
+        if c.optimizer == self.replay_opt or replayed_optimizer(c.optimizer):
+            return c
+        return c.without_optimizer_option(self.replay_opt)
+
     def finish(self, c: Candidate, est):
         """A replay's estimate as ``c``'s: its optimizer, then sharding folded."""
-        if c.optimizer is not None and c.optimizer != self.replay_opt:
+        if self.twin(c) is not c:
             est = with_optimizer(est, c.optimizer, device=self.setup.device)
         return self.setup.fold(c, est)
 
     def replay_many(self, cs, seq, full: bool):
         """Estimates (or exceptions) of the candidates ``cs`` at ``seq``: one shared replay (``full``: every
         provisional figure among them confirmed at the third depth)."""
-        setup, cache, replay_opt = self.setup, self.cache, self.replay_opt
-        twins = [c.without_optimizer_option(replay_opt) if c.optimizer != replay_opt else c for c in cs]
+        setup, cache = self.setup, self.cache
+        twins = [self.twin(c) for c in cs]
         keys = list(dict.fromkeys(t.replay_key() for t in twins))
         by_key = {t.replay_key(): t for t in twins}
         todo = [k for k in keys if (seq, k) not in cache]
-        if todo:
-            res = estimate_many(setup.model, self.make_inputs(seq), [setup.pipeline_of(by_key[k]) for k in todo],
-                                replay_opt, device=setup.device, loss_fn=self.loss_fn, screen=not full,
+        for opt in dict.fromkeys(by_key[k].optimizer for k in todo):  # one shared replay per replayed optimizer
+            part = [k for k in todo if by_key[k].optimizer == opt]
+            res = estimate_many(setup.model, self.make_inputs(seq), [setup.pipeline_of(by_key[k]) for k in part],
+                                opt, device=setup.device, loss_fn=self.loss_fn, screen=not full,
                                 **self.compile_options)
-            cache.update({(seq, k): r for k, r in zip(todo, res)})
+            cache.update({(seq, k): r for k, r in zip(part, res)})
         unsure = [k for k in keys if full and getattr(cache[(seq, k)], "provisional", False)]
-        if unsure:
-            opts = {k: v for k, v in self.compile_options.items() if k != "extrapolate"}
-            res = confirm_many(setup.model, self.make_inputs(seq), [setup.pipeline_of(by_key[k]) for k in unsure],
-                               [cache[(seq, k)] for k in unsure], replay_opt, device=setup.device,
+        opts = {k: v for k, v in self.compile_options.items() if k != "extrapolate"}
+        for opt in dict.fromkeys(by_key[k].optimizer for k in unsure):
+            part = [k for k in unsure if by_key[k].optimizer == opt]
+            res = confirm_many(setup.model, self.make_inputs(seq), [setup.pipeline_of(by_key[k]) for k in part],
+                               [cache[(seq, k)] for k in part], opt, device=setup.device,
                                loss_fn=self.loss_fn, **opts)
-            cache.update({(seq, k): r for k, r in zip(unsure, res)})
+            cache.update({(seq, k): r for k, r in zip(part, res)})
         got = {k: cache[(seq, k)] for k in keys}
         out = []
         for c, t in zip(cs, twins):

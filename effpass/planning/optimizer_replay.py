@@ -10,7 +10,7 @@ import torch
 
 from .patches import replay_patches
 from .replay import check_optimizer
-from .result import MemoryEstimate, reserved_after
+from .result import MemoryEstimate, both_reserved_after
 from .tracker import Tracker, tracked_bytes
 
 __all__ = ["optimizer_replay", "with_optimizer"]
@@ -50,7 +50,11 @@ def optimizer_replay(optimizer: str, shapes: Sequence[tuple], device="cpu", lr: 
                     p.grad = torch.empty_like(p)
                     opt = build_optimizer(optimizer, [p], lr=lr, device=dev)
                     opt.step()
-                    states = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+                    from .host_memory import replayed_host_optimizer
+
+                    on_host, _ = replayed_host_optimizer(opt, dev)  # host tensors are not device states
+                    states = [v for s in opt.state.values() for v in s.values()
+                              if isinstance(v, torch.Tensor) and id(v) not in on_host]
                     s_bytes = tracked_bytes(states, dev)
                     tracker.reset()
                     tracker.enabled = True
@@ -84,7 +88,7 @@ def with_optimizer(est: MemoryEstimate, optimizer: str, *, device=None, lr: floa
         "optimizer", "eager code", f"{optimizer} step (replayed on fake parameters)")
     return dataclasses.replace(est, optimizer=optimizer, optimizer_states=states, start_bytes=start,
                                step_peak_bytes=step_peak, peak_bytes=start + step_peak, peak_phase=where[0],
-                               reserved_peak_bytes=reserved_after(est, start + step_peak),
+                               **both_reserved_after(est, start + step_peak),
                                peak_graph=where[1], peak_node=where[2],
                                notes=list(est.notes) + [f"{optimizer}: states and step transient from the real "
                                                         f"optimizer built on fake parameters; forward/backward "

@@ -1,11 +1,13 @@
 """Optimizers the memory planner may choose: torchao's 8-bit AdamW (built on fake parameters by its replay, so its
-states are sized by the real optimizer) and, for CUDA plans, AdamW with its states on the host (torchao's
-CPUOffloadOptimizer, which needs CUDA: sized by :mod:`effpass.planning.host_memory`)."""
+states are sized by the real optimizer) and, for CUDA plans, AdamW with its states on the host: torchao's
+CPUOffloadOptimizer (``adamw_offload``, which needs CUDA: sized by :mod:`effpass.planning.host_memory`) and
+effpass's own :class:`effpass.HostOffloadAdamW` (``adamw_host``: replayed, the optimizer of the
+``step_in_backward`` + host plan, whose gradients go to the host inside the backward)."""
 from __future__ import annotations
 
 import effpass
 
-from .host_memory import HOST_OPTIMIZERS
+from .host_memory import HOST_OPTIMIZERS, REPLAYED_HOST_OPTIMIZERS
 
 
 def _adamw8bit(params, lr=1e-3, device=None):
@@ -55,3 +57,15 @@ def _host_optimizer_options(model, *, world_size=1, device=None):
         cost="AdamW's states and step on the host (torchao CPUOffloadOptimizer): gradients to the host and "
              "parameters back over the host link every step; build the optimizer as "
              "torchao.optim.CPUOffloadOptimizer(params, torch.optim.AdamW)")]
+
+
+def _adamw_host(params, lr=1e-3, device=None):
+    from effpass.host_optim import HostOffloadAdamW
+
+    return HostOffloadAdamW(params, lr=lr)
+
+
+REPLAYED_HOST_OPTIMIZERS.add("adamw_host")  # its host buffers sized by the replay (host_memory.replayed_host_optimizer)
+effpass.register_optimizer("adamw_host", _adamw_host,
+                           "effpass.HostOffloadAdamW(params): AdamW's states and step on the host, gradients taken "
+                           "one at a time (from step_in_backward inside the backward, or in step())", replayed=True)

@@ -32,7 +32,7 @@ __all__ = ["MemoryPlan", "Candidate", "MemoryBudgetError", "plan_memory", "plan_
 def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: Iterable[str] = (), passes=None,
                 optimizer: str | None = "adamw", world_size: int = 1, *, device=None, loss_fn=None,
                 sequence_parallel: int = 1, prune: bool = True, cache: dict | None = None, gpu: str | None = None,
-                host_budget=None, **compile_options) -> MemoryPlan:
+                host_budget=None, allocator: str = "default", **compile_options) -> MemoryPlan:
     """Choose a pipeline for ``model`` whose predicted training-step peak fits ``memory_budget``
     (``"24GiB"``, bytes; per rank when ``world_size > 1``). See the module docstring for the order.
 
@@ -61,7 +61,9 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
     on any machine (:mod:`effpass.planning.host_memory`): each with its host bytes and its transfers over the
     GPU's host link in the step time (``transfer_bound`` when they outlast the compute they overlap).
     ``host_budget`` (``"512GiB"``, bytes; default None: unbounded): a plan holding more host memory is not a
-    candidate (listed with why).
+    candidate (listed with why). ``allocator="expandable"`` (CUDA plans): the reserved bytes fitted to the budget are
+    those of the caching allocator with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (default: its default
+    mode); step_in_backward with AdamW on the host (``effpass.HostOffloadAdamW``) is a candidate too.
 
     Raises :class:`MemoryBudgetError` (a ``ValueError``) naming the smallest achievable peak and its plan
     when nothing fits, ``ValueError`` for an unreadable budget, one below the parameters' own bytes, or an
@@ -69,17 +71,18 @@ def plan_memory(model: torch.nn.Module, example_inputs, memory_budget, allow: It
     """
     return _plan(model, example_inputs, memory_budget, allow, passes, optimizer, world_size, device=device,
                  loss_fn=loss_fn, sequence_parallel=sequence_parallel, prune=prune, cache=cache, gpu=gpu,
-                 host_budget=host_budget, compile_options=compile_options)
+                 host_budget=host_budget, allocator=allocator, compile_options=compile_options)
 
 
 def _plan(model, example_inputs, memory_budget, allow, passes, optimizer, world_size, *, device=None, loss_fn=None,
           sequence_parallel: int = 1, prune: bool = True, cache: dict | None = None, graph_only: bool = False,
-          gpu: str | None = None, host_budget=None, compile_options) -> MemoryPlan:
+          gpu: str | None = None, host_budget=None, allocator: str = "default", compile_options) -> MemoryPlan:
     """:func:`plan_memory`; ``graph_only``: only options that act on graphs (planning on the first call)."""
     if sequence_parallel == 1:
         return _plan_one_rank(model, example_inputs, memory_budget, allow, passes, optimizer, world_size,
                               device=device, loss_fn=loss_fn, prune=prune, cache=cache, graph_only=graph_only,
-                              sp_terms=None, gpu=gpu, host_budget=host_budget, compile_options=compile_options)
+                              sp_terms=None, gpu=gpu, host_budget=host_budget, allocator=allocator,
+                              compile_options=compile_options)
     # one rank of a shard_sequence group: seq/sp tokens replayed, the sharded attention's terms folded on
     from .sharding import sequence_parallel_replay
 
@@ -90,16 +93,18 @@ def _plan(model, example_inputs, memory_budget, allow, passes, optimizer, world_
         return _plan_one_rank(model, local, memory_budget, allow, passes, optimizer, world_size, device=device,
                               loss_fn=loss_fn, prune=prune, cache=cache, graph_only=graph_only,
                               sp_terms=(sequence_parallel, terms), gpu=gpu, host_budget=host_budget,
+                              allocator=allocator,
                               compile_options=compile_options)
     finally:
         restore_sp()
 
 
 def _plan_one_rank(model, example_inputs, memory_budget, allow, passes, optimizer, world_size, *, device, loss_fn,
-                   prune, cache, graph_only, sp_terms, compile_options, gpu=None, host_budget=None) -> MemoryPlan:
+                   prune, cache, graph_only, sp_terms, compile_options, gpu=None, host_budget=None,
+                   allocator: str = "default") -> MemoryPlan:
     """The plan of one rank's replayed step: set-up, candidates, search, answer."""
     setup = prepare(model, memory_budget, allow, passes, optimizer, world_size, device=device, graph_only=graph_only,
-                    rows=batch_rows(example_inputs), gpu_name=gpu, host_budget=host_budget)
+                    rows=batch_rows(example_inputs), gpu_name=gpu, host_budget=host_budget, allocator=allocator)
     lossless, lossy = candidate_tiers(setup.groups, optimizer)
     found = search(setup, example_inputs, lossless, lossy, loss_fn=loss_fn, replays=cache, prune=prune,
                    sp_terms=sp_terms, compile_options=compile_options)

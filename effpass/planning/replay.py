@@ -299,7 +299,11 @@ def _run_tracked(work, compiled, inputs, tracker, be, optimizer, dev, loss_fn, l
         training_step(compiled, inputs, opt, loss_fn)      # compiles; creates optimizer states
     params = list(work.parameters())
     buffers = list(work.buffers())
-    states = [v for s in (opt.state.values() if opt else ()) for v in s.values() if isinstance(v, torch.Tensor)]
+    from .host_memory import replayed_host_optimizer
+
+    on_host, host_opt_bytes = replayed_host_optimizer(opt, dev)  # an optimizer's host tensors are not device memory
+    states = [v for s in (opt.state.values() if opt else ()) for v in s.values()
+              if isinstance(v, torch.Tensor) and id(v) not in on_host]
     flat_inputs = [x for x in tree_flatten(inputs)[0] if isinstance(x, torch.Tensor)]
     start_sizes = storage_sizes(params + buffers + states + flat_inputs, dev)
     start = sum(start_sizes)
@@ -319,8 +323,10 @@ def _run_tracked(work, compiled, inputs, tracker, be, optimizer, dev, loss_fn, l
             phases["activations"] = tracker.live
         tracker.phase = p
 
+    moved0 = dict(getattr(opt, "counters", None) or {})
     training_step(compiled, inputs, opt, loss_fn, on_phase=set_phase)
     tracker.enabled = False
+    moved = {k: v - moved0.get(k, 0) for k, v in (getattr(opt, "counters", None) or {}).items()}
     tracker.keepalive.clear()
     del opt, states
     grads = sum(tracked_bytes([p], dev) for p in trainable)  # a gradient is laid out as its parameter (empty_like)
@@ -344,7 +350,9 @@ def _run_tracked(work, compiled, inputs, tracker, be, optimizer, dev, loss_fn, l
         requested_lowering=requested_lowering, passes=[p.name for p in be.options.passes],
         pass_stats=stats, notes=notes, trainable_numels=[p.numel() for p in trainable],
         trainable_shapes=[(tuple(p.shape), str(p.dtype).removeprefix("torch.")) for p in trainable],
-        host_bytes=tracker.host_peak, offload_d2h_bytes=tracker.d2h_bytes, offload_h2d_bytes=tracker.h2d_bytes,
+        host_bytes=tracker.host_peak + host_opt_bytes, offload_d2h_bytes=tracker.d2h_bytes,
+        offload_h2d_bytes=tracker.h2d_bytes, optimizer_d2h_bytes=moved.get("d2h_bytes", 0),
+        optimizer_h2d_bytes=moved.get("h2d_bytes", 0),
         offload_overlapped=bool(tracker.offload and tracker.offload["stream"]),
         prefetch_window=tracker.prefetch_window, forward_flops=tracker.forward_flops)
     est.gradients_at_peak, est.non_gradient_peak, est.gradients_at_non_gradient_peak = gradient_split(
@@ -354,8 +362,13 @@ def _run_tracked(work, compiled, inputs, tracker, be, optimizer, dev, loss_fn, l
     if requested_lowering not in ("inductor", "eager"):
         est.notes.append(f"lowering={requested_lowering!r} is predicted by the eager lowering's replay of the same "
                          f"partitioned graphs (its own buffer plan is not replayed)")
+    if host_opt_bytes:
+        est.notes.append(f"{optimizer}: its host tensors (parameter copies and gradient buffers, pinned on CUDA; "
+                         f"AdamW's states) counted as host memory (host_bytes), the gradients it took and the "
+                         f"parameters it copied back as the bytes moved; the CPU's AdamW step is not timed")
     if dev.type == "cuda":
         est.reserved_peak_bytes = cuda_reserved_peak(start_sizes, tracker.events)
+        est.reserved_expandable_bytes = cuda_reserved_peak(start_sizes, tracker.events, expandable_segments=True)
         est.notes.append(
             "CUDA: every storage rounded up to the caching allocator's 512-byte blocks (peak_bytes: what "
             "torch.cuda.max_memory_allocated would read); the device must hold the allocator's segments "
@@ -367,12 +380,14 @@ def _run_tracked(work, compiled, inputs, tracker, be, optimizer, dev, loss_fn, l
     return est
 
 
-def cuda_reserved_peak(start_sizes, events) -> int:
+def cuda_reserved_peak(start_sizes, events, expandable_segments: bool = False) -> int:
     """Bytes CUDA's caching allocator reserves for a step: the storages live at its start allocated first (in
     order), then the tracked step's allocations and frees twice (the first as the warm-up step that fills the
-    allocator's cache, the second as the steady-state step)."""
+    allocator's cache, the second as the steady-state step). ``expandable_segments``: the allocator with
+    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (:mod:`effpass.planning.cuda_allocator`)."""
     step = [(n, key) for n, key, *_ in events]
-    return simulate([(n, ("start", i)) for i, n in enumerate(start_sizes)] + step + step).reserved
+    return simulate([(n, ("start", i)) for i, n in enumerate(start_sizes)] + step + step,
+                    expandable_segments=expandable_segments).reserved
 
 
 def replay_many(model, example_inputs, pipelines, optimizer, dev, loss_fn, lr, compile_options, share=True):

@@ -10,7 +10,7 @@ import torch
 
 from effpass.config import parse_size  # noqa: F401  (re-exported)
 
-__all__ = ["MemoryEstimate", "training_step", "format_bytes", "parse_size", "reserved_after"]
+__all__ = ["MemoryEstimate", "training_step", "format_bytes", "parse_size", "reserved_after", "both_reserved_after"]
 
 
 def format_bytes(n: float) -> str:
@@ -74,6 +74,10 @@ class MemoryEstimate:
     #: CUDA target: bytes the caching allocator reserves from the driver over the step (its segments:
     #: ``torch.cuda.max_memory_reserved``), :mod:`effpass.planning.cuda_allocator`; None for other devices
     reserved_peak_bytes: int | None = None
+    #: the same with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (each pool's live bytes in 2 MiB pages)
+    reserved_expandable_bytes: int | None = None
+    #: the allocator the plan is for: "default" or "expandable" (expandable segments); picks the reserved figure
+    allocator: str = "default"
     #: host memory (CUDA plans, :mod:`effpass.planning.host_memory`): the most pinned/host bytes the step holds
     #: (offloaded activations, optimizer states on the host), and the bytes moved over the host link per step
     host_bytes: int = 0
@@ -86,10 +90,18 @@ class MemoryEstimate:
     forward_flops: int = 0            # of ``flops``, those of the forward (the window offload copies overlap)
 
     @property
+    def reserved_bytes(self) -> int | None:
+        """The reserved bytes of the allocator the plan is for (:attr:`allocator`), None where not modelled."""
+        if self.allocator == "expandable":
+            return self.reserved_expandable_bytes
+        return self.reserved_peak_bytes
+
+    @property
     def device_peak_bytes(self) -> int:
-        """What the device must hold for the step: the allocator's reserved segments where modelled (CUDA),
-        else the peak of live storage bytes. The planner fits this to the budget."""
-        return max(self.peak_bytes, self.reserved_peak_bytes or 0)
+        """What the device must hold for the step: the allocator's reserved segments where modelled (CUDA; the
+        default allocator's, or with expandable segments when :attr:`allocator` says so), else the peak of live
+        storage bytes. The planner fits this to the budget."""
+        return max(self.peak_bytes, self.reserved_bytes or 0)
 
     def breakdown(self) -> dict[str, int]:
         return {"parameters": self.parameters, "buffers": self.buffers, "inputs": self.inputs,
@@ -102,8 +114,10 @@ class MemoryEstimate:
     def summary(self) -> str:
         lines = [f"predicted peak of one training step: {format_bytes(self.peak_bytes)} ({self.peak_bytes} bytes)"
                  + (f" per rank, {self.world_size} ranks ({self.sharding})" if self.world_size > 1 else "")
-                 + (f"; reserved by CUDA's caching allocator {format_bytes(self.reserved_peak_bytes)} "
-                    f"({self.reserved_peak_bytes} bytes)" if self.reserved_peak_bytes is not None else ""),
+                 + (f"; reserved by CUDA's caching allocator {format_bytes(self.reserved_bytes)} "
+                    f"({self.reserved_bytes} bytes"
+                    + (", expandable segments" if self.allocator == "expandable" else "") + ")"
+                    if self.reserved_bytes is not None else ""),
                  f"  live at the step's start: {format_bytes(self.start_bytes)} = parameters "
                  f"{format_bytes(self.parameters)} ({format_bytes(self.trainable_parameters)} trainable) + buffers "
                  f"{format_bytes(self.buffers)} + optimizer states {format_bytes(self.optimizer_states)} "
@@ -118,12 +132,20 @@ class MemoryEstimate:
         return "\n".join(lines)
 
 
-def reserved_after(est: MemoryEstimate, peak_bytes: int) -> int | None:
-    """``est``'s reserved bytes moved by a change of its live peak to ``peak_bytes`` made after the replay (a
-    sharding fold, another optimizer's states): the allocator's overhead above the live peak is kept."""
-    if est.reserved_peak_bytes is None:
+def reserved_after(est: MemoryEstimate, peak_bytes: int, expandable: bool = False) -> int | None:
+    """``est``'s reserved bytes (``expandable``: with expandable segments) moved by a change of its live peak to
+    ``peak_bytes`` made after the replay (a sharding fold, another optimizer's states): the allocator's overhead
+    above the live peak is kept."""
+    reserved = est.reserved_expandable_bytes if expandable else est.reserved_peak_bytes
+    if reserved is None:
         return None
-    return max(peak_bytes, est.reserved_peak_bytes + peak_bytes - est.peak_bytes)
+    return max(peak_bytes, reserved + peak_bytes - est.peak_bytes)
+
+
+def both_reserved_after(est: MemoryEstimate, peak_bytes: int) -> dict:
+    """:func:`reserved_after` of both allocator modes, as ``dataclasses.replace`` keywords."""
+    return {"reserved_peak_bytes": reserved_after(est, peak_bytes),
+            "reserved_expandable_bytes": reserved_after(est, peak_bytes, expandable=True)}
 
 
 def _loss_of(out) -> torch.Tensor:

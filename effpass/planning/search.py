@@ -11,6 +11,8 @@ after all where they could be smaller).
 """
 from __future__ import annotations
 
+from effpass.memory_options import replayed_optimizer
+
 from .candidates import Candidate
 from .host_memory import HostBudgetError
 from .estimate import confirm_many, estimate_many, estimate_memory, start_bytes_many, with_optimizer
@@ -52,9 +54,10 @@ class CandidateSearch:
 
     # ---------------------------------------------------------------------------------------------- replays
     def _twin(self, c: Candidate) -> Candidate:
-        """``c`` with the optimizer asked for when it replaces it (its replay is the AdamW twin's)."""
+        """``c`` with the optimizer asked for when it replaces it (its replay is the AdamW twin's), unless the replay
+        runs that optimizer itself (``replayed_optimizer``)."""
         opt_o = next((o for o in c.options if o.optimizer), None)
-        if opt_o is not None and opt_o.optimizer != self.setup.optimizer:
+        if opt_o is not None and opt_o.optimizer != self.setup.optimizer and not replayed_optimizer(opt_o.optimizer):
             return c.without_optimizer_option(self.setup.optimizer)
         return c
 
@@ -66,7 +69,7 @@ class CandidateSearch:
         for c in cands:
             c = self._twin(c)
             key = c.replay_key()
-            if key in self.replays or key in seen or c.optimizer not in ("adamw", None):
+            if key in self.replays or key in seen or not replayed_optimizer(c.optimizer):
                 continue
             seen.add(key)
             todo.append(c)
@@ -78,12 +81,14 @@ class CandidateSearch:
             return  # replayed one by one below (each error reported on its candidate)
         # the plan as given is the base of every extra-compute figure: always checked at three depths
         first = self.considered[0].replay_key() if self.considered else None
-        results = estimate_many(self.setup.model, self.inputs, pipelines, todo[0].optimizer, device=self.setup.device,
-                                loss_fn=self.loss_fn, screen=self.prunable,
-                                check=[i for i, c in enumerate(todo) if c.replay_key() == first],
-                                **self.compile_options)
-        for c, r in zip(todo, results):
-            self.replays[c.replay_key()] = r
+        for opt in dict.fromkeys(c.optimizer for c in todo):  # one shared replay per optimizer the replay runs
+            idx = [i for i, c in enumerate(todo) if c.optimizer == opt]
+            results = estimate_many(self.setup.model, self.inputs, [pipelines[i] for i in idx], opt,
+                                    device=self.setup.device, loss_fn=self.loss_fn, screen=self.prunable,
+                                    check=[j for j, i in enumerate(idx) if todo[i].replay_key() == first],
+                                    **self.compile_options)
+            for i, r in zip(idx, results):
+                self.replays[todo[i].replay_key()] = r
 
     def confirm(self, cands) -> None:
         """Every provisional figure among ``cands`` (predicted from two depths, ``estimate_many(screen=True)``)
@@ -100,11 +105,12 @@ class CandidateSearch:
                 continue
             seen.add(key)
             todo.append((base_c, r))
-        if todo:
-            got = confirm_many(self.setup.model, self.inputs, [self.setup.pipeline_of(b) for b, _ in todo],
-                               [r for _, r in todo], todo[0][0].optimizer, device=self.setup.device,
+        for opt in dict.fromkeys(b.optimizer for b, _ in todo):  # one call per optimizer the replay runs
+            part = [(b, r) for b, r in todo if b.optimizer == opt]
+            got = confirm_many(self.setup.model, self.inputs, [self.setup.pipeline_of(b) for b, _ in part],
+                               [r for _, r in part], opt, device=self.setup.device,
                                loss_fn=self.loss_fn, **self.compile_options)
-            for (b, _), r in zip(todo, got):
+            for (b, _), r in zip(part, got):
                 self.replays[b.replay_key()] = r
         for c in self.considered + [c for c in cands if c not in self.considered]:
             if c.estimate is None or not c.estimate.provisional:
@@ -121,7 +127,7 @@ class CandidateSearch:
         if key in self.replays:
             return self.replays[key]
         opt_o = next((o for o in c.options if o.optimizer), None)
-        if opt_o is not None and opt_o.optimizer != self.setup.optimizer:
+        if opt_o is not None and opt_o.optimizer != self.setup.optimizer and not replayed_optimizer(opt_o.optimizer):
             # the same forward and backward as the base optimizer's replay; the optimizer built on fake
             # parameters of the same shapes (its states and step transient measured, not derived)
             r = self.replay(c.without_optimizer_option(self.setup.optimizer))

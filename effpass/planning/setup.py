@@ -14,7 +14,10 @@ from .replay import largest_unit_bytes, replay_device, target_device
 from .result import MemoryEstimate, format_bytes, parse_size
 from .sharding import fold_sharding
 
-__all__ = ["PlanSetup", "prepare"]
+__all__ = ["PlanSetup", "prepare", "ALLOCATORS"]
+
+#: the CUDA caching allocator's modes a plan may be for (the reserved bytes fitted to the budget)
+ALLOCATORS = ("default", "expandable")
 
 
 @dataclass
@@ -35,6 +38,7 @@ class PlanSetup:
     gpu: Any = None                  # CUDA plans: the GPU (effpass.devices) each candidate's step time is estimated on
     compute_dtype: Any = None        # the dtype of the model's largest floating parameter (its matmuls' operands)
     host_budget: int | None = None   # bytes of host memory a plan may hold (None: unbounded)
+    allocator: str = "default"       # CUDA plans: the caching allocator's mode the reserved bytes are for
 
     def step_seconds(self, flops: int) -> float | None:
         """A compute-bound estimate of a step's time on ``gpu``: its FLOPs at the matmul ceiling (bf16/fp16) or
@@ -67,7 +71,10 @@ class PlanSetup:
         return [p for p in pipeline if not is_sharding(p.name, model, ws)]
 
     def fold(self, c: Candidate, est: MemoryEstimate) -> MemoryEstimate:
-        """A one-rank replay's estimate as per-rank figures of ``c`` over ``world_size`` ranks."""
+        """A one-rank replay's estimate as per-rank figures of ``c`` over ``world_size`` ranks (for the allocator
+        mode the plan is for)."""
+        if est.allocator != self.allocator:
+            est = dataclasses.replace(est, allocator=self.allocator)
         if self.world_size <= 1:
             self.check_host(est)
             return est
@@ -93,12 +100,13 @@ class PlanSetup:
 
 def prepare(model, memory_budget, allow, passes, optimizer, world_size: int, *, device=None,
             graph_only: bool = False, rows: int | None = None, answer: str = "plan",
-            gpu_name: str | None = None, host_budget=None) -> PlanSetup:
+            gpu_name: str | None = None, host_budget=None, allocator: str = "default") -> PlanSetup:
     """The set-up of a plan search; raises ``ValueError`` for an unreadable budget, an ``allow`` entry that
     names no technique, or a budget below the parameters' own bytes (no ``answer`` can fit it). ``rows``:
     tokens in the step's batch (options meant for other batch sizes are left out); ``graph_only``: only
     options that act on graphs (planning on the first call, after the optimizer exists); ``host_budget``: host
-    memory a plan may hold (``"512GiB"``, bytes; None: unbounded)."""
+    memory a plan may hold (``"512GiB"``, bytes; None: unbounded); ``allocator``: ``"default"`` or ``"expandable"``
+    (CUDA plans: the reserved bytes of the caching allocator with ``expandable_segments:True``)."""
     from effpass.config import _build_passes, default_pipeline
     from effpass.memory_options import declared_memory_options
 
@@ -110,6 +118,14 @@ def prepare(model, memory_budget, allow, passes, optimizer, world_size: int, *, 
     notes: list[str] = []
     rdev = replay_device(dev)
     hb = parse_size(host_budget, "host_budget") if host_budget is not None else None
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"effpass: allocator {allocator!r} is not valid; choose one of {list(ALLOCATORS)}")
+    if allocator != "default" and dev.type != "cuda":
+        raise ValueError(f"effpass: allocator {allocator!r} is a CUDA caching-allocator mode; the plan is for "
+                         f"device {dev.type!r} (use device='cuda', or allocator='default')")
+    if allocator == "expandable":
+        notes.append("allocator: expandable segments (each pool's live bytes in 2 MiB pages, "
+                     "effpass.planning.cuda_allocator): train with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
     if rdev != dev:
         # a CUDA target replayed on CPU fake tensors: offload_activations runs as torch's synchronous rewrite and
         # its copies are counted as CUDA holds them (planning/host_memory.py)
@@ -154,4 +170,4 @@ def prepare(model, memory_budget, allow, passes, optimizer, world_size: int, *, 
     return PlanSetup(model=model, budget=budget, allow=allow_t, optimizer=optimizer, world_size=world_size,
                      device=dev, base=base, groups=groups, notes=notes, base_sharding=base_sharding,
                      unit_bytes=largest_unit_bytes(model) if world_size > 1 else 0, gpu=gpu,
-                     compute_dtype=compute_dtype, host_budget=hb)
+                     compute_dtype=compute_dtype, host_budget=hb, allocator=allocator)

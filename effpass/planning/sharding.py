@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .result import reserved_after
+from .result import both_reserved_after
 
 __all__ = ["MODES", "shard_model_states", "fold_sharding"]
 
@@ -85,7 +85,7 @@ def fold_sharding(est, world_size: int, unit_bytes: int, mode: str = "zero3"):
     whole = shard_model_states(est.trainable_parameters, est.gradients, 0, N, mode)
     return dataclasses.replace(
         est, world_size=N, sharding=mode, start_bytes=start, step_peak_bytes=during, peak_bytes=start + during,
-        reserved_peak_bytes=reserved_after(est, start + during),
+        **both_reserved_after(est, start + during),
         parameters=s["params"], trainable_parameters=whole["params"], optimizer_states=s["optimizer"],
         gradients=whole["grads"], gradients_at_peak=s["grads"], notes=list(est.notes) + [
             f"FSDP over {N} ranks: model states sharded, + 2 gathered units ({unit_bytes * 2} bytes) and one "
@@ -234,7 +234,7 @@ def fold_sequence_parallel(est, sp: int, terms: dict[str, int]):
     inputs_whole = terms.get("input_ids and labels (whole sequence, int64; at the start)", 0)
     return dataclasses.replace(
         est, peak_bytes=est.peak_bytes + add, start_bytes=est.start_bytes + inputs_whole,
-        reserved_peak_bytes=reserved_after(est, est.peak_bytes + add),
+        **both_reserved_after(est, est.peak_bytes + add),
         step_peak_bytes=est.step_peak_bytes + add - inputs_whole, inputs=est.inputs + inputs_whole,
         notes=list(est.notes) + [
             f"sequence parallel ({sp} ranks per sequence, shard_sequence): replayed on seq/{sp} tokens with "

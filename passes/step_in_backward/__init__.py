@@ -16,6 +16,9 @@ during backward). ``attach(opt)`` attaches an optimizer at once, so that even th
 Exactness: the arithmetic is the optimizer's own per-parameter arithmetic, so parameters and state are
 bit-identical to the usual ``step()`` for the single-tensor (``foreach=False``) implementations, torchao's
 per-parameter 8-bit AdamW, and (as tested) ``foreach=True`` / ``fused=True`` of AdamW/Adam/SGD on CPU.
+With an optimizer that takes gradients (``effpass.takes_gradients``: ``effpass.HostOffloadAdamW``, AdamW's states
+and step on the host) each gradient is handed to it (``take_gradient``: copied to the host, the device gradient
+freed) instead of a step, and ``opt.step()`` runs the host step.
 Refused with an error: a second backward before ``opt.step()`` (gradient accumulation: the first
 micro-batch's update has already been applied), a closure passed to ``step``, an optimizer class not in
 :data:`SUPPORTED` (its step may couple parameters, e.g. LBFGS or a global-norm clipping optimizer).
@@ -47,7 +50,9 @@ class StepInBackwardError(RuntimeError):
 
 @functools.lru_cache(maxsize=None)
 def _supported_classes() -> tuple[type, ...]:
-    out: list[type] = [torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD]
+    from effpass.host_optim import HostOffloadAdamW
+
+    out: list[type] = [torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, HostOffloadAdamW]
     try:  # optional: torchao's low-bit optimizers step one parameter at a time
         from effpass.quantized import quiet_torchao_import
 
@@ -86,12 +91,16 @@ class _ParamEntry:
 
 
 def _check_optimizer(opt: torch.optim.Optimizer) -> None:
+    from effpass.host_optim import takes_gradients
+
     supported = _supported_classes()
-    if not isinstance(opt, supported):
+    if not isinstance(opt, supported) and not takes_gradients(opt):
         raise StepInBackwardError(
             f"step_in_backward: optimizer {type(opt).__name__} is not supported; supported: "
             f"{[c.__name__ for c in supported]} (their update of one parameter depends on its own gradient "
-            f"and state only). Remove the step_in_backward pass to use {type(opt).__name__}.")
+            f"and state only), or any optimizer that takes gradients (effpass.takes_gradients: "
+            f"takes_gradients = True and take_gradient(param, grad)). Remove the step_in_backward pass to use "
+            f"{type(opt).__name__}.")
     for g in opt.param_groups:
         if g.get("differentiable"):
             raise StepInBackwardError("step_in_backward: differentiable=True optimizers are not supported")
@@ -180,7 +189,17 @@ def _grad_hook(p: torch.Tensor) -> None:
 
 
 def _step_one(p: torch.Tensor, e: "_ParamEntry", opt: torch.optim.Optimizer) -> None:
-    """Run ``opt``'s own step on ``p`` alone (its gradient in ``p.grad``), then free the gradient."""
+    """Run ``opt``'s own step on ``p`` alone (its gradient in ``p.grad``), then free the gradient. An optimizer
+    that takes gradients (``effpass.takes_gradients``: ``effpass.HostOffloadAdamW``) is handed the gradient
+    instead (``take_gradient``: copied to the host, the update in ``opt.step()``); ``p`` keeps no ``.grad``."""
+    from effpass.host_optim import takes_gradients
+
+    if takes_gradients(opt):
+        grad, p.grad = p.grad, None
+        with torch.no_grad():
+            opt.take_gradient(p, grad)
+        e.stepped = True
+        return
     groups = opt.param_groups
     group = groups[e.group]
     if not any(q is p for q in group["params"]):
@@ -318,114 +337,7 @@ class _HookedInputs(effpass.Note):
     positions: frozenset
 
 
-def _desc_position(desc) -> int | None:
-    """The flat input position a gradient output of the joint graph belongs to (``PlainAOTInput.idx``)."""
-    d = getattr(desc, "grad_of", None)
-    if type(d).__name__ == "PlainAOTInput":
-        return int(d.idx)
-    return None
-
-
-def _readers(p: fx.Node) -> list[fx.Node]:
-    """Nodes reading ``p``'s storage: its users and, through view ops, their users."""
-    out, stack, seen = [], [p], {p}
-    while stack:
-        n = stack.pop()
-        for u in n.users:
-            if u not in seen:
-                seen.add(u)
-                out.append(u)
-                if u.op == "call_function" and getattr(u.target, "is_view", False):
-                    stack.append(u)
-    return out
-
-
-def insert_steps(gm: fx.GraphModule, positions) -> tuple[int, list[dict]]:
-    """In a joint graph, replace the gradient output of every input at ``positions`` (flat input positions of
-    hooked parameters) by a :func:`step_parameter` call placed where that gradient is complete and after the
-    backward's last read of the parameter; the graph returns no gradient for it. Returns (steps, skipped)."""
-    import torch.utils._pytree as pytree
-
-    from effpass.graph import is_tangent
-
-    graph = gm.graph
-    out = next(iter(graph.find_nodes(op="output")))
-    descs = out.meta.get("desc")
-    if descs is None:
-        return 0, [{"site": "graph", "reason": "the joint graph's outputs carry no descriptors (older torch)"}]
-    leaves, spec = pytree.tree_flatten(out.args)
-    descs = pytree.arg_tree_leaves(descs)
-    if len(descs) != len(leaves):
-        return 0, [{"site": "graph", "reason": "joint outputs and their descriptors differ in number"}]
-    primals = {}
-    for ph in graph.find_nodes(op="placeholder"):
-        d = ph.meta.get("desc")
-        if type(d).__name__ == "PlainAOTInput":
-            primals[int(d.idx)] = ph
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    backward: set[fx.Node] = set()
-    for n in graph.nodes:  # nodes computed from a tangent: the backward
-        if (n.op == "placeholder" and is_tangent(n)) or any(a in backward for a in n.all_input_nodes):
-            backward.add(n)
-    steps, skipped, new_leaves = 0, [], list(leaves)
-    for j, (leaf, d) in enumerate(zip(leaves, descs)):
-        pos = _desc_position(d)
-        if pos is None or pos not in positions or not isinstance(leaf, fx.Node):
-            continue
-        p = primals.get(pos)
-        if p is None or leaf not in backward:
-            skipped.append({"site": p.name if p is not None else f"input {pos}",
-                            "reason": "its gradient is not computed from the loss's gradient in this graph"
-                                      if p is not None else "no primal input for it"})
-            continue
-        # NOTE(ordering): after every backward read of the parameter (direct or through a view, and the
-        # backward users of forward reads, which the partitioner may recompute just before them): the step
-        # writes it in place.
-        after, readers = [leaf], []
-        for r in _readers(p):
-            if r is out:
-                continue
-            after.append(r)
-            if r in backward:
-                readers.append(r)
-            else:
-                users = [u for u in r.users if u in backward and u is not out]
-                after.extend(users)
-                readers.extend(users)
-        last = max(after, key=order.get)
-        deps = []
-        for r in readers:
-            v = r.meta.get("val")
-            if r.op == "call_function" and getattr(r.target, "is_view", False):
-                continue  # an alias of the parameter: its own readers are listed
-            if isinstance(v, torch.Tensor):
-                deps.append(r)
-            elif isinstance(v, (tuple, list)):  # a multi-output op: its pieces
-                deps.extend(u for u in r.users if isinstance(u.meta.get("val"), torch.Tensor) and u in backward)
-        deps = sorted(set(deps), key=order.get)
-        last = max([last, *deps], key=order.get)
-        tokens = []
-        for d in deps:  # NOTE(lifetimes): see step_after
-            if d is leaf:
-                continue  # the gradient itself is an operand anyway
-            with graph.inserting_after(d):
-                t = graph.call_function(_AFTER_OP, (d,))
-            t.meta["val"] = d.meta["val"].new_empty(0)
-            t.meta["partitioner_tag"] = "must_be_in_backward"
-            t.meta["custom"] = {**(d.meta.get("custom") or {}), "effpass_step": pos}
-            order[t] = order[d] + 0.25
-            tokens.append(t)
-        with graph.inserting_after(last):
-            node = graph.call_function(_STEP_OP, (p, leaf, tokens))
-        node.meta["val"] = None
-        node.meta["partitioner_tag"] = "must_be_in_backward"
-        node.meta["custom"] = {**(leaf.meta.get("custom") or {}), "effpass_step": pos}
-        order[node] = order[last] + 0.5
-        new_leaves[j] = None
-        steps += 1
-    if steps:
-        out.args = pytree.tree_unflatten(new_leaves, spec)
-    return steps, skipped
+from .graph import insert_steps  # noqa: E402  (the joint graph rewrite)
 
 
 def _install_global_hook() -> None:
@@ -454,14 +366,25 @@ class StepInBackward(effpass.Pass):
     requires_module_phase = True
 
     @classmethod
-    def memory_options(cls, model=None, *, world_size=1):
+    def memory_options(cls, model=None, *, world_size=1, device=None):
         """For the memory planner: lossless; each gradient freed once its parameter is stepped (full
-        fine-tuning: the gradients of all parameters never exist at once)."""
-        return [effpass.MemoryOption(
+        fine-tuning: the gradients of all parameters never exist at once). For CUDA plans (and when the device is
+        not known) also with AdamW on the host (``adamw_host``: ``effpass.HostOffloadAdamW``, each gradient handed
+        to it inside the backward and copied to the host)."""
+        restricts = "one backward per opt.step() (no gradient accumulation) and no clipping by the global norm"
+        out = [effpass.MemoryOption(
             technique="step_in_backward", lossless=True, group="optimizer_step", changes="gradients",
-            phase="module", optimizers=("adamw", "adamw8bit"), label="step in backward",
-            restricts="one backward per opt.step() (no gradient accumulation) and no clipping by the global norm",
+            phase="module", optimizers=("adamw", "adamw8bit"), label="step in backward", restricts=restricts,
             cost="the optimizer steps each parameter inside backward; no extra compute")]
+        if device is None or torch.device(device).type == "cuda":
+            out.append(effpass.MemoryOption(
+                technique="step_in_backward_host", lossless=True, group="optimizer_step",
+                changes=("gradients", "optimizer_states"), phase="module", optimizer="adamw_host",
+                replaces_optimizer="adamw", label="step in backward + adamw on host", order=1, restricts=restricts,
+                cost="AdamW's states and step on the host (effpass.HostOffloadAdamW): each gradient copied to the "
+                     "host inside the backward and freed, parameters copied back after the host step; build the "
+                     "optimizer as effpass.HostOffloadAdamW(params)"))
+        return out
 
     def prepare_module(self, model: torch.nn.Module, ctx) -> effpass.PassResult:
         _install_global_hook()

@@ -191,10 +191,7 @@ def test_a_detector_that_can_fail(tmp_path):
 
 #: the longest a module of ``passes/`` or ``effpass/`` may be (lines); longer ones are named below with the reason
 MODULE_LINES = 500
-LONG_MODULES = {
-    "passes/step_in_backward/__init__.py": "the optimizer hooks, the in-graph step op and its fake kernel (the "
-                                           "planner's replay) share one per-parameter registry",
-}
+LONG_MODULES: dict[str, str] = {}
 
 
 def test_modules_stay_a_few_hundred_lines():

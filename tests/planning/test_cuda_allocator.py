@@ -145,13 +145,19 @@ def test_a_cuda_step_is_predicted_on_any_machine(monkeypatch):
     cpu = estimate_memory(model, inputs, passes=[], device="cpu", lowering="eager")
     assert seen == [] and cpu.reserved_peak_bytes is None and cpu.device_peak_bytes == cpu.peak_bytes
     cuda = estimate_memory(model, inputs, passes=[], device="cuda", lowering="eager")
-    assert cuda.device == "cuda" and len(seen) == 1
+    assert cuda.device == "cuda" and len(seen) == 2  # the default allocator, then with expandable segments
     # every storage rounded to the allocator's 512-byte blocks; the allocator model, fed the same storages and
     # events, reaches exactly that live peak (structural), and reserves whole segments above it
     assert cuda.peak_bytes % 512 == 0 and cuda.peak_bytes >= cpu.peak_bytes
-    assert seen[0].allocated == cuda.peak_bytes
+    assert seen[0].allocated == seen[1].allocated == cuda.peak_bytes
     assert cuda.reserved_peak_bytes == seen[0].reserved and cuda.reserved_peak_bytes % (2 * MiB) == 0
     assert cuda.device_peak_bytes == cuda.reserved_peak_bytes > cuda.peak_bytes
+    # expandable segments: pages of 2 MiB per pool, never more than the default's segments here
+    assert cuda.reserved_expandable_bytes == seen[1].reserved and seen[1].reserved % (2 * MiB) == 0
+    assert cuda.peak_bytes <= cuda.reserved_expandable_bytes <= cuda.reserved_peak_bytes
+    import dataclasses
+
+    assert dataclasses.replace(cuda, allocator="expandable").device_peak_bytes == cuda.reserved_expandable_bytes
     assert any("caching allocator" in n for n in cuda.notes)
 
 
