@@ -73,3 +73,18 @@ def register_test_passes():
         _REGISTRY.update(saved)
 
     return restore
+
+
+class TanhStack(torch.nn.Module):
+    """A self-written model whose parameters dominate its activations: a stack of square linears with tanh, the
+    loss the mean square of the output (step_in_backward's and the host optimizer's tests)."""
+
+    def __init__(self, dim=256, depth=4):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(depth))
+
+    def forward(self, x):
+        for lin in self.layers:
+            x = torch.tanh(lin(x))
+        return x.square().mean()
+

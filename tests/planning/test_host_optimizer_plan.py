@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import effpass
+from _helpers import TanhStack
 from effpass.passes import StepInBackward
 
 DIM, DEPTH, ROWS = 640, 4, 8
@@ -17,20 +18,9 @@ B = DIM * 4              # 2,560 B: a bias (640 elements: its AdamW stays on the
 X = ROWS * DIM * 4       # the input
 
 
-class _Stack(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(DIM, DIM) for _ in range(DEPTH))
-
-    def forward(self, x):
-        for lin in self.layers:
-            x = torch.tanh(lin(x))
-        return x.square().mean()
-
-
 def _case():
     torch.manual_seed(0)
-    return _Stack(), (torch.randn(ROWS, DIM),)
+    return TanhStack(DIM, DEPTH), (torch.randn(ROWS, DIM),)
 
 
 def _pow2(n):

@@ -12,6 +12,8 @@ from effpass.passes.step_in_backward import StepInBackwardError, attach, detach,
 from effpass.testing import model_case
 from effpass.testing.memory import peak_memory
 
+from _helpers import TanhStack
+
 
 def _params(m):
     return {n.replace("_orig_mod.", ""): p for n, p in m.named_parameters()}
@@ -144,24 +146,11 @@ def test_frozen_and_excluded_parameters_keep_their_gradients():
     assert m.lm_head.weight.grad is not None
 
 
-class _Stack(torch.nn.Module):
-    """A self-written model whose parameters dominate its activations (a deep stack of square linears)."""
-
-    def __init__(self, dim=256, depth=4):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(depth))
-
-    def forward(self, x):
-        for lin in self.layers:
-            x = torch.tanh(lin(x))
-        return x.square().mean()
-
-
 def test_step_peak_memory_lower_by_the_gradients():
     """A step's peak (forward, backward, opt.step) with the pass is lower than without by about the
     gradient bytes minus the largest parameter's (its gradient exists while it is stepped)."""
     torch.manual_seed(0)
-    base, x = _Stack(), torch.randn(2, 256)
+    base, x = TanhStack(), torch.randn(2, 256)
     peaks, params = {}, {}
     for use in (False, True):
         # eager (effpass.prepare runs the module phase only): autograd hands each gradient over on its own.
@@ -260,7 +249,7 @@ def test_compiled_backward_steps_in_graph_and_frees_each_gradient(record_backwar
     """One compiled graph: the backward graph returns no parameter gradient (each one goes to a step op
     where it is complete), and the step's peak falls by about the gradient bytes, as eagerly."""
     torch.manual_seed(0)
-    base, x = _Stack(), torch.randn(2, 256)
+    base, x = TanhStack(), torch.randn(2, 256)
     peaks, params = {}, {}
     for use in (False, True):
         m = effpass.compile(copy.deepcopy(base), passes=[record_backward(), *([StepInBackward()] if use else [])],
@@ -319,7 +308,7 @@ def test_torchao_adamw8bit_steps_in_graph_bit_identical(record_backward):
     lacks), and parameters and states equal the usual step after 2 steps."""
     AdamW8bit = pytest.importorskip("torchao.optim").AdamW8bit
     torch.manual_seed(0)
-    base, x = _Stack(depth=2), torch.randn(2, 256)
+    base, x = TanhStack(depth=2), torch.randn(2, 256)
     runs = {}
     for use in (False, True):
         _BACKWARDS.clear()
