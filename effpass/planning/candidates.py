@@ -154,7 +154,9 @@ class MemoryPlan:
             rows.append((("* " if c is self.chosen else "  ") + c.name, "yes" if c.lossy else "no",
                          ("~" if c.estimate.provisional else "") + format_bytes(c.peak_bytes),
                          "yes" if c.fits else "no",
-                         f"{format_flops(c.extra_flops)}{pct}") + step
+                         f"{format_flops(c.extra_flops)}{pct}"
+                         # device FLOPs: an optimizer stepped on the host leaves its step's FLOPs out
+                         + (" (device; host step not counted)" if c.estimate.optimizer_d2h_bytes else "")) + step
                         + (f"{c.estimate.peak_phase}: {c.estimate.peak_node}"[:60],))
         widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
         return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)

@@ -109,6 +109,11 @@ def test_the_combination_is_chosen_when_only_it_fits(plans):
     assert any("build the optimizer as 'adamw_host'" in n for n in plan.notes)
     assert any("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in n for n in plan.notes)
     assert plan.chosen.est_step_s is not None and plan.chosen.est_step_s > 0
+    # its extra compute is device FLOPs (the AdamW step runs on the host): the table says so on its row only
+    rows = {ln.lstrip("* ").split("  ")[0]: ln for ln in plan.table().splitlines()}
+    assert "host step not counted" in rows[plan.chosen.name]
+    assert not any("host step not counted" in rows[c.name] for c in plan.candidates
+                   if c.estimate is not None and c.name in rows and not c.estimate.optimizer_d2h_bytes)
 
 
 def test_expandable_segments_are_the_reserved_bytes_a_plan_fits(plans):
