@@ -13,19 +13,21 @@ shift || true
 
 # The HTML report's test opens the page in a real headless Chromium (Debian's package). CI is a fresh root
 # machine: install it when missing (apt-get, ~2 min), in the background while the set-up below installs the
-# Python packages; the tests wait for it. Elsewhere say how (the test skips without it).
-chromium_pid=
+# Python packages and the suite starts; only the tests that open a page wait for it (tests/_browser.py).
+# Elsewhere say how (the test skips without it).
 if [ "$cmd" = test ] && ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "effpass: installing chromium for the HTML report test (apt-get, ~2 min)" >&2
+    echo "effpass: installing chromium for the HTML report test (apt-get, ~2 min, beside the set-up and the tests)" >&2
+    mkdir -p "$ROOT/.cache"
+    export EFFPASS_CHROMIUM_PENDING=$ROOT/.cache/chromium-install-pending   # tests/_browser.py waits while it exists
+    : > "$EFFPASS_CHROMIUM_PENDING"
     ( (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
-        || echo "effpass: could not install chromium; tests/tools/test_html_report.py will skip its browser checks" >&2 ) &
-    chromium_pid=$!
+        || echo "effpass: could not install chromium; tests/tools/test_html_report.py will skip its browser checks" >&2
+      rm -f "$EFFPASS_CHROMIUM_PENDING" ) &
   else
     echo "effpass: chromium not found (apt-get install chromium); the HTML report's browser checks will skip" >&2
   fi
 fi
-wait_for_chromium() { if [ -n "$chromium_pid" ]; then wait "$chromium_pid" || true; fi; }
 
 if [ ! -x "$VENV/bin/python" ] || [ ! -f "$VENV/.effpass-ready" ] || [ pyproject.toml -nt "$VENV/.effpass-ready" ]; then
   echo "effpass: setting up $VENV (first run only)" >&2
@@ -49,7 +51,6 @@ export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 case "$cmd" in
   demo) exec "$VENV/bin/effpass" demo "$@" ;;
   test)
-    wait_for_chromium
     # One intra-op thread per process: the two workers already fill the two cores, and the processes tests
     # start (CLI commands, examples, README blocks, ranks) work on tiny tensors, where a second thread costs
     # more than it gives (the workers themselves set it in tests/conftest.py).

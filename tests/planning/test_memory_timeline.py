@@ -12,7 +12,7 @@ from effpass.passes import CheckpointActivations
 from effpass.planning import estimate_memory
 from effpass.testing import model_case
 
-from _browser import CHROMIUM, load_in_chromium
+from _browser import find_chromium, load_in_chromium
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_svg_and_memory_viz_export(estimates, tmp_path):
     assert peak == plain.peak_bytes  # the exported trace reaches the same peak
     pickle.dumps(snap)
     out = write_timeline_html(str(tmp_path / "t.html"), [("plain", plain.timeline)])
-    if CHROMIUM:
+    if find_chromium():
         dom, console = load_in_chromium(out)
         assert dom.count('class="band"') == 6 and not console
 

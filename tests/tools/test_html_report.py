@@ -21,7 +21,7 @@ from effpass.cli import main as cli_main
 from effpass.inspect import load_dump, to_json
 from effpass.testing import model_case
 
-from _browser import CHROMIUM, load_in_chromium, needs_chromium  # noqa: E402,F401
+from _browser import chromium, load_in_chromium, needs_chromium  # noqa: E402,F401  (chromium: the fixture)
 
 
 class _Rows(HTMLParser):
