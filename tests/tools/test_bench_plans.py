@@ -72,3 +72,50 @@ def test_shipped_gpu_plans_are_for_the_proofs_shapes():
             os.path.basename(plans.path(d["workload"], d["key"])))
         assert d["record"]["predicted_device_bytes"] > 0 and d["record"]["passes"] and len(d["commit"]) == 40
         assert d["workload"] != "plan_check" or d["key"].get("seq") is not None or d["record"]["max_seq"] > 0
+
+
+def test_plan_record_host_figure_and_records_saved_before_it():
+    """The host figure a row predicts: the plan's ``host_bytes`` as saved; a record saved before plans had one reads
+    0 when it holds no host option (what the planner counts for it) and is refused when it does."""
+    import bench_plan_check
+
+    rec = {**_record(), "host_bytes": 43_516_016, "optimizer": "adamw_offload", "transfer_bound": False}
+    got = bench_plan_check._figures(rec)
+    # numerical: the saved figure exactly; structural: the optimizer the arm builds comes from the plan
+    assert got["predicted_host_bytes"] == 43_516_016 and got["optimizer"] == "adamw_offload"
+    old = _record()  # no host_bytes, no optimizer: AdamW on the device, no offload pass
+    assert plans.host_bytes_of(old) == 0 and bench_plan_check._figures(old)["optimizer"] == "adamw"
+    off = {**old, "passes": old["passes"] + [{"name": "offload_activations", "options": {}}]}
+    with pytest.raises(ValueError, match="holds a host option but has no host_bytes"):
+        plans.host_bytes_of(off)
+
+
+def test_host_columns_say_why_a_figure_was_not_measured():
+    """The row's host columns: the ratio measured/predicted where both are numbers; on a CPU run (the device is
+    the host) every measured figure and the ratio are the reason, never a number."""
+    import bench_plan_check
+    from effpass.testing.memory import NA_ON_CPU, HostMeter
+
+    cpu = HostMeter("cpu")
+    cpu.start(), cpu.before_step()
+    host = cpu.result()
+    assert all(v == NA_ON_CPU for v in host.values()) and NA_ON_CPU.startswith("n/a on CPU")
+    row = bench_plan_check.host_figures({"predicted_host_bytes": 1 << 20}, host)
+    assert row["measured_host_bytes"] == row["host_ratio"] == row["rss_growth_bytes"] == NA_ON_CPU
+    gpu = {"pinned_peak_bytes": 3 << 19, "pinned_active_peak_bytes": 1 << 20, "rss_growth_bytes": 5 << 20,
+           "host_measure": "pinned: ..."}
+    row = bench_plan_check.host_figures({"predicted_host_bytes": 1 << 20}, gpu)
+    assert row["host_ratio"] == 1.5 and row["measured_host_bytes"] == 3 << 19 and row["rss_growth_bytes"] == 5 << 20
+    assert bench_plan_check.host_figures({"predicted_host_bytes": 0}, gpu)["host_ratio"].startswith("n/a: the plan")
+
+
+def test_pinned_stats_are_a_reason_without_cuda():
+    """torch.cuda.host_memory_stats() without an initialised CUDA has no figures: the reason, not a number."""
+    import torch
+
+    from effpass.testing.memory import pinned_host_stats
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        pytest.skip("CUDA initialised: the stats are real here")
+    got = pinned_host_stats()
+    assert isinstance(got, str) and got.startswith("not measurable with this torch")
