@@ -86,7 +86,7 @@ def live_tensor_bytes(tensors: Iterable[torch.Tensor | Any]) -> int:
 
 # -- host memory of a CUDA step: the pinned allocator's stats and the process's RSS ----------------------------
 #: what a host figure says where the device is the host (a CPU step holds no separate host memory)
-NA_ON_CPU = "n/a on CPU (the device is the host: no separate host memory)"
+NA_ON_CPU = "n/a on CPU"
 
 
 def _proc_status_bytes(field: str) -> int | None:
@@ -163,7 +163,7 @@ class HostMeter:
     def result(self) -> dict:
         if not self.cuda:
             return {"pinned_peak_bytes": NA_ON_CPU, "pinned_active_peak_bytes": NA_ON_CPU, "rss_growth_bytes": NA_ON_CPU,
-                    "host_measure": NA_ON_CPU}
+                    "host_measure": NA_ON_CPU + " (the device is the host: no separate host memory)"}
         torch.cuda.synchronize(self.device)
         st = pinned_host_stats()
         out: dict = {}

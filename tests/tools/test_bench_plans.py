@@ -61,7 +61,8 @@ def test_plan_from_another_source_is_marked_stale_and_a_renamed_pass_raises(tmp_
 
 def test_shipped_gpu_plans_are_for_the_proofs_shapes():
     """The plans committed under bench/plans/ are keyed by the GPU proof's shapes (section d: 20 GiB; section g:
-    4,096 and 8,192 tokens under 12 GiB, and plan_max_seq), each with its figures and a pipeline that builds."""
+    4,096 and 8,192 tokens under 12 GiB, and plan_max_seq; its host arm below), each with its figures and a
+    pipeline that builds."""
     files = sorted(os.listdir(plans.PLANS))
     docs = [json.load(open(os.path.join(plans.PLANS, f))) for f in files if f.endswith(".json")]
     keys = {(d["workload"], d["key"].get("seq"), d["key"].get("budget", d["key"].get("cap_gib"))) for d in docs}
@@ -72,6 +73,34 @@ def test_shipped_gpu_plans_are_for_the_proofs_shapes():
             os.path.basename(plans.path(d["workload"], d["key"])))
         assert d["record"]["predicted_device_bytes"] > 0 and d["record"]["passes"] and len(d["commit"]) == 40
         assert d["workload"] != "plan_check" or d["key"].get("seq") is not None or d["record"]["max_seq"] > 0
+
+
+def test_shipped_host_plans_hold_adamw_on_the_host():
+    """Section g's host arm (issue 39.6): at 4,096 and 8,192 tokens, with the user's passes HOST_USER_PASSES and the
+    arm's caps, the plans made ahead hold host memory: AdamW's states on the host (torchao's CPUOffloadOptimizer),
+    whose predicted host bytes equal a hand count over the LoRA adapters of the 8B-width step."""
+    import bench_plan_check as b
+
+    docs = [json.load(open(os.path.join(plans.PLANS, f))) for f in sorted(os.listdir(plans.PLANS)) if f.endswith(".json")]
+    host = {d["key"]["seq"]: d for d in docs if d["workload"] == "plan_check" and "user_passes" in d["key"]}
+    assert sorted(host) == [4096, 8192], sorted(host)
+
+    def pow2(n):
+        return 1 << (n - 1).bit_length()
+
+    # the adapters: r=16, fp32, on every projection of 2 layers at hidden 4,096 / kv 1,024 / ffn 14,336; per adapter
+    # matrix of n bytes (>= 4,096 elements: all of them) a pinned copy and gradient (powers of two), two states, a step
+    projections = [(4096, 4096), (4096, 1024), (4096, 1024), (4096, 4096), (4096, 14336), (4096, 14336), (14336, 4096)]
+    sizes = [16 * k * 4 for _ in range(2) for fan_in, fan_out in projections for k in (fan_in, fan_out)]
+    hand = sum(2 * pow2(n) + 2 * n + 4 for n in sizes)
+    for seq, d in host.items():
+        rec, key = d["record"], d["key"]
+        assert key["user_passes"] == [dict(p) for p in b.HOST_USER_PASSES] and key["cap_gib"] == b.HOST_CAP_GPU[str(seq)]
+        # numerical: the planner's host figure is the hand count; structural: the plan and the optimizer the arm builds
+        assert rec["host_bytes"] == hand == 43_516_016 and plans.host_bytes_of(rec) == hand
+        assert rec["plan"] == "adamw on host" and rec["optimizer"] == "adamw_offload" and rec["plan_fits"]
+        assert rec["predicted_device_bytes"] <= rec["budget_bytes"] == int(key["cap_gib"] * 2**30)
+        assert [p["name"] for p in rec["passes"]][2:] == [p["name"] for p in b.HOST_USER_PASSES]
 
 
 def test_plan_record_host_figure_and_records_saved_before_it():
@@ -99,7 +128,8 @@ def test_host_columns_say_why_a_figure_was_not_measured():
     cpu = HostMeter("cpu")
     cpu.start(), cpu.before_step()
     host = cpu.result()
-    assert all(v == NA_ON_CPU for v in host.values()) and NA_ON_CPU.startswith("n/a on CPU")
+    assert all(v.startswith(NA_ON_CPU) for v in host.values()) and NA_ON_CPU == "n/a on CPU"
+    assert host["pinned_peak_bytes"] == host["rss_growth_bytes"] == NA_ON_CPU and "the device is the host" in host["host_measure"]
     row = bench_plan_check.host_figures({"predicted_host_bytes": 1 << 20}, host)
     assert row["measured_host_bytes"] == row["host_ratio"] == row["rss_growth_bytes"] == NA_ON_CPU
     gpu = {"pinned_peak_bytes": 3 << 19, "pinned_active_peak_bytes": 1 << 20, "rss_growth_bytes": 5 << 20,
