@@ -15,8 +15,8 @@ least extra compute). Arms (each in its own process, ``bench/driver.py``):
 * ``maxseq``: ``effpass.plan_max_seq`` under ``cap_gib`` for the same QLoRA step, then the measured peak at the
   length it answers (the answer must fit the cap).
 * ``host_plan`` (the same sweep, issue 39.6): a plan that holds host memory, measured. The user's passes are
-  QLoRA plus what the planner adds first at long lengths (``HOST_USER_PASSES``: full checkpointing, the fused
-  loss, sequence tiles), the cap ``host_cap_gib`` below what that pipeline reaches, so the planner adds a host
+  QLoRA plus the passes of the planner's ``plan_max_seq`` plan (``HOST_USER_PASSES``: full checkpointing, the
+  fused loss, sequence tiles), the cap ``host_cap_gib`` below what that pipeline reaches, so the planner adds a host
   option (offloaded activations, AdamW on the host); then measured as ``predict_measure`` is.
 
 Every measuring arm (``predict_measure``, ``host_plan``) records the device peak (predicted and measured, their
@@ -63,8 +63,9 @@ CPU_SHAPE = dict(hidden=256, ffn=688, layers=2, heads=8, kv_heads=4, vocab=8192,
                  rank=16, cap_gib=0.25, step=256, lowering="eager", qlora=True, host_cap_gib=0.25)
 QUICK = dict(hidden=64, ffn=128, layers=1, heads=4, kv_heads=2, vocab=1024, seq=[128], cap_gib=0.03, step=64,
              host_cap_gib=0.03)
-#: the host arm's user passes besides QLoRA: what the planner would otherwise add first (its ``plan_max_seq`` plan
-#: under 12 GiB), so that its candidates are the host options (offloaded activations, AdamW on the host) alone
+#: the host arm's user passes besides QLoRA: the passes of the planner's own ``plan_max_seq`` plan under 12 GiB (full
+#: checkpointing, the fused loss, sequence tiles; tiles of 1,024 rows, its option at these lengths), so that the
+#: planner's candidates are the host options (offloaded activations, AdamW on the host) and step_in_backward
 HOST_USER_PASSES = ({"name": "checkpoint_activations", "options": {"policy": "full"}},
                     {"name": "fuse_cross_entropy", "options": {}}, {"name": "tile_sequence", "options": {"tile_rows": 1024}})
 TARGETS = ["*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj", "*.gate_proj", "*.up_proj", "*.down_proj"]
