@@ -149,3 +149,22 @@ def test_pinned_stats_are_a_reason_without_cuda():
         pytest.skip("CUDA initialised: the stats are real here")
     got = pinned_host_stats()
     assert isinstance(got, str) and got.startswith("not measurable with this torch")
+
+
+def test_measure_step_with_host_figures_measures_the_same_device_step():
+    """``measure_step(..., host=True)`` (what section g's arms call): the device figures are those of the step
+    measured without it, and on a CPU every host figure says "n/a on CPU"."""
+    import torch
+
+    from effpass.planning.measure import measure_step
+    from effpass.testing.memory import NA_ON_CPU
+
+    def run(host):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1))
+        x = torch.randn(32, 64)
+        return measure_step(model, model, (x,), warmup=1, loss_fn=lambda out: out.sum(), host=host)
+
+    plain, host = run(False), run(True)
+    assert plain.host is None and (host.peak_bytes, host.start_bytes, host.loss) == (plain.peak_bytes, plain.start_bytes, plain.loss)
+    assert host.host["pinned_peak_bytes"] == host.host["rss_growth_bytes"] == NA_ON_CPU
