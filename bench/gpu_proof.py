@@ -15,8 +15,8 @@ d     full fine-tuning (AdamW, bf16 weights): plain compile, effpass, and effpas
       a stated budget (``--set budget=...``: 20 GiB on a GPU; the plan made ahead, ``bench/plans/``)
 e     attention at 4k/8k/16k tokens, GQA 32/8, head dim 128: naive attention under effpass vs SDPA
 f     packed rows (the varlen path; its statistic) vs padded batches: useful tokens/s
-g     the planner against the device: predicted vs measured peak at 4k/8k tokens, the CPU replay, and the
-      longest length under a cap measured at its answer (the plans made ahead on a CPU, ``bench/plans/``)
+g     the planner against the device: predicted vs measured device and host peak at 4k/8k tokens (a plan that
+      holds host memory among them), the CPU replay, the longest length under a cap (plans made ahead, ``bench/plans/``)
 h     ``pytest -m gpu``
 ====  =======================================================================================================
 
@@ -76,7 +76,7 @@ SECTIONS = (
             ("--arms", "peft_compile,peft_liger,effpass", "--set", "hidden_size=4096", "intermediate_size=14336",
              "num_hidden_layers=4", "num_attention_heads=32", "num_key_value_heads=8", "tie_word_embeddings=false",
              "seq=4096", "steps=8", "warmup=2"), ("--quick", "--arms", "effpass"),
-            budget_s=80, arm_deadline_s=30, ref_arm="peft_compile", prewarm_args=("--set", "steps=1", "warmup=1"),
+            budget_s=70, arm_deadline_s=30, ref_arm="peft_compile", prewarm_args=("--set", "steps=1", "warmup=1"),
             plan="3 arms x (start 6 s, build on the device 2 s, warm compile 5-8 s (prewarmed), 10 steps of ~0.1 s) ~ 50 s"),
     Section("c", "QLoRA (NF4 base) step, same widths", "bench_qlora_peers.py",
             ("--arms", "peft_bnb_nf4,peft_torchao_nf4,effpass_nf4", "--set", "hidden=4096", "ffn=14336", "layers=4",
@@ -96,12 +96,13 @@ SECTIONS = (
     Section("f", "packed rows vs padded batches (the varlen path)", "bench_packing.py",
             ("--arms", "padded_sorted,packed_effpass"), ("--quick", "--arms", "packed_effpass", "--set", "examples=6"), budget_s=35,
             arm_deadline_s=17, plan="2 arms x (start 6 s, compile 8 s, ~40 steps of ~20 ms) ~ 30 s"),
-    Section("g", "planner vs the device: a planned QLoRA step (NF4 + LoRA, the plan for 12 GiB), 2 layers at 8B widths",
-            "bench_plan_check.py", ("--arms", "predict_measure,cpu_replay,maxseq", "--seq", "4096", "8192",
-                                    "--cap_gib", "12"),
-            ("--quick", "--arms", "predict_measure"), budget_s=105, arm_deadline_s=45, dtype="bfloat16",
+    Section("g", "planner vs the device: a planned QLoRA step (NF4 + LoRA, the plan for 12 GiB; host_plan: one that "
+                 "holds host memory), 2 layers at 8B widths, device and host peaks", "bench_plan_check.py",
+            ("--arms", "predict_measure,cpu_replay,maxseq,host_plan", "--seq", "4096", "8192", "--cap_gib", "12"),
+            ("--quick", "--arms", "predict_measure,host_plan"), budget_s=115, arm_deadline_s=45, dtype="bfloat16",
             plan="plans made ahead (bench/plans/): predict_measure 2 x (start 6 s, build 3 s, compile + 2 steps 5 s) + "
-                 "cpu_replay 2 x 6 s (the saved figures) + maxseq (6 + 3 + 5 s at its answer) ~ 55 s"),
+                 "cpu_replay 2 x 6 s (the saved figures) + maxseq (6 + 3 + 5 s at its answer) + host_plan 2 x (6 + 3 + "
+                 "5 s; its ~20 MB of host copies a step are ms over PCIe) ~ 82 s"),
     Section("h", "pytest -m gpu", "pytest", ("-m", "gpu"), ("-m", "gpu", "--collect-only", "tests/passes/offload_activations"), budget_s=40,
             arm_deadline_s=40, plan="the GPU-marked tests (~16, one a compiled tiny step for the planner), one process"),
 )
@@ -194,21 +195,20 @@ def _loss_checks(rows: list[dict], ref_arm: str | None, dtype: str) -> None:
 
 
 #: the figures proof.md shows, in this order, where a row has them (bytes shown in MiB)
-_HEADLINE = ("S", "mode", "median_step_ms", "median_ms", "median_step_s", "step_s", "tokens_per_s",
-             "useful_tokens_per_s", "varlen", "tflops", "mfu", "peak_above_start_mib", "peak_mem_gib", "peak_mem_mib",
-             "peak_bytes", "padding_fraction", "per_example_rel_error", "seq", "predicted_gib", "measured_gib",
-             "rel_error", "max_seq", "measured_gib_at_max_seq", "fits", "plan", "plan_source", "plan_stale", "tokens_per_s_32", "mfu_32",
-             "compile_cold_s", "compile_warm_s", "first_step_s", "first_call_s",
-             "graph_breaks", "recompiles", "fused", "fused_sites", "loss", "loss_first", "seconds")
+_HEADLINE = ("S", "mode", "median_step_ms", "median_ms", "median_step_s", "step_s", "tokens_per_s", "useful_tokens_per_s",
+             "varlen", "tflops", "mfu", "peak_above_start_mib", "peak_mem_gib", "peak_mem_mib", "peak_bytes",
+             "padding_fraction", "per_example_rel_error", "seq", "predicted_gib", "measured_gib", "rel_error", "device_ratio",
+             "predicted_host_bytes", "measured_host_bytes", "host_ratio", "rss_growth_bytes", "max_seq",
+             "measured_gib_at_max_seq", "fits", "plan", "plan_source", "plan_stale", "tokens_per_s_32", "mfu_32", "compile_cold_s",
+             "compile_warm_s", "first_step_s", "first_call_s", "graph_breaks", "recompiles", "fused", "fused_sites", "loss",
+             "loss_first", "seconds")
 
 
 def _headline(row: dict) -> dict:
-    out = {}
-    for k in _HEADLINE:
-        v = row.get(k)
-        if isinstance(v, (int, float, bool, str)) and not isinstance(v, type(None)):
-            out[k.replace("_bytes", "_mib") if k.endswith("_bytes") else k] = v / 2**20 if k.endswith("_bytes") else v
-    return out
+    def mib(k, v):  # bytes in MiB; a host figure that was not measured keeps its reason ("n/a on CPU ...")
+        return v / 2**20 if k.endswith("_bytes") and isinstance(v, (int, float)) and not isinstance(v, bool) else v
+    return {(k.replace("_bytes", "_mib") if k.endswith("_bytes") else k): mib(k, v) for k in _HEADLINE
+            if isinstance(v := row.get(k), (int, float, bool, str))}
 
 
 def render(lines: list[dict], meta: dict) -> str:

@@ -34,12 +34,30 @@ def path(workload: str, key: dict, folder: str | None = None) -> str:
 
 
 def plan_record(plan) -> dict:
-    """What the arm needs of a ``MemoryPlan``: the pipeline (names and options), the chosen candidate, its
-    predicted live peak and device peak (CUDA: reserved segments), whether it fits."""
+    """What the arm needs of a ``MemoryPlan``: the pipeline (names and options), the optimizer it builds, the chosen
+    candidate, its predicted live peak and device peak (CUDA: reserved segments), the host memory it holds
+    (``Candidate.host_bytes``: pinned buffers of offloaded activations, optimizer states on the host; 0 when none),
+    whether its transfers outlast the compute, whether it fits."""
     est = plan.chosen.estimate
     return {"plan": plan.chosen.name, "passes": [{"name": p.name, "options": p.options()} for p in plan.passes],
-            "predicted_bytes": est.peak_bytes if est else None, "predicted_device_bytes": plan.peak_bytes,
-            "plan_fits": plan.chosen.fits, "budget_bytes": plan.budget}
+            "optimizer": plan.optimizer, "predicted_bytes": est.peak_bytes if est else None,
+            "predicted_device_bytes": plan.peak_bytes, "host_bytes": plan.chosen.host_bytes,
+            "transfer_bound": plan.chosen.transfer_bound, "plan_fits": plan.chosen.fits, "budget_bytes": plan.budget}
+
+
+def host_bytes_of(record: dict) -> int:
+    """The plan's predicted host bytes (``plan_record``'s ``host_bytes``). A record saved before plans had a host
+    figure: 0 when its pipeline holds no host option (no pass that offloads to the host, AdamW on the device: what
+    the planner counts for it), else a ValueError (remake the plan rather than guess)."""
+    if "host_bytes" in record:
+        return int(record["host_bytes"])
+    from effpass.pass_api import registered_passes
+
+    reg = registered_passes()
+    if record.get("optimizer", "adamw") in ("adamw", None) and not any(
+            getattr(reg.get(p["name"]), "host_offload", False) for p in record["passes"]):
+        return 0
+    raise ValueError(f"plan {record.get('plan')!r} holds a host option but has no host_bytes: remake it (--make-plans)")
 
 
 def save(workload: str, key: dict, record: dict, cpu_s: float, folder: str | None = None) -> str:

@@ -27,6 +27,8 @@ class MeasuredStep:
     step_peak_bytes: int
     grads: dict
     loss: float
+    #: ``measure_step(..., host=True)``: the step's host memory (:class:`effpass.testing.memory.HostMeter`)
+    host: dict | None = None
 
 
 def make_optimizer(model: torch.nn.Module, optimizer: str | None, lr: float = 1e-3):
@@ -43,24 +45,47 @@ def make_optimizer(model: torch.nn.Module, optimizer: str | None, lr: float = 1e
     return build_optimizer(optimizer, params, lr=lr, device=params[0].device)
 
 
+def _state_tensors(opt) -> list:
+    """The optimizer's state tensors. torchao's ``CPUOffloadOptimizer`` (``adamw_offload``) has no ``state`` of
+    its own: its on-device optimizer's (``d_opt``) and its per-parameter host optimizers' (``optim_dict``)."""
+    if opt is None:
+        return []
+    if hasattr(opt, "state"):
+        subs = [opt]
+    else:
+        subs = [o for o in [getattr(opt, "d_opt", None), *getattr(opt, "optim_dict", {}).values()] if o is not None]
+    return [v for o in subs for s in o.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+
 def measure_step(compiled: torch.nn.Module, model: torch.nn.Module, inputs, optimizer: str | None = "adamw", *,
                  warmup: int = 2, loss_fn: Callable | None = None, keep_grads: bool = False,
-                 lr: float = 1e-3) -> MeasuredStep:
+                 lr: float = 1e-3, host: bool = False) -> MeasuredStep:
     """Run ``warmup`` training steps of ``compiled`` (whose parameters are ``model``'s), then measure one.
 
     ``keep_grads``: after the measured step, run one more forward and backward (no update) and return
-    its gradients, for comparing plans (outside the measured window)."""
-    from effpass.testing.memory import peak_memory
+    its gradients, for comparing plans (outside the measured window).
 
+    ``host``: also the step's host memory (``MeasuredStep.host``, :class:`effpass.testing.memory.HostMeter`: on
+    CUDA the pinned allocator's peak over the measured step and the process's RSS growth; on CPU "n/a on CPU")."""
+    from effpass.testing.memory import HostMeter, peak_memory
+
+    first = next(iter(model.parameters()), None)
+    meter = HostMeter(first.device if first is not None else "cpu") if host else None
+    if meter:
+        meter.start()
     opt = make_optimizer(model, optimizer, lr)
     for _ in range(warmup):
         training_step(compiled, inputs, opt, loss_fn)
     params = list(model.parameters())
-    states = [v for s in (opt.state.values() if opt else ()) for v in s.values() if isinstance(v, torch.Tensor)]
+    dev = params[0].device if params else torch.device("cpu")
+    # on CUDA the states a host optimizer keeps on the host are host memory, not the device's
+    states = [v for v in _state_tensors(opt) if dev.type != "cuda" or v.device == dev]
     flat_inputs = [x for x in tree_flatten(inputs)[0] if isinstance(x, torch.Tensor)]
     start = _storage_bytes(params + list(model.buffers()) + states + flat_inputs)
-    dev = params[0].device if params else torch.device("cpu")
+    if meter:
+        meter.before_step()
     loss, peak = peak_memory(lambda: training_step(compiled, inputs, opt, loss_fn), dev)
+    host_figures = meter.result() if meter else None
     grads = {}
     if keep_grads:  # one more step without the optimizer update: the gradients at the same weights
         from .result import _call, _loss_of
@@ -71,4 +96,4 @@ def measure_step(compiled: torch.nn.Module, model: torch.nn.Module, inputs, opti
         for p in params:
             p.grad = None
     return MeasuredStep(peak_bytes=start + peak, start_bytes=start, step_peak_bytes=peak, grads=grads,
-                        loss=float(loss))
+                        loss=float(loss), host=host_figures)

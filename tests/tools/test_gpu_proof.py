@@ -55,7 +55,7 @@ def _proof(out: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
 
 
 #: the planned sections' dry-run arms and the script that makes their plans ahead (bench/plans.py)
-PLANNED = {"d": ("bench_full_ft.py", "effpass,effpass_planned"), "g": ("bench_plan_check.py", "predict_measure")}
+PLANNED = {"d": ("bench_full_ft.py", "effpass,effpass_planned"), "g": ("bench_plan_check.py", "predict_measure,host_plan")}
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def dry_run(tmp_path_factory):
     wheels = tmp_path_factory.mktemp("wheels")
     _standin_wheel(str(wheels))
     out = str(tmp_path_factory.mktemp("proof"))
-    plans = str(tmp_path_factory.mktemp("plans"))
+    plans = os.path.join(out, "plans")  # the plans made first (section g's test reads them back)
     for key in set(PLANNED) & set(SECTIONS):  # the planned arms' plans made first, as for a GPU window
         script, arms = PLANNED[key]
         p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), "--quick", "--device", "cpu",
@@ -120,11 +120,38 @@ def test_dry_run_has_every_section_with_its_status(dry_run):
         packed = by["f"][0]
         assert packed["pack_sequences_stats"]["packed_rows"] >= 1 and packed["padding_fraction"] == 0.0
         assert packed["per_example_rel_error"] < 1e-4 and "varlen" in packed  # the varlen statistic (> 0 on a GPU)
-    if "g" in by:  # a planned QLoRA step: the plan's prediction against the measured peak
-        g = by["g"][0]
+    if "g" in by:  # planned QLoRA steps: the plan's prediction against the measured peak, device and host
+        _check_section_g(by["g"], dry_run)
+
+
+def _check_section_g(rows: list[dict], out: str) -> None:
+    """Section g's rows: per arm and length the device figures (predicted, measured, their ratio) and the host ones
+    (predicted: the saved plan's host bytes; measured on a CPU: "n/a on CPU", never a number), in proof.md and in
+    the section's own table."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import plans as bench_plans
+
+    assert {r["arm"] for r in rows} == {"predict_measure", "host_plan"}, [r["arm"] for r in rows]
+    saved = [json.load(open(os.path.join(out, "plans", f))) for f in os.listdir(os.path.join(out, "plans"))]
+    for g in rows:
         assert g["predicted_bytes"] > 0 and g["measured_bytes"] > 0 and g["plan"] and g["fits_cap"]
-        assert abs(g["rel_error"]) < 0.25
+        assert abs(g["rel_error"]) < 0.25 and g["device_ratio"] == g["measured_bytes"] / g["predicted_bytes"]
         assert g["plan_source"] == "precomputed" and g["plan_stale"] is False and g["plan_cpu_s"] > 0
+        # the host plan's own pipeline (the user's passes with checkpointing, the fused loss, tiles), its own plan file
+        host = g["arm"] == "host_plan"
+        (doc,) = [d for d in saved if d["key"]["seq"] == g["seq"] and ("user_passes" in d["key"]) == host]
+        assert ("checkpoint_activations" in [p["name"] for p in doc["record"]["passes"]]) == host
+        # numerical: the predicted host bytes are the planner's figure for the saved plan (a CPU plan holds none)
+        assert g["predicted_host_bytes"] == doc["record"]["host_bytes"] == bench_plans.host_bytes_of(doc["record"]) == 0
+        # structural: on the CPU every measured host figure says why it is not one
+        for k in ("measured_host_bytes", "measured_host_active_bytes", "rss_growth_bytes", "host_ratio", "host_measure"):
+            assert isinstance(g[k], str) and g[k].startswith("n/a on CPU"), (k, g[k])
+    md = open(os.path.join(out, "proof.md")).read()
+    sec = md[md.index("## (g) "):].split("\n## ")[0]
+    assert "predicted_host_mib" in sec and "measured_host_mib" in sec and "host_ratio" in sec and "n/a on CPU" in sec
+    table = open(os.path.join(out, "g_plan_check.md")).read()
+    assert "| predicted host (MiB) | measured host: pinned peak (MiB) | host measured/predicted |" in table
+    assert table.count("| host_plan |") == 1 and table.count("| predict_measure |") == 1 and "| n/a on CPU" in table
 
 
 def test_dry_run_installs_the_carried_wheels_and_renders(dry_run):
