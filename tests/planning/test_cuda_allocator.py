@@ -168,7 +168,8 @@ def _passes():
     needs 36: nothing fits at 3 MiB, so every candidate is replayed)."""
     import effpass
 
-    return [effpass.make_pass("checkpoint_activations", {"policy": "full"}), effpass.make_pass("fuse_cross_entropy", {})]
+    return [effpass.make_pass("checkpoint_activations", {"policy": "full"}),
+            effpass.make_pass("fuse_cross_entropy", {})]
 
 
 @pytest.fixture(scope="module")

@@ -197,14 +197,15 @@ def test_dropout_is_recomputed_with_the_same_random_numbers(name):
     case = model_case(name, dropout=0.1, train=True)
     plain = _compile(case, [])
     ref, _, ref_loss = _step(case, *plain, seed=3)
+    # the test can fail: another seed draws other masks and gives another loss (the same compiled plain step, run
+    # before the next compile resets Dynamo)
+    _, _, other_loss = _step(case, *plain, seed=4)
+    assert not torch.equal(other_loss, ref_loss)
     grads, rep, loss = _train_step(case, [CheckpointActivations(policy="full")], seed=3)
     st = rep.stats(NAME)
     assert st["recomputed_rng_ops"] > 0, st  # dropout really is replayed in the backward
     assert torch.equal(loss, ref_loss)
     _assert_grads_equal(grads, ref)
-    # the test can fail: another seed draws other masks and gives another loss (the same compiled plain step)
-    _, _, other_loss = _step(case, *plain, seed=4)
-    assert not torch.equal(other_loss, ref_loss)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -411,12 +412,18 @@ def test_fused_loss_is_not_counted_as_recompute(options):
     from effpass.passes import FuseCrossEntropy
 
     case = model_case("llama", train=True)
-    _, plain, _ = _train_step(case, [CheckpointActivations(**options)])
     _, fused, _ = _train_step(case, [CheckpointActivations(**options), FuseCrossEntropy()])
     assert fused.stats("fuse_cross_entropy")["fused"] == 1
-    st, ref = fused.stats(NAME), plain.stats(NAME)
+    st = fused.stats(NAME)
     assert st["recompute_flops_measured"] == st["recompute_flops_after"], st
+    if options:
+        # a budget is a fraction of bytes that differ with the fused head (other choices): the unfused step is no
+        # comparison here, and its own check (predicted recompute == measured, budget policy, no fused head) is
+        # test_policies_keep_gradients_and_cut_saved_bytes's, on every model (a sample in CI; EFFPASS_TEST_SWEEP=full
+        # runs all): not compiled again here (its budget search partitions the joint graph up to nine times)
+        return
+    _, plain, _ = _train_step(case, [CheckpointActivations(**options)])
+    ref = plain.stats(NAME)
     assert ref["recompute_flops_measured"] == ref["recompute_flops_after"], ref
-    if not options:  # (a budget is a fraction of bytes that differ with the fused head: other choices)
-        assert st["recompute_flops_after"] <= ref["recompute_flops_after"], (st, ref)
-        assert st["recompute_flops_added"] <= ref["recompute_flops_added"], (st, ref)
+    assert st["recompute_flops_after"] <= ref["recompute_flops_after"], (st, ref)
+    assert st["recompute_flops_added"] <= ref["recompute_flops_added"], (st, ref)
