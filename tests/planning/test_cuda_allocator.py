@@ -161,6 +161,17 @@ def test_a_cuda_step_is_predicted_on_any_machine(monkeypatch):
     assert any("caching allocator" in n for n in cuda.notes)
 
 
+def _passes():
+    """The pipeline of this module's plans: checkpointing and the fused loss given, so that the candidates are what
+    the planner adds on a CUDA device (activation offloading, the optimizer step in backward, AdamW on the host), not
+    also their combinations with each checkpoint policy (6 replays for the CUDA table where the default pipeline
+    needs 36: nothing fits at 3 MiB, so every candidate is replayed)."""
+    import effpass
+
+    return [effpass.make_pass("checkpoint_activations", {"policy": "full"}),
+            effpass.make_pass("fuse_cross_entropy", {})]
+
+
 @pytest.fixture(scope="module")
 def replays():
     """One replay cache per device for this module's plans (replays do not depend on the budget or the GPU)."""
@@ -171,15 +182,15 @@ def test_the_plan_fits_the_allocators_segments_not_the_live_bytes(replays):
     from effpass.planning import MemoryBudgetError, plan_memory
 
     model, inputs = _meta_case()
-    cpu = plan_memory(model, inputs, 3 * MiB, passes=[], device="cpu", lowering="eager", cache=replays["cpu"])
+    cpu = plan_memory(model, inputs, 3 * MiB, passes=_passes(), device="cpu", lowering="eager", cache=replays["cpu"])
     assert cpu.peak_bytes <= 3 * MiB  # the live bytes fit
     # on CUDA two 2 MiB segments are the least the step holds (host_budget=1 byte: AdamW's states on the host, which
     # lower it, are left out here; tests/planning/test_host_memory.py has them)
     with pytest.raises(MemoryBudgetError) as e:
-        plan_memory(model, inputs, 3 * MiB, passes=[], device="cuda", lowering="eager", cache=replays["cuda"],
+        plan_memory(model, inputs, 3 * MiB, passes=_passes(), device="cuda", lowering="eager", cache=replays["cuda"],
                     host_budget=1)
     assert e.value.smallest == 4 * MiB
-    plan = plan_memory(model, inputs, 4 * MiB, passes=[], device="cuda", lowering="eager", cache=replays["cuda"],
+    plan = plan_memory(model, inputs, 4 * MiB, passes=_passes(), device="cuda", lowering="eager", cache=replays["cuda"],
                        host_budget=1)
     assert plan.peak_bytes == 4 * MiB
     # offloaded activations are candidates of a CUDA plan on any machine (on CPU: torch's synchronous rewrite replayed,
@@ -233,7 +244,7 @@ def test_a_cuda_plan_estimates_each_candidates_step_time(replays):
     from effpass.planning import plan_memory
 
     model, inputs = _meta_case()
-    plan = plan_memory(model, inputs, 1 << 30, passes=[], device="cuda", lowering="eager", gpu="h200",
+    plan = plan_memory(model, inputs, 1 << 30, passes=_passes(), device="cuda", lowering="eager", gpu="h200",
                        cache=replays["cuda"])
     # plans that move nothing over the host link: their FLOPs at the rate (those that do: test_host_memory.py)
     still = [c for c in plan.candidates if c.estimate and not c.estimate.optimizer_h2d_bytes
@@ -241,5 +252,5 @@ def test_a_cuda_plan_estimates_each_candidates_step_time(replays):
     assert still and all(c.est_step_s == c.estimate.flops / DEVICES["h200"].fp32_flops for c in still)
     assert "est. step" in plan.table() and any("fp32 rate (67 TFLOP/s" in n for n in plan.notes)
     assert all("est_step_s" in c for c in plan.to_dict()["candidates"])
-    cpu = plan_memory(model, inputs, 1 << 30, passes=[], device="cpu", lowering="eager", cache=replays["cpu"])
+    cpu = plan_memory(model, inputs, 1 << 30, passes=_passes(), device="cpu", lowering="eager", cache=replays["cpu"])
     assert all(c.est_step_s is None for c in cpu.candidates) and "est. step" not in cpu.table()

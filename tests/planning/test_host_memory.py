@@ -146,10 +146,17 @@ def test_host_budget_excludes_a_plan_and_says_why():
 
 
 @pytest.mark.slow
-def test_cli_host_budget_names_why_nothing_fits(tmp_path, capsys):
+def test_cli_host_budget_names_why_nothing_fits(tmp_path, capsys, monkeypatch):
     """``effpass plan --device cuda --host-budget``: only plans with AdamW's states on the host fit the device
-    budget; under a 1 KiB host budget nothing fits, and the output names the host budget (about 20 CPU-s)."""
+    budget; under a 1 KiB host budget nothing fits, and the output names the host budget. The two commands share
+    one replay cache (same config, pipeline, device and options; a replay does not depend on the budgets, which
+    are applied to its figures): the second replays only the candidates the first did not."""
     from effpass.cli import main
+    from effpass.planning import planner as planner_mod
+
+    shared: dict = {}
+    real_plan = planner_mod.plan_memory
+    monkeypatch.setattr(planner_mod, "plan_memory", lambda *a, **k: real_plan(*a, **k, cache=shared))
 
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -160,7 +167,9 @@ def test_cli_host_budget_names_why_nothing_fits(tmp_path, capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "adamw on host" in out and "host memory" in out
+    n_replays = len(shared)
     assert main(args + ["--host-budget", "1KiB"]) == 2
+    assert len(shared) > n_replays > 0  # the first command's replays reused, the rest added
     err = capsys.readouterr().err
     assert "left out as over host_budget 1.00 KiB" in err and "over the host budget: holds" in err
 

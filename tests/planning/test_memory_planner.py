@@ -22,15 +22,12 @@ def _case(name, **kw):
     return model_case(name, layers=2, seq=SEQ, batch=BATCH, **kw)
 
 
-_CACHE: dict = {}
-
-
-def _plain_llama():
-    """(case, estimate with passes=[]) of the tiny Llama, replayed once per test session."""
-    if "llama" not in _CACHE:
-        case = _case("llama")
-        _CACHE["llama"] = (case, estimate_memory(case.model, case.inputs, passes=[], lowering="eager"))
-    return _CACHE["llama"]
+@pytest.fixture(scope="module")
+def plain_llama():
+    """(case, estimate with passes=[]) of the tiny Llama, replayed once for this module (a module fixture: its users
+    run on one xdist worker, tests/conftest.py, so that it is replayed once per run, not once per worker)."""
+    case = _case("llama")
+    return case, estimate_memory(case.model, case.inputs, passes=[], lowering="eager")
 
 
 def _measure(model, inputs, passes, lowering="eager", optimizer="adamw", keep_grads=False):
@@ -52,9 +49,9 @@ COMBOS = {
     ("llama", "none"), ("gpt2", "checkpoint"),
     ("demo", "qlora"),  # torchao NF4 weights quantized on the fake copy (issue 17: once mixed real and fake)
 ])
-def test_prediction_matches_measurement(name, combo):
+def test_prediction_matches_measurement(name, combo, plain_llama):
     if name == "llama" and combo == "none":
-        case, est = _plain_llama()
+        case, est = plain_llama
         case = case.fresh()
     else:
         case = _case(name)
@@ -75,8 +72,8 @@ def test_prediction_matches_measurement(name, combo):
     assert est.flops > 0 and est.largest_transient > 0
 
 
-def test_meta_model_predicts_the_same_as_real_weights():
-    case, real = _plain_llama()
+def test_meta_model_predicts_the_same_as_real_weights(plain_llama):
+    case, real = plain_llama
     with torch.device("meta"):
         meta_model = case.make()
     meta_model.train(case.model.training)
@@ -87,7 +84,7 @@ def test_meta_model_predicts_the_same_as_real_weights():
     assert meta.breakdown() == real.breakdown()
 
 
-def test_depth_extrapolation_equals_the_full_replay():
+def test_depth_extrapolation_equals_the_full_replay(plain_llama):
     """Identical blocks: replays of the first 2, 3 and 4 blocks extrapolate to the full depth exactly (what
     makes a Llama-3-8B prediction take seconds, not minutes); a model with too few blocks is replayed whole."""
     case = model_case("llama", layers=5, seq=32, batch=1)
@@ -98,7 +95,7 @@ def test_depth_extrapolation_equals_the_full_replay():
     assert ext.flops == full.flops and ext.phase_peaks == full.phase_peaks
     assert sorted(ext.trainable_numels) == sorted(full.trainable_numels)
     assert len(case.model.model.layers) == 5  # the user's model is restored
-    assert _plain_llama()[1].depths == []  # 2 blocks: replayed whole
+    assert plain_llama[1].depths == []  # 2 blocks: replayed whole
 
 
 def test_replays_spread_over_worker_processes(monkeypatch):
@@ -173,8 +170,8 @@ def test_shared_replays_equal_separate_replays(monkeypatch):
     assert shared[3].pass_stats["fuse_cross_entropy"]["fused"] == 1
 
 
-def test_world_size_folds_fsdp_sharding():
-    case, one = _plain_llama()
+def test_world_size_folds_fsdp_sharding(plain_llama):
+    case, one = plain_llama
     four = estimate_memory(case.model, case.inputs, passes=[], lowering="eager", world_size=4)
     assert four.sharding == "zero3" and four.world_size == 4
     assert four.parameters == -(-one.parameters // 4) and four.optimizer_states == -(-one.optimizer_states // 4)
@@ -188,7 +185,7 @@ def _unit_bytes(model):
     return max(sum(p.numel() * p.element_size() for p in u.parameters()) for _, u in transformer_blocks(model))
 
 
-def test_adamw8bit_states_are_sized_by_the_real_optimizer(monkeypatch):
+def test_adamw8bit_states_are_sized_by_the_real_optimizer(monkeypatch, plain_llama):
     """torchao's AdamW8bit is built on fake parameters (no hand-copied layout): its states equal those of the
     real optimizer after a real step on the same model, byte for byte.
 
@@ -201,7 +198,7 @@ def test_adamw8bit_states_are_sized_by_the_real_optimizer(monkeypatch):
     from effpass.planning.measure import make_optimizer
     from effpass.quantized import storage_bytes
 
-    case, a = _plain_llama()
+    case, a = plain_llama
     monkeypatch.setattr(optimizer_replay_mod, "_OPTIMIZER_REPLAYS", {})
     with torch.compiler.set_stance("force_eager"):
         optimizer_replay_mod.optimizer_replay("adamw8bit", a.trainable_shapes, a.device)
@@ -228,11 +225,14 @@ def test_adamw8bit_states_are_sized_by_the_real_optimizer(monkeypatch):
     assert with_optimizer(a, "adamw8bit").peak_bytes == b.peak_bytes  # what the planner derives
 
 
-#: replays (planner cache) of _case("llama", attn="eager") with passes=[], lowering="eager", AdamW
-_EAGER_ATTENTION_REPLAYS: dict = {}
+@pytest.fixture(scope="module")
+def eager_attention_replays():
+    """Replays (planner cache) of _case("llama", attn="eager") with passes=[], lowering="eager", AdamW, shared by
+    the two tests below (a module fixture: both run on one xdist worker, so the sharing holds in CI too)."""
+    return {}
 
 
-def test_budget_plan_fits_and_keeps_gradients():
+def test_budget_plan_fits_and_keeps_gradients(eager_attention_replays):
     """compile(memory_budget=...) picks a lossless plan whose measured peak fits; gradients equal the plain step's."""
     case = _case("llama", attn="eager")
     ref = copy.deepcopy(case.model)
@@ -245,7 +245,7 @@ def test_budget_plan_fits_and_keeps_gradients():
     # same config, pipeline and options); whichever runs first replays them
     real_plan = planner_mod.plan_memory
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(planner_mod, "plan_memory", lambda *a, **k: real_plan(*a, **k, cache=_EAGER_ATTENTION_REPLAYS))
+        mp.setattr(planner_mod, "plan_memory", lambda *a, **k: real_plan(*a, **k, cache=eager_attention_replays))
         compiled = effpass.compile(case.model, passes=[], lowering="eager", memory_budget=budget,
                                    example_inputs=case.inputs)
     plan = effpass.report(compiled).memory_plan
@@ -262,10 +262,10 @@ def test_budget_plan_fits_and_keeps_gradients():
     assert "checkpoint" in plan.table() and "as given" in plan.table()
 
 
-def test_nothing_fits_names_the_smallest_plan():
+def test_nothing_fits_names_the_smallest_plan(eager_attention_replays):
     case = _case("llama", attn="eager")
     params = sum(p.numel() * p.element_size() for p in case.model.parameters())
-    cache = _EAGER_ATTENTION_REPLAYS  # shared with test_budget_plan_fits_and_keeps_gradients (same model and options)
+    cache = eager_attention_replays  # shared with test_budget_plan_fits_and_keeps_gradients (same model and options)
     with pytest.raises(MemoryBudgetError, match=r"smallest achievable predicted peak is .* with plan 'checkpoint") as e:
         plan_memory(case.model, case.inputs, params + 1, passes=[], lowering="eager", cache=cache)
     # the same replays, a budget that fits the smallest: that plan is chosen
@@ -319,33 +319,47 @@ def test_untraceable_model_is_a_clear_error():
         estimate_memory(_Untraceable(), (torch.randn(2, 8),), passes=[], lowering="eager")
 
 
-def test_cli_plan(tmp_path, capsys):
-    from effpass.cli import main
+def test_cli_plan(tmp_path, capsys, monkeypatch):
+    """``effpass plan`` on a config: the table when a plan fits, exit code 2 and the smallest plan when none does
+    (``--allow adamw8bit``: torchao's optimizer built and its compiled step replayed on fake parameters).
 
-    cfg = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    Every weight matrix is 64 x 64 (vocabulary = MLP width = hidden size, as many key/value heads as heads): torchao
+    compiles its step once per parameter shape with Inductor, two shapes here (matrices, norm weights) where a
+    config with four matrix shapes costs four more compiles. The two commands share one replay cache (same config,
+    pipeline and options, as ``plan_memory(cache=)`` allows): the second replays only what the first did not."""
+    from effpass.cli import main
+    from effpass.planning import planner as planner_mod
+
+    shared: dict = {}
+    real_plan = planner_mod.plan_memory
+    monkeypatch.setattr(planner_mod, "plan_memory", lambda *a, **k: real_plan(*a, **k, cache=shared))
+    cfg = dict(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
-    full = ["--passes", '{"checkpoint_activations": {"policy": "full"}}']  # one replay per command
+    full = ["--passes", '{"checkpoint_activations": {"policy": "full"}}']
     assert main(["plan", str(path), "--batch", "2", "--seq", "32", "--budget", "64MiB"] + full) == 0
     out = capsys.readouterr().out
     assert "memory plan for a budget of 64.00 MiB:" in out and "predicted peak" in out
     assert "(predictions, not measurements)" in out
     assert "assumes: float32 weights (the config), optimizer adamw, full fine-tuning, device cpu" in out
-    assert main(["plan", str(path), "--batch", "2", "--seq", "32", "--budget", "1.2MiB", "--allow", "adamw8bit"]
+    n_replays = len(shared)
+    # 0.5 MiB: above the parameters' own 257 KiB, below every plan (the smallest, AdamW8bit's, is ~837 KiB)
+    assert main(["plan", str(path), "--batch", "2", "--seq", "32", "--budget", "0.5MiB", "--allow", "adamw8bit"]
                 + full) == 2
     err = capsys.readouterr().err
-    assert "smallest achievable predicted peak" in err and "adamw8bit" in err
+    assert "smallest achievable predicted peak" in err and "with plan 'adamw8bit'" in err
+    assert len(shared) > n_replays > 0  # the first command's replays reused, the step-in-backward plans added
     with pytest.raises(SystemExit, match="names no technique"):
         main(["plan", str(path), "--batch", "2", "--seq", "32", "--budget", "1GiB", "--allow", "magic"])
 
 
 @pytest.mark.inductor
-def test_inductor_prediction_matches_measurement():
+def test_inductor_prediction_matches_measurement(plain_llama):
     """The default lowering is predicted by replaying Inductor's generated wrapper (its fused buffers,
     reuse and frees) on fake tensors: within 1% of the measured peak (byte-exact here). The eager-lowering
     replay of the same step, which Inductor's fusions undercut, is >5% off: the check discriminates."""
-    case, eager_est = _plain_llama()
+    case, eager_est = plain_llama
     case = case.fresh()
     est = estimate_memory(case.model, case.inputs, passes=[], lowering="inductor")
     meas = _measure(case.model, case.inputs, [], lowering="inductor")

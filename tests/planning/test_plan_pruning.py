@@ -33,7 +33,13 @@ def _setup():
     return model, inputs, passes
 
 
-_FULL: dict = {}  # replays of the unpruned reference plans (shared by its two budgets)
+@pytest.fixture(scope="module")
+def replays():
+    """Replay caches of this module's plans, all of the same model, inputs, pipeline and options: ``pruned`` for the
+    pruned plans, ``full`` for the unpruned reference plans (two independent sets of replays: the comparison's
+    sides). A module fixture: its users run on one xdist worker, so the command-line test reads the replays the
+    first test made (the same plans at the same budget) instead of replaying them again."""
+    return {"pruned": {}, "full": {}}
 
 
 def _plan(model, inputs, passes, budget, prune, cache, calls):
@@ -89,7 +95,7 @@ def _compare(pruned, full, budget):
     return n
 
 
-def test_pruned_plan_equals_the_whole_table():
+def test_pruned_plan_equals_the_whole_table(replays):
     model, inputs, passes = _setup()
     # the floors alone: the fp32 base's start is above the NF4 base's, both above the parameters' eighth
     plans = [(passes, "adamw"), ([passes[0], effpass.make_pass("quantize_linear", {"scheme": "nf4",
@@ -100,9 +106,9 @@ def test_pruned_plan_equals_the_whole_table():
 
     # a budget just below the fp32 start: the fp32 plans cannot fit (their start alone is above it), NF4 ones do
     budget = fp32_floor - 1
-    cache, pcalls, fcalls = {}, [], []
+    cache, full_cache, pcalls, fcalls = replays["pruned"], replays["full"], [], []
     plan = _plan(model, inputs, passes, budget, True, cache, pcalls)
-    full = _plan(model, inputs, passes, budget, False, _FULL, fcalls)
+    full = _plan(model, inputs, passes, budget, False, full_cache, fcalls)
     assert not isinstance(plan, Exception) and not isinstance(full, Exception)
     assert plan.chosen.name == full.chosen.name and plan.chosen.option("base_weights") is not None
     assert plan.peak_bytes == full.peak_bytes
@@ -129,7 +135,7 @@ def test_pruned_plan_equals_the_whole_table():
     # peak (the plan as given), so they are replayed after all; the smallest peak is the unpruned plan's
     budget = nf4_floor - 1
     err = _plan(model, inputs, passes, budget, True, cache, pcalls)
-    ref = _plan(model, inputs, passes, budget, False, _FULL, fcalls)
+    ref = _plan(model, inputs, passes, budget, False, full_cache, fcalls)
     assert isinstance(err, MemoryBudgetError) and isinstance(ref, MemoryBudgetError)
     assert (err.smallest, err.plan.name, str(err)) == (ref.smallest, ref.plan.name, str(ref))
     assert _compare(err.candidates, ref.candidates, budget) >= 1
@@ -147,18 +153,20 @@ def test_floor_of_a_bad_pipeline_is_its_error():
     assert isinstance(got, Exception) and "no_such_module" in str(got)
 
 
-def test_cli_lists_pruned_plans_and_all_replays_them(tmp_path, capsys, monkeypatch):
-    """`effpass plan` shows a pruned candidate as not replayed, with its floor; `--all` replays it. The two
-    commands share one replay cache (same config, pipeline and options, as ``plan_memory(cache=)`` allows): the
-    `--all` run replays only what the pruned run left out."""
+def test_cli_lists_pruned_plans_and_all_replays_them(tmp_path, capsys, monkeypatch, replays):
+    """`effpass plan` shows a pruned candidate as not replayed, with its floor; `--all` replays it. The commands
+    plan the model, inputs, pipeline and options of ``test_pruned_plan_equals_the_whole_table`` at its first budget
+    (the CLI builds the same meta-device Llama and zero tokens) and read its replay caches (``plan_memory(cache=)``):
+    the pruned command the pruned plans', `--all` the unpruned plans'. What is checked here is the command line
+    (the rows, the floors, what `--all` adds); the figures' equality pruned vs unpruned is that test's oracle."""
     import json
 
     from effpass.cli import main
     from effpass.planning import planner as planner_mod
 
-    shared: dict = {}
     real_plan = planner_mod.plan_memory
-    monkeypatch.setattr(planner_mod, "plan_memory", lambda *a, **k: real_plan(*a, **k, cache=shared))
+    monkeypatch.setattr(planner_mod, "plan_memory", lambda *a, **k: real_plan(
+        *a, **k, cache=replays["pruned" if k.get("prune", True) else "full"]))
 
     model, inputs, passes = _setup()
     (floor,) = start_bytes_many(model, inputs, [(passes, "adamw")], lowering="eager")
