@@ -14,7 +14,9 @@ import pytest
 
 from _paths import ROOT  # noqa: E402  (the repository's root)
 BLOCKS = re.findall(r"```python\n(.*?)```", open(os.path.join(ROOT, "README.md")).read(), re.S)
-RUNNABLE = [b for b in BLOCKS if "(sketch" not in b]
+FIRST_HOUR = re.search(r"## The first hour\n(.*?)\n## ", open(os.path.join(ROOT, "README.md")).read(), re.S).group(1)
+# the first hour's Python block runs in test_first_hour_runs_every_command (with its commands after it), not twice
+RUNNABLE = [b for b in BLOCKS if "(sketch" not in b and b not in FIRST_HOUR]
 
 # Reads one JSON request per line ({"code", "cwd"}), forks, runs the code in the child as a script would run
 # (a fresh __main__ namespace, stdout and stderr to files in cwd), answers with the child's exit status.
@@ -72,13 +74,19 @@ def test_readme_has_examples():
 @pytest.mark.xdist_group("readme")
 @pytest.mark.parametrize("block", RUNNABLE, ids=[f"block{i}" for i in range(len(RUNNABLE))])
 def test_readme_example_runs(block, tmp_path, fork_server):
-    fork_server.stdin.write(json.dumps({"code": block, "cwd": str(tmp_path)}) + "\n")
+    _run_block(fork_server, block, tmp_path)
+
+
+def _run_block(fork_server, block: str, cwd) -> str:
+    """Runs ``block`` in a process forked from the fork server, in ``cwd``; fails unless it exits 0; its stdout."""
+    fork_server.stdin.write(json.dumps({"code": block, "cwd": str(cwd)}) + "\n")
     fork_server.stdin.flush()
     line = fork_server.stdout.readline()
     assert line, f"the fork server died (exit code {fork_server.poll()})"
     status = json.loads(line)["status"]
     why = "timed out after 600 s" if status == -14 else f"exit status {status}"
-    assert status == 0, f"{why}\n" + (tmp_path / "stderr.txt").read_text()[-3000:]
+    assert status == 0, f"{why}\n" + (cwd / "stderr.txt").read_text()[-3000:]
+    return (cwd / "stdout.txt").read_text()
 
 
 def test_readme_lists_every_option_and_environment_variable():
@@ -96,19 +104,16 @@ def test_readme_lists_every_option_and_environment_variable():
     assert env == set(ENV_VARS), f"README environment table vs effpass.config.ENV_VARS: {env ^ set(ENV_VARS)}"
 
 
-FIRST_HOUR = re.search(r"## The first hour\n(.*?)\n## ", open(os.path.join(ROOT, "README.md")).read(), re.S).group(1)
-
-
-def test_first_hour_runs_every_command(tmp_path):
-    """The "first hour" walk-through: its Python block, then each `effpass` command of its bash block, in one
-    folder; the adapter, the report and the dump exist, and fuse_attention says why it changed nothing."""
+@pytest.mark.xdist_group("readme")
+def test_first_hour_runs_every_command(tmp_path, fork_server):
+    """The "first hour" walk-through: its Python block (forked from the fork server, as the other README blocks:
+    it is one of them), then each `effpass` command of its bash block, in one folder; the adapter, the report
+    and the dump exist, and fuse_attention says why it changed nothing."""
     (code,) = re.findall(r"```python\n(.*?)```", FIRST_HOUR, re.S)
     (shell,) = re.findall(r"```bash\n(.*?)```", FIRST_HOUR, re.S)
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=900,
-                         env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "step 4: loss" in out.stdout and "already call F.scaled_dot_product_attention" in out.stdout
+    stdout = _run_block(fork_server, code, tmp_path)
+    assert "step 4: loss" in stdout and "already call F.scaled_dot_product_attention" in stdout
     assert (tmp_path / "adapter" / "adapter_config.json").exists() and (tmp_path / "report.html").exists()
     commands = [line.split("#")[0].split() for line in shell.splitlines() if line.strip()]
     assert commands and all(c[0] == "effpass" for c in commands)

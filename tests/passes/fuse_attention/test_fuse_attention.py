@@ -793,11 +793,10 @@ def test_in_the_default_pipeline_on_every_device():
     assert "fuse_attention" in [p.name for p in effpass.default_pipeline("cpu")]
 
 
-@pytest.mark.inductor
-def test_demo_model_with_inductor():
-    case = model_case("demo")
-    res = compile_and_compare(case, [FuseAttention()], lowering="inductor", atol=1e-4, rtol=1e-4, strict=True)
-    assert res.report.stats("fuse_attention")["fused"] == case.num_layers
+# fuse_attention lowered by Inductor on the demo model (fused == layers, forward, gradients and a step vs eager):
+# tests/core/test_backend.py::test_inductor_lowering_matches_eager, one Inductor compile for the backend's oracle
+# and this pass's (at 2e-5, was 1e-4 here); the left-padded Llama's empty-row guard under Inductor:
+# tests/core/test_audit.py.
 
 
 def test_bloom_form_with_operands_cast_to_the_autocast_dtype():
