@@ -136,7 +136,8 @@ def plan_max_seq(model: torch.nn.Module, make_inputs, memory_budget, allow: Iter
     ``min_tiles``: at a length where a plan's pipeline unrolls more tiles than this (``tile_sequence``), its
     figures are extrapolated over the tile count from replays at 2, 3 and 4 tiles of the same size
     (:mod:`effpass.planning.tiles`: checked affine byte for byte; screened from 2 and 3, confirmed with the
-    answering pair; where not affine the length itself is replayed and a note says so); None: never.
+    answering pair; where not affine the length itself is replayed and a note says so); None: never (nor with
+    ``world_size > 1``).
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise ValueError(f"step must be a positive number of tokens, got {step!r}")
@@ -148,7 +149,10 @@ def plan_max_seq(model: torch.nn.Module, make_inputs, memory_budget, allow: Iter
     search = _MaxSeqSearch(setup, make_inputs, step=step, probes=probes, max_len=max_len,
                            min_len=step if min_len is None else int(min_len), loss_fn=loss_fn,
                            max_replays=max_replays, cache={} if cache is None else cache,
-                           compile_options=compile_options, min_tiles=min_tiles)
+                           compile_options=compile_options,
+                           # NOTE(one device): a peak that moves beyond the short replays is known by its bytes,
+                           # not by the gradients live there (what folding sharded gradients reads)
+                           min_tiles=min_tiles if setup.world_size == 1 else None)
     return search.run(screen)
 
 

@@ -35,8 +35,15 @@ def _est(n, **over):
                        activations=30 * n, largest_transient=9 * n, largest_transient_op="mm", peak_phase="backward",
                        peak_graph="backward graph 1", peak_node=f"mul_{40 + 11 * n} (aten.mul.Tensor)",
                        phase_peaks={"forward": 10 * n, "backward": 68 * n}, flops=1_000 * n,
-                       pass_stats={"tile_sequence": {"tiles": 2 * n, "regions": 2}, "loss": {"chunks": n * n}})
+                       pass_stats={"tile_sequence": {"tiles": 2 * n, "regions": 2}, "loss": {"chunks": n * n}},
+                       op_peaks={"backward aten.mul.Tensor": 68 * n, "backward aten.mm.default": 60 * n + 5,
+                                 "forward aten.mm.default": 10 * n})
     return dataclasses.replace(e, **over)
+
+
+def _ops(ests, op, f):
+    """``ests`` with ``op``'s local peak ``f(n)`` at 4, 5, 6 tiles."""
+    return [dataclasses.replace(e, op_peaks={**e.op_peaks, op: f(n)}) for n, e in zip(COUNTS, ests)]
 
 
 def test_combine_tiles_extrapolates_affine_figures_and_refuses_the_rest():
@@ -60,6 +67,27 @@ def test_combine_tiles_extrapolates_affine_figures_and_refuses_the_rest():
     assert "another place" in combine_tiles(moved, COUNTS, 54)[1]
     cuda = [dataclasses.replace(e, reserved_peak_bytes=2 << 20 if n < 6 else 4 << 20) for n, e in zip(COUNTS, ests)]
     assert "reserved_peak_bytes is not affine" in combine_tiles(cuda, COUNTS, 54)[1]
+
+
+def test_combine_tiles_follows_an_op_that_overtakes_the_peak():
+    """Every op's local peak is extrapolated: one that grows faster overtakes the peak beyond the replayed counts
+    (below it at 4-6 tiles); an op's local peak not affine is refused in the peak's phase, named in another."""
+    ests = _ops([_est(n) for n in COUNTS], "backward sdpa_backward", lambda n: 80 * n - 100)
+    out, why = combine_tiles(ests, COUNTS, 54)
+    assert why == "" and out.step_peak_bytes == 80 * 54 - 100 and out.peak_bytes == (500 + 2 * 54) + 80 * 54 - 100
+    assert out.peak_node.startswith("sdpa_backward") and out.peak_phase == "backward"
+    assert any(n.startswith("the peak moves past 6 tiles: at 54 tiles it is after sdpa_backward") for n in out.notes)
+    assert out.phase_peaks["backward"] == 80 * 54 - 100
+    below = combine_tiles(_ops([_est(n) for n in COUNTS], "backward sdpa_backward", lambda n: 60 * n), COUNTS, 54)[0]
+    assert below.step_peak_bytes == 500 + 68 * 54 and below.peak_node.startswith("mul_")
+    bent = _ops([_est(n) for n in COUNTS], "backward aten.add.Tensor", lambda n: n * n)
+    assert "the local peak after backward aten.add.Tensor is not affine" in combine_tiles(bent, COUNTS, 54)[1]
+    other = _ops([_est(n) for n in COUNTS], "forward aten.mean.dim", lambda n: n * n)
+    out, why = combine_tiles(other, COUNTS, 54)
+    assert why == "" and out.peak_bytes == _est(54).peak_bytes
+    assert "left unchecked (below the peak, in another phase): forward aten.mean.dim" in out.notes[-1]
+    assert combine_tiles(_ops([_est(n) for n in COUNTS[:2]] + [dataclasses.replace(_est(6), op_peaks={})],
+                              "x", lambda n: n), COUNTS, 54)[0] is None
 
 
 def test_pinned_passes_cut_the_tiles_of_the_long_length():
