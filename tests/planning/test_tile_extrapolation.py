@@ -136,7 +136,9 @@ def test_extrapolated_figures_equal_a_real_replay(llama):
     assert _same(ext, real) == [], [(f, getattr(ext, f), getattr(real, f)) for f in _same(ext, real)]
     assert ext.peak_bytes == real.peak_bytes and not ext.provisional
     assert sorted(ext.tile_replays.short) == [58, 74, 90] and (ext.tile_replays.t, ext.tile_replays.n) == (16, 16)
-    assert log == ["250 tokens (16 tiles of 16): extrapolated from replays at 58, 74, 90 tokens (4, 5, 6 tiles)"]
+    # the forward's local peaks after a mul cross between 4 and 6 tiles (a max over places): named, not checked
+    assert log == ["250 tokens (16 tiles of 16): extrapolated from replays at 58, 74, 90 tokens (4, 5, 6 tiles); "
+                   "unchecked (not affine, another phase than the peak's): forward aten.mul.Tensor"]
     assert ext.pass_stats["tile_sequence"]["tiles"] == real.pass_stats["tile_sequence"]["tiles"] == 32
     (pinned,) = estimate_many(llama, _inputs(250), [ext.tile_replays.pipeline], "adamw", lowering="eager")
     assert _same(pinned, real) == [] and pinned.pass_stats == real.pass_stats
