@@ -13,7 +13,7 @@ import torch
 from effpass.memory_options import replayed_optimizer
 
 from .candidates import Candidate, MemoryBudgetError, MemoryPlan, neighbourhood, optimizers_agree, pipeline_with
-from .estimate import with_optimizer
+from .estimate import confirm_many, estimate_many, with_optimizer
 from .result import format_bytes
 from .setup import PlanSetup, prepare
 from .tiles import MIN_TILES, confirm_long, estimate_long
@@ -244,14 +244,16 @@ class _MaxSeqSearch:
             part = [k for k in todo if by_key[k].optimizer == opt]
             res = estimate_long(setup.model, self.make_inputs, seq, [setup.pipeline_of(by_key[k]) for k in part],
                                 opt, screen=not full, min_tiles=self.min_tiles, log=self.tile_log,
-                                device=setup.device, loss_fn=self.loss_fn, **self.compile_options)
+                                estimate=estimate_many, device=setup.device, loss_fn=self.loss_fn,
+                                **self.compile_options)
             cache.update({(seq, k): r for k, r in zip(part, res)})
         unsure = [k for k in keys if full and getattr(cache[(seq, k)], "provisional", False)]
         for opt in dict.fromkeys(by_key[k].optimizer for k in unsure):
             part = [k for k in unsure if by_key[k].optimizer == opt]
             res = confirm_long(setup.model, self.make_inputs, seq, [setup.pipeline_of(by_key[k]) for k in part],
                                [cache[(seq, k)] for k in part], opt, log=self.tile_log, device=setup.device,
-                               loss_fn=self.loss_fn, **self.compile_options)
+                               loss_fn=self.loss_fn, estimate=estimate_many, confirm=confirm_many,
+                               **self.compile_options)
             cache.update({(seq, k): r for k, r in zip(part, res)})
         got = {k: cache[(seq, k)] for k in keys}
         out = []

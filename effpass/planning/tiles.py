@@ -174,14 +174,14 @@ def combine_tiles(ests: list, counts, n: int) -> tuple[MemoryEstimate | None, st
     return out, ""
 
 
-def _estimate(model, make_inputs, seq, pipelines, optimizer, *, screen, **kw) -> list:
+def _estimate(model, make_inputs, seq, pipelines, optimizer, *, screen, estimate=None, **kw) -> list:
     from .estimate import estimate_many
 
-    return estimate_many(model, make_inputs(seq), pipelines, optimizer, screen=screen, **kw)
+    return (estimate or estimate_many)(model, make_inputs(seq), pipelines, optimizer, screen=screen, **kw)
 
 
 def estimate_long(model, make_inputs, seq: int, pipelines, optimizer, *, screen: bool, min_tiles: int | None = MIN_TILES,
-                  log: list | None = None, **kw) -> list:
+                  log: list | None = None, estimate=None, **kw) -> list:
     """:func:`~effpass.planning.estimate.estimate_many` of ``pipelines`` at ``seq`` positions (inputs
     ``make_inputs(seq)``), those that unroll more than ``min_tiles`` tiles there extrapolated over the tile count
     (pipelines with the same tiles share each short replay). ``screen``: two depths and two tile counts
@@ -201,7 +201,8 @@ def estimate_long(model, make_inputs, seq: int, pipelines, optimizer, *, screen:
     for (t, n), members in groups.items():
         counts = COUNTS[:2] if screen else COUNTS
         for L in members[0][1].lengths(counts):
-            res = _estimate(model, make_inputs, L, [tr.pipeline for _, tr in members], optimizer, screen=screen, **kw)
+            res = _estimate(model, make_inputs, L, [tr.pipeline for _, tr in members], optimizer, screen=screen,
+                            estimate=estimate, **kw)
             for (_, tr), r in zip(members, res):
                 tr.short[L] = r
         for i, tr in members:
@@ -210,7 +211,8 @@ def estimate_long(model, make_inputs, seq: int, pipelines, optimizer, *, screen:
                 direct.append(i)
     if direct:
         tried = {i: tr for members in groups.values() for i, tr in members}
-        res = _estimate(model, make_inputs, seq, [pipelines[i] for i in sorted(direct)], optimizer, screen=screen, **kw)
+        res = _estimate(model, make_inputs, seq, [pipelines[i] for i in sorted(direct)], optimizer, screen=screen,
+                        estimate=estimate, **kw)
         for i, r in zip(sorted(direct), res):
             out[i] = _fallback(r, tried[i]) if i in tried else r
     return out
@@ -249,13 +251,14 @@ def _fallback(r, tr: TileReplays):
 
 
 def confirm_long(model, make_inputs, seq: int, pipelines, estimates, optimizer, *, log: list | None = None,
-                 **kw) -> list:
+                 estimate=None, confirm=None, **kw) -> list:
     """The provisional figures among ``estimates`` (of ``pipelines`` at ``seq``) checked: depth-screened ones at
     the third depth (:func:`~effpass.planning.estimate.confirm_many`), tile-extrapolated ones from their short
     replays confirmed at the third depth and a third tile count (not affine: ``seq`` replayed). Returns the
     figures :func:`estimate_long` gives without ``screen``."""
     from .estimate import confirm_many
 
+    confirm_many = confirm or confirm_many
     out = list(estimates)
     ckw = {k: v for k, v in kw.items() if k != "extrapolate"}
     tiled = [i for i, e in enumerate(estimates) if getattr(e, "provisional", False) and getattr(e, "tile_replays", None)]
@@ -281,14 +284,15 @@ def confirm_long(model, make_inputs, seq: int, pipelines, estimates, optimizer, 
             new = [tr for tr in trs if L not in tr.short]
             if new:
                 for tr, r in zip(new, _estimate(model, make_inputs, L, [tr.pipeline for tr in new], optimizer,
-                                                screen=False, **kw)):
+                                                screen=False, estimate=estimate, **kw)):
                     tr.short[L] = r
         for i, tr in members:
             out[i] = _combine(tr, COUNTS, log)
             if out[i] is None:
                 direct.append((i, tr))
     if direct:
-        res = _estimate(model, make_inputs, seq, [pipelines[i] for i, _ in direct], optimizer, screen=False, **kw)
+        res = _estimate(model, make_inputs, seq, [pipelines[i] for i, _ in direct], optimizer, screen=False,
+                        estimate=estimate, **kw)
         for (i, tr), r in zip(direct, res):
             out[i] = _fallback(r, tr)
     return out
