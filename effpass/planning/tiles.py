@@ -7,11 +7,15 @@ How: every pass is pinned at the long length ``seq`` (:meth:`effpass.Pass.pin_le
 there, ``t`` positions, the last one the rest, and any other choice it makes from the length, e.g. the loss's
 chunk budget); the pinned pipeline is the same graph at ``seq`` and, at ``seq - k * t``, the same tiles ``k``
 fewer: every tensor is either tile-sized (the same) or sequence-sized (``k * t`` positions shorter), so every
-byte count is affine in the tile count while the peak stays at the same place. Replayed at ``COUNTS`` tiles
-(three: affinity checked byte for byte, the peak's place the same), the figures are extrapolated to the
-``n`` tiles of ``seq``; when they are not affine, ``seq`` itself is replayed and a note says so (never a
-silent extrapolation). Screened (``screen=True``): the first two counts (and the first two depths), a
-provisional figure that :func:`confirm_long` checks at the third count and depth.
+byte count at one place is affine in the tile count. Replayed at ``COUNTS`` tiles (three: affinity checked byte
+for byte, every op's local peak too), the figures are extrapolated to the ``n`` tiles of ``seq``, the peak being
+the largest extrapolated op peak; when they are not affine, ``seq`` itself is replayed and a note says so.
+Screened (``screen=True``): the first two counts (and the first two depths), a provisional figure that
+:func:`confirm_long` checks at the third count and depth.
+
+Limit (why ``plan_max_seq`` uses it only when asked, ``min_tiles``): the step's live bytes are a max over places,
+each affine; two places under one op can cross beyond the replayed counts and no check at three counts sees it
+(a 2-block tiny Llama at 18 tiles: 4,544 B under the real replay; docs/memory_planner.md).
 """
 from __future__ import annotations
 
