@@ -254,7 +254,7 @@ PUBLISHED = {
 
 
 def maxseq(modes=("full", "lora", "qlora"), budgets=(24, 48, 80), step=1024, probes=(16384, 32768),
-           lossless_pipeline=True, screen=True):
+           lossless_pipeline=True, screen=True, min_tiles=None):
     """The longest sequence (batch 1) of Llama-3.1-8B that the planner predicts fits each budget, per mode."""
     from effpass.planning.cli import LORA_TARGETS, model_from_config
     from effpass.planning.planner import MemoryBudgetError, plan_max_seq
@@ -290,7 +290,7 @@ def maxseq(modes=("full", "lora", "qlora"), budgets=(24, 48, 80), step=1024, pro
             t0, c0 = time.perf_counter(), time.process_time()
             try:
                 res = plan_max_seq(model, make_inputs, f"{gib}GiB", passes=pipeline, step=step, probes=probes,
-                                   lowering="eager", screen=screen, cache=cache)
+                                   lowering="eager", screen=screen, cache=cache, min_tiles=min_tiles)
                 row = dict(mode=mode, budget_gib=gib, seq=res.seq, plan=res.plan.chosen.name,
                            pipeline=[p.name for p in res.plan.passes], peak=res.plan.peak_bytes,
                            next_peak=res.next_peak, replays=res.replays, fits=[list(f[:4]) for f in res.fits],
@@ -343,7 +343,8 @@ SECTIONS = {
     "table": (tuple(CONFIGS), dict(budgets=[24, 48, 80], batch=1, seq=2048, lora=0),
               dict(budgets=[80], seq=256)),
     "maxseq": (("full", "lora", "qlora"), dict(model="Llama-3.1-8B", budgets=[24, 48, 80], step=1024,
-                                             probes=[16384, 32768], screen=True),
+                                             probes=[16384, 32768], screen=True,
+                                             min_tiles=0),  # --min_tiles 12: extrapolated over tiles (opt-in)
                dict(budgets=[80], probes=[4096], step=4096)),
 }
 
@@ -361,7 +362,7 @@ def worker(arm: str, cfg: dict, device: str) -> dict:
                      lora=cfg["lora"] or None)
     else:
         rows = maxseq(modes=(arm,), budgets=tuple(cfg["budgets"]), step=cfg["step"], probes=tuple(cfg["probes"]),
-                      screen=cfg["screen"])
+                      screen=cfg["screen"], min_tiles=cfg.get("min_tiles") or None)
     return {"arm": arm, "rows": rows}
 
 

@@ -127,6 +127,14 @@ class Pass:
     def validate(self) -> None:
         """Check option values beyond their types; raise ``ValueError`` naming the bad value."""
 
+    def pin_length(self, seq: int, batch: int = 1) -> tuple["Pass", int]:
+        """For the planner's extrapolation over the tile count (:mod:`effpass.planning.tiles`): ``(this pass with
+        every choice it makes from the sequence length fixed to the one it makes at ``seq`` positions of ``batch``
+        rows, the positions of one tile it unrolls into the graph per tile or 0)``. Replayed at ``seq - k * t`` the
+        pinned pass gives the graph of ``seq`` with ``k`` tiles fewer. Default: ``(self, 0)`` (no choice depends
+        on the length)."""
+        return self, 0
+
     def facts(self) -> tuple:
         """The facts (:mod:`effpass.facts`: ``MixedPrecision(dtype=...)``, ``LossScaling()``, ...) this pass,
         with these options, establishes for the rest of its pipeline; other passes read them with

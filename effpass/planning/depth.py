@@ -99,6 +99,8 @@ def combine_depths(ests, L: int) -> MemoryEstimate | None:
         # 37.2 GiB above the start where its forward's reached 100.1 GiB). Where, and at which node, is not known
         # from these depths: the whole model is replayed
         return None
+    # each op's local peak extrapolated as the phases' are (read by planning/tiles.py; not a reason to replay here)
+    op_peaks = {k: c.op_peaks[k] + n * (c.op_peaks[k] - b.op_peaks.get(k, 0)) for k in c.op_peaks}
     from collections import Counter
 
     per_block = Counter(c.trainable_numels) - Counter(b.trainable_numels)
@@ -123,7 +125,7 @@ def combine_depths(ests, L: int) -> MemoryEstimate | None:
                   else None)
     out = dataclasses.replace(c, **{f: step(f) for f in AFFINE}, reserved_peak_bytes=reserved,
                               reserved_expandable_bytes=expandable,
-                              phase_peaks=phase_peaks, trainable_numels=numels,
+                              phase_peaks=phase_peaks, op_peaks=op_peaks, trainable_numels=numels,
                               trainable_shapes=shapes, pass_stats=stats, depths=list(depths),
                               provisional=len(ests) < 3, notes=list(c.notes) + [note])
     if out.provisional:

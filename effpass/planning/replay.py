@@ -346,6 +346,7 @@ def _run_tracked(work, compiled, inputs, tracker, be, optimizer, dev, loss_fn, l
         largest_transient=tracker.largest[0], largest_transient_op=tracker.largest[1],
         peak_phase=tracker.peak_where[0], peak_graph=tracker.peak_where[1], peak_node=tracker.peak_where[2],
         gradients_at_peak=tracker.grads_at_peak, phase_peaks=dict(tracker.phase_peaks), flops=tracker.flops,
+        op_peaks=dict(tracker.op_peaks),
         optimizer=optimizer, device=str(dev), replay_lowering=replay_lowering,
         requested_lowering=requested_lowering, passes=[p.name for p in be.options.passes],
         pass_stats=stats, notes=notes, trainable_numels=[p.numel() for p in trainable],

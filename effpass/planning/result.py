@@ -51,6 +51,9 @@ class MemoryEstimate:
     non_gradient_peak: int = 0
     gradients_at_non_gradient_peak: int = 0
     phase_peaks: dict = field(default_factory=dict)  # peak above the start within each phase
+    #: per "phase op" (e.g. "backward aten.mm.default"): the most live bytes above the start right after that op
+    #: allocated; where the peak could move to at other lengths (planning/tiles.py: a crossing beyond the replays)
+    op_peaks: dict = field(default_factory=dict)
     trainable_numels: list = field(default_factory=list)
     trainable_shapes: list = field(default_factory=list)  # (shape, dtype name) of each trainable parameter
     flops: int = 0                  # of the step: matmul/attention FLOPs (torch's flop counter) + 1 per element

@@ -87,6 +87,7 @@ class Tracker(TorchDispatchMode):
         self.grads_at_peak = 0
         self.events = []
         self.phase_peaks: dict[str | None, int] = {}
+        self.op_peaks: dict[str, int] = {}  # "phase op" -> the most live bytes right after that op allocated
         self.graphs: dict[tuple[str, str], str] = {}
         self._scratch = 0  # keys of in-kernel scratch buffers (negative: never a storage's key)
         self.flops = 0
@@ -112,6 +113,7 @@ class Tracker(TorchDispatchMode):
         self.grads_at_peak = 0
         self.flops = 0
         self.phase_peaks = {}
+        self.op_peaks = {}
         self.forward_flops = 0
         self._reset_host()
         self.hints.reset()
@@ -250,6 +252,9 @@ class Tracker(TorchDispatchMode):
             self.largest = (n, f"{func} in the {self.phase}")
         if self.live > self.phase_peaks.get(self.phase, 0):
             self.phase_peaks[self.phase] = self.live
+        op = f"{self.phase} {func}"
+        if self.live > self.op_peaks.get(op, 0):
+            self.op_peaks[op] = self.live
         if self.live > self.peak:
             self.peak = self.live
             graph, node = self._where(func)

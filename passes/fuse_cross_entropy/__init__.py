@@ -67,6 +67,7 @@ gradient equal the unfused graph's within 1e-5 relative in fp32 (the sums are or
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass, field
 from typing import Literal
@@ -137,6 +138,9 @@ class FuseCrossEntropy(effpass.Pass):
     chunk_bytes: int = field(default=0, metadata={
         "doc": "bytes of one fp32 chunk of logits; 0: the larger of the batch's hidden states and "
                "min(256, rows / 4) rows of logits"})
+    budget_rows: int = field(default=0, metadata={
+        "doc": "the default chunk budget computed as for a batch of this many rows (0: the batch's own; the "
+               "planner's short replays pin a long sequence's chunks, effpass/planning/tiles.py)"})
     kernel: Literal["effpass", "triton", "chunked", "torch"] = field(default="effpass", metadata={
         "doc": "'effpass': effpass's custom ops, with the Triton tiles (logits kept in registers) on a CUDA "
                "device where Triton is installed and the chunked torch kernel elsewhere; 'triton': the Triton "
@@ -145,9 +149,17 @@ class FuseCrossEntropy(effpass.Pass):
                "plain heads, mean/sum, no soft-capping or smoothing; else effpass's)"})
 
     def validate(self) -> None:
+        if self.budget_rows < 0:
+            raise ValueError(f"fuse_cross_entropy.budget_rows must be >= 0 (0: the batch's own), got {self.budget_rows}")
         if self.chunk_bytes < 0:
             raise ValueError(f"fuse_cross_entropy.chunk_bytes must be >= 0 (0: the default budget), "
                              f"got {self.chunk_bytes}")
+
+    def pin_length(self, seq: int, batch: int = 1):
+        """``effpass.Pass.pin_length``: the default chunk budget follows the batch's rows; pinned to ``seq``'s."""
+        if self.chunk_bytes or self.budget_rows:
+            return self, 0
+        return dataclasses.replace(self, budget_rows=seq * batch), 0
 
     def facts(self) -> tuple:
         """The head is fused with the loss in the graph holding both (read by wrap_fsdp)."""
@@ -208,7 +220,8 @@ class FuseCrossEntropy(effpass.Pass):
             if not all(ctx.allows(s.proj) for s in region.sites):
                 continue
             try:
-                rewrite_region(graph, region, ctx, stats, chunk_bytes=self.chunk_bytes, keep_logits=self.keep_logits)
+                rewrite_region(graph, region, ctx, stats, chunk_bytes=self.chunk_bytes, keep_logits=self.keep_logits,
+                               budget_rows=self.budget_rows)
             except Skip as e:
                 why.append({"node": region.members[0], "reason": str(e)})
         for n, reason in deferred + [(w["node"], w["reason"]) for w in why]:
@@ -255,6 +268,8 @@ class FuseCrossEntropy(effpass.Pass):
         hv = _val(site.h)
         hb = size_hint(hv.numel()) * hv.element_size()
         rows = size_hint(n_rows)
+        if self.budget_rows and isinstance(n_rows, int):  # pinned: as for budget_rows rows (hb: rows x width)
+            rows, hb = self.budget_rows, hb // max(rows, 1) * self.budget_rows
         default = (default_rows_chunk_bytes(rows, vocab, hb, hv.device.type) if per_row
                    else default_chunk_bytes(rows, vocab, hb))
         budget = self.chunk_bytes or (default if isinstance(n_rows, int) else 0)

@@ -37,7 +37,8 @@ def _needs_grad(n: fx.Node) -> bool:
     return bool(isinstance(v, torch.Tensor) and v.requires_grad)
 
 
-def rewrite_region(graph: fx.Graph, region: Region, ctx, stats: dict, *, chunk_bytes: int, keep_logits: bool) -> None:
+def rewrite_region(graph: fx.Graph, region: Region, ctx, stats: dict, *, chunk_bytes: int, keep_logits: bool,
+                   budget_rows: int = 0) -> None:
     """A region (``region.find_regions``) -> ``effpass::linear_rowwise`` on the heads' rows, its columns
     reshaped to the per-row values they replace; reductions of everything become sums of the row sums.
     ``chunk_bytes`` and ``keep_logits``: the pass's options of those names."""
@@ -76,8 +77,10 @@ def rewrite_region(graph: fx.Graph, region: Region, ctx, stats: dict, *, chunk_b
     compute = computes.pop()
     hv = _val(region.sites[0].h)
     vocab = region.vocab
-    stat_budget = chunk_bytes or default_chunk_bytes(size_hint(n_rows), vocab,
-                                                         size_hint(hv.numel()) * hv.element_size())
+    rows_b, hb = size_hint(n_rows), size_hint(hv.numel()) * hv.element_size()
+    if budget_rows and not symbolic:  # pinned (the pass's budget_rows): as for that many rows
+        rows_b, hb = budget_rows, hb // max(rows_b, 1) * budget_rows
+    stat_budget = chunk_bytes or default_chunk_bytes(rows_b, vocab, hb)
     # a symbolic row count leaves the default budget to run time (0: the op computes it from each call's rows)
     budget = stat_budget if not symbolic else chunk_bytes
     consumed = set(region.members) | {u for kind, u in what if kind == "split"}

@@ -50,10 +50,11 @@ Statistics
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.fx as fx
@@ -329,14 +330,16 @@ def find_row_regions(gm: fx.GraphModule, model: torch.nn.Module | None = None,
 # ------------------------------------------------------------------------------------------------------
 # the rewrite
 # ------------------------------------------------------------------------------------------------------
-def _tile_bounds(rows: int, tile_rows: int) -> list[tuple[int, int]]:
+def _tile_bounds(rows: int, tile_rows: int, cut: str = "even") -> list[tuple[int, int]]:
+    """``cut="even"``: ceil(rows / tile_rows) tiles of one size (the last smaller by fewer rows than there are
+    tiles); ``"exact"``: tiles of exactly ``tile_rows``, the last one the rest."""
     n = max(1, math.ceil(rows / tile_rows))
-    step = math.ceil(rows / n)
+    step = tile_rows if cut == "exact" else math.ceil(rows / n)
     return [(s, min(s + step, rows)) for s in range(0, rows, step)]
 
 
 def tile_region(gm: fx.GraphModule, region: Region, tile_rows: int, region_id: int,
-                replaced: dict[fx.Node, fx.Node] | None = None) -> int:
+                replaced: dict[fx.Node, fx.Node] | None = None, cut: str = "even") -> int:
     """Rewrite ``region`` into tiles along its last lead dimension; returns the number of tiles.
     ``replaced`` maps outputs of regions tiled before to their concatenations (updated here)."""
     replaced = {} if replaced is None else replaced
@@ -345,7 +348,7 @@ def tile_region(gm: fx.GraphModule, region: Region, tile_rows: int, region_id: i
     dim = len(region.lead) - 1
     size = region.lead[dim]
     per_row = math.prod(region.lead[:dim]) or 1
-    bounds = _tile_bounds(size, max(1, tile_rows // per_row))
+    bounds = _tile_bounds(size, max(1, tile_rows // per_row), cut)
     if len(bounds) < 2:
         return 1
     cs = set(region.nodes)
@@ -415,6 +418,9 @@ class TileSequence(effpass.Pass):
 
     tile_rows: int = field(default=1024, metadata={
         "doc": "rows (batch x positions) per tile; regions with fewer than two tiles' rows are left alone"})
+    cut: Literal["even", "exact"] = field(default="even", metadata={
+        "doc": "'even': ceil(rows / tile_rows) tiles of one size; 'exact': tiles of tile_rows, the last the rest, "
+               "any region over tile_rows rows tiled (the planner's replays, effpass/planning/tiles.py)"})
 
     @classmethod
     def memory_options(cls, model=None, *, world_size=1):
@@ -437,8 +443,23 @@ class TileSequence(effpass.Pass):
         if self.tile_rows < 1:
             raise ValueError(f"tile_sequence.tile_rows: {self.tile_rows!r} must be a positive number of rows")
 
+    def pin_length(self, seq: int, batch: int = 1):
+        """``effpass.Pass.pin_length``: at ``seq`` positions the tiles are ``t`` positions, the last the rest; the
+        exact cut of ``t`` is the same graph there, and at ``seq - k * t`` the same tiles, ``k`` fewer."""
+        per_tile = max(1, self.tile_rows // max(1, batch))
+        if self.cut == "exact" or seq * batch < 2 * self.tile_rows:
+            return self, (per_tile if self.cut == "exact" and seq > per_tile else 0)
+        bounds = _tile_bounds(seq, per_tile)
+        if len(bounds) < 2:
+            return self, 0
+        t = bounds[0][1] - bounds[0][0]
+        return dataclasses.replace(self, tile_rows=t * batch, cut="exact"), t
+
     def transform_torch_ir(self, gm: fx.GraphModule, ctx) -> effpass.PassResult:
-        regions, skipped = find_row_regions(gm, getattr(ctx, "model", None), min_rows=2 * self.tile_rows)
+        # NOTE(exact): an exact cut tiles every region of more than one tile's rows (the planner's short replays
+        # keep the tiles of a long sequence: two tiles, the second maybe shorter)
+        min_rows = self.tile_rows + 1 if self.cut == "exact" else 2 * self.tile_rows
+        regions, skipped = find_row_regions(gm, getattr(ctx, "model", None), min_rows=min_rows)
         if self.targets or self.exclude:
             keep = []
             for r in regions:
@@ -451,7 +472,7 @@ class TileSequence(effpass.Pass):
         base = prev.count if prev is not None else 0
         replaced: dict[fx.Node, fx.Node] = {}
         for i, r in enumerate(regions):
-            n = tile_region(gm, r, self.tile_rows, base + i, replaced)
+            n = tile_region(gm, r, self.tile_rows, base + i, replaced, self.cut)
             if n < 2:
                 skipped.append({"site": r.block or r.nodes[0].name, "reason": "fewer than two tiles"})
                 continue

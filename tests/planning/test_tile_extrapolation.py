@@ -1,0 +1,182 @@
+"""Extrapolation over the tile count (``effpass/planning/tiles.py``, issue 39.5): a long length's figures from
+replays at 4, 5 and 6 tiles of the same size, checked affine byte for byte; where they are not, the length
+itself is replayed and a note says so.
+
+Oracles: numerical (the extrapolated figures equal a real replay at the long length byte for byte; the
+max-seq answer with extrapolation equals the exhaustive scan of real replays; ``combine_tiles`` on analytic
+figures equals the affine formula), structural (the lengths replayed and their tile counts, the pinned
+passes' tiles, the fallback note when the figures are not affine, the pass statistics left out).
+"""
+import dataclasses
+import importlib
+import re
+
+import pytest
+import torch
+
+from effpass.passes import CheckpointActivations, FuseAttention, FuseCrossEntropy, TileSequence
+from effpass.planning import MemoryEstimate, estimate_many, plan_max_seq
+from effpass.planning.depth import AFFINE
+from effpass.planning.tiles import COUNTS, batch_of, combine_tiles, estimate_long, pin_pipeline
+from effpass.testing import model_case
+
+_tile_bounds = importlib.import_module(TileSequence.__module__)._tile_bounds
+
+
+def _inputs(seq):
+    ids = torch.zeros(1, seq, dtype=torch.long)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _est(n, **over):
+    """Figures affine in the tile count ``n`` (``over``: a field made otherwise)."""
+    e = MemoryEstimate(peak_bytes=1000 + 70 * n, start_bytes=500 + 2 * n, step_peak_bytes=500 + 68 * n, parameters=400,
+                       trainable_parameters=100, buffers=0, inputs=2 * n, gradients=100, optimizer_states=200,
+                       activations=30 * n, largest_transient=9 * n, largest_transient_op="mm", peak_phase="backward",
+                       peak_graph="backward graph 1", peak_node=f"mul_{40 + 11 * n} (aten.mul.Tensor)",
+                       phase_peaks={"forward": 10 * n, "backward": 68 * n}, flops=1_000 * n,
+                       pass_stats={"tile_sequence": {"tiles": 2 * n, "regions": 2}, "loss": {"chunks": n * n}},
+                       op_peaks={"backward aten.mul.Tensor": 68 * n, "backward aten.mm.default": 60 * n + 5,
+                                 "forward aten.mm.default": 10 * n})
+    return dataclasses.replace(e, **over)
+
+
+def _ops(ests, op, f):
+    """``ests`` with ``op``'s local peak ``f(n)`` at 4, 5, 6 tiles."""
+    return [dataclasses.replace(e, op_peaks={**e.op_peaks, op: f(n)}) for n, e in zip(COUNTS, ests)]
+
+
+def test_combine_tiles_extrapolates_affine_figures_and_refuses_the_rest():
+    ests = [_est(n) for n in COUNTS]
+    out, why = combine_tiles(ests, COUNTS, 54)
+    assert why == "" and not out.provisional
+    want = _est(54)
+    assert all(getattr(out, f) == getattr(want, f) for f in AFFINE)
+    assert out.phase_peaks == want.phase_peaks and out.peak_bytes == 1000 + 70 * 54
+    assert out.pass_stats == {"tile_sequence": {"tiles": 108, "regions": 2}, "loss": {}}
+    assert "left out: loss.chunks" in out.notes[-1] and "checked" in out.notes[-1]
+    # two counts: the affine prediction, provisional
+    two, _ = combine_tiles(ests[:2], COUNTS, 54)
+    assert two.provisional and two.peak_bytes == want.peak_bytes
+    # a count with a second difference (one byte), the peak elsewhere, another phase: refused, with the reason
+    bent = ests[:2] + [dataclasses.replace(ests[2], activations=ests[2].activations + 1)]
+    assert combine_tiles(bent, COUNTS, 54) == (None, "activations is not affine in the tile count "
+                                                     "(120 / 150 / 181 at 4/5/6 tiles)")
+    moved = ests[:2] + [dataclasses.replace(ests[2], peak_phase="forward")]
+    assert combine_tiles(moved, COUNTS, 54)[0] is None
+    assert "another place" in combine_tiles(moved, COUNTS, 54)[1]
+    cuda = [dataclasses.replace(e, reserved_peak_bytes=2 << 20 if n < 6 else 4 << 20) for n, e in zip(COUNTS, ests)]
+    assert "reserved_peak_bytes is not affine" in combine_tiles(cuda, COUNTS, 54)[1]
+
+
+def test_combine_tiles_follows_an_op_that_overtakes_the_peak():
+    """Every op's local peak is extrapolated: one that grows faster overtakes the peak beyond the replayed counts
+    (below it at 4-6 tiles); an op's local peak not affine is refused in the peak's phase, named in another."""
+    ests = _ops([_est(n) for n in COUNTS], "backward sdpa_backward", lambda n: 80 * n - 100)
+    out, why = combine_tiles(ests, COUNTS, 54)
+    assert why == "" and out.step_peak_bytes == 80 * 54 - 100 and out.peak_bytes == (500 + 2 * 54) + 80 * 54 - 100
+    assert out.peak_node.startswith("sdpa_backward") and out.peak_phase == "backward"
+    assert any(n.startswith("the peak moves past 6 tiles: at 54 tiles it is after sdpa_backward") for n in out.notes)
+    assert out.phase_peaks["backward"] == 80 * 54 - 100
+    below = combine_tiles(_ops([_est(n) for n in COUNTS], "backward sdpa_backward", lambda n: 60 * n), COUNTS, 54)[0]
+    assert below.step_peak_bytes == 500 + 68 * 54 and below.peak_node.startswith("mul_")
+    bent = _ops([_est(n) for n in COUNTS], "backward aten.add.Tensor", lambda n: n * n)
+    assert "the local peak after backward aten.add.Tensor is not affine" in combine_tiles(bent, COUNTS, 54)[1]
+    other = _ops([_est(n) for n in COUNTS], "forward aten.mean.dim", lambda n: n * n)
+    out, why = combine_tiles(other, COUNTS, 54)
+    assert why == "" and out.peak_bytes == _est(54).peak_bytes
+    assert "left unchecked (below the peak, in another phase): forward aten.mean.dim" in out.notes[-1]
+    assert combine_tiles(_ops([_est(n) for n in COUNTS[:2]] + [dataclasses.replace(_est(6), op_peaks={})],
+                              "x", lambda n: n), COUNTS, 54)[0] is None
+
+
+def test_pinned_passes_cut_the_tiles_of_the_long_length():
+    """``pin_length``: the exact cut of the even cut's tile is the same tiles at that length; the loss's chunk
+    budget is pinned to the length's rows; a pipeline without tiles is not extrapolated."""
+    pinned, t = TileSequence(tile_rows=4096).pin_length(220_160)
+    assert (t, pinned.tile_rows, pinned.cut) == (4078, 4078, "exact")
+    assert _tile_bounds(220_160, 4096) == _tile_bounds(220_160, 4078, "exact")
+    assert len(_tile_bounds(220_160, 4096)) == 54 and _tile_bounds(220_160, 4096)[-1] == (216_134, 220_160)
+    # k tiles fewer: the same tiles
+    assert _tile_bounds(220_160 - 50 * 4078, 4078, "exact") == _tile_bounds(220_160, 4096)[:3] + [(12_234, 16_260)]
+    assert TileSequence(tile_rows=4096).pin_length(8191) == (TileSequence(tile_rows=4096), 0)  # not tiled
+    assert TileSequence(tile_rows=4096).pin_length(8192, batch=2)[1] == 2048
+    assert FuseCrossEntropy().pin_length(1000)[0].budget_rows == 1000
+    assert FuseCrossEntropy(chunk_bytes=4096).pin_length(1000)[0].budget_rows == 0
+    got = pin_pipeline([CheckpointActivations(policy="full"), FuseCrossEntropy(), TileSequence(tile_rows=16)], 250, 1)
+    assert got[1:] == (16, 16) and got[0][1].budget_rows == 250 and got[0][2].cut == "exact"
+    assert pin_pipeline([CheckpointActivations(policy="full"), FuseCrossEntropy()], 250, 1) is None
+    assert batch_of({"input_ids": torch.zeros(3, 250, dtype=torch.long), "use_cache": False}, 250) == 3
+
+
+@pytest.fixture(scope="module")
+def llama():
+    case = model_case("llama", seq=16, layers=2, attn="sdpa")
+    case.model.train()
+    return case.model
+
+
+_PASSES = [FuseAttention(), CheckpointActivations(policy="full"), FuseCrossEntropy(), TileSequence(tile_rows=16)]
+
+
+def _same(a, b) -> list:
+    return [f for f in list(AFFINE) + ["reserved_peak_bytes", "reserved_expandable_bytes", "phase_peaks", "peak_phase",
+                                       "peak_graph"] if getattr(a, f) != getattr(b, f)]
+
+
+@pytest.mark.slow  # ~60-120 CPU-s: 4 replays of a tiny Llama
+def test_extrapolated_figures_equal_a_real_replay(llama):
+    """A 2-block tiny Llama (fused attention, full checkpointing, fused loss, tiles of 16 rows) at 250 tokens: 16
+    tiles of 16 positions, the last 10. Extrapolated from 58, 74 and 90 tokens (4, 5, 6 tiles): every byte count,
+    each phase's peak and the FLOPs equal the replay at 250 tokens; the pinned pipeline at 250 tokens is the
+    same graph as the plan's (the same figures)."""
+    log = []
+    (ext,) = estimate_long(llama, _inputs, 250, [_PASSES], "adamw", screen=False, min_tiles=4, log=log, lowering="eager")
+    (real,) = estimate_many(llama, _inputs(250), [_PASSES], "adamw", lowering="eager")
+    assert _same(ext, real) == [], [(f, getattr(ext, f), getattr(real, f)) for f in _same(ext, real)]
+    assert ext.peak_bytes == real.peak_bytes and not ext.provisional
+    assert sorted(ext.tile_replays.short) == [58, 74, 90] and (ext.tile_replays.t, ext.tile_replays.n) == (16, 16)
+    # the forward's local peaks after a mul cross between 4 and 6 tiles (a max over places): named, not checked
+    assert log == ["250 tokens (16 tiles of 16): extrapolated from replays at 58, 74, 90 tokens (4, 5, 6 tiles); "
+                   "unchecked (not affine, another phase than the peak's): forward aten.mul.Tensor"]
+    assert ext.pass_stats["tile_sequence"]["tiles"] == real.pass_stats["tile_sequence"]["tiles"] == 32
+    (pinned,) = estimate_many(llama, _inputs(250), [ext.tile_replays.pipeline], "adamw", lowering="eager")
+    assert _same(pinned, real) == [] and pinned.pass_stats == real.pass_stats
+
+
+@pytest.mark.slow  # ~60-120 CPU-s
+def test_not_affine_falls_back_to_the_real_replay(llama):
+    """A CUDA plan (replayed on CPU fake tensors): the caching allocator rounds the tiny model's small blocks, so
+    the peak is not affine in the tile count; the length itself is replayed and the figure says so."""
+    log = []
+    (got,) = estimate_long(llama, _inputs, 250, [_PASSES], "adamw", screen=False, min_tiles=4, log=log,
+                           lowering="eager", device="cuda")
+    (real,) = estimate_many(llama, _inputs(250), [_PASSES], "adamw", lowering="eager", device="cuda")
+    assert _same(got, real) == [] and got.device_peak_bytes == real.device_peak_bytes
+    assert len(log) == 1 and "not extrapolated over the tile count" in log[0] and "not affine" in log[0]
+    assert "replayed at full length: not affine in the tile count" in got.notes[-1]
+    assert not hasattr(got, "tile_replays")
+
+
+@pytest.mark.slow  # ~5-8 CPU-min: the exhaustive scan replays every length once
+@pytest.mark.xfail(strict=True, reason="known limit (why min_tiles is opt-in): at 288 tokens (18 tiles) the backward's "
+                   "peak is at another add than at 4-6 tiles; the extrapolated peak one step more is 1,640,712 B, the "
+                   "real replay's 1,645,256 B")
+def test_max_seq_with_tile_extrapolation_equals_the_exhaustive_scan(llama):
+    """plan_max_seq with the tile extrapolation (past 8 tiles) against every multiple of 32 tokens replayed at
+    full length (the plan as given, no optimizer): the same answer, peak and peak one step more; the searched
+    lengths past 8 tiles were extrapolated (the note says so) and the others replayed. Fails today on the peak one
+    step more (a crossing beyond the replayed counts inside the peak's phase): a strict xfail, so a fix shows."""
+    step, max_len = 32, 384
+    scan = {s: estimate_many(llama, _inputs(s), [_PASSES], None, lowering="eager")[0].peak_bytes
+            for s in range(step, max_len + 1, step)}
+    budget = (scan[256] + scan[288]) // 2
+    res = plan_max_seq(llama, _inputs, budget, passes=_PASSES, optimizer=None, step=step, probes=(64, 128),
+                       max_len=max_len, lowering="eager", min_tiles=8)
+    fits = [s for s, p in scan.items() if p <= budget]
+    assert (res.seq, res.plan.peak_bytes, res.next_peak) == (max(fits), scan[max(fits)], scan[max(fits) + step])
+    assert res.seq == 256
+    ext = [re.match(r"([\d,]+) tokens \((\d+) tiles of (\d+)\): extrapolated", n) for n in res.notes]
+    ext = {int(m[1].replace(",", "")): (int(m[2]), int(m[3])) for m in ext if m}
+    assert ext and all(n > 8 and s in {r[0] for r in res.replays} for s, (n, _) in ext.items()), (ext, res.notes)
+    assert not any("not extrapolated" in n for n in res.notes)
