@@ -93,7 +93,7 @@ def _pipeline_of(passes, lora):
 def max_seq_config(config, batch: int, budget, allow=(), world_size: int = 1, passes=None, lora: int | None = None,
                    optimizer: str | None = "adamw", dtype: str | None = None, device: str = "cpu", step: int = 1024,
                    probes=(8192, 16384, 32768), max_len: int = 1 << 24, host_budget=None,
-                   allocator: str = "default"):
+                   allocator: str = "default", min_tiles: int | None = None):
     """(model, :class:`~effpass.planning.planner.MaxSeqResult`): the longest sequence of ``batch`` rows of a
     config that fits ``budget``, and its plan."""
     import torch
@@ -110,7 +110,8 @@ def max_seq_config(config, batch: int, budget, allow=(), world_size: int = 1, pa
 
     res = plan_max_seq(model, make_inputs, budget, allow=allow, passes=_pipeline_of(passes, lora),
                        optimizer=optimizer, world_size=world_size, device=device, step=step, probes=tuple(probes),
-                       max_len=max_len, lowering="eager", host_budget=host_budget, allocator=allocator)
+                       max_len=max_len, lowering="eager", host_budget=host_budget, allocator=allocator,
+                       min_tiles=min_tiles)
     return model, res
 
 
@@ -124,6 +125,10 @@ def _add_arguments(p) -> None:
     p.add_argument("--probes", type=int, nargs="+", default=[8192, 16384, 32768],
                    help="--max-seq: lengths every candidate plan is replayed at, to fit its peak against the length")
     p.add_argument("--max-len", dest="max_len", type=int, default=1 << 24, help="--max-seq: the longest length tried")
+    p.add_argument("--min-tiles", dest="min_tiles", type=int, default=None, metavar="N",
+                   help="--max-seq, opt-in: a length whose pipeline unrolls more than N tiles is predicted from replays "
+                        "at 4-6 tiles extrapolated over the tile count (faster; checked affine at three counts only, "
+                        "a weaker guarantee: docs/memory_planner.md, extrapolation over the tile count)")
     p.add_argument("--budget", required=True, help="memory per device, e.g. 24GiB")
     p.add_argument("--allow", nargs="*", default=[], help="lossy techniques the plan may use (the memory options registered passes declare, e.g. a quantized base or 8-bit optimizer states; docs/memory_planner.md)")
     p.add_argument("--world-size", dest="world_size", type=int, default=1, help="ranks (FSDP is tried when > 1)")
@@ -214,7 +219,8 @@ def _run_max_seq(args, passes) -> int:
                                     world_size=args.world_size, passes=passes, lora=args.lora,
                                     optimizer=None if args.optimizer == "none" else args.optimizer, dtype=args.dtype,
                                     device=args.device, step=args.step, probes=args.probes, max_len=args.max_len,
-                                    host_budget=args.host_budget, allocator=args.allocator)
+                                    host_budget=args.host_budget, allocator=args.allocator,
+                                    min_tiles=args.min_tiles)
     except MemoryBudgetError as e:
         print(f"effpass plan: {e}", file=sys.stderr)
         return 2

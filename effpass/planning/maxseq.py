@@ -155,6 +155,9 @@ def plan_max_seq(model: torch.nn.Module, make_inputs, memory_budget, allow: Iter
                            # NOTE(one device): a peak that moves beyond the short replays is known by its bytes,
                            # not by the gradients live there (what folding sharded gradients reads)
                            min_tiles=min_tiles if setup.world_size == 1 else None)
+    if min_tiles is not None and setup.world_size > 1:
+        search.tile_log.append(f"min_tiles={min_tiles} not used: extrapolation over the tile count is for one rank "
+                               f"(world_size={setup.world_size}); every length replayed")
     return search.run(screen)
 
 

@@ -180,3 +180,26 @@ def test_max_seq_with_tile_extrapolation_equals_the_exhaustive_scan(llama):
     ext = {int(m[1].replace(",", "")): (int(m[2]), int(m[3])) for m in ext if m}
     assert ext and all(n > 8 and s in {r[0] for r in res.replays} for s, (n, _) in ext.items()), (ext, res.notes)
     assert not any("not extrapolated" in n for n in res.notes)
+
+
+def test_cli_min_tiles_reaches_the_search_and_is_off_by_default(monkeypatch, tmp_path):
+    """``effpass plan --max-seq --min-tiles N`` opts in (``plan_max_seq(min_tiles=N)``); without it, None."""
+    import json
+
+    import effpass.planning.maxseq as maxseq
+    from effpass.cli import main
+
+    seen = []
+
+    def fake(*args, **kwargs):  # the CLI turns other exceptions into its own errors: stop with SystemExit
+        seen.append(kwargs.get("min_tiles", "absent"))
+        raise SystemExit("stopped before the search")
+
+    monkeypatch.setattr(maxseq, "plan_max_seq", fake)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict(model_type="llama", vocab_size=64, hidden_size=16, intermediate_size=32,
+                                   num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)))
+    for extra in (["--min-tiles", "12"], []):
+        with pytest.raises(SystemExit, match="stopped before the search"):
+            main(["plan", str(cfg), "--batch", "1", "--budget", "1GiB", "--max-seq", *extra])
+    assert seen == [12, None]
