@@ -235,6 +235,11 @@ INDEX = {'passes': {'quantize_linear': {'summary': 'Quantize linear weights in p
                                                 '0',
                                                 "bytes of one fp32 chunk of logits; 0: the larger of the batch's "
                                                 'hidden states and min(256, rows / 4) rows of logits'],
+                                               ['budget_rows',
+                                                '0',
+                                                'the default chunk budget computed as for a batch of this many '
+                                                "rows (0: the batch's own; the planner's short replays pin a long "
+                                                "sequence's chunks, effpass/planning/tiles.py)"],
                                                ['kernel',
                                                 "'effpass'",
                                                 "'effpass': effpass's custom ops, with the Triton tiles (logits "
@@ -335,7 +340,12 @@ INDEX = {'passes': {'quantize_linear': {'summary': 'Quantize linear weights in p
                                           ['tile_rows',
                                            '1024',
                                            "rows (batch x positions) per tile; regions with fewer than two tiles' "
-                                           'rows are left alone']]},
+                                           'rows are left alone'],
+                                          ['cut',
+                                           "'even'",
+                                           "'even': ceil(rows / tile_rows) tiles of one size; 'exact': tiles of "
+                                           'tile_rows, the last the rest, any region over tile_rows rows tiled '
+                                           "(the planner's replays, effpass/planning/tiles.py)"]]},
             'step_in_backward': {'summary': 'optimizer step per parameter inside backward; gradients freed at once '
                                             '(lossless)',
                                  'class': 'effpass.passes.step_in_backward.StepInBackward',
