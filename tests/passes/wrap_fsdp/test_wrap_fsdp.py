@@ -399,7 +399,22 @@ def scenario_resume_reference(rank, world, out_dir):
     return {"out": out, "stdout": printed.getvalue()}
 
 
-SCENARIOS = {"fused_losses": scenario_fused_losses, "fused_head": scenario_fused_head, "train": scenario_train, "passes": scenario_passes, "inductor": scenario_inductor,
+def scenario_killed(rank, world, out_dir):
+    """The killed-rank test's first job: the example's main() on ranks forked from the fork server (the same code
+    torchrun's ranks run, in an initialised job, as ``resume_reference``): rank 1 dies at step 3 (``os._exit``),
+    after the step-2 checkpoint. What each rank printed goes to ``out_dir/stdout<rank>``."""
+    import contextlib
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_fsdp", os.path.join(ROOT, "examples", "train_fsdp.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with open(os.path.join(out_dir, f"stdout{rank}"), "w", buffering=1) as f, contextlib.redirect_stdout(f):
+        mod.main([*KILLED_ARGS, "--ckpt-dir", os.path.join(out_dir, "ckpt"), "--fail-at-step", "3"])
+    return {}
+
+
+SCENARIOS = {"killed": scenario_killed, "fused_losses": scenario_fused_losses, "fused_head": scenario_fused_head, "train": scenario_train, "passes": scenario_passes, "inductor": scenario_inductor,
              "hsdp": scenario_hsdp, "tiled": scenario_tiled, "resume_reference": scenario_resume_reference}
 #: the 2-rank scenarios and the tests that read them: one spawn runs all that the session selected (process
 #: start, imports and the process group cost more than most scenarios), each writing its own result files
@@ -743,13 +758,17 @@ def _torchrun(args, env=None, check=True):
 @pytest.mark.xdist_group("wrap_fsdp_2ranks")
 def test_wrap_fsdp_killed_rank_relaunch_reaches_uninterrupted_weights(two_rank_runs, tmp_path):
     """A rank dies mid-run; the relaunched job resumes from the last checkpoint and ends bit-identical to the
-    uninterrupted run (the example's main() in the shared 2-rank spawn: one torchrun launch fewer)."""
+    uninterrupted run (the example's main() in the shared 2-rank spawn). The job that dies runs the example's main()
+    on 2 ranks forked from the preloaded fork server (its process starts and imports cost more than its 3 steps);
+    the relaunch is the documented torchrun command, the one torchrun launch of the example in the suite."""
     ref = _two_rank_results(two_rank_runs, "resume_reference")[0]
     common = KILLED_ARGS
     ckpt = tmp_path / "ckpt"
-    crashed = _torchrun([*common, "--ckpt-dir", str(ckpt), "--fail-at-step", "3"], check=False)
-    assert crashed.returncode != 0 and (ckpt / "failed_once").exists()
-    assert not (ckpt / "step_4").exists()
+    with pytest.raises(Exception, match="exit code 17|terminated with|Connection|connection"):
+        spawn("killed", 2, tmp_path)   # rank 1 exits with 17; rank 0, waiting for it, fails or is terminated
+    assert "rank 1: simulated crash at step 3" in (tmp_path / "stdout1").read_text()
+    assert (ckpt / "failed_once").exists() and (ckpt / "step_2" / ".metadata").exists()
+    assert not (ckpt / "step_4").exists() and not (tmp_path / "rank1.pt").exists()
     resumed = _torchrun([*common, "--ckpt-dir", str(ckpt), "--fail-at-step", "3", "--out", str(tmp_path / "b.pt")])
     assert "resumed from" in resumed.stdout and "step_2" in resumed.stdout
     a, b = torch.load(ref["out"]), torch.load(tmp_path / "b.pt")
