@@ -204,12 +204,15 @@ def scenario_inductor(rank, world, out_dir):
 
 
 def scenario_hsdp(rank, world, out_dir):
-    """4 ranks as 2 replica groups x 2 shards (HSDP) vs one process."""
+    """4 ranks as 2 replica groups x 2 shards (HSDP) vs one process. The units run eagerly (compile_units=False):
+    what the mesh changes is FSDP's collectives, which run outside a unit's graph (a compiled unit sees the gathered
+    parameters, as under the 2-rank tests' 1-D mesh); a compile on each of 4 ranks cost ~2 CPU-s a rank."""
     case = _llama(world)
     tokens = case.inputs["input_ids"]
     ref = copy.deepcopy(case.model)
     _train(ref, _adamw(ref.parameters()), tokens, 2)
-    model = effpass.compile(case.model, passes=[WrapFSDP(replicate=2)], lowering="eager", dump_dir=None)
+    model = effpass.compile(case.model, passes=[WrapFSDP(replicate=2, compile_units=False)], lowering="eager",
+                            dump_dir=None)
     _train(model, _adamw(model.parameters()), _local_batch(tokens, rank, world), 2)
     p = next(model.parameters())
     return {"ref": {n: p.detach() for n, p in ref.named_parameters()}, "final": _full_params(model),
@@ -743,6 +746,7 @@ def test_wrap_fsdp_four_ranks_hybrid_mesh(tmp_path):
         assert r["placements"] == ["R", "S(0)"]  # (replicate, shard) mesh
         assert r["local_numel"] * 2 == r["numel"]
         assert r["fsdp_stats"]["replicate"] == 2 and r["fsdp_stats"]["world_size"] == 4, r["fsdp_stats"]
+        assert r["fsdp_stats"]["units"] == 2 and r["fsdp_stats"]["compiled_units"] == 0, r["fsdp_stats"]
 
 
 def _torchrun(args, env=None, check=True):
