@@ -16,8 +16,11 @@ from effpass.planning import MemoryBudgetError, estimate_memory, plan_memory
 from effpass.planning.candidates import Candidate, _conflict, pipeline_with, usable_options
 from effpass.planning.cli import model_from_config
 
-#: the bench model of docs/long_sequence.md (hidden 512, 4 layers, vocabulary 32,000, 8,192 tokens), scaled down
-CFG = dict(model_type="llama", hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
+#: the bench model of docs/long_sequence.md (hidden 512, 4 layers, vocabulary 32,000, 8,192 tokens), scaled down;
+#: one block: the options form the same 12 pipelines at 1 and 2 blocks (a replay's cost is its trace, ~0.6x at 1), and
+#: the shared capture's byte equality with lone replays on 2 blocks is test_memory_planner.py's
+#: test_shared_replays_equal_separate_replays
+CFG = dict(model_type="llama", hidden_size=128, intermediate_size=352, num_hidden_layers=1, num_attention_heads=4,
            num_key_value_heads=1, vocab_size=4096, max_position_embeddings=4096, tie_word_embeddings=False)
 SEQ = 2048
 
