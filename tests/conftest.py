@@ -30,6 +30,18 @@ LONG_FIRST = (
 from _sweep import SWEEP_FRACTION, SWEEP_SEED, sample  # noqa: E402  (the sweep sample: tests/_sweep.py)
 
 
+@pytest.fixture(scope="session")
+def fork_server():
+    """A process with torch, transformers, TRL and effpass imported that runs each script (a README block, an
+    example) in a fresh forked child (tests/_fork_server.py). Its users are marked ``xdist_group("readme")``: one
+    worker starts one server for all of them."""
+    import _fork_server
+
+    proc = _fork_server.start()
+    yield proc
+    _fork_server.stop(proc)
+
+
 def pytest_report_header(config):
     if SWEEP_SEED is None:
         return "effpass sweeps: every case (EFFPASS_TEST_SWEEP=full)"

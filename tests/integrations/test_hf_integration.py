@@ -11,8 +11,6 @@ import dataclasses
 import inspect
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -356,13 +354,18 @@ def test_adapter_bad_input_is_a_clear_error(tmp_path):
 # 7. the examples
 # ------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.xdist_group("readme")  # the fork server of the README's blocks (tests/conftest.py): one per run
 @pytest.mark.parametrize("script", ["hf_trainer.py", "trl_sft.py"])
-def test_example_runs(script, tmp_path):
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "EFFPASS_LOWERING": "eager"}
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script)], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "matches eager" in out.stdout
+def test_example_runs(script, tmp_path, fork_server):
+    """Each example runs as a script in its own process, forked from a server that imported torch, transformers,
+    TRL and effpass once (tests/_fork_server.py: ~8 CPU-s of imports per example otherwise); it must exit 0 and
+    print that its losses match eager (the example asserts the match itself)."""
+    import _fork_server
+
+    path = os.path.join(ROOT, "examples", script)
+    out = _fork_server.run_block(fork_server, open(path).read(), tmp_path, env={"EFFPASS_LOWERING": "eager"},
+                                 name=path)
+    assert "matches eager" in out
 
 
 def test_sft_trainer_with_an_adapter_on_lm_head_is_a_clear_error(tmp_path):

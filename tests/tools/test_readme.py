@@ -8,63 +8,15 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
+from _fork_server import run_block as _run_block  # the session fixture fork_server: tests/conftest.py
 from _paths import ROOT  # noqa: E402  (the repository's root)
 BLOCKS = re.findall(r"```python\n(.*?)```", open(os.path.join(ROOT, "README.md")).read(), re.S)
 FIRST_HOUR = re.search(r"## The first hour\n(.*?)\n## ", open(os.path.join(ROOT, "README.md")).read(), re.S).group(1)
 # the first hour's Python block runs in test_first_hour_runs_every_command (with its commands after it), not twice
 RUNNABLE = [b for b in BLOCKS if "(sketch" not in b and b not in FIRST_HOUR]
-
-# Reads one JSON request per line ({"code", "cwd"}), forks, runs the code in the child as a script would run
-# (a fresh __main__ namespace, stdout and stderr to files in cwd), answers with the child's exit status.
-FORK_SERVER = textwrap.dedent('''
-    import json, os, signal, sys, traceback
-    import torch, transformers, effpass, effpass.passes, effpass.testing  # noqa: F401  (preloaded, not bound)
-    for line in sys.stdin:
-        req = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            signal.alarm(600)  # a block that hangs fails (SIGALRM ends the child) instead of hanging the test
-            try:
-                os.chdir(req["cwd"])
-                for fd, name in ((1, "stdout.txt"), (2, "stderr.txt")):
-                    f = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-                    os.dup2(f, fd)
-                    os.close(f)
-                sys.stdout = os.fdopen(1, "w", buffering=1)
-                sys.stderr = os.fdopen(2, "w", buffering=1)
-                sys.argv = ["-c"]
-                exec(compile(req["code"], "<README block>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-                code = 0
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        print(json.dumps({"status": os.waitstatus_to_exitcode(status)}), flush=True)
-    os._exit(0)  # stdin closed: done (no interpreter teardown of the preloaded modules)
-''')
-
-
-@pytest.fixture(scope="module")
-def fork_server():
-    proc = subprocess.Popen([sys.executable, "-c", FORK_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    yield proc
-    proc.stdin.close()
-    try:
-        proc.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def test_readme_has_examples():
@@ -75,18 +27,6 @@ def test_readme_has_examples():
 @pytest.mark.parametrize("block", RUNNABLE, ids=[f"block{i}" for i in range(len(RUNNABLE))])
 def test_readme_example_runs(block, tmp_path, fork_server):
     _run_block(fork_server, block, tmp_path)
-
-
-def _run_block(fork_server, block: str, cwd) -> str:
-    """Runs ``block`` in a process forked from the fork server, in ``cwd``; fails unless it exits 0; its stdout."""
-    fork_server.stdin.write(json.dumps({"code": block, "cwd": str(cwd)}) + "\n")
-    fork_server.stdin.flush()
-    line = fork_server.stdout.readline()
-    assert line, f"the fork server died (exit code {fork_server.poll()})"
-    status = json.loads(line)["status"]
-    why = "timed out after 600 s" if status == -14 else f"exit status {status}"
-    assert status == 0, f"{why}\n" + (cwd / "stderr.txt").read_text()[-3000:]
-    return (cwd / "stdout.txt").read_text()
 
 
 def test_readme_lists_every_option_and_environment_variable():
