@@ -245,7 +245,8 @@ def _qlora_llama(seq=96):
     import transformers as tf
 
     torch.manual_seed(0)
-    cfg = tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    # one block: what is checked (a tile's copies of weight-only nodes, what the forward saves) is per block
+    cfg = tf.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     cfg._attn_implementation = "sdpa"
     ids = torch.randint(3, 128, (1, seq), generator=torch.Generator().manual_seed(1))
@@ -283,15 +284,15 @@ def test_quantized_base_lora_checkpoint_and_tiles_save_no_weight_copy(scheme, ck
         saved[name] = list(_SAVED)
         if tiles:
             st = effpass.report(m).stats("tile_sequence")
-            # the two MLP regions, and the final norm + output head (it widens 64 -> 128: the loss is not fused)
-            assert st["regions"] == 3 and st["tiles"] == 9, st
+            # the block's MLP region, and the final norm + output head (it widens 64 -> 128: the loss is not fused)
+            assert st["regions"] == 2 and st["tiles"] == 6, st
             # nodes a tile copied that read no row (a weight's transpose, cast or dequantization): every tile of
             # a region copies the same ones (3 tiles per region), at least one per linear it holds (3 in each MLP
             # tile, lm_head in each head tile)
-            per_tile = 3 + 3 + 1
+            per_tile = 3 + 1
             assert st["weight_nodes_left"] % 3 == 0 and st["weight_nodes_left"] >= 3 * per_tile, st
             if scheme:
-                assert effpass.report(m).stats("quantize_linear", "module")["quantized"] >= 7 * 2
+                assert effpass.report(m).stats("quantize_linear", "module")["quantized"] >= 7
     (l0, g0), (l1, g1) = grads["untiled"], grads["tiled"]
     assert any("lora" in n for n in g0) and g0.keys() == g1.keys()
     assert abs(l0 - l1) <= 1e-6 * abs(l0)
