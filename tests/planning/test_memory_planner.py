@@ -19,7 +19,7 @@ SEQ, BATCH = 64, 2
 
 
 def _case(name, **kw):
-    return model_case(name, layers=2, seq=SEQ, batch=BATCH, **kw)
+    return model_case(name, **{"layers": 2, "seq": SEQ, "batch": BATCH, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +234,7 @@ def eager_attention_replays():
 
 def test_budget_plan_fits_and_keeps_gradients(eager_attention_replays):
     """compile(memory_budget=...) picks a lossless plan whose measured peak fits; gradients equal the plain step's."""
-    case = _case("llama", attn="eager")
+    case = _case("llama", attn="eager", layers=1)
     ref = copy.deepcopy(case.model)
     plain = _measure(ref, case.inputs, [], keep_grads=True)
     budget = int(0.9 * plain.peak_bytes)
@@ -263,7 +263,7 @@ def test_budget_plan_fits_and_keeps_gradients(eager_attention_replays):
 
 
 def test_nothing_fits_names_the_smallest_plan(eager_attention_replays):
-    case = _case("llama", attn="eager")
+    case = _case("llama", attn="eager", layers=1)
     params = sum(p.numel() * p.element_size() for p in case.model.parameters())
     cache = eager_attention_replays  # shared with test_budget_plan_fits_and_keeps_gradients (same model and options)
     with pytest.raises(MemoryBudgetError, match=r"smallest achievable predicted peak is .* with plan 'checkpoint") as e:
