@@ -54,7 +54,7 @@ def test_prediction_matches_measurement(name, combo, plain_llama):
         case, est = plain_llama
         case = case.fresh()
     else:
-        case = _case(name)
+        case = _case(name, layers=1)  # the step's peak is the same kind of sum on one block (llama-none has two)
         est = estimate_memory(case.model, case.inputs, passes=COMBOS[combo](case), lowering="eager")
     # the user's model is untouched by the estimate (it works on a fake copy)
     assert not any(isinstance(m, effpass.passes.lora.LoRALinear) for m in case.model.modules())
