@@ -344,7 +344,7 @@ SECTIONS = {
               dict(budgets=[80], seq=256)),
     "maxseq": (("full", "lora", "qlora"), dict(model="Llama-3.1-8B", budgets=[24, 48, 80], step=1024,
                                              probes=[16384, 32768], screen=True,
-                                             min_tiles=0),  # --min_tiles 12: extrapolated over tiles (opt-in)
+                                             min_tiles=12),  # --min_tiles 0: every length replayed
                dict(budgets=[80], probes=[4096], step=4096)),
 }
 

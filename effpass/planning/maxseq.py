@@ -16,7 +16,7 @@ from .candidates import Candidate, MemoryBudgetError, MemoryPlan, neighbourhood,
 from .estimate import confirm_many, estimate_many, with_optimizer
 from .result import format_bytes
 from .setup import PlanSetup, prepare
-from .tiles import confirm_long, estimate_long
+from .tiles import MIN_TILES, confirm_long, estimate_long
 
 __all__ = ["plan_max_seq", "MaxSeqResult"]
 
@@ -101,7 +101,7 @@ def plan_max_seq(model: torch.nn.Module, make_inputs, memory_budget, allow: Iter
                  probes: tuple = (8192, 16384, 32768), max_len: int = 1 << 24, min_len: int | None = None,
                  device=None, loss_fn=None, max_replays: int = 12, screen: bool = True,
                  cache: dict | None = None, host_budget=None, allocator: str = "default",
-                 min_tiles: int | None = None, **compile_options) -> MaxSeqResult:
+                 min_tiles: int | None = MIN_TILES, **compile_options) -> MaxSeqResult:
     """The longest sequence (a multiple of ``step``) whose predicted training-step peak fits ``memory_budget``,
     and the plan that fits it. ``make_inputs(seq)`` builds the step's inputs at a sequence length.
 
@@ -136,7 +136,7 @@ def plan_max_seq(model: torch.nn.Module, make_inputs, memory_budget, allow: Iter
     it at a length is out of the running there: host bytes grow with the length); ``allocator``: as
     ``plan_memory``'s (``"expandable"``: the reserved bytes with expandable segments).
 
-    ``min_tiles`` (e.g. ``tiles.MIN_TILES``; None: off, and never with ``world_size > 1``): at a length where a
+    ``min_tiles`` (default ``tiles.MIN_TILES``, 12; None: off, and never with ``world_size > 1``): at a length where a
     plan's pipeline unrolls more tiles than this (``tile_sequence``), the search uses figures extrapolated over the
     tile count from replays at 4, 5 and 6 tiles of the same size (:mod:`effpass.planning.tiles`; short replays
     shared between lengths whose pinned pipelines are the same). Such a figure is a lower bound of the replay's

@@ -190,8 +190,8 @@ def test_max_seq_with_tile_extrapolation_answers_with_real_replays(llama):
     assert sorted(replays) == [64, 64, 80, 96, 128, 256], replays  # probes 64, 128; 4-6 tiles once; 256 real
 
 
-def test_cli_min_tiles_reaches_the_search_and_is_off_by_default(monkeypatch, tmp_path):
-    """``effpass plan --max-seq --min-tiles N`` opts in (``plan_max_seq(min_tiles=N)``); without it, None."""
+def test_cli_min_tiles_reaches_the_search_on_by_default(monkeypatch, tmp_path):
+    """``effpass plan --max-seq --min-tiles N`` reaches ``plan_max_seq(min_tiles=N)``; without it, 12; 0: None."""
     import json
 
     import effpass.planning.maxseq as maxseq
@@ -207,7 +207,7 @@ def test_cli_min_tiles_reaches_the_search_and_is_off_by_default(monkeypatch, tmp
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(dict(model_type="llama", vocab_size=64, hidden_size=16, intermediate_size=32,
                                    num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)))
-    for extra in (["--min-tiles", "12"], []):
+    for extra in (["--min-tiles", "8"], [], ["--min-tiles", "0"]):
         with pytest.raises(SystemExit, match="stopped before the search"):
             main(["plan", str(cfg), "--batch", "1", "--budget", "1GiB", "--max-seq", *extra])
-    assert seen == [12, None]
+    assert seen == [8, 12, None]
