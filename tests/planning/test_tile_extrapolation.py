@@ -164,8 +164,8 @@ def test_max_seq_with_tile_extrapolation_answers_with_real_replays(llama):
     tokens: the answer (256, what the exhaustive scan of real replays gave: every multiple of 32 up to 384, the
     peak increasing) and its peak are the real replay's byte for byte; the peak one step more is extrapolated
     (1,640,712 B, a crossing beyond the replayed counts), labelled a lower bound and under the real 1,645,256 B.
-    Structural: 256 was searched extrapolated, then replayed at full length; the short replays were shared (4
-    and 5 tiles of 16 once for 256 and 288)."""
+    Structural: 256 was searched extrapolated, then replayed at full length (288 never); the short replays
+    (not shared here: the loss's chunk rows, pinned, differ between 256 and 288)."""
     step = 32
     real = {s: estimate_many(llama, _inputs(s), [_PASSES], None, lowering="eager")[0].peak_bytes for s in (256, 288)}
     budget = (real[256] + real[288]) // 2
@@ -187,7 +187,7 @@ def test_max_seq_with_tile_extrapolation_answers_with_real_replays(llama):
     ext = [re.match(r"([\d,]+) tokens \((\d+) tiles of (\d+)\): extrapolated", n) for n in res.notes]
     ext = {int(m[1].replace(",", "")): (int(m[2]), int(m[3])) for m in ext if m}
     assert ext == {256: (16, 16), 288: (18, 16)}, res.notes
-    assert sorted(replays) == [64, 64, 80, 96, 128, 256], replays  # probes 64, 128; 4-6 tiles once; 256 real
+    assert sorted(replays) == [64, 64, 64, 80, 80, 96, 128, 256], replays  # probes; 4-5 tiles x 2, 6 for 288; 256
 
 
 def test_cli_min_tiles_reaches_the_search_on_by_default(monkeypatch, tmp_path):
@@ -211,3 +211,25 @@ def test_cli_min_tiles_reaches_the_search_on_by_default(monkeypatch, tmp_path):
         with pytest.raises(SystemExit, match="stopped before the search"):
             main(["plan", str(cfg), "--batch", "1", "--budget", "1GiB", "--max-seq", *extra])
     assert seen == [8, 12, None]
+
+
+def test_short_replays_are_shared_between_lengths_with_the_same_pinned_pipeline():
+    """Two long lengths whose pinned pipelines are the same (tiles of 16, no loss pass): the second reuses the
+    first's short replays (``shared``); a full (unscreened) request does not take a screened one. Numerical:
+    the figures are the affine extrapolation of the fake replays at each length's tile count."""
+    seen = []
+
+    def fake(model, inputs, pipelines, optimizer, *, screen, **kw):
+        n = inputs["input_ids"].shape[-1] // 16
+        seen.append((n, screen))
+        return [_est(n) for _ in pipelines]
+
+    shared, passes = {}, [TileSequence(tile_rows=16)]
+    a = estimate_long(None, _inputs, 256, [passes], None, screen=True, min_tiles=8, estimate=fake, shared=shared)
+    b = estimate_long(None, _inputs, 288, [passes], None, screen=True, min_tiles=8, estimate=fake, shared=shared)
+    assert seen == [(4, True), (5, True)]  # 288's short replays: 256's
+    assert (a[0].peak_bytes, b[0].peak_bytes) == (_est(16).peak_bytes, _est(18).peak_bytes)
+    for e in shared.values():
+        e.provisional = True  # as a depth-screened replay is
+    estimate_long(None, _inputs, 320, [passes], None, screen=False, min_tiles=8, estimate=fake, shared=shared)
+    assert seen[2:] == [(4, False), (5, False), (6, False)]
