@@ -377,7 +377,9 @@ def markdown(run: dict) -> str:
     for r in failed:
         text += (f"\n{r['arm']}: {r.get('status')} ("
                  f"{(str(r.get('error', '')).strip().splitlines() or ['?'])[-1][:200]}); its finished rows are above.\n")
-    return text
+    # a run's "remarks": what was measured around the run (the whole command under /usr/bin/time, ...), added to
+    # its JSON afterwards by whoever ran it, so that a re-rendering keeps them
+    return text + "".join(f"\n{x}\n" for x in run.get("remarks", []))
 
 
 def main() -> None:
