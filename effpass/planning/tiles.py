@@ -13,9 +13,12 @@ the largest extrapolated op peak; when they are not affine, ``seq`` itself is re
 Screened (``screen=True``): the first two counts (and the first two depths), a provisional figure that
 :func:`confirm_long` checks at the third count and depth.
 
-Limit (why ``plan_max_seq`` uses it only when asked, ``min_tiles``): the step's live bytes are a max over places,
-each affine; two places under one op can cross beyond the replayed counts and no check at three counts sees it
-(a 2-block tiny Llama at 18 tiles: 4,544 B under the real replay; docs/memory_planner.md).
+What an extrapolated peak is: a lower bound. The step's live bytes are a max over places, each affine in the tile
+count (and in the tile's index: its max over the tiles is at the first or the last), so the peak is convex in the
+count and its extension through the last two replayed counts never exceeds it; two places under one op can cross
+beyond the replayed counts and no check at three counts sees it (a 2-block tiny Llama at 18 tiles: 4,544 B under
+the real replay; docs/memory_planner.md). So ``plan_max_seq`` takes only "over the budget" from an extrapolated
+figure and replays the length it answers.
 """
 from __future__ import annotations
 

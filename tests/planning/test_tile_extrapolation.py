@@ -160,7 +160,7 @@ def test_not_affine_falls_back_to_the_real_replay(llama):
 
 @pytest.mark.slow  # ~65 CPU-s: two real replays (the oracle), the search (short replays shared; one real replay)
 def test_max_seq_with_tile_extrapolation_answers_with_real_replays(llama):
-    """plan_max_seq with the tile extrapolation (past 8 tiles), the budget between the real peaks at 256 and 288
+    """plan_max_seq with the tile extrapolation (the default: past 12 tiles), the budget between the real peaks at 256 and 288
     tokens: the answer (256, what the exhaustive scan of real replays gave: every multiple of 32 up to 384, the
     peak increasing) and its peak are the real replay's byte for byte; the peak one step more is extrapolated
     (1,640,712 B, a crossing beyond the replayed counts), labelled a lower bound and under the real 1,645,256 B.
@@ -178,7 +178,7 @@ def test_max_seq_with_tile_extrapolation_answers_with_real_replays(llama):
         mp.setattr(maxseq, "estimate_long", spy)
         mp.setattr(maxseq, "estimate_many", count)
         res = plan_max_seq(llama, _inputs, budget, passes=_PASSES, optimizer=None, step=step, probes=(64, 128),
-                           max_len=384, lowering="eager", min_tiles=8)
+                           max_len=384, lowering="eager")  # the default: min_tiles=12
     assert (res.seq, res.plan.peak_bytes) == (256, real[256])
     assert real[256] <= budget < real[288] and res.next_peak_bound and res.next_peak <= real[288]
     assert res.next_peak == 1_640_712 and "at least" in res.summary() and "a lower bound" in res.summary()
