@@ -328,7 +328,8 @@ def md_maxseq(rows, step, probes, **_):
           "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         md.append(f"| {r['mode']} | {r['budget_gib']} GiB | {r['seq']:,} | {r['plan']} | {format_bytes(r['peak'])} | "
-                  f"{'at least ' * bool(r.get('next_peak_bound'))}{format_bytes(r['next_peak']) if r['next_peak'] else '-'} | "
+                  f"{'at least ' * bool(r.get('next_peak_bound'))}"
+                  f"{format_bytes(r['next_peak']) if r['next_peak'] else '-'} | "
                   f"{PUBLISHED[r['mode']] if r['budget_gib'] == 80 else ''} | {r['seconds']}"
                   f"{' / ' + str(r['cpu_s']) + ' CPU' if r.get('cpu_s') is not None else ''} "
                   f"({r['load']:.0f}{', screened' if r.get('screen') else ''}) |")

@@ -47,9 +47,9 @@ class MaxSeqResult:
         return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
 
     def summary(self) -> str:
+        bound = " (extrapolated over the tile count: a lower bound)" if self.next_peak_bound else ""
         nxt = (f"; at {self.seq + self.step:,} tokens it needs {'at least ' * self.next_peak_bound}"
-               f"{format_bytes(self.next_peak)}" + (" (extrapolated over the tile count: a lower bound)"
-                                                    if self.next_peak_bound else "") if self.next_peak is not None else "")
+               f"{format_bytes(self.next_peak)}{bound}" if self.next_peak is not None else "")
         lines = [f"longest sequence that fits {format_bytes(self.budget)}"
                  + (f" per rank ({self.plan.world_size} ranks)" if self.plan.world_size > 1 else "")
                  + f": {self.seq:,} tokens (in steps of {self.step}) with {self.plan.chosen.name}",
@@ -435,7 +435,8 @@ class _MaxSeqSearch:
                 got = self.replay_many(cs_, s_, full=True)
             finally:
                 self.min_tiles = min_tiles
-            if real and (any(isinstance(r, BaseException) for r in got) or all(r.device_peak_bytes > budget for r in got)):
+            if real and (any(isinstance(r, BaseException) for r in got)
+                         or all(r.device_peak_bytes > budget for r in got)):
                 self.min_tiles, self._tiles_off = None, True
                 self.tile_log.append(f"{s_:,} tokens fit by the extrapolation over the tile count but not replayed at "
                                      f"full length: searched again without the extrapolation")

@@ -3,9 +3,10 @@ replays at 4, 5 and 6 tiles of the same size, checked affine byte for byte; wher
 itself is replayed and a note says so.
 
 Oracles: numerical (the extrapolated figures equal a real replay at the long length byte for byte; the
-max-seq answer with extrapolation, and its peak, are real replays' (one step more: a labelled lower bound); ``combine_tiles`` on analytic
-figures equals the affine formula), structural (the lengths replayed and their tile counts, the pinned
-passes' tiles, the fallback note when the figures are not affine, the pass statistics left out).
+max-seq answer with extrapolation, and its peak, are real replays' (one step more: a labelled lower bound);
+``combine_tiles`` on analytic figures equals the affine formula), structural (the lengths replayed and their
+tile counts, the pinned passes' tiles, the fallback note when the figures are not affine, the pass statistics
+left out, the short replays shared between lengths).
 """
 import dataclasses
 import importlib
@@ -158,10 +159,10 @@ def test_not_affine_falls_back_to_the_real_replay(llama):
     assert not hasattr(got, "tile_replays")
 
 
-@pytest.mark.slow  # ~65 CPU-s: two real replays (the oracle), the search (short replays shared; one real replay)
+@pytest.mark.slow  # ~60 CPU-s: two real replays (the oracle), the search (short replays, one real replay)
 def test_max_seq_with_tile_extrapolation_answers_with_real_replays(llama):
-    """plan_max_seq with the tile extrapolation (the default: past 12 tiles), the budget between the real peaks at 256 and 288
-    tokens: the answer (256, what the exhaustive scan of real replays gave: every multiple of 32 up to 384, the
+    """plan_max_seq with the tile extrapolation (the default: past 12 tiles), the budget between the real peaks
+    at 256 and 288 tokens: the answer (256, what the exhaustive scan of real replays gave: every multiple of 32 up to 384, the
     peak increasing) and its peak are the real replay's byte for byte; the peak one step more is extrapolated
     (1,640,712 B, a crossing beyond the replayed counts), labelled a lower bound and under the real 1,645,256 B.
     Structural: 256 was searched extrapolated, then replayed at full length (288 never); the short replays
@@ -172,7 +173,8 @@ def test_max_seq_with_tile_extrapolation_answers_with_real_replays(llama):
     import effpass.planning.maxseq as maxseq
 
     calls, replays, orig, orig_many = [], [], maxseq.estimate_long, maxseq.estimate_many
-    spy = lambda m, mk, seq, pipes, opt, **kw: calls.append((seq, kw["min_tiles"])) or orig(m, mk, seq, pipes, opt, **kw)
+    spy = lambda m, mk, seq, pipes, opt, **kw: (  # noqa: E731
+        calls.append((seq, kw["min_tiles"])) or orig(m, mk, seq, pipes, opt, **kw))
     count = lambda m, inputs, *a, **kw: replays.append(inputs["input_ids"].shape[-1]) or orig_many(m, inputs, *a, **kw)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(maxseq, "estimate_long", spy)
