@@ -293,7 +293,8 @@ def maxseq(modes=("full", "lora", "qlora"), budgets=(24, 48, 80), step=1024, pro
                                    lowering="eager", screen=screen, cache=cache, min_tiles=min_tiles)
                 row = dict(mode=mode, budget_gib=gib, seq=res.seq, plan=res.plan.chosen.name,
                            pipeline=[p.name for p in res.plan.passes], peak=res.plan.peak_bytes,
-                           next_peak=res.next_peak, replays=res.replays, fits=[list(f[:4]) for f in res.fits],
+                           next_peak=res.next_peak, next_peak_bound=res.next_peak_bound, replays=res.replays,
+                           fits=[list(f[:4]) for f in res.fits],
                            notes=res.notes)
             except MemoryBudgetError as e:
                 row = dict(mode=mode, budget_gib=gib, seq=0, plan=f"nothing fits (smallest {format_bytes(e.smallest)}"
@@ -321,11 +322,13 @@ def md_maxseq(rows, step, probes, **_):
           f"(EFFPASS_PLAN_WORKERS=1) on the "
           f"shared 2-core CPU, 1-minute load average in brackets; a mode's first budget replays the probes, later "
           f"ones reuse them; 'screened': search on two-depth figures, the answering pair confirmed at three "
-          f"(plan_max_seq(screen=True)), else three depths for every figure.\n",
+          f"(plan_max_seq(screen=True)), else three depths for every figure; 'at least': extrapolated over the tile "
+          f"count, a lower bound (plan_max_seq's next_peak_bound).\n",
           "| mode | budget | longest sequence (predicted) | plan added | predicted peak | at +1 step | published (80 GB) | seconds (load) |",
           "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         md.append(f"| {r['mode']} | {r['budget_gib']} GiB | {r['seq']:,} | {r['plan']} | {format_bytes(r['peak'])} | "
+                  f"{'at least ' * bool(r.get('next_peak_bound'))}"
                   f"{format_bytes(r['next_peak']) if r['next_peak'] else '-'} | "
                   f"{PUBLISHED[r['mode']] if r['budget_gib'] == 80 else ''} | {r['seconds']}"
                   f"{' / ' + str(r['cpu_s']) + ' CPU' if r.get('cpu_s') is not None else ''} "
@@ -344,7 +347,7 @@ SECTIONS = {
               dict(budgets=[80], seq=256)),
     "maxseq": (("full", "lora", "qlora"), dict(model="Llama-3.1-8B", budgets=[24, 48, 80], step=1024,
                                              probes=[16384, 32768], screen=True,
-                                             min_tiles=0),  # --min_tiles 12: extrapolated over tiles (opt-in)
+                                             min_tiles=12),  # --min_tiles 0: every length replayed
                dict(budgets=[80], probes=[4096], step=4096)),
 }
 
@@ -375,7 +378,9 @@ def markdown(run: dict) -> str:
     for r in failed:
         text += (f"\n{r['arm']}: {r.get('status')} ("
                  f"{(str(r.get('error', '')).strip().splitlines() or ['?'])[-1][:200]}); its finished rows are above.\n")
-    return text
+    # a run's "remarks": what was measured around the run (the whole command under /usr/bin/time, ...), added to
+    # its JSON afterwards by whoever ran it, so that a re-rendering keeps them
+    return text + "".join(f"\n{x}\n" for x in run.get("remarks", []))
 
 
 def main() -> None:

@@ -93,7 +93,7 @@ def _pipeline_of(passes, lora):
 def max_seq_config(config, batch: int, budget, allow=(), world_size: int = 1, passes=None, lora: int | None = None,
                    optimizer: str | None = "adamw", dtype: str | None = None, device: str = "cpu", step: int = 1024,
                    probes=(8192, 16384, 32768), max_len: int = 1 << 24, host_budget=None,
-                   allocator: str = "default", min_tiles: int | None = None):
+                   allocator: str = "default", min_tiles: int | None = 12):
     """(model, :class:`~effpass.planning.planner.MaxSeqResult`): the longest sequence of ``batch`` rows of a
     config that fits ``budget``, and its plan."""
     import torch
@@ -111,7 +111,7 @@ def max_seq_config(config, batch: int, budget, allow=(), world_size: int = 1, pa
     res = plan_max_seq(model, make_inputs, budget, allow=allow, passes=_pipeline_of(passes, lora),
                        optimizer=optimizer, world_size=world_size, device=device, step=step, probes=tuple(probes),
                        max_len=max_len, lowering="eager", host_budget=host_budget, allocator=allocator,
-                       min_tiles=min_tiles)
+                       min_tiles=min_tiles or None)
     return model, res
 
 
@@ -125,10 +125,11 @@ def _add_arguments(p) -> None:
     p.add_argument("--probes", type=int, nargs="+", default=[8192, 16384, 32768],
                    help="--max-seq: lengths every candidate plan is replayed at, to fit its peak against the length")
     p.add_argument("--max-len", dest="max_len", type=int, default=1 << 24, help="--max-seq: the longest length tried")
-    p.add_argument("--min-tiles", dest="min_tiles", type=int, default=None, metavar="N",
-                   help="--max-seq, opt-in: a length whose pipeline unrolls more than N tiles is predicted from replays "
-                        "at 4-6 tiles extrapolated over the tile count (faster; checked affine at three counts only, "
-                        "a weaker guarantee: docs/memory_planner.md, extrapolation over the tile count)")
+    p.add_argument("--min-tiles", dest="min_tiles", type=int, default=12, metavar="N",
+                   help="--max-seq: the search predicts a length whose pipeline unrolls more than N tiles from replays "
+                        "at 4-6 tiles extrapolated over the tile count (a lower bound: only 'over the budget' is taken "
+                        "from it; the answer is replayed at full length); 0: every length replayed (default 12; "
+                        "docs/memory_planner.md, extrapolation over the tile count)")
     p.add_argument("--budget", required=True, help="memory per device, e.g. 24GiB")
     p.add_argument("--allow", nargs="*", default=[], help="lossy techniques the plan may use (the memory options registered passes declare, e.g. a quantized base or 8-bit optimizer states; docs/memory_planner.md)")
     p.add_argument("--world-size", dest="world_size", type=int, default=1, help="ranks (FSDP is tried when > 1)")

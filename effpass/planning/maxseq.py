@@ -16,7 +16,7 @@ from .candidates import Candidate, MemoryBudgetError, MemoryPlan, neighbourhood,
 from .estimate import confirm_many, estimate_many, with_optimizer
 from .result import format_bytes
 from .setup import PlanSetup, prepare
-from .tiles import confirm_long, estimate_long
+from .tiles import MIN_TILES, confirm_long, estimate_long
 
 __all__ = ["plan_max_seq", "MaxSeqResult"]
 
@@ -31,6 +31,7 @@ class MaxSeqResult:
     budget: int
     plan: MemoryPlan
     next_peak: int | None                 #: predicted peak at seq + step with the same plan (> budget), None at max_len
+    next_peak_bound: bool = False         #: next_peak extrapolated over the tile count: a lower bound of the replay's
     fits: list = field(default_factory=list)      #: per candidate: (name, lossy, restricted, fitted seq, probe peaks)
     probes: tuple = ()
     replays: list = field(default_factory=list)   #: (seq, predicted peak, fits) of the search at the answer
@@ -46,8 +47,9 @@ class MaxSeqResult:
         return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
 
     def summary(self) -> str:
-        nxt = (f"; at {self.seq + self.step:,} tokens it needs {format_bytes(self.next_peak)}"
-               if self.next_peak is not None else "")
+        bound = " (extrapolated over the tile count: a lower bound)" if self.next_peak_bound else ""
+        nxt = (f"; at {self.seq + self.step:,} tokens it needs {'at least ' * self.next_peak_bound}"
+               f"{format_bytes(self.next_peak)}{bound}" if self.next_peak is not None else "")
         lines = [f"longest sequence that fits {format_bytes(self.budget)}"
                  + (f" per rank ({self.plan.world_size} ranks)" if self.plan.world_size > 1 else "")
                  + f": {self.seq:,} tokens (in steps of {self.step}) with {self.plan.chosen.name}",
@@ -59,6 +61,7 @@ class MaxSeqResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"seq": self.seq, "step": self.step, "budget": self.budget, "next_peak": self.next_peak,
+                "next_peak_is_lower_bound": self.next_peak_bound,
                 "plan": self.plan.to_dict(), "probes": list(self.probes), "replays": self.replays,
                 "candidates": [{"plan": n, "lossy": l, "restricted": r, "fitted_seq": f,
                                 "probe_peaks": [p if isinstance(p, int) else None for p in peaks]}
@@ -98,7 +101,7 @@ def plan_max_seq(model: torch.nn.Module, make_inputs, memory_budget, allow: Iter
                  probes: tuple = (8192, 16384, 32768), max_len: int = 1 << 24, min_len: int | None = None,
                  device=None, loss_fn=None, max_replays: int = 12, screen: bool = True,
                  cache: dict | None = None, host_budget=None, allocator: str = "default",
-                 min_tiles: int | None = None, **compile_options) -> MaxSeqResult:
+                 min_tiles: int | None = MIN_TILES, **compile_options) -> MaxSeqResult:
     """The longest sequence (a multiple of ``step``) whose predicted training-step peak fits ``memory_budget``,
     and the plan that fits it. ``make_inputs(seq)`` builds the step's inputs at a sequence length.
 
@@ -133,13 +136,16 @@ def plan_max_seq(model: torch.nn.Module, make_inputs, memory_budget, allow: Iter
     it at a length is out of the running there: host bytes grow with the length); ``allocator``: as
     ``plan_memory``'s (``"expandable"``: the reserved bytes with expandable segments).
 
-    ``min_tiles`` (opt-in, e.g. ``tiles.MIN_TILES``): at a length where a plan's pipeline unrolls more tiles than
-    this (``tile_sequence``), its figures are extrapolated over the tile count from replays at 4, 5 and 6 tiles of
-    the same size (:mod:`effpass.planning.tiles`: checked affine byte for byte at those counts; screened from 4
-    and 5, confirmed with the answering pair; where not affine the length itself is replayed and a note says
-    so). NOTE(opt-in): a local peak that overtakes beyond the replayed counts inside the peak's phase is not seen
-    (a 2-block tiny Llama at 288 tokens, 18 tiles: 4,544 B under the real replay), so the answer's figures may
-    then differ from real replays'; None (the default): never (nor with ``world_size > 1``).
+    ``min_tiles`` (default ``tiles.MIN_TILES``, 12; None: off, and never with ``world_size > 1``): at a length where a
+    plan's pipeline unrolls more tiles than this (``tile_sequence``), the search uses figures extrapolated over the
+    tile count from replays at 4, 5 and 6 tiles of the same size (:mod:`effpass.planning.tiles`; short replays
+    shared between lengths whose pinned pipelines are the same). Such a figure is a lower bound of the replay's
+    (each place's live bytes affine in the tile count: the peak, a max over places, is convex in it, so the
+    extrapolation through the last two counts cannot exceed it; a 2-block tiny Llama at 18 tiles: 4,544 B under),
+    so only a verdict "over the budget" is taken from it: each plan fitting ``L`` by an extrapolated figure is
+    replayed at full length (``L`` itself, every depth), and its figures are the answer's. When that replay is
+    over the budget the search runs again without extrapolation (a note says so). ``next_peak`` may stay an
+    extrapolated lower bound (``next_peak_bound``, said in the summary).
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise ValueError(f"step must be a positive number of tokens, got {step!r}")
@@ -220,6 +226,7 @@ class _MaxSeqSearch:
         self.loss_fn, self.max_replays, self.cache = loss_fn, max_replays, cache
         self.compile_options = compile_options
         self.min_tiles, self.tile_log = min_tiles, []  # extrapolation over the tile count (planning/tiles.py)
+        self.shared: dict = {}  # short replays of the tile extrapolation, kept across long lengths
         # the forward and backward are replayed with AdamW (or none); another optimizer is built alone on fake
         # parameters of the trainable shapes (with_optimizer), which cannot model a step inside the backward
         self.replay_opt = setup.optimizer if setup.optimizer in ("adamw", None) else "adamw"
@@ -244,19 +251,21 @@ class _MaxSeqSearch:
         twins = [self.twin(c) for c in cs]
         keys = list(dict.fromkeys(t.replay_key() for t in twins))
         by_key = {t.replay_key(): t for t in twins}
-        todo = [k for k in keys if (seq, k) not in cache]
+        todo = [k for k in keys if (seq, k) not in cache or (  # an extrapolated figure, the extrapolation now off
+            self.min_tiles is None and getattr(cache[(seq, k)], "tile_replays", None) is not None)]
         for opt in dict.fromkeys(by_key[k].optimizer for k in todo):  # one shared replay per replayed optimizer
             part = [k for k in todo if by_key[k].optimizer == opt]
             res = estimate_long(setup.model, self.make_inputs, seq, [setup.pipeline_of(by_key[k]) for k in part],
                                 opt, screen=not full, min_tiles=self.min_tiles, log=self.tile_log,
-                                estimate=estimate_many, device=setup.device, loss_fn=self.loss_fn,
+                                shared=self.shared, estimate=estimate_many, device=setup.device, loss_fn=self.loss_fn,
                                 **self.compile_options)
             cache.update({(seq, k): r for k, r in zip(part, res)})
         unsure = [k for k in keys if full and getattr(cache[(seq, k)], "provisional", False)]
         for opt in dict.fromkeys(by_key[k].optimizer for k in unsure):
             part = [k for k in unsure if by_key[k].optimizer == opt]
             res = confirm_long(setup.model, self.make_inputs, seq, [setup.pipeline_of(by_key[k]) for k in part],
-                               [cache[(seq, k)] for k in part], opt, log=self.tile_log, device=setup.device,
+                               [cache[(seq, k)] for k in part], opt, log=self.tile_log, shared=self.shared,
+                               device=setup.device,
                                loss_fn=self.loss_fn, estimate=estimate_many, confirm=confirm_many,
                                **self.compile_options)
             cache.update({(seq, k): r for k, r in zip(part, res)})
@@ -377,9 +386,10 @@ class _MaxSeqSearch:
         if hi != lo + step and lo + step <= max_len:
             notes.append(f"search not converged in {self.max_replays} replays: {lo:,} fits; {lo + step:,} not "
                          f"replayed")
-        if screen and not self._confirm_pair(lo, live, known, replays):
-            # a confirmed figure changed the verdict: the search again without screening, on the same replays
-            return self.run(screen=False)
+        if (screen or self.min_tiles is not None) and not self._confirm_pair(lo, live, known, replays):
+            # a confirmed figure changed the verdict: the search again without screening (or, the replay at full
+            # length over the budget, without extrapolating over the tile count), on the same replays
+            return self.run(screen=screen and self._tiles_off)
         return self._answer(lo, live, known, replays, cands, ok, fits, notes)
 
     def _next_length(self, s, peak, best_c, lo, hi, known, live, fit_fn) -> int:
@@ -413,10 +423,27 @@ class _MaxSeqSearch:
         pair = [(lo, [c for c in live if id(c) in known[lo] and known[lo][id(c)].device_peak_bytes <= budget])]
         if lo + step <= self.max_len:
             pair.append((lo + step, [c for c in live if id(c) in known.get(lo + step, {})]))
+        self._tiles_off = False
         for s_, cs_ in pair:
             if not cs_:
                 continue
-            for c, r in zip(cs_, self.replay_many(cs_, s_, full=True)):
+            # NOTE(lower bound): a figure extrapolated over the tile count is a lower bound (convex peak): "over" at
+            # lo + step stands; "fits" at lo is replayed at full length (this length, every depth)
+            real = s_ == lo and any(getattr(known[s_][id(c)], "tile_replays", None) is not None for c in cs_)
+            min_tiles, self.min_tiles = self.min_tiles, None if real else self.min_tiles
+            try:
+                got = self.replay_many(cs_, s_, full=True)
+            finally:
+                self.min_tiles = min_tiles
+            if real and (any(isinstance(r, BaseException) for r in got)
+                         or all(r.device_peak_bytes > budget for r in got)):
+                self.min_tiles, self._tiles_off = None, True
+                self.tile_log.append(f"{s_:,} tokens fit by the extrapolation over the tile count but not replayed at "
+                                     f"full length: searched again without the extrapolation")
+                return False
+            if real:
+                self.tile_log.append(f"{s_:,} tokens (the answer): replayed at full length, not extrapolated")
+            for c, r in zip(cs_, got):
                 if isinstance(r, BaseException):
                     return False
                 known[s_][id(c)] = r
@@ -454,5 +481,6 @@ class _MaxSeqSearch:
                           optimizer=chosen.optimizer, world_size=setup.world_size, reason=reason, notes=[])
         fit_rows = [(c.name, c.lossy, c.restricted, L, pk) for c, L, pk in fits]
         return MaxSeqResult(seq=lo, step=step, budget=budget, plan=plan,
-                            next_peak=nxt_est.device_peak_bytes if nxt_est is not None else None, fits=fit_rows,
+                            next_peak=nxt_est.device_peak_bytes if nxt_est is not None else None,
+                            next_peak_bound=getattr(nxt_est, "tile_replays", None) is not None, fits=fit_rows,
                             probes=probes, replays=replays, notes=notes)

@@ -13,9 +13,12 @@ the largest extrapolated op peak; when they are not affine, ``seq`` itself is re
 Screened (``screen=True``): the first two counts (and the first two depths), a provisional figure that
 :func:`confirm_long` checks at the third count and depth.
 
-Limit (why ``plan_max_seq`` uses it only when asked, ``min_tiles``): the step's live bytes are a max over places,
-each affine; two places under one op can cross beyond the replayed counts and no check at three counts sees it
-(a 2-block tiny Llama at 18 tiles: 4,544 B under the real replay; docs/memory_planner.md).
+What an extrapolated peak is: a lower bound. The step's live bytes are a max over places, each affine in the tile
+count (and in the tile's index: its max over the tiles is at the first or the last), so the peak is convex in the
+count and its extension through the last two replayed counts never exceeds it; two places under one op can cross
+beyond the replayed counts and no check at three counts sees it (a 2-block tiny Llama at 18 tiles: 4,544 B under
+the real replay; docs/memory_planner.md). So ``plan_max_seq`` takes only "over the budget" from an extrapolated
+figure and replays the length it answers.
 """
 from __future__ import annotations
 
@@ -184,12 +187,33 @@ def _estimate(model, make_inputs, seq, pipelines, optimizer, *, screen, estimate
     return (estimate or estimate_many)(model, make_inputs(seq), pipelines, optimizer, screen=screen, **kw)
 
 
+def _key(L, tr, optimizer):
+    return (L, optimizer, tuple(repr(p) for p in tr.pipeline))  # passes are dataclasses: repr names every option
+
+
+def _shared(shared, L, tr, optimizer, screen) -> bool:
+    """``tr.short[L]`` from ``shared`` (short replays kept across long lengths: two lengths whose pinned
+    pipelines are the same share their replays at the same short length); False when not there (or only
+    screened, ``screen`` False)."""
+    r = None if shared is None else shared.get(_key(L, tr, optimizer))
+    if r is None or (not screen and getattr(r, "provisional", False)):
+        return False
+    tr.short[L] = r
+    return True
+
+
+def _share(shared, L, tr, optimizer, r) -> None:
+    if shared is not None and not isinstance(r, BaseException):
+        shared[_key(L, tr, optimizer)] = r
+
+
 def estimate_long(model, make_inputs, seq: int, pipelines, optimizer, *, screen: bool, min_tiles: int | None = MIN_TILES,
-                  log: list | None = None, estimate=None, **kw) -> list:
+                  log: list | None = None, estimate=None, shared: dict | None = None, **kw) -> list:
     """:func:`~effpass.planning.estimate.estimate_many` of ``pipelines`` at ``seq`` positions (inputs
     ``make_inputs(seq)``), those that unroll more than ``min_tiles`` tiles there extrapolated over the tile count
-    (pipelines with the same tiles share each short replay). ``screen``: two depths and two tile counts
-    (provisional; :func:`confirm_long` checks them). ``log``: gets one line per extrapolation or fallback."""
+    (pipelines with the same tiles share each short replay; ``shared``: a dict that keeps them across calls).
+    ``screen``: two depths and two tile counts (provisional; :func:`confirm_long` checks them). ``log``: gets one
+    line per extrapolation or fallback."""
     out: list = [None] * len(pipelines)
     direct = list(range(len(pipelines)))
     batch = batch_of(make_inputs(seq), seq) if min_tiles is not None else None
@@ -205,10 +229,12 @@ def estimate_long(model, make_inputs, seq: int, pipelines, optimizer, *, screen:
     for (t, n), members in groups.items():
         counts = COUNTS[:2] if screen else COUNTS
         for L in members[0][1].lengths(counts):
-            res = _estimate(model, make_inputs, L, [tr.pipeline for _, tr in members], optimizer, screen=screen,
-                            estimate=estimate, **kw)
-            for (_, tr), r in zip(members, res):
+            todo = [tr for _, tr in members if not _shared(shared, L, tr, optimizer, screen)]
+            res = _estimate(model, make_inputs, L, [tr.pipeline for tr in todo], optimizer, screen=screen,
+                            estimate=estimate, **kw) if todo else []
+            for tr, r in zip(todo, res):
                 tr.short[L] = r
+                _share(shared, L, tr, optimizer, r)
         for i, tr in members:
             out[i] = _combine(tr, counts, log)
             if out[i] is None:
@@ -255,7 +281,7 @@ def _fallback(r, tr: TileReplays):
 
 
 def confirm_long(model, make_inputs, seq: int, pipelines, estimates, optimizer, *, log: list | None = None,
-                 estimate=None, confirm=None, **kw) -> list:
+                 estimate=None, confirm=None, shared: dict | None = None, **kw) -> list:
     """The provisional figures among ``estimates`` (of ``pipelines`` at ``seq``) checked: depth-screened ones at
     the third depth (:func:`~effpass.planning.estimate.confirm_many`), tile-extrapolated ones from their short
     replays confirmed at the third depth and a third tile count (not affine: ``seq`` replayed). Returns the
@@ -279,17 +305,21 @@ def confirm_long(model, make_inputs, seq: int, pipelines, estimates, optimizer, 
     for members in groups.values():
         trs = [tr for _, tr in members]
         for L in trs[0].lengths(COUNTS):
-            have = [tr for tr in trs if L in tr.short and not isinstance(tr.short[L], BaseException)]
+            for tr in trs:
+                _shared(shared, L, tr, optimizer, False)  # confirmed for another long length already
+            have = [tr for tr in trs if L in tr.short and getattr(tr.short[L], "provisional", False)]
             if have:  # screened short replays: their third depth
                 got = confirm_many(model, make_inputs(L), [tr.pipeline for tr in have], [tr.short[L] for tr in have],
                                    optimizer, **ckw)
                 for tr, r in zip(have, got):
                     tr.short[L] = r
+                    _share(shared, L, tr, optimizer, r)
             new = [tr for tr in trs if L not in tr.short]
             if new:
                 for tr, r in zip(new, _estimate(model, make_inputs, L, [tr.pipeline for tr in new], optimizer,
                                                 screen=False, estimate=estimate, **kw)):
                     tr.short[L] = r
+                    _share(shared, L, tr, optimizer, r)
         for i, tr in members:
             out[i] = _combine(tr, COUNTS, log)
             if out[i] is None:

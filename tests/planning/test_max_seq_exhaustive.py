@@ -153,3 +153,64 @@ def _scan(model, passes, cache, max_len, only=None):
         assert len({g.peak_bytes for g in got}) == 1
         out[s] = got[0].peak_bytes
     return out
+
+
+def _under(seq: int) -> int:
+    """How far the tile extrapolation's figure is under the real replay's at ``seq`` (a lower bound, as the
+    extrapolation of a peak convex in the tile count is): a crossing beyond the replayed counts, growing."""
+    return 0 if seq <= 8 * 64 else 40 * (seq // 64 - 8)
+
+
+@pytest.fixture
+def tiled(monkeypatch):
+    """estimate_long on analytic peaks (the plan as given): real ones when ``min_tiles`` is None or the length
+    is short, else extrapolated ones (marked with ``tile_replays``) below them by ``_under``."""
+    import types
+
+    import effpass.planning.maxseq as maxseq
+
+    calls = []
+
+    def fake_long(model, make_inputs, seq, pipelines, optimizer, *, min_tiles=None, **kw):
+        ext = min_tiles is not None and seq > 8 * 64
+        calls.append((seq, ext))
+        out = []
+        for _ in pipelines:
+            e = _est(_peak(False, seq) - (_under(seq) if ext else 0), seq)
+            e.tile_replays = types.SimpleNamespace(seq=seq) if ext else None
+            out.append(e)
+        return out
+
+    monkeypatch.setattr(maxseq, "estimate_long", fake_long)
+    monkeypatch.setattr(maxseq, "confirm_long", lambda m, mk, seq, pipes, ests, opt, **kw: list(ests))
+    return calls
+
+
+def test_search_with_tile_extrapolation_equals_exhaustive_on_real_peaks(tiled):
+    """Extrapolated figures under the real ones (min_tiles=8, past 512 tokens): for budgets where the
+    extrapolation and the real peaks agree on the answer and where they do not (the extrapolation fits a length
+    the real replay does not: the search runs again without it), the answer and its peak are the exhaustive
+    scan's of REAL peaks; one step more: the real figure, or an extrapolated one no larger, labelled.
+    Structural: the answer was replayed with the extrapolation off; a flip says so and searches again."""
+    model = model_case("llama", seq=16).model
+    real = lambda sib, s: _peak(False, s)  # noqa: E731  (one plan: no optimizer, no step_in_backward)
+    bounds = 0
+    for s0 in (704, 1536, 2496, 3392):
+        nxt = s0 + STEP  # a budget the real peak fits at s0 only; another the extrapolation fits at s0 + STEP too
+        for budget, flip in ((real(False, s0), False), (real(False, nxt) - _under(nxt) // 2, True)):
+            want = _exhaustive(real, budget)
+            tiled.clear()
+            res = plan_max_seq(model, _inputs, budget, passes=_PASSES, optimizer=None, step=STEP, probes=(256, 512),
+                               max_len=MAX_LEN, min_tiles=8)
+            assert (res.seq, res.plan.peak_bytes) == (want[0], want[2]) == (s0, real(False, s0)), (budget, res.seq)
+            assert (res.seq, False) in tiled, tiled  # the answer: a real figure
+            bounds += res.next_peak_bound
+            if res.next_peak_bound:
+                assert res.next_peak == want[3] - _under(nxt) < want[3], (res.next_peak, want)
+            else:
+                assert res.next_peak == want[3]
+            assert any("searched again without the extrapolation" in n for n in res.notes) == flip, res.notes
+            # the search ran again with real figures only (lengths past 512 replayed with min_tiles off)
+            assert flip == (len({s for s, ext in tiled if not ext and s > 512}) > 1), tiled
+            assert any(ext for _, ext in tiled)  # the first search extrapolated
+    assert 0 < bounds < 8  # one step more: extrapolated (a lower bound) after the first search, real after a flip
