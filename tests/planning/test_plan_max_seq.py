@@ -275,18 +275,21 @@ def test_max_seq_nothing_fits_names_the_same_smallest_for_every_budget(monkeypat
     assert smallest == [(900_000 + 600 * 64, "step in backward")] * 3
 
 
-@pytest.mark.slow  # ~40-100 s on the shared 2-core CPU: two searches with replays of 2-4 blocks
+@pytest.mark.slow  # ~30-60 s on the shared 2-core CPU: two searches with replays of 2-4 blocks
 def test_max_seq_screened_answer_equals_the_unscreened_one(monkeypatch):
     """Depth extrapolation (a 5-block Llama, ``extrapolate=True``): with ``screen`` (the default) the probes and
     the search use two-depth figures and only the answering pair is confirmed at the third depth; the answer,
     its peak and the peak one step more equal the unscreened search's (every figure from three depths), and
     both figures are confirmed ones. The unscreened search reuses the screened replays, completing each figure it
-    reads at the third depth (as the screened search does when a confirmed figure changes its verdict)."""
+    reads at the third depth (as the screened search does when a confirmed figure changes its verdict).
+    The probes (512 and 1280 tokens) bracket the answer: the search reads a screened figure on each side of it
+    (512 fits, 1280 does not) and replays only 896 and 1024 between (probes 256 and 512 cost two replays more:
+    a screened one at 1408 and a third confirmation, for screened figures on each side as well)."""
     import effpass.planning.maxseq as maxseq
 
     case = model_case("llama", seq=16, layers=5)
     passes = [CheckpointActivations(policy="full"), FuseCrossEntropy(), TileSequence()]
-    kw = dict(passes=passes, optimizer=None, step=128, probes=(256, 512), max_len=2048, lowering="eager",
+    kw = dict(passes=passes, optimizer=None, step=128, probes=(512, 1280), max_len=2048, lowering="eager",
               extrapolate=True)
     budget = estimate_memory(case.model, _inputs(1000), passes=passes, optimizer=None, lowering="eager",
                              extrapolate=True).peak_bytes
@@ -316,3 +319,5 @@ def test_max_seq_screened_answer_equals_the_unscreened_one(monkeypatch):
     assert not any(e.provisional for e in cache.values())
     assert (res.seq, res.plan.peak_bytes, res.next_peak) == (full.seq, full.plan.peak_bytes, full.next_peak)
     assert res.seq == 896 and res.plan.peak_bytes <= budget < res.next_peak
+    peaks = {s: e.peak_bytes for (s, _), e in cache.items()}
+    assert provisional == [512, 1280] and peaks[512] <= budget < peaks[1280], (provisional, peaks)
