@@ -389,6 +389,11 @@ class _MaxSeqSearch:
         if (screen or self.min_tiles is not None) and not self._confirm_pair(lo, live, known, replays):
             # a confirmed figure changed the verdict: the search again without screening (or, the replay at full
             # length over the budget, without extrapolating over the tile count), on the same replays
+            if not screen and not self._tiles_off:
+                # NOTE(termination): unscreened figures whose verdict still cannot be confirmed: every length
+                # replayed (that run confirms nothing, so the search ends)
+                self.min_tiles = None
+                self.tile_log.append("the answering pair not confirmed: searched again with every length replayed")
             return self.run(screen=screen and self._tiles_off)
         return self._answer(lo, live, known, replays, cands, ok, fits, notes)
 
