@@ -8,6 +8,8 @@ it reads the backend's ``options``, ``manager`` and ``report``).
 """
 from __future__ import annotations
 
+import weakref
+
 from typing import Any
 
 import torch
@@ -244,6 +246,12 @@ def _views_as_reshapes(g: fx.GraphModule) -> int:
     return n
 
 
+#: the eager lowering's graph modules by the code object of their generated ``forward`` (weakly): the planner's
+#: tracker reads a running graph's node metadata by it (planning/places.py), never through the frame's locals
+#: (a snapshot of them would keep every input alive until the graph returns)
+GRAPH_OF_CODE: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+
+
 def _boxed(g: fx.GraphModule):
     """``g`` run with the boxed calling convention, its code clearing the argument list once it has read it
     (what ``aot_eager``'s ``boxed_nop`` does): each input, e.g. a tensor saved for backward, is then freed
@@ -252,7 +260,10 @@ def _boxed(g: fx.GraphModule):
 
     g.graph.set_codegen(_BoxedCodeGen())
     g.recompile()
+    if hasattr(g, "real_recompile"):  # a lazy graph module: its code now (else the first call generates it)
+        g.real_recompile()
     forward = g.forward
+    GRAPH_OF_CODE[forward.__code__] = g
 
     def run(args):
         return forward(args)

@@ -16,7 +16,12 @@ import torch
 
 from .pass_options import _canonical, _coerce, check_option_names
 
-__all__ = ["Phase", "PHASE_HOOKS", "Note", "PassResult", "Pass", "FunctionPass"]
+__all__ = ["Phase", "PHASE_HOOKS", "Note", "PassResult", "Pass", "FunctionPass", "TILE_META"]
+
+#: ``node.meta["custom"][TILE_META]``: the region id of a node a pass copied once per tile of the sequence (with
+#: ``"tile": k`` inside tile ``k``, or ``"role"``: ``"split"``, ``"slice"``, ``"output"``); AOTAutograd copies it to the
+#: forward node's backward nodes. The planner's extrapolation over the tile count reads it (planning/places.py).
+TILE_META = "effpass_tile"
 
 
 class Phase(str, enum.Enum):

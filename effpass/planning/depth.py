@@ -130,6 +130,8 @@ def combine_depths(ests, L: int) -> MemoryEstimate | None:
                               provisional=len(ests) < 3, notes=list(c.notes) + [note])
     if out.provisional:
         out.depth_replays = list(ests)
+    if all(getattr(e, "places", None) is not None for e in ests):  # planning/places.py: each depth's places
+        out.depth_places, out.depth_target = [e.places for e in ests], L
     return out
 
 

@@ -139,10 +139,12 @@ def plan_max_seq(model: torch.nn.Module, make_inputs, memory_budget, allow: Iter
     ``min_tiles`` (default ``tiles.MIN_TILES``, 12; None: off, and never with ``world_size > 1``): at a length where a
     plan's pipeline unrolls more tiles than this (``tile_sequence``), the search uses figures extrapolated over the
     tile count from replays at 4, 5 and 6 tiles of the same size (:mod:`effpass.planning.tiles`; short replays
-    shared between lengths whose pinned pipelines are the same). Such a figure is a lower bound of the replay's
-    (each place's live bytes affine in the tile count: the peak, a max over places, is convex in it, so the
-    extrapolation through the last two counts cannot exceed it; a 2-block tiny Llama at 18 tiles: 4,544 B under),
-    so only a verdict "over the budget" is taken from it: each plan fitting ``L`` by an extrapolated figure is
+    shared between lengths whose pinned pipelines are the same). The short replays record every allocation's
+    place, and the peak is extrapolated place by place (:mod:`effpass.planning.places`): exact (``tile_exact``),
+    used as a replay's figure. Where the places do not line up (a lowering other than eager, the CUDA allocator's
+    segments) the figure is the peak's own extrapolation, a lower bound of the replay's (each place's live bytes
+    affine in the tile count: the peak, a max over places, is convex in it; a 2-block tiny Llama at 18 tiles: 4,544
+    B under), so only a verdict "over the budget" is taken from it: each plan fitting ``L`` by such a figure is
     replayed at full length (``L`` itself, every depth), and its figures are the answer's. When that replay is
     over the budget the search runs again without extrapolation (a note says so). ``next_peak`` may stay an
     extrapolated lower bound (``next_peak_bound``, said in the summary).
@@ -434,7 +436,7 @@ class _MaxSeqSearch:
                 continue
             # NOTE(lower bound): a figure extrapolated over the tile count is a lower bound (convex peak): "over" at
             # lo + step stands; "fits" at lo is replayed at full length (this length, every depth)
-            real = s_ == lo and any(getattr(known[s_][id(c)], "tile_replays", None) is not None for c in cs_)
+            real = s_ == lo and any(_bound(known[s_][id(c)]) for c in cs_)
             min_tiles, self.min_tiles = self.min_tiles, None if real else self.min_tiles
             try:
                 got = self.replay_many(cs_, s_, full=True)
@@ -487,5 +489,10 @@ class _MaxSeqSearch:
         fit_rows = [(c.name, c.lossy, c.restricted, L, pk) for c, L, pk in fits]
         return MaxSeqResult(seq=lo, step=step, budget=budget, plan=plan,
                             next_peak=nxt_est.device_peak_bytes if nxt_est is not None else None,
-                            next_peak_bound=getattr(nxt_est, "tile_replays", None) is not None, fits=fit_rows,
+                            next_peak_bound=_bound(nxt_est), fits=fit_rows,
                             probes=probes, replays=replays, notes=notes)
+
+
+def _bound(est) -> bool:
+    """A figure extrapolated over the tile count that is only a lower bound (not place by place: planning/places.py)."""
+    return getattr(est, "tile_replays", None) is not None and not getattr(est, "tile_exact", False)

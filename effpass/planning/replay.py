@@ -378,6 +378,11 @@ def _run_tracked(work, compiled, inputs, tracker, be, optimizer, dev, loss_fn, l
             + ("; replayed on CPU fake tensors (no CUDA here): CPU kernels' outputs and workspaces" if rdev is not None
                and rdev != dev else ""))
     est.largest_unit_bytes = largest_unit_bytes(work)
+    if tracker.places is not None:  # each allocation's place, for the extrapolation over the tile count
+        from .places import freeze
+
+        est.places = freeze(tracker.places)
+        tracker.places = None
     return est
 
 

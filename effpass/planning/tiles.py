@@ -28,6 +28,7 @@ import re
 from dataclasses import dataclass, field
 
 from .depth import AFFINE
+from .places import recording_places
 from .result import MemoryEstimate
 
 __all__ = ["COUNTS", "MIN_TILES", "pin_pipeline", "combine_tiles", "estimate_long", "confirm_long", "batch_of"]
@@ -95,7 +96,12 @@ def combine_tiles(ests: list, counts, n: int) -> tuple[MemoryEstimate | None, st
     second difference is not zero (byte for byte: ``AFFINE``, each phase's peak, the CUDA allocator's reserved
     bytes), or the trainable parameters not the same. Two estimates: the affine prediction, ``provisional``."""
     counts = tuple(counts)[:len(ests)]
-    if len({_place(e) for e in ests}) != 1:
+    exact, exact_why = (None, "the places were not recorded")
+    if any(getattr(e, "places", None) is not None or getattr(e, "depth_places", None) is not None for e in ests):
+        from .places import exact_peak
+
+        exact, exact_why = exact_peak(ests, counts, n)
+    if exact is None and len({_place(e) for e in ests}) != 1:
         return None, "the peak is at another place: " + " / ".join(e.peak_node for e in ests)
     if len({repr((e.trainable_numels, e.trainable_shapes)) for e in ests}) != 1:
         return None, "the trainable parameters differ between the short replays"
@@ -110,11 +116,16 @@ def combine_tiles(ests: list, counts, n: int) -> tuple[MemoryEstimate | None, st
         a = ests[0]
         if counts[1] - counts[0] != counts[2] - counts[1]:
             raise ValueError(f"combine_tiles: counts {counts} are not evenly spaced")
-        bad = [f for f, g in get.items() if g(b) - g(a) != g(c) - g(b)]
+        bad = [f for f, g in get.items() if g(b) - g(a) != g(c) - g(b)
+               and (exact is None or not (f in AT_PEAK or isinstance(f, tuple)))]  # exact: the peak's own below
         if bad:
             f = bad[0]
             return None, (f"{f if isinstance(f, str) else 'the ' + f[1] + ' peak'} is not affine in the tile count "
                           f"({' / '.join(str(get[f](e)) for e in ests)} at {'/'.join(map(str, counts))} tiles)")
+    if exact is not None:
+        if (n - counts[-1]) % (counts[-1] - counts[-2]):
+            raise ValueError(f"combine_tiles: {n} tiles is not reached from {counts}")
+        return _exact(ests, counts, n, exact, get)
     # NOTE(crossing): the step's peak is the largest of every op's local peak (``op_peaks``), each affine in the
     # tile count, but another op's may grow faster and overtake the peak beyond the replayed counts (Llama-3.1-8B
     # QLoRA, 2 blocks, tiles of 4,078: at 4-6 tiles the peak is the MLP recompute's mul, at 54 tiles the attention
@@ -138,18 +149,7 @@ def combine_tiles(ests: list, counts, n: int) -> tuple[MemoryEstimate | None, st
                       f"({' / '.join(str(e.op_peaks[o]) for e in ests)} at {'/'.join(map(str, counts))} tiles)")
     # pass statistics (counts of tiles, rows, chunks): extrapolated where affine; one that is not (the loss's
     # chunk count) cannot be known from the short replays and is left out, named in the note
-    stats, dropped = {}, []
-    for name, st in c.pass_stats.items():
-        stats[name] = {}
-        for key, v in st.items():
-            if not isinstance(v, int) or isinstance(v, bool):
-                stats[name][key] = v
-                continue
-            vals = [e.pass_stats.get(name, {}).get(key) for e in ests]
-            if any(not isinstance(x, int) for x in vals) or (len(vals) == 3 and vals[1] - vals[0] != vals[2] - vals[1]):
-                dropped.append(f"{name}.{key}")
-                continue
-            stats[name][key] = v + (k // d) * (v - vals[-2])
+    stats, dropped = _stats(ests, counts, k // d)
     checked = len(ests) == 3 and not any(getattr(e, "provisional", False) for e in ests)
     note = (f"extrapolated over the tile count from replays at {', '.join(map(str, counts[:len(ests)]))} of {n} "
             f"tiles (every byte count affine in the tile count, "
@@ -178,7 +178,61 @@ def combine_tiles(ests: list, counts, n: int) -> tuple[MemoryEstimate | None, st
         out.peak_phase, out.peak_graph = phase, f"{phase} graph (extrapolated)"
         out.peak_node = f"{top.split(' ', 1)[1]} (extrapolated over the tile count)"
         out.phase_peaks[phase] = max(out.phase_peaks.get(phase, 0), op_peaks[top])
+    out.tile_exact = False
+    out.notes.insert(len(c.notes), f"the peak at {n} tiles is a lower bound (not place by place: {exact_why})")
     return out, ""
+
+
+#: figures of the peak itself (and of what is live there): a max over places, exact from the places, not affine
+AT_PEAK = ("peak_bytes", "step_peak_bytes", "gradients_at_peak", "non_gradient_peak", "gradients_at_non_gradient_peak",
+           "largest_transient")
+
+
+def _exact(ests, counts, n, exact, get) -> tuple[MemoryEstimate, str]:
+    """The estimate at ``n`` tiles with the peak from the places (:mod:`effpass.planning.places`): every other
+    count extrapolated (checked affine), the peak's figures exact; ``tile_exact`` set when the device's figure is
+    the peak of live bytes (no modelled allocator segments, which are not extrapolated place by place)."""
+    b, c = ests[-2], ests[-1]
+    k = (n - counts[-1]) // (counts[-1] - counts[-2])
+    step = lambda g: g(c) + k * (g(c) - g(b))  # noqa: E731
+    checked = len(ests) == 3 and not any(getattr(e, "provisional", False) for e in ests)
+    bent_peak = [f for f in AT_PEAK[2:] if len(ests) == 3 and get[f](b) - get[f](ests[0]) != get[f](c) - get[f](b)]
+    out = dataclasses.replace(c, **{f: step(g) for f, g in get.items() if isinstance(f, str)},
+                              phase_peaks=dict(exact.phase_peaks), op_peaks={}, provisional=not checked,
+                              notes=list(c.notes))
+    out.peak_bytes = out.start_bytes + exact.step_peak
+    out.step_peak_bytes = exact.step_peak
+    out.peak_phase = exact.phase
+    out.peak_graph = "eager code" if exact.graph == "eager" else f"{exact.phase} graph {exact.graph}"
+    out.peak_node = f"{exact.node} (place by place over the tile count)"
+    out.pass_stats = _stats(ests, counts, k)[0]
+    out.tile_exact = out.reserved_peak_bytes is None and out.reserved_expandable_bytes is None
+    out.notes.append(
+        f"the peak at {n} tiles place by place: the live bytes after each of the step's allocations (before, in and "
+        f"after the tiles; {exact.places:,} places at {n} tiles) from replays at "
+        f"{', '.join(map(str, counts))} tiles, each affine in the tile count and a middle tile's in its index "
+        f"({'checked' if checked else 'not yet checked at a third count'}): exact, not a bound"
+        + (f"; at the peak, extrapolated through the last two counts (not affine): {', '.join(bent_peak)}"
+           if bent_peak else ""))
+    return out, ""
+
+
+def _stats(ests, counts, k) -> tuple[dict, list]:
+    """Pass statistics at ``k`` count steps past the last: extrapolated where affine, the rest left out (named)."""
+    c = ests[-1]
+    stats, dropped = {}, []
+    for name, st in c.pass_stats.items():
+        stats[name] = {}
+        for key, v in st.items():
+            if not isinstance(v, int) or isinstance(v, bool):
+                stats[name][key] = v
+                continue
+            vals = [e.pass_stats.get(name, {}).get(key) for e in ests]
+            if any(not isinstance(x, int) for x in vals) or (len(vals) == 3 and vals[1] - vals[0] != vals[2] - vals[1]):
+                dropped.append(f"{name}.{key}")
+                continue
+            stats[name][key] = v + k * (v - vals[-2])
+    return stats, dropped
 
 
 def _estimate(model, make_inputs, seq, pipelines, optimizer, *, screen, estimate=None, **kw) -> list:
@@ -230,8 +284,9 @@ def estimate_long(model, make_inputs, seq: int, pipelines, optimizer, *, screen:
         counts = COUNTS[:2] if screen else COUNTS
         for L in members[0][1].lengths(counts):
             todo = [tr for _, tr in members if not _shared(shared, L, tr, optimizer, screen)]
-            res = _estimate(model, make_inputs, L, [tr.pipeline for tr in todo], optimizer, screen=screen,
-                            estimate=estimate, **kw) if todo else []
+            with recording_places():
+                res = _estimate(model, make_inputs, L, [tr.pipeline for tr in todo], optimizer, screen=screen,
+                                estimate=estimate, **kw) if todo else []
             for tr, r in zip(todo, res):
                 tr.short[L] = r
                 _share(shared, L, tr, optimizer, r)
@@ -309,15 +364,18 @@ def confirm_long(model, make_inputs, seq: int, pipelines, estimates, optimizer, 
                 _shared(shared, L, tr, optimizer, False)  # confirmed for another long length already
             have = [tr for tr in trs if L in tr.short and getattr(tr.short[L], "provisional", False)]
             if have:  # screened short replays: their third depth
-                got = confirm_many(model, make_inputs(L), [tr.pipeline for tr in have], [tr.short[L] for tr in have],
-                                   optimizer, **ckw)
+                with recording_places():
+                    got = confirm_many(model, make_inputs(L), [tr.pipeline for tr in have], [tr.short[L] for tr in have],
+                                       optimizer, **ckw)
                 for tr, r in zip(have, got):
                     tr.short[L] = r
                     _share(shared, L, tr, optimizer, r)
             new = [tr for tr in trs if L not in tr.short]
             if new:
-                for tr, r in zip(new, _estimate(model, make_inputs, L, [tr.pipeline for tr in new], optimizer,
-                                                screen=False, estimate=estimate, **kw)):
+                with recording_places():
+                    got = _estimate(model, make_inputs, L, [tr.pipeline for tr in new], optimizer, screen=False,
+                                    estimate=estimate, **kw)
+                for tr, r in zip(new, got):
                     tr.short[L] = r
                     _share(shared, L, tr, optimizer, r)
         for i, tr in members:

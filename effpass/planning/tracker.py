@@ -89,6 +89,8 @@ class Tracker(TorchDispatchMode):
         self.phase_peaks: dict[str | None, int] = {}
         self.op_peaks: dict[str, int] = {}  # "phase op" -> the most live bytes right after that op allocated
         self.graphs: dict[tuple[str, str], str] = {}
+        self.places = None
+        self._lines: dict = {}
         self._scratch = 0  # keys of in-kernel scratch buffers (negative: never a storage's key)
         self.flops = 0
         #: offload_activations emulated on a CPU replay for a CUDA target (:mod:`effpass.planning.host_memory`):
@@ -117,6 +119,12 @@ class Tracker(TorchDispatchMode):
         self.forward_flops = 0
         self._reset_host()
         self.hints.reset()
+        from .places import recording
+
+        #: each allocation's place (planning/places.py), recorded for the extrapolation over the tile count
+        self.places = {} if recording() else None
+        self._lines: dict = {}
+        self._place_graphs: dict = {}  # numbered in the order of their first allocation (not of their first peak)
 
     # -- host memory (offloaded activations): counted apart from the device's bytes -------------------------
     def _reset_host(self):
@@ -151,6 +159,37 @@ class Tracker(TorchDispatchMode):
         if n and self.enabled:
             self.events.append((-n, key, self.phase, ""))
 
+    def _graph_no(self, fn: str, graphs: dict | None = None) -> str:
+        """The graph's number in its phase (in the order ``graphs``, default ``self.graphs``, first sees it)."""
+        graphs = self.graphs if graphs is None else graphs
+        key = (self.phase or "-", fn)
+        if key not in graphs:
+            graphs[key] = str(1 + sum(1 for k in graphs if k[0] == key[0]))
+        return graphs[key]
+
+    def _place(self) -> None:
+        """Records the live bytes after this allocation at its place (planning/places.py)."""
+        f = sys._getframe(3)
+        key, name = (self.phase, "eager", ("pre",)), "eager code"
+        while f is not None:
+            co = f.f_code
+            if co.co_filename.startswith("<eval_with_key>"):
+                lines = self._lines.get(co)
+                if lines is None:
+                    from effpass.pass_base import TILE_META
+                    from .places import line_contexts
+
+                    lines = self._lines[co] = line_contexts(f, TILE_META)
+                seg, name = lines.get(f.f_lineno, (("?",), "?"))
+                key = (self.phase, self._graph_no(co.co_filename, self._place_graphs), seg)
+                break
+            f = f.f_back
+        got = self.places.get(key)
+        if got is None:
+            got = self.places[key] = ([], [])
+        got[0].append(self.live)
+        got[1].append(name)
+
     def _where(self, func) -> tuple[str, str]:
         f = sys._getframe(2)
         while f is not None:
@@ -159,8 +198,7 @@ class Tracker(TorchDispatchMode):
             if fn.startswith("<eval_with_key>") or inductor:
                 line = linecache.getline(fn, f.f_lineno).strip()
                 key = (self.phase or "-", fn)
-                if key not in self.graphs:
-                    self.graphs[key] = str(1 + sum(1 for k in self.graphs if k[0] == key[0]))
+                self._graph_no(fn)
                 node = line.split("=", 1)[0].strip() if "=" in line else line
                 kind = "Inductor " if inductor else ""
                 return f"{self.phase} {kind}graph {self.graphs[key]}", f"{node} ({func})"
@@ -248,6 +286,8 @@ class Tracker(TorchDispatchMode):
         """``n`` bytes allocated (storage ``key``) by ``func``: the live bytes, the events and the peaks."""
         self.live += n
         self.events.append((n, key, self.phase, str(getattr(func, "__name__", func))))
+        if self.places is not None:
+            self._place()
         if n > self.largest[0]:
             self.largest = (n, f"{func} in the {self.phase}")
         if self.live > self.phase_peaks.get(self.phase, 0):

@@ -61,12 +61,13 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 import effpass
+from effpass.pass_base import TILE_META
 from effpass.graph import copy_provenance, infer_fake_values, module_path_of_node, tensor_meta
 from effpass.scope import glob_match
 
 __all__ = ["TileSequence", "find_row_regions"]
 
-TAG = "effpass_tile"
+TAG = TILE_META  # the core contract: the planner reads the tiles by it (effpass/pass_base.py)
 
 
 @dataclass(frozen=True)
