@@ -127,9 +127,10 @@ def _add_arguments(p) -> None:
     p.add_argument("--max-len", dest="max_len", type=int, default=1 << 24, help="--max-seq: the longest length tried")
     p.add_argument("--min-tiles", dest="min_tiles", type=int, default=12, metavar="N",
                    help="--max-seq: the search predicts a length whose pipeline unrolls more than N tiles from replays "
-                        "at 4-6 tiles extrapolated over the tile count (a lower bound: only 'over the budget' is taken "
-                        "from it; the answer is replayed at full length); 0: every length replayed (default 12; "
-                        "docs/memory_planner.md, extrapolation over the tile count)")
+                        "at 4-6 tiles extrapolated over the tile count, place by place (exact; where the places do "
+                        "not line up, a lower bound: then only 'over the budget' is taken from it and the answer is "
+                        "replayed at full length); 0: every length replayed (default 12; docs/memory_planner.md, "
+                        "extrapolation over the tile count)")
     p.add_argument("--budget", required=True, help="memory per device, e.g. 24GiB")
     p.add_argument("--allow", nargs="*", default=[], help="lossy techniques the plan may use (the memory options registered passes declare, e.g. a quantized base or 8-bit optimizer states; docs/memory_planner.md)")
     p.add_argument("--world-size", dest="world_size", type=int, default=1, help="ranks (FSDP is tried when > 1)")

@@ -13,12 +13,14 @@ the largest extrapolated op peak; when they are not affine, ``seq`` itself is re
 Screened (``screen=True``): the first two counts (and the first two depths), a provisional figure that
 :func:`confirm_long` checks at the third count and depth.
 
-What an extrapolated peak is: a lower bound. The step's live bytes are a max over places, each affine in the tile
-count (and in the tile's index: its max over the tiles is at the first or the last), so the peak is convex in the
-count and its extension through the last two replayed counts never exceeds it; two places under one op can cross
-beyond the replayed counts and no check at three counts sees it (a 2-block tiny Llama at 18 tiles: 4,544 B under
-the real replay; docs/memory_planner.md). So ``plan_max_seq`` takes only "over the budget" from an extrapolated
-figure and replays the length it answers.
+The peak place by place: the short replays record every allocation's place (:mod:`effpass.planning.places`), each
+affine in the tile count (and in the tile's index), and the peak at ``n`` tiles is the largest extrapolated place:
+exact (``tile_exact``), where the peak's own extrapolation is only a lower bound. That bound: the step's live bytes
+are a max over places, so the peak is convex in the count and its extension through the last two replayed counts
+never exceeds it; two places can cross beyond the replayed counts and no check of the peak at three counts sees it
+(a 2-block tiny Llama at 18 tiles: 4,544 B under the real replay; docs/memory_planner.md). Where the places do not
+line up (a lowering other than eager: no tile tags in the code that runs; CUDA's modelled segments) the figure is
+that bound, and ``plan_max_seq`` takes only "over the budget" from it and replays the length it answers.
 """
 from __future__ import annotations
 

@@ -169,15 +169,19 @@ def tiled(monkeypatch):
 
     import effpass.planning.maxseq as maxseq
 
-    calls = []
+    class Calls(list):
+        exact = False  # figures place by place (planning/places.py): the real ones, ``tile_exact``
+
+    calls = Calls()
 
     def fake_long(model, make_inputs, seq, pipelines, optimizer, *, min_tiles=None, **kw):
         ext = min_tiles is not None and seq > 8 * 64
         calls.append((seq, ext))
         out = []
         for _ in pipelines:
-            e = _est(_peak(False, seq) - (_under(seq) if ext else 0), seq)
+            e = _est(_peak(False, seq) - (_under(seq) if ext and not calls.exact else 0), seq)
             e.tile_replays = types.SimpleNamespace(seq=seq) if ext else None
+            e.tile_exact = ext and calls.exact
             out.append(e)
         return out
 
@@ -214,3 +218,21 @@ def test_search_with_tile_extrapolation_equals_exhaustive_on_real_peaks(tiled):
             assert flip == (len({s for s, ext in tiled if not ext and s > 512}) > 1), tiled
             assert any(ext for _, ext in tiled)  # the first search extrapolated
     assert 0 < bounds < 8  # one step more: extrapolated (a lower bound) after the first search, real after a flip
+
+
+def test_search_with_exact_tile_figures_replays_no_length_at_full_length(tiled):
+    """Figures extrapolated place by place (``tile_exact``: planning/places.py) are used as replays' figures: the
+    answer, its peak and the peak one step more are the exhaustive scan's, not labelled bounds, and no length
+    past the probes is replayed at full length (the search never turns the extrapolation off)."""
+    model = model_case("llama", seq=16).model
+    real = lambda sib, s: _peak(False, s)  # noqa: E731
+    tiled.exact = True
+    for s0 in (704, 2496):
+        budget = real(False, s0)
+        want = _exhaustive(real, budget)
+        tiled.clear()
+        res = plan_max_seq(model, _inputs, budget, passes=_PASSES, optimizer=None, step=STEP, probes=(256, 512),
+                           max_len=MAX_LEN, min_tiles=8)
+        assert (res.seq, res.plan.peak_bytes, res.next_peak) == (want[0], want[2], want[3]) and not res.next_peak_bound
+        assert not [s for s, ext in tiled if s > 512 and not ext], tiled
+        assert not any("full length" in n or "searched again" in n for n in res.notes), res.notes

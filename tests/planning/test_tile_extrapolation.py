@@ -3,7 +3,7 @@ replays at 4, 5 and 6 tiles of the same size, checked affine byte for byte; wher
 itself is replayed and a note says so.
 
 Oracles: numerical (the extrapolated figures equal a real replay at the long length byte for byte; the
-max-seq answer with extrapolation, and its peak, are real replays' (one step more: a labelled lower bound);
+max-seq answer with extrapolation, its peak and the peak one step more are real replays', place by place;
 ``combine_tiles`` on analytic figures equals the affine formula), structural (the lengths replayed and their
 tile counts, the pinned passes' tiles, the fallback note when the figures are not affine, the pass statistics
 left out, the short replays shared between lengths).
