@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from .cache_records import record_key, save_or_replay
+from .cache_records import record_key, save_or_replay, unrecorded_hit
 from .compiled_call import MODEL_BACKENDS, _CompiledCall, _none, compile_in_place, compiled_backend, pipeline_names
 from .config import Options, describe_options, parse_options
 from .dump import DumpInstrument, RecordStore, claim_graph_dir
@@ -241,6 +241,8 @@ class EffpassBackend(Lowering):
 
         t_lower = time.perf_counter()
         compiled = self._lower(gm, example_inputs, report, common)
+        if late and self.options.lowering == "inductor" and unrecorded_hit(self.store, report, key, late):
+            compiled = self._lower_uncached(gm, example_inputs, report, common)
         t_lowered = time.perf_counter()
 
         if late:

@@ -19,7 +19,7 @@ from .manager import PassManager
 from .pass_api import Phase
 from .report import GraphReport, PassRecord
 
-__all__ = ["record_key", "save_or_replay"]
+__all__ = ["record_key", "save_or_replay", "unrecorded_hit"]
 
 
 def record_key(manager: PassManager, lowering: str, gm: fx.GraphModule, example_inputs: Sequence) -> str:
@@ -36,6 +36,14 @@ def record_key(manager: PassManager, lowering: str, gm: fx.GraphModule, example_
         else:
             h.update(repr(x).encode())
     return h.hexdigest()
+
+
+def unrecorded_hit(store: RecordStore, report: GraphReport, key: str, late: list[Phase]) -> bool:
+    """A compile-cache hit (a late phase did not run) of which the record store holds no record: a compile stopped
+    between the cache's write and the records', or a store cleared. The graph is then compiled again without the
+    caches (by the backend), so that the report has every pass's record, never a hit that lost them."""
+    ran = report.notes.get("_ran_phases", set())
+    return any(p.value not in ran and store.load(f"{key}-{p.value}") is None for p in late)
 
 
 def save_or_replay(store: RecordStore, dump: DumpInstrument | None, report: GraphReport, key: str,

@@ -140,6 +140,21 @@ class Lowering:
                 return self._lower_tensorrt(gm, example_inputs)
             return self._lower_inductor(gm, example_inputs, report, common, inductor_patches)
 
+    def _lower_uncached(self, gm, example_inputs, report, common):
+        """Lowered again with Inductor's FX-graph and AOTAutograd caches off (a cache hit whose pass records were
+        lost: :func:`effpass.cache_records.unrecorded_hit`); the report says so."""
+        import torch._functorch.config as fc
+        import torch._inductor.config as ic
+
+        off = {k: False for k in ("fx_graph_cache", "fx_graph_remote_cache") if hasattr(ic, k)}
+        aot = {k: False for k in ("enable_autograd_cache", "enable_remote_autograd_cache") if hasattr(fc, k)}
+        report.notes["_ran_phases"] = set()
+        with ic.patch(off), fc.patch(aot):
+            compiled = self._lower(gm, example_inputs, report, common)
+        report.notes["recompiled"] = ("a compile-cache hit without effpass's records of its late passes: compiled "
+                                      "again without the caches (the records saved now)")
+        return compiled
+
     def _lower_inductor(self, gm, example_inputs, report, common, patches):
         from torch._inductor.compile_fx import compile_fx
         import torch._inductor.config as ic

@@ -140,6 +140,8 @@ class CompileReport:
             fb = g.notes.get("lowering_fallback")
             if fb:
                 lines.append(f"  lowering fell back to {fb['to']!r}: {'; '.join(fb['errors'])}")
+            if g.notes.get("recompiled"):
+                lines.append(f"  {g.notes['recompiled']}")
         return "\n".join(lines) or "(no passes ran)"
 
 
