@@ -43,13 +43,18 @@ def restore_graph(graph: fx.Graph, snapshot: fx.Graph) -> None:
     if missing:  # checked before anything is erased: the graph is left as the pass left it
         raise RuntimeError(f"cannot roll back a pass that removed graph inputs {missing}")
     keep = {by_name[p.name] for p in snap_ph}
-    # Reverse order erases every user before the node it uses; then the inputs the pass added.
-    for n in reversed(list(graph.nodes)):
-        if n.op != "placeholder":
-            graph.erase_node(n)
-    for n in [n for n in graph.nodes if n not in keep]:
-        graph.erase_node(n)
+    _erase_all_but(graph, keep)
     copy_graph_into(graph, snapshot, {p: by_name[p.name] for p in snap_ph})
+
+
+def _erase_all_but(graph: fx.Graph, keep: set) -> None:
+    """Erase every node of ``graph`` but the placeholders in ``keep``, whatever order a failed pass left them in
+    (a node used before it is defined: erasing in reverse order would meet a node that still has users)."""
+    gone = [n for n in graph.nodes if n not in keep]
+    for n in gone:
+        n.args, n.kwargs = (), {}
+    for n in reversed(gone):
+        graph.erase_node(n)
 
 
 class GraphCheckpoint:
@@ -74,12 +79,7 @@ class GraphCheckpoint:
         missing = [r[5] for r in placeholders if getattr(r[0], "_erased", False) or r[0].graph is not graph]
         if missing:  # checked before anything is erased: the graph is left as the pass left it
             raise RuntimeError(f"cannot roll back a pass that removed graph inputs {missing}")
-        keep = {r[0] for r in placeholders}
-        for n in reversed(list(graph.nodes)):
-            if n.op != "placeholder":
-                graph.erase_node(n)
-        for n in [n for n in graph.nodes if n not in keep]:
-            graph.erase_node(n)
+        _erase_all_but(graph, {r[0] for r in placeholders})
         env: dict[fx.Node, fx.Node] = {}
         for node, op, target, args, kwargs, name, type_, meta in self.records:
             if op == "placeholder":

@@ -65,6 +65,8 @@ from effpass.pass_base import TILE_META
 from effpass.graph import copy_provenance, infer_fake_values, module_path_of_node, tensor_meta
 from effpass.scope import glob_match
 
+from .cuts import _tile_bounds, _without_early_outputs  # noqa: F401  (_tile_bounds: tests read it here)
+
 __all__ = ["TileSequence", "find_row_regions"]
 
 TAG = TILE_META  # the core contract: the planner reads the tiles by it (effpass/pass_base.py)
@@ -302,6 +304,9 @@ def find_row_regions(gm: fx.GraphModule, model: torch.nn.Module | None = None,
                         seen.add(o)
                         stack.append(o)
             comp.sort(key=order.get)
+            comp = _without_early_outputs(comp, order)
+            if not comp:
+                continue
             region = Region(nodes=comp, lead=lead, block=block)
             cs = set(comp)
             region.outputs = [m for m in comp if any(u not in cs for u in m.users)]
@@ -331,14 +336,6 @@ def find_row_regions(gm: fx.GraphModule, model: torch.nn.Module | None = None,
 # ------------------------------------------------------------------------------------------------------
 # the rewrite
 # ------------------------------------------------------------------------------------------------------
-def _tile_bounds(rows: int, tile_rows: int, cut: str = "even") -> list[tuple[int, int]]:
-    """``cut="even"``: ceil(rows / tile_rows) tiles of one size (the last smaller by fewer rows than there are
-    tiles); ``"exact"``: tiles of exactly ``tile_rows``, the last one the rest."""
-    n = max(1, math.ceil(rows / tile_rows))
-    step = tile_rows if cut == "exact" else math.ceil(rows / n)
-    return [(s, min(s + step, rows)) for s in range(0, rows, step)]
-
-
 def tile_region(gm: fx.GraphModule, region: Region, tile_rows: int, region_id: int,
                 replaced: dict[fx.Node, fx.Node] | None = None, cut: str = "even") -> int:
     """Rewrite ``region`` into tiles along its last lead dimension; returns the number of tiles.

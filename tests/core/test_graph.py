@@ -113,6 +113,16 @@ def test_graph_checkpoint_restores_every_kind_of_edit():
     except RuntimeError as e:
         assert "removed graph inputs ['y']" in str(e)
     assert _structure(g) == edited
+    # a pass that failed leaving a node used before its definition (out of topological order): rolled back too
+    cp3 = GraphCheckpoint(g)
+    before3 = _structure(g)
+    relu = next(n for n in g.nodes if n.target is torch.relu)
+    with g.inserting_before(g.output_node()):
+        late = g.call_function(torch.neg, (ph[0],))
+    relu.args = (late,)  # relu now reads a node defined after it
+    cp3.restore()
+    assert _structure(g) == before3
+    g.lint()
     # a lazy copy generates its code when first read or called, and runs as the original
     lazy = lazy_graph_module(gm, snapshot_graph(fx.symbolic_trace(M()).graph))
     torch.testing.assert_close(lazy(x, y), M()(x, y), rtol=0, atol=0)

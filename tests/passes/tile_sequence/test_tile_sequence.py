@@ -70,6 +70,27 @@ def test_gradients_equal_untiled(family, ckpt):
     assert st["marked_recompute"] > 0
 
 
+def test_a_parallel_block_tiles_its_mlp_and_keeps_the_shared_norm_whole():
+    """Cohere's parallel block: one norm feeds the attention's projections (before the MLP in the graph) and the
+    MLP. The tiles are computed after the region's last node, so the norm stays computed once, untiled, an input
+    of the MLP's tiles (it was tiled with the MLP: a value used before its definition, the pass rolled back)."""
+    case = family_case("cohere", batch=2, seq=32, attn="sdpa")
+    case.model.train()
+    ref, tiled = _compile_pair(case, [CheckpointActivations(policy="full")], tile_rows=16)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a pass that fails and is rolled back warns
+        l0, g0 = _grads(ref, case.inputs, case.loss)
+        l1, g1 = _grads(tiled, case.inputs, case.loss)
+    assert abs(l0 - l1) <= 1e-6 * abs(l0) and g0.keys() == g1.keys()
+    assert max(_rel(g1[n], g0[n]) for n in g0) <= 1e-6
+    rep = effpass.report(tiled)
+    st = rep.stats("tile_sequence")
+    assert st["regions"] >= case.num_layers and st["tiles"] == 4 * st["regions"], st
+    assert not any(r.error for g in rep.graphs for r in g.records), [r.error for g in rep.graphs for r in g.records]
+
+
 def test_backward_never_holds_a_whole_sequence_of_intermediate_width():
     """Structural: with tiles of 16 rows, no forward or backward value is (48 rows x intermediate)."""
     case = family_case("llama", batch=1, seq=48, attn="sdpa")
