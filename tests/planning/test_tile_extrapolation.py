@@ -198,6 +198,32 @@ def test_max_seq_with_tile_extrapolation_answers_with_real_replays(llama):
     assert sorted(replays) == [64, 64, 64, 80, 80, 96, 96, 128], replays  # probes; 4-6 tiles x 2 (none at 256)
 
 
+@pytest.mark.sweep
+@pytest.mark.parametrize("family", ["cohere", "qwen3", "phi3", "gpt_neox", "opt", "mistral"])
+def test_the_peak_place_by_place_equals_a_real_replay_on_every_family(family):
+    """Each family (2 blocks, SDPA, the same pipeline as above) at 154 tokens (10 tiles of 16) from replays at 4-6
+    tiles, place by place: the peak and each phase's equal a real replay's byte for byte. Cohere: a parallel block
+    (one norm read by the attention and the MLP); Mistral: a sliding-window mask of the whole sequence squared,
+    not affine in the tile count: refused (a lower bound is not needed: the length itself replayed, said so)."""
+    import transformers as tf
+    from _families import _specs
+
+    cfg_name, model_name, kwargs, *_ = _specs()[family]
+    cfg = getattr(tf, cfg_name)(**dict(kwargs, num_hidden_layers=2, max_position_embeddings=256))
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = getattr(tf, model_name)(cfg).train()
+    log = []
+    (ext,) = estimate_long(model, _inputs, 154, [_PASSES], None, screen=False, min_tiles=4, log=log, lowering="eager")
+    (real,) = estimate_many(model, _inputs(154), [_PASSES], None, lowering="eager")
+    assert (ext.peak_bytes, ext.phase_peaks) == (real.peak_bytes, real.phase_peaks)
+    if family == "mistral":
+        assert not hasattr(ext, "tile_replays") and "not extrapolated over the tile count" in log[0], log
+    else:
+        assert ext.tile_exact and log == ["154 tokens (10 tiles of 16): extrapolated from replays at 58, 74, 90 "
+                                          "tokens (4, 5, 6 tiles)"], log
+
+
 def test_cli_min_tiles_reaches_the_search_on_by_default(monkeypatch, tmp_path):
     """``effpass plan --max-seq --min-tiles N`` reaches ``plan_max_seq(min_tiles=N)``; without it, 12; 0: None."""
     import json
