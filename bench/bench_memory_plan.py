@@ -253,6 +253,14 @@ PUBLISHED = {
 }
 
 
+def _children_cpu() -> float:
+    """CPU seconds of this process's finished children (the planner's forked replay workers, once reaped)."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def maxseq(modes=("full", "lora", "qlora"), budgets=(24, 48, 80), step=1024, probes=(16384, 32768),
            lossless_pipeline=True, screen=True, min_tiles=None):
     """The longest sequence (batch 1) of Llama-3.1-8B that the planner predicts fits each budget, per mode."""
@@ -287,7 +295,7 @@ def maxseq(modes=("full", "lora", "qlora"), budgets=(24, 48, 80), step=1024, pro
         for gib in budgets:
             if (mode, gib) in done:
                 continue
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0, k0 = time.perf_counter(), time.process_time(), _children_cpu()
             try:
                 res = plan_max_seq(model, make_inputs, f"{gib}GiB", passes=pipeline, step=step, probes=probes,
                                    lowering="eager", screen=screen, cache=cache, min_tiles=min_tiles)
@@ -301,7 +309,10 @@ def maxseq(modes=("full", "lora", "qlora"), budgets=(24, 48, 80), step=1024, pro
                            f" at {step} tokens with {e.plan.name})", pipeline=[], peak=e.smallest, next_peak=None,
                            replays=[], fits=[], notes=[])
             row["seconds"] = round(time.perf_counter() - t0, 1)
-            row["cpu_s"] = round(time.process_time() - c0, 1)  # this process (EFFPASS_PLAN_WORKERS=1: all of it)
+            row["cpu_s"] = round(time.process_time() - c0 + _children_cpu() - k0, 1)  # with the forked workers'
+            from effpass.planning.pool import plan_workers
+
+            row["workers"] = plan_workers()
             row["load"] = os.getloadavg()[0]
             row["screen"] = screen
             print(row, flush=True)
@@ -318,8 +329,9 @@ def md_maxseq(rows, step, probes, **_):
           f"candidates of a CPU plan), answer in steps of {step} tokens, probes {list(probes)}. Pipeline given: "
           f"fuse_attention + checkpoint_activations(full) + fuse_cross_entropy + tile_sequence(4096) (+ LoRA r=16 on all 7 "
           f"projections; + NF4 base for QLoRA, head in bf16); the planner adds step_in_backward where it helps. "
-          f"`seconds`: wall time of the row's plan_max_seq call (and its CPU seconds where recorded), one process "
-          f"(EFFPASS_PLAN_WORKERS=1) on the "
+          f"`seconds`: wall time of the row's plan_max_seq call (and its CPU seconds where recorded: this process's, "
+          f"with its forked replay workers' where the row names the workers; rows without: one process, "
+          f"EFFPASS_PLAN_WORKERS=1) on the "
           f"shared 2-core CPU, 1-minute load average in brackets; a mode's first budget replays the probes, later "
           f"ones reuse them; 'screened': search on two-depth figures, the answering pair confirmed at three "
           f"(plan_max_seq(screen=True)), else three depths for every figure; 'at least': extrapolated over the tile "
@@ -332,7 +344,8 @@ def md_maxseq(rows, step, probes, **_):
                   f"{format_bytes(r['next_peak']) if r['next_peak'] else '-'} | "
                   f"{PUBLISHED[r['mode']] if r['budget_gib'] == 80 else ''} | {r['seconds']}"
                   f"{' / ' + str(r['cpu_s']) + ' CPU' if r.get('cpu_s') is not None else ''} "
-                  f"({r['load']:.0f}{', screened' if r.get('screen') else ''}) |")
+                  f"({r['load']:.0f}{', screened' if r.get('screen') else ''}"
+                  f"{', ' + str(r['workers']) + ' workers' if r.get('workers') else ''}) |")
     return "\n".join(md) + "\n"
 
 
