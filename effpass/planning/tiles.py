@@ -207,15 +207,19 @@ def _exact(ests, counts, n, exact, get) -> tuple[MemoryEstimate, str]:
     out.peak_phase = exact.phase
     out.peak_graph = "eager code" if exact.graph == "eager" else f"{exact.phase} graph {exact.graph}"
     out.peak_node = f"{exact.node} (place by place over the tile count)"
-    out.pass_stats = _stats(ests, counts, k)[0]
+    out.pass_stats, dropped = _stats(ests, counts, k)
     out.tile_exact = out.reserved_peak_bytes is None and out.reserved_expandable_bytes is None
+    if not out.tile_exact:
+        out.notes.append("the CUDA allocator's reserved bytes (what the device must hold) extrapolated through the "
+                         "counts, not place by place: not an exact figure (plan_max_seq replays the length it answers)")
     out.notes.append(
         f"the peak at {n} tiles place by place: the live bytes after each of the step's allocations (before, in and "
         f"after the tiles; {exact.places:,} places at {n} tiles) from replays at "
         f"{', '.join(map(str, counts))} tiles, each affine in the tile count and a middle tile's in its index "
         f"({'checked' if checked else 'not yet checked at a third count'}): exact, not a bound"
         + (f"; at the peak, extrapolated through the last two counts (not affine): {', '.join(bent_peak)}"
-           if bent_peak else ""))
+           if bent_peak else "")
+        + (f"; pass statistics not affine, left out: {', '.join(dropped)}" if dropped else ""))
     return out, ""
 
 

@@ -167,23 +167,30 @@ class Tracker(TorchDispatchMode):
             graphs[key] = str(1 + sum(1 for k in graphs if k[0] == key[0]))
         return graphs[key]
 
+    @staticmethod
+    def _graph_frame(depth: int):
+        """The innermost frame running a graph's code (an FX graph's generated ``forward``, or an Inductor
+        wrapper replayed with fake allocations) above the caller ``depth`` frames up, or None (eager code)."""
+        f = sys._getframe(depth + 1)
+        while f is not None and not (f.f_code.co_filename.startswith("<eval_with_key>")
+                                     or f.f_code in FAKE_WRAPPER_CODE):
+            f = f.f_back
+        return f
+
     def _place(self) -> None:
         """Records the live bytes after this allocation at its place (planning/places.py)."""
-        f = sys._getframe(3)
+        f = self._graph_frame(3)
         key, name = (self.phase, "eager", ("pre",)), "eager code"
-        while f is not None:
+        if f is not None:
             co = f.f_code
-            if co.co_filename.startswith("<eval_with_key>"):
-                lines = self._lines.get(co)
-                if lines is None:
-                    from effpass.pass_base import TILE_META
-                    from .places import line_contexts
+            lines = self._lines.get(co)
+            if lines is None:
+                from effpass.pass_base import TILE_META
+                from .places import line_contexts
 
-                    lines = self._lines[co] = line_contexts(f, TILE_META)
-                seg, name = lines.get(f.f_lineno, (("?",), "?"))
-                key = (self.phase, self._graph_no(co.co_filename, self._place_graphs), seg)
-                break
-            f = f.f_back
+                lines = self._lines[co] = line_contexts(f, TILE_META)
+            seg, name = lines.get(f.f_lineno, (("?",), "?"))
+            key = (self.phase, self._graph_no(co.co_filename, self._place_graphs), seg)
         got = self.places.get(key)
         if got is None:
             got = self.places[key] = ([], [])
@@ -191,19 +198,14 @@ class Tracker(TorchDispatchMode):
         got[1].append(name)
 
     def _where(self, func) -> tuple[str, str]:
-        f = sys._getframe(2)
-        while f is not None:
-            fn = f.f_code.co_filename
-            inductor = f.f_code in FAKE_WRAPPER_CODE
-            if fn.startswith("<eval_with_key>") or inductor:
-                line = linecache.getline(fn, f.f_lineno).strip()
-                key = (self.phase or "-", fn)
-                self._graph_no(fn)
-                node = line.split("=", 1)[0].strip() if "=" in line else line
-                kind = "Inductor " if inductor else ""
-                return f"{self.phase} {kind}graph {self.graphs[key]}", f"{node} ({func})"
-            f = f.f_back
-        return "eager code", str(func)
+        f = self._graph_frame(2)
+        if f is None:
+            return "eager code", str(func)
+        fn = f.f_code.co_filename
+        line = linecache.getline(fn, f.f_lineno).strip()
+        node = line.split("=", 1)[0].strip() if "=" in line else line
+        kind = "Inductor " if f.f_code in FAKE_WRAPPER_CODE else ""
+        return f"{self.phase} {kind}graph {self._graph_no(fn)}", f"{node} ({func})"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
