@@ -240,8 +240,10 @@ class EffpassBackend(Lowering):
         files_before = set(self.dump.written.get(report.graph_id, {})) if self.dump else set()
 
         t_lower = time.perf_counter()
+        hits = _cache_hits()
         compiled = self._lower(gm, example_inputs, report, common)
-        if late and self.options.lowering == "inductor" and unrecorded_hit(self.store, report, key, late):
+        if (late and self.options.lowering == "inductor" and _cache_hits() > hits
+                and unrecorded_hit(self.store, report, key, late)):
             compiled = self._lower_uncached(gm, example_inputs, report, common)
         t_lowered = time.perf_counter()
 
@@ -311,3 +313,10 @@ def last_string_backend() -> EffpassBackend | None:
 def string_backends() -> list[EffpassBackend]:
     """Every string backend made in this process (one per distinct options), least recently used first."""
     return list(_STRING_BACKENDS.values())
+
+
+def _cache_hits() -> int:
+    """Inductor's FX-graph and AOTAutograd cache hits so far in this process (torch's counters)."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
