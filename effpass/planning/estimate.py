@@ -24,7 +24,7 @@ from .result import MemoryEstimate, format_bytes, parse_size, training_step  # n
 from .start_bytes import start_bytes_many  # noqa: F401  (re-exported)
 from .tracker import replay_kernel  # noqa: F401  (re-exported: passes/step_in_backward uses it)
 
-__all__ = ["MemoryEstimate", "estimate_memory", "estimate_many", "confirm_many", "start_bytes_many", "training_step",
+__all__ = ["MemoryEstimate", "estimate_memory", "estimate_many", "confirm_many", "replay_at_depths", "start_bytes_many", "training_step",
            "format_bytes", "parse_size", "with_optimizer", "optimizer_replay", "replay_patches", "replay_kernel",
            "fold_fsdp"]
 
@@ -190,26 +190,69 @@ def confirm_many(model: torch.nn.Module, example_inputs, pipelines: Sequence, es
 def _replay_depths(model, example_inputs, pipelines, depths, optimizer, dev, loss_fn, lr, compile_options, share,
                    workers, blocks, only: dict | None = None) -> list[list]:
     """Per depth of ``depths``, per pipeline: its replay with only the first ``depth`` blocks (or the
-    exception raised; None where ``only[depth]``, a set of pipeline indices, leaves it out). The work units,
-    spread over the workers: one depth of one module phase (its plans share a capture)."""
-    groups = module_groups(pipelines, dev, compile_options) if share else [[i] for i in range(len(pipelines))]
+    exception raised; None where ``only[depth]``, a set of pipeline indices, leaves it out)."""
     only = only or {}
-    jobs = [(k, [i for i in g if k not in only or i in only[k]]) for k in depths for g in groups]
-    jobs = [(k, g) for k, g in jobs if g]
-
-    def replay_job(job):
-        k, g = job
-        with first_blocks(blocks, k):
-            return replay_many(model, example_inputs, [pipelines[i] for i in g], optimizer, dev, loss_fn, lr,
-                                compile_options, share)
-
-    results = in_workers(replay_job, jobs, [(k + 2) * (len(g) + 1) for k, g in jobs],
-                          plan_workers() if workers is None else workers)
+    units = [(example_inputs, [i for i in range(len(pipelines)) if k not in only or i in only[k]], k) for k in depths]
+    got = _depth_units(model, pipelines, units, optimizer, dev, loss_fn, lr, compile_options, share, workers, blocks)
     per_depth = [[None] * len(pipelines) for _ in depths]
-    for (k, g), res in zip(jobs, results):
-        for i, r in zip(g, res):
+    for (_, idx, k), res in zip(units, got):
+        for i, r in zip(idx, res):
             per_depth[depths.index(k)][i] = r
     return per_depth
+
+
+def replay_at_depths(model: torch.nn.Module, units: Sequence, optimizer: str | None = "adamw", *, device=None,
+                     loss_fn: Callable | None = None, lr: float = 1e-3, share: bool = True, workers: int | None = None,
+                     **compile_options) -> list[list]:
+    """Replays of ``model`` with only its first blocks, several at once: ``units`` is a list of
+    ``(example_inputs, pipelines, depth)``; returns per unit, per pipeline, the replay of the first ``depth``
+    blocks (a :class:`MemoryEstimate` of that shorter model, not extrapolated) or the exception raised. Every
+    unit's work (one depth of one module phase) is spread over the workers together, so replays of different
+    lengths and depths run at once (the tile-count extrapolation's checks, :mod:`effpass.planning.tiles`)."""
+    dev = target_device(model, device)
+    blocks = block_list(model)
+    if blocks is None:
+        raise ValueError("replay_at_depths: the model has no list of identical blocks")
+    flat, units_i = [], []
+    for inputs, pipes, k in units:
+        units_i.append((inputs, list(range(len(flat), len(flat) + len(pipes))), k))
+        flat += list(pipes)
+    got = _depth_units(model, flat, units_i, optimizer, dev, loss_fn, lr, compile_options, share, workers, blocks)
+    return [list(r) for r in got]
+
+
+def _depth_units(model, pipelines, units, optimizer, dev, loss_fn, lr, compile_options, share, workers,
+                 blocks) -> list[list]:
+    """Per unit ``(example_inputs, pipeline indices, depth)``: the replays of those pipelines with the first
+    ``depth`` blocks. The work units spread over the workers: one depth of one module phase (its plans share a
+    capture)."""
+    jobs = []
+    for u, (inputs, idx, k) in enumerate(units):
+        groups = (module_groups([pipelines[i] for i in idx], dev, compile_options) if share
+                  else [[j] for j in range(len(idx))])
+        jobs += [(u, inputs, k, [idx[j] for j in g]) for g in groups if g]
+
+    def replay_job(job):
+        _, inputs, k, g = job
+        with first_blocks(blocks, k):
+            return replay_many(model, inputs, [pipelines[i] for i in g], optimizer, dev, loss_fn, lr,
+                                compile_options, share)
+
+    results = in_workers(replay_job, jobs, [(k + 2) * (len(g) + 1) * _size(inputs) for _, inputs, k, g in jobs],
+                         plan_workers() if workers is None else workers)
+    out = [dict() for _ in units]
+    for (u, _, _, g), res in zip(jobs, results):
+        out[u].update(zip(g, res))
+    return [[o[i] for i in idx] for o, (_, idx, _) in zip(out, units)]
+
+
+def _size(inputs) -> float:
+    """A unit's relative cost from its inputs' length (replays of longer sequences unroll more tiles): the largest
+    last dimension among the inputs' tensors, relative to 1."""
+    from torch.utils._pytree import tree_flatten
+
+    sizes = [x.shape[-1] for x in tree_flatten(inputs)[0] if isinstance(x, torch.Tensor) and x.dim() >= 1]
+    return float(max(sizes)) if sizes else 1.0
 
 
 def fold_fsdp(est: MemoryEstimate, world_size: int, unit_bytes: int) -> MemoryEstimate:

@@ -5,7 +5,6 @@ length (a later tier only where no earlier one fits), the answering pair confirm
 figures were screened from two depths."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
@@ -14,58 +13,12 @@ from effpass.memory_options import replayed_optimizer
 
 from .candidates import Candidate, MemoryBudgetError, MemoryPlan, neighbourhood, optimizers_agree, pipeline_with
 from .estimate import confirm_many, estimate_many, with_optimizer
+from .maxseq_result import MaxSeqResult
 from .result import format_bytes
 from .setup import PlanSetup, prepare
-from .tiles import MIN_TILES, confirm_long, estimate_long
+from .tiles import MIN_TILES, check_grid_early, confirm_long, estimate_long
 
 __all__ = ["plan_max_seq", "MaxSeqResult"]
-
-
-@dataclass
-class MaxSeqResult:
-    """``plan_max_seq``'s answer: the longest sequence ``seq`` (a multiple of ``step``) whose predicted peak
-    fits the budget, the plan that fits it, and how it was found."""
-
-    seq: int
-    step: int
-    budget: int
-    plan: MemoryPlan
-    next_peak: int | None                 #: predicted peak at seq + step with the same plan (> budget), None at max_len
-    next_peak_bound: bool = False         #: next_peak extrapolated over the tile count: a lower bound of the replay's
-    fits: list = field(default_factory=list)      #: per candidate: (name, lossy, restricted, fitted seq, probe peaks)
-    probes: tuple = ()
-    replays: list = field(default_factory=list)   #: (seq, predicted peak, fits) of the search at the answer
-    notes: list = field(default_factory=list)
-
-    def table(self) -> str:
-        rows = [("plan", "lossy", "fitted longest seq", "peaks at probes " + "/".join(str(s) for s in self.probes))]
-        for name, lossy, _r, fitted, peaks in self.fits:
-            mark = "* " if name == self.plan.chosen.name else "  "
-            rows.append((mark + name, "yes" if lossy else "no", "-" if fitted is None else f"{fitted:,}",
-                         " / ".join(format_bytes(p) if isinstance(p, int) else str(p) for p in peaks)))
-        widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-        return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows)
-
-    def summary(self) -> str:
-        bound = " (extrapolated over the tile count: a lower bound)" if self.next_peak_bound else ""
-        nxt = (f"; at {self.seq + self.step:,} tokens it needs {'at least ' * self.next_peak_bound}"
-               f"{format_bytes(self.next_peak)}{bound}" if self.next_peak is not None else "")
-        lines = [f"longest sequence that fits {format_bytes(self.budget)}"
-                 + (f" per rank ({self.plan.world_size} ranks)" if self.plan.world_size > 1 else "")
-                 + f": {self.seq:,} tokens (in steps of {self.step}) with {self.plan.chosen.name}",
-                 f"  predicted peak {format_bytes(self.plan.peak_bytes)}{nxt}",
-                 f"  pipeline: {', '.join(p.name for p in self.plan.passes) or '(none)'}; optimizer: {self.plan.optimizer}"]
-        lines += [f"  note: {n}" for n in self.notes + self.plan.notes]
-        lines += ["", "candidates (longest sequence fitted from the probe replays; the answer replayed):", self.table()]
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"seq": self.seq, "step": self.step, "budget": self.budget, "next_peak": self.next_peak,
-                "next_peak_is_lower_bound": self.next_peak_bound,
-                "plan": self.plan.to_dict(), "probes": list(self.probes), "replays": self.replays,
-                "candidates": [{"plan": n, "lossy": l, "restricted": r, "fitted_seq": f,
-                                "probe_peaks": [p if isinstance(p, int) else None for p in peaks]}
-                               for n, l, r, f, peaks in self.fits], "notes": self.notes}
 
 
 def _fit(points: list[tuple[int, int]]):
@@ -431,6 +384,7 @@ class _MaxSeqSearch:
         if lo + step <= self.max_len:
             pair.append((lo + step, [c for c in live if id(c) in known.get(lo + step, {})]))
         self._tiles_off = False
+        self._check_early(pair)
         for s_, cs_ in pair:
             if not cs_:
                 continue
@@ -458,6 +412,23 @@ class _MaxSeqSearch:
             replays[:] = [(x, peak_, peak_ <= budget) if x == s_ else (x, p, f) for x, p, f in replays]
         return not (not any(known[lo][id(c)].device_peak_bytes <= budget for c in pair[0][1]) or (
             len(pair) > 1 and any(known[lo + step][id(c)].device_peak_bytes <= budget for c in pair[1][1])))
+
+    def _check_early(self, pair) -> None:
+        """The grid checks of the pair's screened tile figures (:func:`~effpass.planning.tiles.check_grid_early`),
+        both lengths at once over the replay workers (confirmed one length after the other, the second length's
+        checks would wait for the first's: Llama-3.1-8B QLoRA, 2 then 4 replays on 2 workers)."""
+        if self.min_tiles is None:
+            return
+        by_opt: dict = {}
+        for s_, cs_ in pair:
+            for c in cs_:
+                t = self.twin(c)
+                est = self.cache.get((s_, t.replay_key()))
+                if est is not None and not isinstance(est, BaseException):
+                    by_opt.setdefault(t.optimizer, []).append(est)
+        for opt, ests in by_opt.items():
+            check_grid_early(self.setup.model, self.make_inputs, ests, opt, shared=self.shared,
+                             device=self.setup.device, loss_fn=self.loss_fn, **self.compile_options)
 
     def _answer(self, lo, live, known, replays, cands, ok, fits, notes) -> MaxSeqResult:
         """The plan: among those fitting the longest length, lossless before lossy, unrestricted before

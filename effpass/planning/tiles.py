@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from dataclasses import dataclass, field
 
-from .depth import AFFINE
 from .places import recording_places
 from .result import MemoryEstimate
+from .tile_combine import combine_tiles
 
-__all__ = ["COUNTS", "MIN_TILES", "pin_pipeline", "combine_tiles", "estimate_long", "confirm_long", "batch_of"]
+__all__ = ["COUNTS", "MIN_TILES", "pin_pipeline", "combine_tiles", "estimate_long", "confirm_long", "check_grid_early",
+           "batch_of"]
 
 #: tile counts replayed for an extrapolation (three, so that affinity is checked, not assumed). NOTE(counts): not
 #: 2, 3, 4: on Llama-3.1-8B QLoRA (2 blocks, tiles of 4,078 positions) the peak grows by 437,306,536 B from 2 to 3
@@ -88,159 +88,6 @@ def pin_pipeline(pipeline, seq: int, batch: int):
     return pinned, t, math.ceil(seq / t)
 
 
-def _place(e: MemoryEstimate) -> tuple:
-    return (e.peak_phase, e.peak_graph, re.sub(r"_\d+$", "", e.peak_node.split(" ")[0]), e.peak_node.partition(" ")[2])
-
-
-def combine_tiles(ests: list, counts, n: int) -> tuple[MemoryEstimate | None, str]:
-    """The estimate at ``n`` tiles from the estimates at ``counts`` tiles (the same pinned pipeline), and why
-    not (None, reason) when they are not affine in the tile count: the peak at another place, a count whose
-    second difference is not zero (byte for byte: ``AFFINE``, each phase's peak, the CUDA allocator's reserved
-    bytes), or the trainable parameters not the same. Two estimates: the affine prediction, ``provisional``."""
-    counts = tuple(counts)[:len(ests)]
-    exact, exact_why = (None, "the places were not recorded")
-    if any(getattr(e, "places", None) is not None or getattr(e, "depth_places", None) is not None for e in ests):
-        from .places import exact_peak
-
-        exact, exact_why = exact_peak(ests, counts, n)
-    if exact is None and len({_place(e) for e in ests}) != 1:
-        return None, "the peak is at another place: " + " / ".join(e.peak_node for e in ests)
-    if len({repr((e.trainable_numels, e.trainable_shapes)) for e in ests}) != 1:
-        return None, "the trainable parameters differ between the short replays"
-    if len({tuple(sorted(e.phase_peaks)) for e in ests}) != 1:
-        return None, "the phases differ between the short replays"
-    b, c = ests[-2], ests[-1]
-    reserved = [f for f in ("reserved_peak_bytes", "reserved_expandable_bytes")
-                if all(getattr(e, f) is not None for e in ests)]
-    get = {f: (lambda e, f=f: getattr(e, f)) for f in list(AFFINE) + reserved}
-    get.update({("phase", p): (lambda e, p=p: e.phase_peaks[p]) for p in c.phase_peaks})
-    if len(ests) == 3:
-        a = ests[0]
-        if counts[1] - counts[0] != counts[2] - counts[1]:
-            raise ValueError(f"combine_tiles: counts {counts} are not evenly spaced")
-        bad = [f for f, g in get.items() if g(b) - g(a) != g(c) - g(b)
-               and (exact is None or not (f in AT_PEAK or isinstance(f, tuple)))]  # exact: the peak's own below
-        if bad:
-            f = bad[0]
-            return None, (f"{f if isinstance(f, str) else 'the ' + f[1] + ' peak'} is not affine in the tile count "
-                          f"({' / '.join(str(get[f](e)) for e in ests)} at {'/'.join(map(str, counts))} tiles)")
-    if exact is not None:
-        if (n - counts[-1]) % (counts[-1] - counts[-2]):
-            raise ValueError(f"combine_tiles: {n} tiles is not reached from {counts}")
-        return _exact(ests, counts, n, exact, get)
-    # NOTE(crossing): the step's peak is the largest of every op's local peak (``op_peaks``), each affine in the
-    # tile count, but another op's may grow faster and overtake the peak beyond the replayed counts (Llama-3.1-8B
-    # QLoRA, 2 blocks, tiles of 4,078: at 4-6 tiles the peak is the MLP recompute's mul, at 54 tiles the attention
-    # backward's, 464,252,360 B above the mul's extrapolation): every op's local peak is checked affine and
-    # extrapolated, and the largest is the peak at ``n`` tiles
-    ops = set(c.op_peaks)
-    if not ops or any(set(e.op_peaks) != ops for e in ests):
-        return None, "the ops that allocate differ between the short replays (or were not recorded)"
-    bent = sorted(o for o in ops if len(ests) == 3
-                  and b.op_peaks[o] - ests[0].op_peaks[o] != c.op_peaks[o] - b.op_peaks[o])
-    k, d = n - counts[-1], counts[-1] - counts[-2]
-    if k % d:
-        raise ValueError(f"combine_tiles: {n} tiles is not reached from {counts} in steps of {d}")
-    step = lambda g: g(c) + (k // d) * (g(c) - g(b))  # noqa: E731
-    op_peaks = {o: step(lambda e, o=o: e.op_peaks[o]) for o in ops if o not in bent}
-    top = max(op_peaks or {"-": 0}, key=lambda o: (op_peaks.get(o, 0), o))
-    peak_phase = top.split(" ", 1)[0] if op_peaks.get(top, 0) > step(get["step_peak_bytes"]) else c.peak_phase
-    if any(o.split(" ", 1)[0] == peak_phase for o in bent):
-        o = next(o for o in bent if o.split(" ", 1)[0] == peak_phase)
-        return None, (f"the local peak after {o} is not affine in the tile count "
-                      f"({' / '.join(str(e.op_peaks[o]) for e in ests)} at {'/'.join(map(str, counts))} tiles)")
-    # pass statistics (counts of tiles, rows, chunks): extrapolated where affine; one that is not (the loss's
-    # chunk count) cannot be known from the short replays and is left out, named in the note
-    stats, dropped = _stats(ests, counts, k // d)
-    checked = len(ests) == 3 and not any(getattr(e, "provisional", False) for e in ests)
-    note = (f"extrapolated over the tile count from replays at {', '.join(map(str, counts[:len(ests)]))} of {n} "
-            f"tiles (every byte count affine in the tile count, "
-            f"{'checked' if len(ests) == 3 else 'not yet checked at ' + str(counts[-1] + d) + ' tiles'}; the "
-            f"peak node is named in the {counts[-1]}-tile replay; pass statistics extrapolated"
-            + (f", those not affine left out: {', '.join(dropped)}" if dropped else "") + ")")
-    if bent:
-        # NOTE(other phases): every op of the peak's phase is affine (checked); in another phase an op's local peak
-        # that is not (a max over places that cross: Llama-3.1-8B's forward norms at 4-6 tiles) is left out, and
-        # that phase's own peak is extrapolated unchecked: said here, never silently
-        note += (f"; not affine in the tile count, left unchecked (below the peak, in another phase): "
-                 f"{', '.join(bent)}")
-    out = dataclasses.replace(c, **{f: step(g) for f, g in get.items() if isinstance(f, str)},
-                              phase_peaks={p: step(get[("phase", p)]) for p in c.phase_peaks}, pass_stats=stats,
-                              op_peaks=op_peaks, provisional=not checked, notes=list(c.notes) + [note])
-    if op_peaks.get(top, 0) > out.step_peak_bytes:
-        # the peak moves to another op beyond the replayed counts: its local peak (affine, checked) is the step's
-        # peak; the gradients live there are not known from these replays (the split that folding sharded
-        # gradients reads): plan_max_seq extrapolates over tiles for one device only
-        phase = top.split(" ", 1)[0]
-        out.notes.append(f"the peak moves past {counts[-1]} tiles: at {n} tiles it is after {top.split(' ', 1)[1]} in "
-                         f"the {phase} ({op_peaks[top]:,} B above the start, where {out.peak_node} reaches "
-                         f"{out.step_peak_bytes:,} B); the gradients at the peak are those at {out.peak_node}")
-        out.peak_bytes += op_peaks[top] - out.step_peak_bytes
-        out.step_peak_bytes = op_peaks[top]
-        out.peak_phase, out.peak_graph = phase, f"{phase} graph (extrapolated)"
-        out.peak_node = f"{top.split(' ', 1)[1]} (extrapolated over the tile count)"
-        out.phase_peaks[phase] = max(out.phase_peaks.get(phase, 0), op_peaks[top])
-    out.tile_exact = False
-    out.notes.insert(len(c.notes), f"the peak at {n} tiles is a lower bound (not place by place: {exact_why})")
-    return out, ""
-
-
-#: figures of the peak itself (and of what is live there): a max over places, exact from the places, not affine
-AT_PEAK = ("peak_bytes", "step_peak_bytes", "gradients_at_peak", "non_gradient_peak", "gradients_at_non_gradient_peak",
-           "largest_transient")
-
-
-def _exact(ests, counts, n, exact, get) -> tuple[MemoryEstimate, str]:
-    """The estimate at ``n`` tiles with the peak from the places (:mod:`effpass.planning.places`): every other
-    count extrapolated (checked affine), the peak's figures exact; ``tile_exact`` set when the device's figure is
-    the peak of live bytes (no modelled allocator segments, which are not extrapolated place by place)."""
-    b, c = ests[-2], ests[-1]
-    k = (n - counts[-1]) // (counts[-1] - counts[-2])
-    step = lambda g: g(c) + k * (g(c) - g(b))  # noqa: E731
-    checked = len(ests) == 3 and not any(getattr(e, "provisional", False) for e in ests)
-    bent_peak = [f for f in AT_PEAK[2:] if len(ests) == 3 and get[f](b) - get[f](ests[0]) != get[f](c) - get[f](b)]
-    out = dataclasses.replace(c, **{f: step(g) for f, g in get.items() if isinstance(f, str)},
-                              phase_peaks=dict(exact.phase_peaks), op_peaks={}, provisional=not checked,
-                              notes=list(c.notes))
-    out.peak_bytes = out.start_bytes + exact.step_peak
-    out.step_peak_bytes = exact.step_peak
-    out.peak_phase = exact.phase
-    out.peak_graph = "eager code" if exact.graph == "eager" else f"{exact.phase} graph {exact.graph}"
-    out.peak_node = f"{exact.node} (place by place over the tile count)"
-    out.pass_stats, dropped = _stats(ests, counts, k)
-    out.tile_exact = out.reserved_peak_bytes is None and out.reserved_expandable_bytes is None
-    if not out.tile_exact:
-        out.notes.append("the CUDA allocator's reserved bytes (what the device must hold) extrapolated through the "
-                         "counts, not place by place: not an exact figure (plan_max_seq replays the length it answers)")
-    out.notes.append(
-        f"the peak at {n} tiles place by place: the live bytes after each of the step's allocations (before, in and "
-        f"after the tiles; {exact.places:,} places at {n} tiles) from replays at "
-        f"{', '.join(map(str, counts))} tiles, each affine in the tile count and a middle tile's in its index "
-        f"({'checked' if checked else 'not yet checked at a third count'}): exact, not a bound"
-        + (f"; at the peak, extrapolated through the last two counts (not affine): {', '.join(bent_peak)}"
-           if bent_peak else "")
-        + (f"; pass statistics not affine, left out: {', '.join(dropped)}" if dropped else ""))
-    return out, ""
-
-
-def _stats(ests, counts, k) -> tuple[dict, list]:
-    """Pass statistics at ``k`` count steps past the last: extrapolated where affine, the rest left out (named)."""
-    c = ests[-1]
-    stats, dropped = {}, []
-    for name, st in c.pass_stats.items():
-        stats[name] = {}
-        for key, v in st.items():
-            if not isinstance(v, int) or isinstance(v, bool):
-                stats[name][key] = v
-                continue
-            vals = [e.pass_stats.get(name, {}).get(key) for e in ests]
-            if any(not isinstance(x, int) for x in vals) or (len(vals) == 3 and vals[1] - vals[0] != vals[2] - vals[1]):
-                dropped.append(f"{name}.{key}")
-                continue
-            stats[name][key] = v + k * (v - vals[-2])
-    return stats, dropped
-
-
 def _estimate(model, make_inputs, seq, pipelines, optimizer, *, screen, estimate=None, **kw) -> list:
     from .estimate import estimate_many
 
@@ -268,7 +115,7 @@ def _share(shared, L, tr, optimizer, r) -> None:
 
 
 def estimate_long(model, make_inputs, seq: int, pipelines, optimizer, *, screen: bool, min_tiles: int | None = MIN_TILES,
-                  log: list | None = None, estimate=None, shared: dict | None = None, **kw) -> list:
+                  log: list | None = None, estimate=None, confirm=None, shared: dict | None = None, **kw) -> list:
     """:func:`~effpass.planning.estimate.estimate_many` of ``pipelines`` at ``seq`` positions (inputs
     ``make_inputs(seq)``), those that unroll more than ``min_tiles`` tiles there extrapolated over the tile count
     (pipelines with the same tiles share each short replay; ``shared``: a dict that keeps them across calls).
@@ -286,20 +133,34 @@ def estimate_long(model, make_inputs, seq: int, pipelines, optimizer, *, screen:
                 direct.append(i)
             else:
                 groups.setdefault(pin[1:], []).append((i, TileReplays(pin[0], pin[1], pin[2], seq)))
+    unsure = []
     for (t, n), members in groups.items():
-        counts = COUNTS[:2] if screen else COUNTS
+        # NOTE(screen first): without ``screen`` too, the first two counts at the first two depths, then the checks
+        # (confirm_long's): the same figures as every count at every depth where those checks pass, at half the cost
+        counts = COUNTS[:2]
         for L in members[0][1].lengths(counts):
-            todo = [tr for _, tr in members if not _shared(shared, L, tr, optimizer, screen)]
+            todo = [tr for _, tr in members if not _shared(shared, L, tr, optimizer, True)]
             with recording_places():
-                res = _estimate(model, make_inputs, L, [tr.pipeline for tr in todo], optimizer, screen=screen,
+                res = _estimate(model, make_inputs, L, [tr.pipeline for tr in todo], optimizer, screen=True,
                                 estimate=estimate, **kw) if todo else []
             for tr, r in zip(todo, res):
                 tr.short[L] = r
                 _share(shared, L, tr, optimizer, r)
         for i, tr in members:
-            out[i] = _combine(tr, counts, log)
+            said: list = []  # unscreened: only a refusal is said here (the confirmed figure says how it was had)
+            out[i] = _combine(tr, counts, log if screen else said)
             if out[i] is None:
                 direct.append(i)
+                if log is not None:
+                    log += said
+            elif not screen and getattr(out[i], "provisional", False):
+                unsure.append((i, tr, out[i]))
+    if unsure:
+        from .estimate import confirm_many
+
+        for i, r in _confirm_members(model, make_inputs, seq, pipelines, unsure, optimizer, log=log, estimate=estimate,
+                                     confirm=confirm or confirm_many, shared=shared, **kw).items():
+            out[i] = r
     if direct:
         tried = {i: tr for members in groups.values() for i, tr in members}
         res = _estimate(model, make_inputs, seq, [pipelines[i] for i in sorted(direct)], optimizer, screen=screen,
@@ -344,9 +205,10 @@ def _fallback(r, tr: TileReplays):
 def confirm_long(model, make_inputs, seq: int, pipelines, estimates, optimizer, *, log: list | None = None,
                  estimate=None, confirm=None, shared: dict | None = None, **kw) -> list:
     """The provisional figures among ``estimates`` (of ``pipelines`` at ``seq``) checked: depth-screened ones at
-    the third depth (:func:`~effpass.planning.estimate.confirm_many`), tile-extrapolated ones from their short
-    replays confirmed at the third depth and a third tile count (not affine: ``seq`` replayed). Returns the
-    figures :func:`estimate_long` gives without ``screen``."""
+    the third depth (:func:`~effpass.planning.estimate.confirm_many`), tile-extrapolated ones by two more replays
+    (:func:`_check_grid`: the first depth at a third tile count, the third depth at the first; not affine: the
+    whole grid of counts and depths, then ``seq`` itself). Returns the figures :func:`estimate_long` gives without
+    ``screen``."""
     from .estimate import confirm_many
 
     confirm_many = confirm or confirm_many
@@ -358,21 +220,42 @@ def confirm_long(model, make_inputs, seq: int, pipelines, estimates, optimizer, 
         for i, r in zip(depth, confirm_many(model, make_inputs(seq), [pipelines[i] for i in depth],
                                             [estimates[i] for i in depth], optimizer, **ckw)):
             out[i] = r
+    members = [(i, estimates[i].tile_replays, estimates[i]) for i in tiled]
+    out_t = _confirm_members(model, make_inputs, seq, pipelines, members, optimizer, log=log, estimate=estimate,
+                             confirm=confirm_many, shared=shared, **kw)
+    for i, r in out_t.items():
+        out[i] = r
+    return out
+
+
+def _confirm_members(model, make_inputs, seq, pipelines, members, optimizer, *, log, estimate, confirm, shared,
+                     **kw) -> dict:
+    """``{i: confirmed figure}`` for ``members`` ``(i, TileReplays, screened figure)``: the grid check where it
+    applies (:func:`_check_grid`), else (or where it fails) every count at every depth, then ``seq`` itself."""
+    ckw = {k: v for k, v in kw.items() if k != "extrapolate"}
+    out: dict = {}
+    ready = [m for m in members if _grid_ready(m[2], m[1])]
+    if ready:
+        got = _check_grid(model, make_inputs, [(tr, e) for _, tr, e in ready], optimizer, log=log, shared=shared,
+                          **ckw)
+        for (i, _, _), r in zip(ready, got):
+            if r is not None:
+                out[i] = r
     groups: dict = {}
-    for i in tiled:
-        tr = estimates[i].tile_replays
-        groups.setdefault((tr.t, tr.n), []).append((i, tr))
+    for i, tr, _ in members:
+        if i not in out:
+            groups.setdefault((tr.t, tr.n), []).append((i, tr))
     direct = []
-    for members in groups.values():
-        trs = [tr for _, tr in members]
+    for members_ in groups.values():
+        trs = [tr for _, tr in members_]
         for L in trs[0].lengths(COUNTS):
             for tr in trs:
                 _shared(shared, L, tr, optimizer, False)  # confirmed for another long length already
             have = [tr for tr in trs if L in tr.short and getattr(tr.short[L], "provisional", False)]
             if have:  # screened short replays: their third depth
                 with recording_places():
-                    got = confirm_many(model, make_inputs(L), [tr.pipeline for tr in have], [tr.short[L] for tr in have],
-                                       optimizer, **ckw)
+                    got = confirm(model, make_inputs(L), [tr.pipeline for tr in have], [tr.short[L] for tr in have],
+                                  optimizer, **ckw)
                 for tr, r in zip(have, got):
                     tr.short[L] = r
                     _share(shared, L, tr, optimizer, r)
@@ -384,7 +267,7 @@ def confirm_long(model, make_inputs, seq: int, pipelines, estimates, optimizer, 
                 for tr, r in zip(new, got):
                     tr.short[L] = r
                     _share(shared, L, tr, optimizer, r)
-        for i, tr in members:
+        for i, tr in members_:
             out[i] = _combine(tr, COUNTS, log)
             if out[i] is None:
                 direct.append((i, tr))
@@ -393,4 +276,119 @@ def confirm_long(model, make_inputs, seq: int, pipelines, estimates, optimizer, 
                         estimate=estimate, **kw)
         for (i, tr), r in zip(direct, res):
             out[i] = _fallback(r, tr)
+    return out
+
+
+def _grid_ready(est, tr: TileReplays) -> bool:
+    """The screened figure ``est`` can be checked on the grid: exact place by place, from short replays at the first
+    two counts each predicted from the first two depths (with those depths' replays and places kept)."""
+    if not getattr(est, "tile_exact", False):
+        return False
+    L4, L5 = tr.lengths(COUNTS[:2])
+    for L in (L4, L5):
+        e = tr.short.get(L)
+        reps = getattr(e, "depth_replays", None)
+        if e is None or not getattr(e, "provisional", False) or not reps or len(reps) != 2:
+            return False
+        if any(getattr(r, "places", None) is None for r in reps) or getattr(e, "depth_target", None) is None:
+            return False
+    return True
+
+
+def _checks(tr: TileReplays) -> list:
+    """The grid check's replays of ``tr``: (short length, depth)."""
+    from .depth import DEPTHS
+
+    L4, _L5, L6 = tr.lengths(COUNTS)
+    return [(L4, DEPTHS[2]), (L6, DEPTHS[0])]
+
+
+def _run_checks(model, make_inputs, trs, optimizer, *, shared, **kw) -> None:
+    """The grid checks' replays of ``trs`` not yet in ``shared`` (exceptions too), all at once over the replay
+    workers (:func:`~effpass.planning.estimate.replay_at_depths`), kept in ``shared``."""
+    from .estimate import replay_at_depths
+
+    units: dict = {}  # (L, depth) -> {pipeline key: TileReplays}
+    for tr in trs:
+        for L, d in _checks(tr):
+            if _key(L, tr, optimizer) + (("depth", d),) not in shared:
+                units.setdefault((L, d), {}).setdefault(_key(L, tr, optimizer), tr)
+    if not units:
+        return
+    keys = list(units)
+    with recording_places():
+        got = replay_at_depths(model, [(make_inputs(L), [tr.pipeline for tr in units[(L, d)].values()], d)
+                                       for L, d in keys], optimizer, **kw)
+    for (L, d), res in zip(keys, got):
+        for k, r in zip(units[(L, d)], res):
+            shared[k + (("depth", d),)] = r
+
+
+def check_grid_early(model, make_inputs, estimates, optimizer, *, shared: dict, **kw) -> None:
+    """The grid checks (:func:`_check_grid`) that ``estimates`` (screened tile figures, possibly of several long
+    lengths) will need, replayed now, all at once over the workers, into ``shared`` (where :func:`confirm_long`
+    finds them): ``plan_max_seq`` confirms the answering pair's two lengths together this way."""
+    trs = [e.tile_replays for e in estimates if getattr(e, "provisional", False)
+           and getattr(e, "tile_replays", None) is not None and _grid_ready(e, e.tile_replays)]
+    if trs:
+        kw = {k: v for k, v in kw.items() if k != "extrapolate"}
+        _run_checks(model, make_inputs, trs, optimizer, shared=shared, **kw)
+
+
+def _check_grid(model, make_inputs, items, optimizer, *, log, shared, **kw) -> list:
+    """Screened tile figures (each from the first two depths at the first two counts: four replays) checked by two
+    more: the first depth at the third count and the third depth at the first count, all at once over the replay
+    workers. Returns per item the checked figure (the screened one, no longer provisional) or None where a check
+    fails (the caller then replays the whole grid of counts and depths).
+
+    NOTE(grid): each figure of a stack of ``d`` blocks at ``c`` tiles is bilinear in ``(d, c)`` (each block adds its
+    share of every tile), so the four screened replays determine it; the checks: at the first depth every place and
+    every count affine over the three counts (place by place, as :func:`combine_tiles` checks them), and at the first
+    count every count and each phase's peak affine over the three depths (as :func:`~effpass.planning.depth.
+    combine_depths` checks them). A term that is not bilinear shows on one of the two lines unless it vanishes on
+    both. Cost: the whole grid replays every count at every depth (Llama-3.1-8B QLoRA, 9 replays of 135 block-tiles
+    for a length); this 6 of 73 block-tiles, the two checks at once."""
+    from .depth import DEPTHS, combine_depths
+
+    shared = {} if shared is None else shared
+    _run_checks(model, make_inputs, [tr for tr, _ in items], optimizer, shared=shared, **kw)
+    need = [{(L, d): shared.get(_key(L, tr, optimizer) + (("depth", d),)) for L, d in _checks(tr)} for tr, _ in items]
+    out = []
+    for (tr, est), want in zip(items, need):
+        L4, L5, L6 = tr.lengths(COUNTS)
+        r44, r26 = want[(L4, DEPTHS[2])], want[(L6, DEPTHS[0])]
+        p4, p5 = tr.short[L4], tr.short[L5]
+        (r24, r34), r25 = p4.depth_replays, p5.depth_replays[0]
+        why = ""
+        if isinstance(r44, BaseException) or isinstance(r26, BaseException):
+            why = f"a check replay failed ({type(r44 if isinstance(r44, BaseException) else r26).__name__})"
+        elif combine_depths([r24, r34, r44], p4.depth_target) is None:
+            why = f"at {COUNTS[0]} tiles the counts are not affine in depth"
+        else:
+            bent = [ph for ph in r44.phase_peaks if set(r24.phase_peaks) != set(r44.phase_peaks)
+                    or r34.phase_peaks[ph] - r24.phase_peaks[ph] != r44.phase_peaks[ph] - r34.phase_peaks[ph]]
+            if bent:
+                why = f"at {COUNTS[0]} tiles the {bent[0]} peak is not affine in depth"
+            else:
+                chk, why = combine_tiles([r24, r25, r26], COUNTS, tr.n)
+                if chk is not None and not chk.tile_exact:
+                    why = "at the first depth the places do not line up over the three counts"
+        if why:
+            if log is not None:
+                log.append(f"{tr.seq:,} tokens: the screened figure's grid check failed ({why}); every count "
+                           f"replayed at every depth")
+            out.append(None)
+            continue
+        r = dataclasses.replace(est, provisional=False, notes=[
+            x.replace("not yet checked at a third count", "checked on the grid: below")
+            for x in est.notes if not x.startswith("provisional:")])
+        r.tile_replays, r.tile_exact = tr, True
+        r.notes.append(f"checked on the grid of depths and tile counts: every place and count affine over {COUNTS} "
+                       f"tiles at {DEPTHS[0]} blocks, every count and phase peak affine over {DEPTHS} blocks at "
+                       f"{COUNTS[0]} tiles (the figure is bilinear in blocks and tiles: predicted from "
+                       f"{DEPTHS[0]}-{DEPTHS[1]} blocks at {COUNTS[0]}-{COUNTS[1]} tiles)")
+        if log is not None:
+            log.append(f"{tr.seq:,} tokens ({tr.n} tiles of {tr.t}): checked at {L6:,} tokens ({COUNTS[2]} tiles, "
+                       f"{DEPTHS[0]} blocks) and {L4:,} tokens ({COUNTS[0]} tiles, {DEPTHS[2]} blocks)")
+        out.append(r)
     return out

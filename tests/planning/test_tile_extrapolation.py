@@ -125,6 +125,51 @@ def _same(a, b) -> list:
                                        "peak_graph"] if getattr(a, f) != getattr(b, f)]
 
 
+@pytest.mark.slow  # ~40 CPU-s: 11 short replays of a 6-block tiny Llama, one at full depth and length
+def test_a_deep_model_is_checked_on_the_grid_with_six_replays_and_falls_back_to_the_whole_grid(monkeypatch):
+    """A 6-block tiny Llama (depth extrapolated) at 154 tokens (10 tiles of 16): the figure from the first two
+    depths at the first two counts, checked by two replays (2 blocks at 6 tiles, 4 blocks at 4 tiles), equals the
+    real 6-block replay at 154 tokens byte for byte (every count, each phase's peak, FLOPs), exact. One place of the
+    2-block 6-tile replay moved by 8 bytes: the grid check fails, says why, and every count is replayed at every
+    depth (five more replays), the figure again the real one."""
+    from effpass.planning import estimate as est_mod
+    from effpass.planning.depth import block_list
+
+    monkeypatch.setenv("EFFPASS_PLAN_WORKERS", "1")  # the spy sees every replay (forked workers' would not report)
+    seen, orig = [], est_mod.replay_many
+
+    def spy(model, inputs, pipelines, *a, **k):
+        seen.append((len(block_list(model)), inputs["input_ids"].shape[-1]))
+        return orig(model, inputs, pipelines, *a, **k)
+
+    monkeypatch.setattr(est_mod, "replay_many", spy)
+    model = model_case("llama", seq=16, layers=6, attn="sdpa").model.train()
+    log, shared = [], {}
+    kw = dict(min_tiles=4, lowering="eager", extrapolate=True)
+    (ext,) = estimate_long(model, _inputs, 154, [_PASSES], "adamw", screen=False, log=log, shared=shared, **kw)
+    assert sorted(seen) == [(2, 58), (2, 74), (2, 90), (3, 58), (3, 74), (4, 58)]
+    seen.clear()
+    (real,) = estimate_many(model, _inputs(154), [_PASSES], "adamw", lowering="eager", extrapolate=False)
+    assert seen == [(6, 154)]
+    assert _same(ext, real) == [], [(f, getattr(ext, f), getattr(real, f)) for f in _same(ext, real)]
+    assert ext.tile_exact and not ext.provisional and ext.depths == [2, 3]
+    assert log == ["154 tokens (10 tiles of 16): checked at 90 tokens (6 tiles, 2 blocks) and 58 tokens (4 tiles, "
+                   "4 blocks)"]
+    assert any(n.startswith("checked on the grid of depths and tile counts") for n in ext.notes)
+    # the check can fail: one place of the 2-block 6-tile replay 8 bytes off
+    (key,) = [k for k in shared if k[-1] == ("depth", 2)]
+    places = shared[key].places
+    seg = next(k for k in places if k[0] == "forward" and k[2] == ("pre",))
+    places[seg][0][-1] += 8
+    seen.clear()
+    log.clear()
+    (again,) = estimate_long(model, _inputs, 154, [_PASSES], "adamw", screen=False, log=log, shared=shared, **kw)
+    assert sorted(seen) == [(2, 90), (3, 90), (4, 58), (4, 74), (4, 90)]
+    assert "grid check failed (at the first depth the places do not line up over the three counts)" in log[0], log
+    assert log[-1] == "154 tokens (10 tiles of 16): extrapolated from replays at 58, 74, 90 tokens (4, 5, 6 tiles)"
+    assert _same(again, real) == [] and again.tile_exact and not again.provisional
+
+
 @pytest.mark.slow  # ~25-45 CPU-s: 5 replays of a tiny Llama (three at 4-6 tiles, two at 10)
 def test_extrapolated_figures_equal_a_real_replay(llama):
     """A 2-block tiny Llama (fused attention, full checkpointing, fused loss, tiles of 16 rows) at 154 tokens: 10
@@ -249,7 +294,7 @@ def test_cli_min_tiles_reaches_the_search_on_by_default(monkeypatch, tmp_path):
 
 def test_short_replays_are_shared_between_lengths_with_the_same_pinned_pipeline():
     """Two long lengths whose pinned pipelines are the same (tiles of 16, no loss pass): the second reuses the
-    first's short replays (``shared``); a full (unscreened) request does not take a screened one. Numerical:
+    first's short replays (``shared``); a full (unscreened) request takes a screened one and confirms it. Numerical:
     the figures are the affine extrapolation of the fake replays at each length's tile count."""
     seen = []
 
@@ -265,5 +310,13 @@ def test_short_replays_are_shared_between_lengths_with_the_same_pinned_pipeline(
     assert (a[0].peak_bytes, b[0].peak_bytes) == (_est(16).peak_bytes, _est(18).peak_bytes)
     for e in shared.values():
         e.provisional = True  # as a depth-screened replay is
-    estimate_long(None, _inputs, 320, [passes], None, screen=False, min_tiles=8, estimate=fake, shared=shared)
-    assert seen[2:] == [(4, False), (5, False), (6, False)]
+
+    def confirm(model, inputs, pipelines, ests, optimizer, **kw):
+        seen.append(("confirm", inputs["input_ids"].shape[-1] // 16))
+        return [_est(inputs["input_ids"].shape[-1] // 16) for _ in pipelines]
+
+    (c,) = estimate_long(None, _inputs, 320, [passes], None, screen=False, min_tiles=8, estimate=fake, confirm=confirm,
+                         shared=shared)
+    # a full request takes the screened short replays and confirms them (the third count replayed unscreened)
+    assert seen[2:] == [("confirm", 4), ("confirm", 5), (6, False)]
+    assert c.peak_bytes == _est(20).peak_bytes and not c.provisional
