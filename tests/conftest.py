@@ -11,6 +11,16 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# NOTE(structured trace): pytest attaches its log capture to every logger that does not propagate, torch's structured
+# trace log ("torch.__trace") among them; torch then builds every trace payload of every compile (graph dumps, timed
+# events) for that capture, and the planner's replays keep building their graph strings (planning/patches.py): ~13% of
+# a compile-heavy file (tests/passes/tile_sequence: 51.6 -> 45.0 s). Propagating, the trace log gets no handler from
+# pytest, and torch's own lazy handler removes itself on first use where TORCH_TRACE is unset, as outside pytest.
+if not os.environ.get("TORCH_TRACE"):
+    from torch._logging._internal import trace_log  # noqa: E402
+
+    trace_log.propagate = True
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Two workers on two cores: one intra-op thread each avoids oversubscription.
     torch.set_num_threads(1)

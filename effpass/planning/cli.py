@@ -11,6 +11,8 @@ import sys
 
 import effpass
 
+from .maxseq import PROBES
+
 
 __all__ = ["model_from_config", "plan_config", "max_seq_config"]
 
@@ -92,7 +94,7 @@ def _pipeline_of(passes, lora):
 
 def max_seq_config(config, batch: int, budget, allow=(), world_size: int = 1, passes=None, lora: int | None = None,
                    optimizer: str | None = "adamw", dtype: str | None = None, device: str = "cpu", step: int = 1024,
-                   probes=(8192, 16384, 32768), max_len: int = 1 << 24, host_budget=None,
+                   probes=None, max_len: int = 1 << 24, host_budget=None,
                    allocator: str = "default", min_tiles: int | None = 12):
     """(model, :class:`~effpass.planning.planner.MaxSeqResult`): the longest sequence of ``batch`` rows of a
     config that fits ``budget``, and its plan."""
@@ -109,7 +111,8 @@ def max_seq_config(config, batch: int, budget, allow=(), world_size: int = 1, pa
         return {"input_ids": tokens, "labels": tokens, "use_cache": False}
 
     res = plan_max_seq(model, make_inputs, budget, allow=allow, passes=_pipeline_of(passes, lora),
-                       optimizer=optimizer, world_size=world_size, device=device, step=step, probes=tuple(probes),
+                       optimizer=optimizer, world_size=world_size, device=device, step=step,
+                       probes=tuple(probes) if probes else PROBES,
                        max_len=max_len, lowering="eager", host_budget=host_budget, allocator=allocator,
                        min_tiles=min_tiles or None)
     return model, res
@@ -122,8 +125,9 @@ def _add_arguments(p) -> None:
     p.add_argument("--max-seq", dest="max_seq", action="store_true",
                    help="print the longest sequence that fits the budget, with its plan (predicted)")
     p.add_argument("--step", type=int, default=1024, help="--max-seq: the answer is a multiple of this")
-    p.add_argument("--probes", type=int, nargs="+", default=[8192, 16384, 32768],
-                   help="--max-seq: lengths every candidate plan is replayed at, to fit its peak against the length")
+    p.add_argument("--probes", type=int, nargs="+", default=list(PROBES),
+                   help="--max-seq: lengths every candidate plan is replayed at, to fit its peak against the length "
+                        "(two: a linear fit; three: quadratic, where attention scores are materialised)")
     p.add_argument("--max-len", dest="max_len", type=int, default=1 << 24, help="--max-seq: the longest length tried")
     p.add_argument("--min-tiles", dest="min_tiles", type=int, default=12, metavar="N",
                    help="--max-seq: the search predicts a length whose pipeline unrolls more than N tiles from replays "

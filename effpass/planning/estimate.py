@@ -24,7 +24,7 @@ from .result import MemoryEstimate, format_bytes, parse_size, training_step  # n
 from .start_bytes import start_bytes_many  # noqa: F401  (re-exported)
 from .tracker import replay_kernel  # noqa: F401  (re-exported: passes/step_in_backward uses it)
 
-__all__ = ["MemoryEstimate", "estimate_memory", "estimate_many", "confirm_many", "replay_at_depths", "start_bytes_many", "training_step",
+__all__ = ["MemoryEstimate", "estimate_memory", "estimate_many", "confirm_many", "replay_at_depths", "estimate_units", "start_bytes_many", "training_step",
            "format_bytes", "parse_size", "with_optimizer", "optimizer_replay", "replay_patches", "replay_kernel",
            "fold_fsdp"]
 
@@ -96,6 +96,19 @@ def estimate_many(model: torch.nn.Module, example_inputs, pipelines: Sequence, o
     every plan it chooses or names as the smallest). Where the peak moved, the pipeline is confirmed here.
     ``check``: indices of pipelines replayed at all three depths all the same (known to need a checked
     figure; their third depth is replayed beside the others' first two, over the same workers)."""
+    return estimate_units(model, [(example_inputs, pipelines)], optimizer, device=device, loss_fn=loss_fn, lr=lr,
+                          extrapolate=extrapolate, share=share, workers=workers, screen=screen, check=[check],
+                          **compile_options)[0]
+
+
+def estimate_units(model: torch.nn.Module, units: Sequence, optimizer: str | None = "adamw", *, device=None,
+                   loss_fn: Callable | None = None, lr: float = 1e-3, extrapolate: bool | None = None,
+                   share: bool = True, workers: int | None = None, screen: bool = False,
+                   check: Sequence[Sequence[int]] | None = None, **compile_options) -> list[list]:
+    """:func:`estimate_many` of several inputs at once: ``units`` is a list of ``(example_inputs, pipelines)``;
+    returns per unit what ``estimate_many(model, example_inputs, pipelines, ...)`` returns, the same figures,
+    with every unit's depths replayed over the workers together (one pool for all: the tile-count extrapolation's
+    short lengths, :mod:`effpass.planning.tiles`). ``check``: per unit, as ``estimate_many``'s."""
     from effpass.memory_options import replayed_optimizer
 
     if not replayed_optimizer(optimizer):
@@ -104,38 +117,53 @@ def estimate_many(model: torch.nn.Module, example_inputs, pipelines: Sequence, o
                          f"the AdamW replay")
     t0 = time.perf_counter()
     dev = target_device(model, device)
-    pipelines = list(pipelines)
-    out: list = [None] * len(pipelines)
-    todo = list(range(len(pipelines)))
+    units = [(inputs, list(pipelines)) for inputs, pipelines in units]
+    check = list(check) if check is not None else [()] * len(units)
+    outs: list = [[None] * len(p) for _, p in units]
+    todos = [list(range(len(p))) for _, p in units]
     blocks = block_list(model) if extrapolate is not False else None
     if blocks is not None and len(blocks) > max(DEPTHS) and (extrapolate or len(blocks) >= AUTO_MIN_BLOCKS):
-        checked = set(range(len(pipelines))) if not screen else set(check)
-        per_depth = _replay_depths(model, example_inputs, pipelines, DEPTHS, optimizer, dev, loss_fn, lr,
-                                   compile_options, share, workers, blocks,
-                                   only={DEPTHS[2]: checked} if screen else None)
-        todo, unsure = [], []
-        for i in range(len(pipelines)):
-            ests = [d[i] for d in per_depth if i in checked or d is not per_depth[2]]
-            bad = next((e for e in ests if isinstance(e, BaseException)), None)
-            if bad is not None and not isinstance(bad, RuntimeError):
-                out[i] = bad  # a user error (bad targets, options): as the replay alone raises it
-                continue
-            est = None if bad is not None else combine_depths(ests, len(blocks))
-            if est is None and screen and bad is None:
-                unsure.append(i)  # the peak moved between the two depths: the third depth decides
-            elif est is None:
-                todo.append(i)  # not affine (or a depth failed): the full model is replayed
-            else:
-                est.seconds = time.perf_counter() - t0
-                out[i] = est
-        if unsure:
-            for i, r in zip(unsure, confirm_many(model, example_inputs, [pipelines[i] for i in unsure],
-                                                 [Unconfirmed([d[i] for d in per_depth[:2]]) for i in unsure],
-                                                 optimizer, device=device, loss_fn=loss_fn, lr=lr, share=share,
-                                                 workers=workers, **compile_options)):
-                out[i] = r
-    _replay_whole(model, example_inputs, pipelines, todo, out, optimizer, dev, loss_fn, lr, compile_options, share, t0)
-    return out
+        flat, index = [], []  # every unit's pipelines in one list: (unit, pipeline) per flat index
+        for u, (_, pipes) in enumerate(units):
+            index += [(u, i) for i in range(len(pipes))]
+            flat += pipes
+        checked = [set(range(len(p))) if not screen else set(c) for (_, p), c in zip(units, check)]
+        depths_of = [DEPTHS if not screen else DEPTHS[:2] for _ in units]
+        jobs = [(inputs, [j for j, (u_, i) in enumerate(index) if u_ == u and (k in depths_of[u] or i in checked[u])], k)
+                for u, (inputs, _) in enumerate(units) for k in DEPTHS]
+        got = _depth_units(model, flat, [j for j in jobs if j[1]], optimizer, dev, loss_fn, lr, compile_options, share,
+                           workers, blocks)
+        per = {}  # (flat index, depth) -> replay
+        for (_, idx, k), res in zip([j for j in jobs if j[1]], got):
+            per.update({(j, k): r for j, r in zip(idx, res)})
+        for u, (inputs, pipes) in enumerate(units):
+            out, todo, unsure = outs[u], [], []
+            base = next(j for j, (u_, _) in enumerate(index) if u_ == u) if pipes else 0
+            for i in range(len(pipes)):
+                ests = [per[(base + i, k)] for k in DEPTHS if (base + i, k) in per]
+                bad = next((e for e in ests if isinstance(e, BaseException)), None)
+                if bad is not None and not isinstance(bad, RuntimeError):
+                    out[i] = bad  # a user error (bad targets, options): as the replay alone raises it
+                    continue
+                est = None if bad is not None else combine_depths(ests, len(blocks))
+                if est is None and screen and bad is None and len(ests) == 2:
+                    unsure.append(i)  # the peak moved between the two depths: the third depth decides
+                elif est is None:
+                    todo.append(i)  # not affine (or a depth failed): the full model is replayed
+                else:
+                    est.seconds = time.perf_counter() - t0
+                    out[i] = est
+            if unsure:
+                for i, r in zip(unsure, confirm_many(model, inputs, [pipes[i] for i in unsure],
+                                                     [Unconfirmed([per[(base + i, k)] for k in DEPTHS[:2]])
+                                                      for i in unsure], optimizer, device=device, loss_fn=loss_fn,
+                                                     lr=lr, share=share, workers=workers, **compile_options)):
+                    out[i] = r
+            todos[u] = todo
+    for u, (inputs, pipes) in enumerate(units):
+        _replay_whole(model, inputs, pipes, todos[u], outs[u], optimizer, dev, loss_fn, lr, compile_options, share,
+                      t0)
+    return outs
 
 
 def _replay_whole(model, example_inputs, pipelines, todo, out, optimizer, dev, loss_fn, lr, compile_options, share,

@@ -94,6 +94,20 @@ def _estimate(model, make_inputs, seq, pipelines, optimizer, *, screen, estimate
     return (estimate or estimate_many)(model, make_inputs(seq), pipelines, optimizer, screen=screen, **kw)
 
 
+def _estimate_lengths(model, make_inputs, todo, optimizer, *, estimate=None, **kw) -> list[list]:
+    """Screened estimates of several short lengths, ``todo`` = [(length, pipelines)]: every length's depths replayed
+    over the workers together (:func:`~effpass.planning.estimate.estimate_units`; the two lengths of a screen, 2
+    and 3 blocks each: four replays at once, not two and two); one call per length with another ``estimate``."""
+    from .estimate import estimate_many, estimate_units
+
+    if estimate is not None and estimate is not estimate_many:
+        return [_estimate(model, make_inputs, L, pipes, optimizer, screen=True, estimate=estimate, **kw)
+                for L, pipes in todo]
+    if not todo:
+        return []
+    return estimate_units(model, [(make_inputs(L), pipes) for L, pipes in todo], optimizer, screen=True, **kw)
+
+
 def _key(L, tr, optimizer):
     return (L, optimizer, tuple(repr(p) for p in tr.pipeline))  # passes are dataclasses: repr names every option
 
@@ -138,12 +152,14 @@ def estimate_long(model, make_inputs, seq: int, pipelines, optimizer, *, screen:
         # NOTE(screen first): without ``screen`` too, the first two counts at the first two depths, then the checks
         # (confirm_long's): the same figures as every count at every depth where those checks pass, at half the cost
         counts = COUNTS[:2]
-        for L in members[0][1].lengths(counts):
-            todo = [tr for _, tr in members if not _shared(shared, L, tr, optimizer, True)]
-            with recording_places():
-                res = _estimate(model, make_inputs, L, [tr.pipeline for tr in todo], optimizer, screen=True,
-                                estimate=estimate, **kw) if todo else []
-            for tr, r in zip(todo, res):
+        todo = [(L, [tr for _, tr in members if not _shared(shared, L, tr, optimizer, True)])
+                for L in members[0][1].lengths(counts)]
+        todo = [(L, trs) for L, trs in todo if trs]
+        with recording_places():
+            res = _estimate_lengths(model, make_inputs, [(L, [tr.pipeline for tr in trs]) for L, trs in todo],
+                                    optimizer, estimate=estimate, **kw)
+        for (L, trs), rs in zip(todo, res):
+            for tr, r in zip(trs, rs):
                 tr.short[L] = r
                 _share(shared, L, tr, optimizer, r)
         for i, tr in members:

@@ -35,14 +35,14 @@ def _plan(budget, prune, depths, cache):
     inputs = {"input_ids": tok, "labels": tok, "use_cache": False}
     passes = [effpass.make_pass("inject_lora", {"rank": 4, "targets": ["*.q_proj", "*.v_proj"]}),
               effpass.make_pass("fuse_cross_entropy", {})]
-    real = est_mod._replay_depths
+    real = est_mod._depth_units
 
-    def counting(model, inputs, pipelines, ds, *a, only=None, **k):
-        depths.extend(d for d in ds for _ in (only[d] if only and d in only else pipelines))
-        return real(model, inputs, pipelines, ds, *a, only=only, **k)
+    def counting(model, pipelines, units, *a, **k):  # every depth replay goes through here: (inputs, indices, depth)
+        depths.extend(d for _, idx, d in units for _ in idx)
+        return real(model, pipelines, units, *a, **k)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(est_mod, "_replay_depths", counting)
+        mp.setattr(est_mod, "_depth_units", counting)
         try:
             return plan_memory(model, inputs, budget, passes=passes, lowering="eager", prune=prune, cache=cache)
         except MemoryBudgetError as e:
