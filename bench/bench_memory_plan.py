@@ -261,7 +261,7 @@ def _children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def maxseq(modes=("full", "lora", "qlora"), budgets=(24, 48, 80), step=1024, probes=(16384, 32768),
+def maxseq(modes=("full", "lora", "qlora"), budgets=(24, 48, 80), step=1024, probes=(8192, 12288),
            lossless_pipeline=True, screen=True, min_tiles=None):
     """The longest sequence (batch 1) of Llama-3.1-8B that the planner predicts fits each budget, per mode."""
     from effpass.planning.cli import LORA_TARGETS, model_from_config
@@ -359,7 +359,7 @@ SECTIONS = {
     "table": (tuple(CONFIGS), dict(budgets=[24, 48, 80], batch=1, seq=2048, lora=0),
               dict(budgets=[80], seq=256)),
     "maxseq": (("full", "lora", "qlora"), dict(model="Llama-3.1-8B", budgets=[24, 48, 80], step=1024,
-                                             probes=[16384, 32768], screen=True,
+                                             probes=[8192, 12288], screen=True,  # the planner's PROBES
                                              min_tiles=12),  # --min_tiles 0: every length replayed
                dict(budgets=[80], probes=[4096], step=4096)),
 }

@@ -26,7 +26,7 @@ __all__ = ["plan_max_seq", "MaxSeqResult", "PROBES"]
 #: (221,184 tokens at 80 GiB) at 30 of their 70 block-tiles per plan; where a peak grows faster (attention scores
 #: materialised) the search's secant steps correct the linear guess, and a third probe (``probes=(a, b, c)``) fits
 #: a quadratic
-PROBES = (8192, 16384)
+PROBES = (8192, 12288)
 
 
 def _fit(points: list[tuple[int, int]]):
