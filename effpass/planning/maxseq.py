@@ -20,12 +20,12 @@ from .tiles import MIN_TILES, check_grid_early, confirm_long, estimate_long
 
 __all__ = ["plan_max_seq", "MaxSeqResult", "PROBES"]
 
-#: default probe lengths. NOTE(two probes): the fits only choose where the search starts; with fused attention, tiles
-#: and checkpointing every plan's peak is affine in the length (Llama-3.1-8B QLoRA: 353,100 B per token from 8,192
-#: to 16,384 tokens and from 16,384 to 32,768), so two short probes give the same first length as three longer ones
-#: (221,184 tokens at 80 GiB) at 30 of their 70 block-tiles per plan; where a peak grows faster (attention scores
-#: materialised) the search's secant steps correct the linear guess, and a third probe (``probes=(a, b, c)``) fits
-#: a quadratic
+#: default probe lengths. NOTE(two short probes): the fits only choose where the search starts; with fused attention,
+#: tiles and checkpointing every plan's peak is affine in the length (Llama-3.1-8B QLoRA, tiles of 4,096: 353,100 B
+#: per token from 8,192 to 12,288 tokens, from 12,288 to 16,384 and from 16,384 to 32,768), so two short
+#: probes give the same first length as three longer ones (221,184 tokens at 80 GiB) at 25 of their 70 block-tiles
+#: per plan; where a peak grows faster (attention scores materialised) the search's secant steps correct the linear
+#: guess, and a third probe (``probes=(a, b, c)``) fits a quadratic
 PROBES = (8192, 12288)
 
 
