@@ -123,8 +123,9 @@ def estimate_units(model: torch.nn.Module, units: Sequence, optimizer: str | Non
     todos = [list(range(len(p))) for _, p in units]
     blocks = block_list(model) if extrapolate is not False else None
     if blocks is not None and len(blocks) > max(DEPTHS) and (extrapolate or len(blocks) >= AUTO_MIN_BLOCKS):
-        flat, index = [], []  # every unit's pipelines in one list: (unit, pipeline) per flat index
+        flat, index, bases = [], [], []  # every unit's pipelines in one list: (unit, pipeline) per flat index
         for u, (_, pipes) in enumerate(units):
+            bases.append(len(flat))
             index += [(u, i) for i in range(len(pipes))]
             flat += pipes
         checked = [set(range(len(p))) if not screen else set(c) for (_, p), c in zip(units, check)]
@@ -138,7 +139,7 @@ def estimate_units(model: torch.nn.Module, units: Sequence, optimizer: str | Non
             per.update({(j, k): r for j, r in zip(idx, res)})
         for u, (inputs, pipes) in enumerate(units):
             out, todo, unsure = outs[u], [], []
-            base = next(j for j, (u_, _) in enumerate(index) if u_ == u) if pipes else 0
+            base = bases[u]
             for i in range(len(pipes)):
                 ests = [per[(base + i, k)] for k in DEPTHS if (base + i, k) in per]
                 bad = next((e for e in ests if isinstance(e, BaseException)), None)

@@ -381,7 +381,8 @@ def _check_grid(model, make_inputs, items, optimizer, *, log, shared, **kw) -> l
         elif combine_depths([r24, r34, r44], p4.depth_target) is None:
             why = f"at {COUNTS[0]} tiles the counts are not affine in depth"
         else:
-            bent = [ph for ph in r44.phase_peaks if set(r24.phase_peaks) != set(r44.phase_peaks)
+            same = set(r24.phase_peaks) == set(r34.phase_peaks) == set(r44.phase_peaks)
+            bent = [ph for ph in r44.phase_peaks if not same
                     or r34.phase_peaks[ph] - r24.phase_peaks[ph] != r44.phase_peaks[ph] - r34.phase_peaks[ph]]
             if bent:
                 why = f"at {COUNTS[0]} tiles the {bent[0]} peak is not affine in depth"
