@@ -53,7 +53,10 @@ class MemoryOption:
     technique: str                       #: the name ``allow=[...]`` uses (lossy ones must be allowed)
     lossless: bool                       #: True: the gradients are those of the plain step
     group: str                           #: one option per group in a plan (e.g. "checkpoint", "base_weights")
-    changes: str | tuple = "activations"  #: what it shrinks, among CHANGES
+    changes: str | tuple = "activations"  #: what it shrinks, among CHANGES. ``"gradients"`` alone is a promise
+    #: the planner relies on: with the option, the forward and backward allocate what they did without it (more
+    #: is allowed) except gradients, which live shorter, and the optimizer is the same; so the plan's peak is at
+    #: least the other plan's non-gradient peak (``plan_max_seq`` then skips its replay where that is over)
     pass_name: str | None = None         #: the pass it adds (None: an optimizer or a fold); set by the registry
     options: Mapping[str, Any] = field(default_factory=dict)  #: the pass's options
     phase: str = "graph"                 #: "module": must change the eager model before the optimizer exists

@@ -21,7 +21,7 @@ from .result import MemoryEstimate, format_bytes
 
 __all__ = ["techniques", "MemoryBudgetError", "Candidate", "MemoryPlan", "usable_options", "candidate_tiers",
            "neighbourhood", "optimizers_agree", "pipeline_with", "batch_rows", "check_allow", "parameter_floor",
-           "is_sharding", "format_flops"]
+           "is_sharding", "format_flops", "search_candidates", "tiers", "agrees_with_replay"]
 
 
 def techniques(world_size: int = 2) -> dict[str, tuple[bool, str]]:
@@ -368,3 +368,48 @@ def is_sharding(pass_name: str, model, world_size: int) -> bool:
 
     klass = registered_passes().get(pass_name)
     return klass is not None and any(o.sharding for o in klass.memory_options(None, world_size=max(world_size, 2)))
+
+
+def search_candidates(setup, replay_opt) -> list[Candidate]:
+    """``plan_max_seq``'s candidates: the neighbourhood of the leanest lossless plan (and of the leanest plan with the
+    lossy options allowed) of ``setup`` (a ``PlanSetup``); ``replay_opt``: the optimizer the replays run."""
+    groups = setup.groups
+    lossless_groups = {k: [o for o in v if o.lossless] for k, v in groups.items()}
+    lossless_groups = {k: v for k, v in lossless_groups.items() if v}
+    combos = neighbourhood(lossless_groups, False)
+    if setup.allow:
+        combos += [c for c in neighbourhood(groups, True) if any(not o.lossless for o in c)]
+    cands, seen = [], set()
+    for opts in combos:
+        if not agrees_with_replay(opts, setup.optimizer, replay_opt):
+            # NOTE(repair): an optimizer-only option that disagrees with the plan's others (another option that
+            # builds an optimizer, e.g. step_in_backward + AdamW on the host, or one that steps in the backward
+            # with the replayed optimizer) is left out of that plan, not the plan dropped: the neighbourhood of
+            # {adamw on host, step in backward + adamw on host} is then {step in backward + adamw on host}
+            opts = tuple(o for o in opts if not (o.optimizer and not o.pass_name))
+            if not agrees_with_replay(opts, setup.optimizer, replay_opt):
+                continue
+        key = tuple(id(o) for o in opts)
+        if key in seen:
+            continue
+        seen.add(key)
+        opt_o = next((o for o in opts if o.optimizer), None)
+        cands.append(Candidate(options=opts, optimizer=opt_o.optimizer if opt_o else setup.optimizer))
+    return cands
+
+
+def agrees_with_replay(opts, optimizer, replay_opt) -> bool:
+    """The options of one plan agree on its optimizer (``optimizers_agree``), and an option that names the
+    optimizers it works with gets the replayed one (another is built alone on the AdamW replay)."""
+    if not optimizers_agree(opts, optimizer):
+        return False
+    opt_o = next((o for o in opts if o.optimizer), None)
+    opt = opt_o.optimizer if opt_o else optimizer
+    return not any(o.optimizers and opt != replay_opt for o in opts)
+
+
+def tiers(cands: list) -> list[list]:
+    """``cands`` grouped in the order plans are chosen: lossless unrestricted, lossless restricted, lossy
+    unrestricted, lossy restricted (empty tiers left out; the order within a tier kept)."""
+    keys = sorted({(c.lossy, c.restricted) for c in cands})
+    return [[c for c in cands if (c.lossy, c.restricted) == k] for k in keys]

@@ -11,7 +11,8 @@ import torch
 
 from effpass.memory_options import replayed_optimizer
 
-from .candidates import Candidate, MemoryBudgetError, MemoryPlan, neighbourhood, optimizers_agree, pipeline_with
+from .bounds import LowerBound, bound_note, gradient_only_bound, is_gradient_only_extension, probe_skip
+from .candidates import Candidate, MemoryBudgetError, MemoryPlan, pipeline_with, search_candidates, tiers
 from .estimate import confirm_many, estimate_many, with_optimizer
 from .maxseq_result import MaxSeqResult
 from .result import format_bytes
@@ -77,7 +78,10 @@ def plan_max_seq(model: torch.nn.Module, make_inputs, memory_budget, allow: Iter
        lengths): at each length the candidates still in the running are replayed tier by tier (lossless
        unrestricted, lossless restricted, lossy; one shared replay per tier), the later tiers only when no
        plan of an earlier tier fits there (none of theirs could be chosen there); a candidate over the budget
-       at a length no longer than one some candidate fits is out of the running.
+       at a length no longer than one some candidate fits is out of the running. A candidate adding only
+       gradient-only options (``MemoryOption.changes == ("gradients",)``: step_in_backward) to a plan replayed
+       there is not replayed where that plan's start plus non-gradient peak, a lower bound of its own peak, is over
+       the budget (:mod:`effpass.planning.bounds`; at ``L + step`` taken again from the confirmed figures).
        It ends when a length ``L`` that some candidate fits and ``L + step`` that none in the running fits
        are both replayed. The plan: among those fitting ``L``, lossless before lossy, unrestricted before
        restricted, then the fewest FLOPs and options. Guarantee: that pair, by the planner's own replays;
@@ -130,50 +134,6 @@ def plan_max_seq(model: torch.nn.Module, make_inputs, memory_budget, allow: Iter
     return search.run(screen)
 
 
-def _candidates(setup: PlanSetup, replay_opt) -> list[Candidate]:
-    """The neighbourhood of the leanest lossless plan (and of the leanest plan with the lossy options allowed)."""
-    groups = setup.groups
-    lossless_groups = {k: [o for o in v if o.lossless] for k, v in groups.items()}
-    lossless_groups = {k: v for k, v in lossless_groups.items() if v}
-    combos = neighbourhood(lossless_groups, False)
-    if setup.allow:
-        combos += [c for c in neighbourhood(groups, True) if any(not o.lossless for o in c)]
-    cands, seen = [], set()
-    for opts in combos:
-        if not _agree(opts, setup.optimizer, replay_opt):
-            # NOTE(repair): an optimizer-only option that disagrees with the plan's others (another option that
-            # builds an optimizer, e.g. step_in_backward + AdamW on the host, or one that steps in the backward
-            # with the replayed optimizer) is left out of that plan, not the plan dropped: the neighbourhood of
-            # {adamw on host, step in backward + adamw on host} is then {step in backward + adamw on host}
-            opts = tuple(o for o in opts if not (o.optimizer and not o.pass_name))
-            if not _agree(opts, setup.optimizer, replay_opt):
-                continue
-        key = tuple(id(o) for o in opts)
-        if key in seen:
-            continue
-        seen.add(key)
-        opt_o = next((o for o in opts if o.optimizer), None)
-        cands.append(Candidate(options=opts, optimizer=opt_o.optimizer if opt_o else setup.optimizer))
-    return cands
-
-
-def _agree(opts, optimizer, replay_opt) -> bool:
-    """The options of one plan agree on its optimizer (``optimizers_agree``), and an option that names the
-    optimizers it works with gets the replayed one (another is built alone on the AdamW replay)."""
-    if not optimizers_agree(opts, optimizer):
-        return False
-    opt_o = next((o for o in opts if o.optimizer), None)
-    opt = opt_o.optimizer if opt_o else optimizer
-    return not any(o.optimizers and opt != replay_opt for o in opts)
-
-
-def _tiers(cands: list) -> list[list]:
-    """``cands`` grouped in the order plans are chosen: lossless unrestricted, lossless restricted, lossy
-    unrestricted, lossy restricted (empty tiers left out; the order within a tier kept)."""
-    keys = sorted({(c.lossy, c.restricted) for c in cands})
-    return [[c for c in cands if (c.lossy, c.restricted) == k] for k in keys]
-
-
 def _error_text(e) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
 
@@ -190,6 +150,7 @@ class _MaxSeqSearch:
         self.compile_options = compile_options
         self.min_tiles, self.tile_log = min_tiles, []  # extrapolation over the tile count (planning/tiles.py)
         self.shared: dict = {}  # short replays of the tile extrapolation, kept across long lengths
+        self.bound_log: dict = {}  # (plan, length) -> why it was not replayed there: over the budget by a bound
         # the forward and backward are replayed with AdamW (or none); another optimizer is built alone on fake
         # parameters of the trainable shapes (with_optimizer), which cannot model a step inside the backward
         self.replay_opt = setup.optimizer if setup.optimizer in ("adamw", None) else "adamw"
@@ -248,17 +209,29 @@ class _MaxSeqSearch:
         setup, budget, step, probes = self.setup, self.setup.budget, self.step, self.probes
         max_len, min_len = self.max_len, self.min_len
         notes = list(setup.notes)
-        cands = _candidates(setup, self.replay_opt)
+        cands = self.cands = search_candidates(setup, self.replay_opt)
 
-        # 1-2: probe, fit, solve
-        peaks: dict[int, list] = {}
+        # 1-2: probe (a plan over a probed one by gradient-only options when its probes matter, planning/bounds.py),
+        # fit, solve
+        later = [c for c in cands if setup.world_size == 1 and any(is_gradient_only_extension(c, b) for b in cands)]
+        peaks: dict[int, dict] = {s: {} for s in probes}
+        first = [c for c in cands if c not in later]
         for s in probes:
-            peaks[s] = self.replay_many(cands, s, full=not screen)
+            peaks[s].update(zip(map(id, first), self.replay_many(first, s, full=not screen)))
+        probed = [(b, {s: peaks[s][id(b)] for s in probes}) for b in first]
+        skip = {id(c): why for c in later if (why := probe_skip(c, probed, step))}
+        rest = [c for c in later if id(c) not in skip]
+        for s in probes if rest else ():
+            peaks[s].update(zip(map(id, rest), self.replay_many(rest, s, full=not screen)))
         fits = []
         fit_fn: dict = {}
-        for i, c in enumerate(cands):
-            pts = [(s, peaks[s][i].device_peak_bytes) for s in probes if not isinstance(peaks[s][i], BaseException)]
-            errs = [peaks[s][i] for s in probes if isinstance(peaks[s][i], BaseException)]
+        for c in cands:
+            if id(c) in skip:
+                fits.append((c, None, [skip[id(c)]]))
+                continue
+            pts = [(s, peaks[s][id(c)].device_peak_bytes) for s in probes
+                   if not isinstance(peaks[s][id(c)], BaseException)]
+            errs = [peaks[s][id(c)] for s in probes if isinstance(peaks[s][id(c)], BaseException)]
             if len(pts) < 2:
                 c.error = _error_text(errs[0])
                 fits.append((c, None, [c.error]))
@@ -270,17 +243,14 @@ class _MaxSeqSearch:
         if not ok:
             errors = "; ".join(f"{c.name}: {c.error}" for c, _, _ in fits[:3])
             raise RuntimeError(f"plan_max_seq: no plan could be replayed ({errors})")
-        # 3: search for the longest length that some candidate fits, replaying every candidate still in the running
-        # at each length (one shared replay per length). NOTE(every candidate): the probe fits only choose where
-        # to look; a fit can be far off beyond the probes (Llama-3.1-8B at 80 GiB: the plan as given was fitted at
-        # 126,976 tokens and fits 71,680), so comparing the others by their fits missed longer answers. A
-        # candidate whose peak is over the budget at a length <= one that fits is out of the running (peaks
-        # grow with the length), so after the first fitting length only the plans that still fit are replayed.
-        live = [c for c, _, _ in ok]
+        # 3: search, replaying every candidate still in the running at each length (one shared replay per tier, or
+        # over by a bound). NOTE(every candidate): a fit can be far off beyond the probes (Llama-3.1-8B, 80 GiB: as
+        # given fitted 126,976 tokens, fits 71,680). Over the budget at a length <= one that fits: out of the running.
+        live = [c for c, _, _ in ok] + [c for c in cands if id(c) in skip]
         fitted = {id(c): L for c, L, _ in ok}
         known: dict[int, dict[int, Any]] = {   # seq -> id(candidate) -> estimate (the probes' replays to start)
-            p: {id(c): peaks[p][i] for i, c in enumerate(cands) if id(c) in fitted
-                and not isinstance(peaks[p][i], BaseException)} for p in probes}
+            p: {id(c): peaks[p][id(c)] for c in cands if id(c) in fitted
+                and not isinstance(peaks[p][id(c)], BaseException)} for p in probes}
         over_at = {id(c): min(p for p in probes if id(c) in known[p] and known[p][id(c)].device_peak_bytes > budget)
                    for c in live if any(id(c) in known[p] and known[p][id(c)].device_peak_bytes > budget for p in probes)}
         replays: list = []
@@ -296,8 +266,8 @@ class _MaxSeqSearch:
             step`` included, so the bracket is unchanged). Llama-3.1-8B QLoRA: step_in_backward (restricted, its
             own capture) is no longer replayed at the answer, one long replay in four."""
             got = known.setdefault(s, {})
-            for tier in _tiers(live):
-                todo = [c for c in tier if id(c) not in got]
+            for tier in tiers(live):
+                todo = [c for c in tier if id(c) not in got and not self._bounded(c, s, got, cands, over_at)]
                 if todo:
                     for c, r in zip(todo, self.replay_many(todo, s, full=not screen)):
                         if isinstance(r, BaseException):
@@ -309,7 +279,8 @@ class _MaxSeqSearch:
                             over_at[id(c)] = min(over_at.get(id(c), s), s)
                 if any(id(c) in got and got[id(c)].device_peak_bytes <= budget for c in tier):
                     break
-            here = [(got[id(c)].device_peak_bytes, i, c) for i, c in enumerate(live) if id(c) in got]
+            here = [(got[id(c)].device_peak_bytes, i, c) for i, c in enumerate(live)
+                    if id(c) in got and not isinstance(got[id(c)], LowerBound)]
             if not here:
                 raise RuntimeError(f"plan_max_seq: no plan could be replayed at {s:,} tokens "
                                    f"({'; '.join(f'{c.name}: {c.error}' for c, _, _ in fits if c.error)[:400]})")
@@ -364,8 +335,9 @@ class _MaxSeqSearch:
         """The next length to replay: a secant step through the two nearest lengths' smallest peaks, kept inside
         the bracket (else bisection)."""
         budget, step, min_len, max_len = self.setup.budget, self.step, self.min_len, self.max_len
-        pts = sorted((k, min(v[id(c)].device_peak_bytes for c in live if id(c) in v)) for k, v in known.items()
-                     if any(id(c) in v for c in live))
+        real = {k: [v[id(c)] for c in live if id(c) in v and not isinstance(v[id(c)], LowerBound)]
+                for k, v in known.items()}
+        pts = sorted((k, min(e.device_peak_bytes for e in v)) for k, v in real.items() if v)
         slope = None
         if len(pts) >= 2:
             near = sorted(pts, key=lambda p: abs(p[0] - s))[:2]
@@ -383,6 +355,16 @@ class _MaxSeqSearch:
                 nxt = a + step if peak <= budget else b - step
         return min(max(nxt, min_len), max_len)
 
+    def _bounded(self, c, s, got, cands, over_at) -> bool:
+        """``c`` over the budget at ``s`` by a bound from a plan replayed there (planning/bounds.py; one device)."""
+        one = self.setup.world_size == 1  # a sharding fold moves the gradients
+        b = gradient_only_bound(c, [(x, got[id(x)]) for x in cands if id(x) in got]) if one else None
+        if b is None or b.device_peak_bytes <= self.setup.budget:
+            return False
+        got[id(c)], over_at[id(c)] = b, min(over_at.get(id(c), s), s)
+        self.bound_log[(c.name, s)] = bound_note(c, s, b, self.setup.budget)
+        return True
+
     def _confirm_pair(self, lo, live, known, replays) -> bool:
         """NOTE(screen): the pair that answers is confirmed at full depth (the third depth checks that every count
         is affine in the number of blocks, else the whole model is replayed): each plan fitting ``lo`` and each
@@ -394,6 +376,8 @@ class _MaxSeqSearch:
         self._tiles_off = False
         self._check_early(pair)
         for s_, cs_ in pair:
+            held = [c for c in cs_ if isinstance(known[s_][id(c)], LowerBound)]  # over by a bound: not replayed
+            cs_ = [c for c in cs_ if c not in held]
             if not cs_:
                 continue
             # NOTE(lower bound): a figure extrapolated over the tile count is a lower bound (convex peak): "over" at
@@ -416,6 +400,14 @@ class _MaxSeqSearch:
                 if isinstance(r, BaseException):
                     return False
                 known[s_][id(c)] = r
+            for c in held:  # the bounds again, from the confirmed figures; a plan no longer over them is replayed
+                del known[s_][id(c)]
+                if not self._bounded(c, s_, known[s_], self.cands, {}):
+                    r = self.replay_many([c], s_, full=True)[0]
+                    if isinstance(r, BaseException):
+                        return False
+                    known[s_][id(c)] = r
+                    cs_.append(c)
             peak_ = min(known[s_][id(c)].device_peak_bytes for c in cs_)
             replays[:] = [(x, peak_, peak_ <= budget) if x == s_ else (x, p, f) for x, p, f in replays]
         return not (not any(known[lo][id(c)].device_peak_bytes <= budget for c in pair[0][1]) or (
@@ -454,15 +446,16 @@ class _MaxSeqSearch:
         reason = (f"the longest sequence any of {len(cands)} plans fits ({len(probes)} probe replays each to guess "
                   f"it; the plans still in the running replayed at each length searched, a later tier only where no "
                   f"earlier one fits: {len({s for s, *_ in replays})} lengths)")
-        if others and lo + step <= self.max_len:
-            notes.append(f"at {lo + step:,} tokens none of the {len(others)} plans replayed there fits (smallest "
-                         f"{format_bytes(min(e.device_peak_bytes for e in others.values()))})")
+        done = [e for e in others.values() if not isinstance(e, LowerBound)]  # the rest: over by a bound
+        if done and lo + step <= self.max_len:
+            notes.append(f"at {lo + step:,} tokens none of the {len(others)} plans there fits ({len(done)} replayed, "
+                         f"smallest {format_bytes(min(e.device_peak_bytes for e in done))})")
         if chosen.restricted:
             notes.append("; ".join(f"{o.name}: {o.restricts}" for o in chosen.options if o.restricts))
         for o in chosen.options:
             if o.optimizer:
                 notes.append(f"build the optimizer as {o.optimizer!r} for this plan ({o.cost})")
-        notes += list(dict.fromkeys(self.tile_log))
+        notes += list(dict.fromkeys(self.tile_log)) + list(self.bound_log.values())
         plan = MemoryPlan(budget=budget, chosen=chosen, candidates=[chosen], passes=pipeline_with(setup.base, chosen),
                           optimizer=chosen.optimizer, world_size=setup.world_size, reason=reason, notes=[])
         fit_rows = [(c.name, c.lossy, c.restricted, L, pk) for c, L, pk in fits]

@@ -87,10 +87,12 @@ def test_step_in_backward_predicted_as_measured(tiles):
 
 
 def _est(peak, flops=0):
+    """An analytic estimate. NOTE(bounds): every byte of its peak counted as gradients, so no plan is bounded by
+    another's gradient-free peak (planning/bounds.py); the fakes below make plans differ in other ways."""
     from effpass.planning import MemoryEstimate
 
     return MemoryEstimate(peak_bytes=int(peak), start_bytes=0, step_peak_bytes=int(peak), parameters=0,
-                          trainable_parameters=0, buffers=0, inputs=0, gradients=0, optimizer_states=0,
+                          trainable_parameters=0, buffers=0, inputs=0, gradients=int(peak), optimizer_states=0,
                           activations=0, largest_transient=0, largest_transient_op="-", peak_phase="backward",
                           peak_graph="-", peak_node="-", flops=flops)
 
@@ -259,6 +261,91 @@ def test_max_seq_searches_every_candidate_at_each_length(monkeypatch):
     assert res.plan.peak_bytes <= budget < res.next_peak
     searched = {s for s, _ in calls if s not in (1024, 2048)}
     assert any((s, False) in calls and (s, True) in calls for s in searched)
+
+
+def _peak_kinked(seq, kink=4096):
+    return 1_000_000 + 500 * seq + 2000 * max(0, seq - kink)
+
+
+def _gradient_split(monkeypatch, grads=200_000):
+    """Two plans (as given; + step_in_backward) whose replays carry the split of the peak into gradients and the
+    rest: step_in_backward's peak is the plan as given's without its ``grads`` gradient bytes (what the bound
+    of planning/bounds.py reads, exact here); both steeper past a kink beyond the probes, so the search starts
+    where both are over. Records every (seq, plan) replayed."""
+    import dataclasses
+
+    import effpass.planning.maxseq as maxseq
+
+    calls = []
+
+    def fake_many(model, inputs, pipelines, optimizer, **kw):
+        seq = next(v for v in inputs.values() if isinstance(v, torch.Tensor)).shape[-1]
+        out = []
+        for pipe in pipelines:
+            sib = "step_in_backward" in {p.name for p in pipe}
+            calls.append((seq, sib))
+            peak = _peak_kinked(seq)
+            e = _est(peak - grads if sib else peak, flops=seq)
+            out.append(dataclasses.replace(e, start_bytes=400_000, step_peak_bytes=e.peak_bytes - 400_000,
+                                           gradients=grads, non_gradient_peak=peak - grads - 400_000))
+        return out
+
+    monkeypatch.setattr(maxseq, "estimate_many", fake_many)
+    return calls
+
+
+def test_a_plan_over_the_budget_by_its_gradient_free_bound_is_not_replayed(monkeypatch):
+    """step_in_backward changes only gradients (``MemoryOption.changes``): where the plan as given's peak
+    without its gradients is over the budget, step_in_backward's is too, and it is not replayed there
+    (Llama-3.1-8B QLoRA: its 6 replays at the answer's next length). Oracles: the answer, its plan and the next
+    peak equal the search's with the bound off; step_in_backward is replayed at fewer lengths, never where its
+    bound is over the budget; the note names the bound."""
+    import effpass.planning.maxseq as maxseq
+
+    budget = 5_000_000
+    kw = dict(passes=_KINK_PASSES, step=64, probes=(1024, 2048))
+    calls = _gradient_split(monkeypatch)
+    res = plan_max_seq(model_case("llama", seq=16).model, _inputs, budget, **kw)
+    with_bound = list(calls)
+    calls.clear()
+    monkeypatch.setattr(maxseq, "gradient_only_bound", lambda c, replayed: None)
+    ref = plan_max_seq(model_case("llama", seq=16).model, _inputs, budget, **kw)
+    want = max(s for s in range(64, 1 << 16, 64) if _peak_kinked(s) - 200_000 <= budget)
+    assert (res.seq, res.plan.chosen.name, res.next_peak) == (ref.seq, ref.plan.chosen.name, ref.next_peak)
+    assert res.seq == want and "step in backward" in res.plan.chosen.name
+    sib_at = lambda cs: {s for s, sib in cs if sib}  # noqa: E731
+    assert sib_at(with_bound) < sib_at(calls)  # the oracle can fail: without the bound they are replayed
+    assert all(_peak_kinked(s) - 200_000 <= budget or (s, False) not in with_bound  # replayed: no bound there
+               for s in sib_at(with_bound) if s not in (1024, 2048))
+    assert any("not replayed" in n and "lower bound" in n for n in res.notes)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_step_in_backward_peaks_at_least_at_the_gradient_free_peak(lora):
+    """The premise of the bound (planning/bounds.py), on real replays: step_in_backward's peak is at least the
+    plan without it's start plus non-gradient peak; full fine-tuning (gradients as large as the weights) and LoRA
+    with tiles (the Llama-3.1-8B QLoRA pipeline's shape). Oracles: the inequality (numerical), the bound the
+    search reads from the candidates (structural), the bound within the gradients of the peak (usable)."""
+    from effpass.memory_options import declared_memory_options
+    from effpass.passes import InjectLoRA
+    from effpass.planning.bounds import gradient_only_bound
+    from effpass.planning.candidates import Candidate
+
+    case = model_case("llama", seq=64)
+    base = lambda: [CheckpointActivations(policy="full"), FuseCrossEntropy(),  # noqa: E731
+                    *([TileSequence(tile_rows=16), InjectLoRA(rank=4, targets=["*.q_proj", "*.down_proj"])]
+                      if lora else [])]
+    est = estimate_memory(case.model, case.inputs, passes=base(), lowering="eager")
+    sib = estimate_memory(case.model, case.inputs, passes=[*base(), StepInBackward()], lowering="eager")
+    free_peak = est.start_bytes + est.non_gradient_peak  # the most the forward and backward hold besides gradients
+    less_grads = est.peak_bytes - est.gradients if est.peak_phase in ("forward", "backward") else 0
+    assert free_peak <= sib.peak_bytes and less_grads <= sib.peak_bytes <= est.peak_bytes  # the bound holds
+    bound = max(free_peak, less_grads)
+    assert est.start_bytes < bound and est.peak_bytes - bound <= est.gradients  # within the gradients: usable
+    assert sib.peak_bytes < est.peak_bytes or lora  # LoRA's gradients are not live at its peak: nothing saved
+    (o,) = [o for o in declared_memory_options(None) if o.technique == "step_in_backward"]
+    got = gradient_only_bound(Candidate(options=(o,)), [(Candidate(), est)])
+    assert got is not None and got.device_peak_bytes == bound and got.base == "as given"
 
 
 def test_max_seq_nothing_fits_names_the_same_smallest_for_every_budget(monkeypatch):
