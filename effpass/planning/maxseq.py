@@ -151,6 +151,7 @@ class _MaxSeqSearch:
         self.min_tiles, self.tile_log = min_tiles, []  # extrapolation over the tile count (planning/tiles.py)
         self.shared: dict = {}  # short replays of the tile extrapolation, kept across long lengths
         self.bound_log: dict = {}  # (plan, length) -> why it was not replayed there: over the budget by a bound
+        self.bounds_on = True
         # the forward and backward are replayed with AdamW (or none); another optimizer is built alone on fake
         # parameters of the trainable shapes (with_optimizer), which cannot model a step inside the backward
         self.replay_opt = setup.optimizer if setup.optimizer in ("adamw", None) else "adamw"
@@ -210,6 +211,7 @@ class _MaxSeqSearch:
         max_len, min_len = self.max_len, self.min_len
         notes = list(setup.notes)
         cands = self.cands = search_candidates(setup, self.replay_opt)
+        self.bounds_on = True
 
         # 1-2: probe (a plan over a probed one by gradient-only options when its probes matter, planning/bounds.py),
         # fit, solve
@@ -305,7 +307,9 @@ class _MaxSeqSearch:
                 break
             s = nxt
 
-        if lo is None:
+        if lo is None:  # NOTE(smallest): the error names the smallest peak of all: no plan skipped by a bound
+            self.bounds_on = False
+            known[min_len] = {k: v for k, v in known.get(min_len, {}).items() if not isinstance(v, LowerBound)}
             peak, best_c = at(min_len)
             if peak > budget and screen:
                 return self.run(screen=False)  # the error names a confirmed figure
@@ -357,7 +361,7 @@ class _MaxSeqSearch:
 
     def _bounded(self, c, s, got, cands, over_at) -> bool:
         """``c`` over the budget at ``s`` by a bound from a plan replayed there (planning/bounds.py; one device)."""
-        one = self.setup.world_size == 1  # a sharding fold moves the gradients
+        one = self.setup.world_size == 1 and self.bounds_on  # a sharding fold moves the gradients
         b = gradient_only_bound(c, [(x, got[id(x)]) for x in cands if id(x) in got]) if one else None
         if b is None or b.device_peak_bytes <= self.setup.budget:
             return False

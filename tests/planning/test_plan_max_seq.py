@@ -307,6 +307,10 @@ def test_a_plan_over_the_budget_by_its_gradient_free_bound_is_not_replayed(monke
     calls = _gradient_split(monkeypatch)
     res = plan_max_seq(model_case("llama", seq=16).model, _inputs, budget, **kw)
     with_bound = list(calls)
+    # nothing fits: the smallest peak is named, step_in_backward's, not skipped by its bound at the shortest length
+    with pytest.raises(MemoryBudgetError, match="even at 64 tokens") as e:
+        plan_max_seq(model_case("llama", seq=16).model, _inputs, 800_000, **kw)
+    assert (e.value.smallest, e.value.plan.name) == (_peak_kinked(64) - 200_000, "step in backward")
     calls.clear()
     monkeypatch.setattr(maxseq, "gradient_only_bound", lambda c, replayed: None)
     ref = plan_max_seq(model_case("llama", seq=16).model, _inputs, budget, **kw)
@@ -346,6 +350,26 @@ def test_step_in_backward_peaks_at_least_at_the_gradient_free_peak(lora):
     (o,) = [o for o in declared_memory_options(None) if o.technique == "step_in_backward"]
     got = gradient_only_bound(Candidate(options=(o,)), [(Candidate(), est)])
     assert got is not None and got.device_peak_bytes == bound and got.base == "as given"
+
+
+def test_a_plan_that_saves_less_than_a_step_of_gradients_is_not_probed(monkeypatch):
+    """Where step_in_backward saves less gradient bytes than one step of length adds (LoRA), its probes could
+    move the search's start by a step at most: it is not probed, and replayed where the search needs it.
+    Oracles: the answer, plan and next peak equal the search's with the bound off; no probe replay of it (it was
+    probed with 200,000 B of gradients, more than a step's 32,000 B: the other test); its row says why."""
+    import effpass.planning.maxseq as maxseq
+
+    kw = dict(passes=_KINK_PASSES, step=64, probes=(1024, 2048))
+    calls = _gradient_split(monkeypatch, grads=20_000)
+    res = plan_max_seq(model_case("llama", seq=16).model, _inputs, 5_000_000, **kw)
+    assert not any(sib for s, sib in calls if s in (1024, 2048))
+    (row,) = [r for r in res.fits if r[0] == "step in backward"]
+    assert row[3] is None and "not probed" in row[4][0]
+    monkeypatch.setattr(maxseq, "probe_skip", lambda c, probed, step: None)
+    monkeypatch.setattr(maxseq, "gradient_only_bound", lambda c, replayed: None)
+    ref = plan_max_seq(model_case("llama", seq=16).model, _inputs, 5_000_000, **kw)
+    assert (res.seq, res.plan.chosen.name, res.next_peak) == (ref.seq, ref.plan.chosen.name, ref.next_peak)
+    assert res.seq == max(s for s in range(64, 1 << 16, 64) if _peak_kinked(s) - 20_000 <= 5_000_000)
 
 
 def test_max_seq_nothing_fits_names_the_same_smallest_for_every_budget(monkeypatch):
