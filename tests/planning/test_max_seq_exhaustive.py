@@ -24,8 +24,10 @@ def _inputs(seq):
 
 
 def _est(peak, flops):
+    # gradients: the whole peak, so no plan is bounded by the other's gradient-free peak (planning/bounds.py): the
+    # analytic step_in_backward here saves more than gradients
     return MemoryEstimate(peak_bytes=int(peak), start_bytes=0, step_peak_bytes=int(peak), parameters=0,
-                          trainable_parameters=0, buffers=0, inputs=0, gradients=0, optimizer_states=0,
+                          trainable_parameters=0, buffers=0, inputs=0, gradients=int(peak), optimizer_states=0,
                           activations=0, largest_transient=0, largest_transient_op="-", peak_phase="backward",
                           peak_graph="-", peak_node="-", flops=flops)
 
