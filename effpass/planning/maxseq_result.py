@@ -54,5 +54,7 @@ class MaxSeqResult:
                 "next_peak_is_lower_bound": self.next_peak_bound,
                 "plan": self.plan.to_dict(), "probes": list(self.probes), "replays": self.replays,
                 "candidates": [{"plan": n, "lossy": l, "restricted": r, "fitted_seq": f,
-                                "probe_peaks": [p if isinstance(p, int) else None for p in peaks]}
+                                "probe_peaks": [p if isinstance(p, int) else None for p in peaks],
+                                # why it has no fit (not probed, or its replay's error), else None
+                                "unfitted": next((p for p in peaks if isinstance(p, str)), None) if f is None else None}
                                for n, l, r, f, peaks in self.fits], "notes": self.notes}

@@ -365,6 +365,7 @@ def test_a_plan_that_saves_less_than_a_step_of_gradients_is_not_probed(monkeypat
     assert not any(sib for s, sib in calls if s in (1024, 2048))
     (row,) = [r for r in res.fits if r[0] == "step in backward"]
     assert row[3] is None and "not probed" in row[4][0]
+    assert [c["unfitted"] for c in res.to_dict()["candidates"] if c["plan"] == "step in backward"] == [row[4][0]]
     monkeypatch.setattr(maxseq, "probe_skip", lambda c, probed, step: None)
     monkeypatch.setattr(maxseq, "gradient_only_bound", lambda c, replayed: None)
     ref = plan_max_seq(model_case("llama", seq=16).model, _inputs, 5_000_000, **kw)
