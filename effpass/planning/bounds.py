@@ -18,7 +18,6 @@ class LowerBound:
 
     device_peak_bytes: int
     base: str
-    provisional: bool = False
 
     @property
     def peak_bytes(self) -> int:
@@ -49,7 +48,7 @@ def gradient_only_bound(cand, replayed) -> LowerBound | None:
             continue
         n = est.start_bytes + max(est.non_gradient_peak, _peak_less_gradients(est))
         if n > est.start_bytes and (best is None or n > best.device_peak_bytes):
-            best = LowerBound(n, base.name, provisional=bool(getattr(est, "provisional", False)))
+            best = LowerBound(n, base.name)
     return best
 
 
@@ -93,6 +92,6 @@ def _peak_less_gradients(est) -> int:
 
 
 def bound_note(cand, seq: int, b: LowerBound, budget: int) -> str:
-    return (f"{cand.name} not replayed at {seq:,} tokens: it adds only gradient-only options to {b.base}, whose forward "
-            f"and backward hold {format_bytes(b.device_peak_bytes)} besides gradients there (a lower bound of its "
-            f"peak), over the budget {format_bytes(budget)}")
+    return (f"{cand.name} not replayed at {seq:,} tokens: it adds only gradient-only options to {b.base}, so it peaks "
+            f"at least at {format_bytes(b.device_peak_bytes)} there ({b.base}'s figures less its gradients), over the "
+            f"budget {format_bytes(budget)}")

@@ -151,7 +151,7 @@ class _MaxSeqSearch:
         self.min_tiles, self.tile_log = min_tiles, []  # extrapolation over the tile count (planning/tiles.py)
         self.shared: dict = {}  # short replays of the tile extrapolation, kept across long lengths
         self.bound_log: dict = {}  # (plan, length) -> why it was not replayed there: over the budget by a bound
-        self.bounds_on = True
+        self.allow_bounds = self.bounds_on = True  # (one device: a sharding fold moves the gradients)
         # the forward and backward are replayed with AdamW (or none); another optimizer is built alone on fake
         # parameters of the trainable shapes (with_optimizer), which cannot model a step inside the backward
         self.replay_opt = setup.optimizer if setup.optimizer in ("adamw", None) else "adamw"
@@ -207,11 +207,19 @@ class _MaxSeqSearch:
         return out
 
     def run(self, screen: bool) -> MaxSeqResult:
+        try:
+            return self._run(screen)
+        except _BoundBroken as e:  # NOTE(self-check): a bound above a replayed peak: every verdict again, replayed
+            self.allow_bounds = False
+            self.tile_log.append(str(e))
+            return self._run(screen)
+
+    def _run(self, screen: bool) -> MaxSeqResult:
         setup, budget, step, probes = self.setup, self.setup.budget, self.step, self.probes
         max_len, min_len = self.max_len, self.min_len
         notes = list(setup.notes)
         cands = self.cands = search_candidates(setup, self.replay_opt)
-        self.bounds_on = True
+        self.bounds_on, self.bound_log = self.allow_bounds and setup.world_size == 1, {}
 
         # 1-2: probe (a plan over a probed one by gradient-only options when its probes matter, planning/bounds.py),
         # fit, solve
@@ -225,6 +233,7 @@ class _MaxSeqSearch:
         rest = [c for c in later if id(c) not in skip]
         for s in probes if rest else ():
             peaks[s].update(zip(map(id, rest), self.replay_many(rest, s, full=not screen)))
+            self._check_bounds(s, peaks[s])
         fits = []
         fit_fn: dict = {}
         for c in cands:
@@ -269,7 +278,7 @@ class _MaxSeqSearch:
             own capture) is no longer replayed at the answer, one long replay in four."""
             got = known.setdefault(s, {})
             for tier in tiers(live):
-                todo = [c for c in tier if id(c) not in got and not self._bounded(c, s, got, cands, over_at)]
+                todo = [c for c in tier if id(c) not in got and not self._bounded(c, s, got, live, over_at)]
                 if todo:
                     for c, r in zip(todo, self.replay_many(todo, s, full=not screen)):
                         if isinstance(r, BaseException):
@@ -279,6 +288,7 @@ class _MaxSeqSearch:
                         got[id(c)] = r
                         if r.device_peak_bytes > budget:
                             over_at[id(c)] = min(over_at.get(id(c), s), s)
+                self._check_bounds(s, got)
                 if any(id(c) in got and got[id(c)].device_peak_bytes <= budget for c in tier):
                     break
             here = [(got[id(c)].device_peak_bytes, i, c) for i, c in enumerate(live)
@@ -359,15 +369,25 @@ class _MaxSeqSearch:
                 nxt = a + step if peak <= budget else b - step
         return min(max(nxt, min_len), max_len)
 
-    def _bounded(self, c, s, got, cands, over_at) -> bool:
-        """``c`` over the budget at ``s`` by a bound from a plan replayed there (planning/bounds.py; one device)."""
-        one = self.setup.world_size == 1 and self.bounds_on  # a sharding fold moves the gradients
-        b = gradient_only_bound(c, [(x, got[id(x)]) for x in cands if id(x) in got]) if one else None
+    def _bounded(self, c, s, got, bases, over_at) -> bool:
+        """``c`` over the budget at ``s`` by a bound from one of ``bases`` replayed there (planning/bounds.py), put
+        in ``got`` in place of a replay."""
+        b = gradient_only_bound(c, [(x, got[id(x)]) for x in bases if id(x) in got]) if self.bounds_on else None
         if b is None or b.device_peak_bytes <= self.setup.budget:
             return False
         got[id(c)], over_at[id(c)] = b, min(over_at.get(id(c), s), s)
         self.bound_log[(c.name, s)] = bound_note(c, s, b, self.setup.budget)
         return True
+
+    def _check_bounds(self, s, got) -> None:
+        """Raise :class:`_BoundBroken` where a plan replayed at ``s`` peaks below its bound from another replayed
+        there (the premise of planning/bounds.py broken: the search is run again without bounds)."""
+        real = [(x, got[id(x)]) for x in self.cands if id(x) in got]
+        for c, e in real if self.bounds_on else ():
+            b = None if isinstance(e, (BaseException, LowerBound)) else gradient_only_bound(c, real)
+            if b is not None and b.device_peak_bytes > e.device_peak_bytes:
+                raise _BoundBroken(f"{c.name} replayed at {s:,} tokens peaks at {e.device_peak_bytes:,} B, below its "
+                                   f"bound {b.device_peak_bytes:,} B from {b.base}: searched again without bounds")
 
     def _confirm_pair(self, lo, live, known, replays) -> bool:
         """NOTE(screen): the pair that answers is confirmed at full depth (the third depth checks that every count
@@ -382,14 +402,14 @@ class _MaxSeqSearch:
         for s_, cs_ in pair:
             held = [c for c in cs_ if isinstance(known[s_][id(c)], LowerBound)]  # over by a bound: not replayed
             cs_ = [c for c in cs_ if c not in held]
-            if not cs_:
+            if not cs_ and not held:
                 continue
             # NOTE(lower bound): a figure extrapolated over the tile count is a lower bound (convex peak): "over" at
             # lo + step stands; "fits" at lo is replayed at full length (this length, every depth)
             real = s_ == lo and any(_bound(known[s_][id(c)]) for c in cs_)
             min_tiles, self.min_tiles = self.min_tiles, None if real else self.min_tiles
             try:
-                got = self.replay_many(cs_, s_, full=True)
+                got = self.replay_many(cs_, s_, full=True) if cs_ else []
             finally:
                 self.min_tiles = min_tiles
             if real and (any(isinstance(r, BaseException) for r in got)
@@ -404,16 +424,17 @@ class _MaxSeqSearch:
                 if isinstance(r, BaseException):
                     return False
                 known[s_][id(c)] = r
-            for c in held:  # the bounds again, from the confirmed figures; a plan no longer over them is replayed
+            self._check_bounds(s_, known[s_])
+            for c in held:  # bounded again by the plans just confirmed here (held too: their bases), else replayed
                 del known[s_][id(c)]
-                if not self._bounded(c, s_, known[s_], self.cands, {}):
+                if not self._bounded(c, s_, known[s_], cs_, {}):
                     r = self.replay_many([c], s_, full=True)[0]
                     if isinstance(r, BaseException):
                         return False
                     known[s_][id(c)] = r
                     cs_.append(c)
-            peak_ = min(known[s_][id(c)].device_peak_bytes for c in cs_)
-            replays[:] = [(x, peak_, peak_ <= budget) if x == s_ else (x, p, f) for x, p, f in replays]
+            peak_ = min((known[s_][id(c)].device_peak_bytes for c in cs_), default=None)
+            replays[:] = [(x, peak_, peak_ <= budget) if x == s_ and cs_ else (x, p, f) for x, p, f in replays]
         return not (not any(known[lo][id(c)].device_peak_bytes <= budget for c in pair[0][1]) or (
             len(pair) > 1 and any(known[lo + step][id(c)].device_peak_bytes <= budget for c in pair[1][1])))
 
@@ -465,8 +486,12 @@ class _MaxSeqSearch:
         fit_rows = [(c.name, c.lossy, c.restricted, L, pk) for c, L, pk in fits]
         return MaxSeqResult(seq=lo, step=step, budget=budget, plan=plan,
                             next_peak=nxt_est.device_peak_bytes if nxt_est is not None else None,
-                            next_peak_bound=_bound(nxt_est), fits=fit_rows,
+                            next_peak_bound=isinstance(nxt_est, LowerBound) or _bound(nxt_est), fits=fit_rows,
                             probes=probes, replays=replays, notes=notes)
+
+
+class _BoundBroken(Exception):
+    """A plan's replayed peak below its bound (planning/bounds.py): the search runs again without bounds."""
 
 
 def _bound(est) -> bool:

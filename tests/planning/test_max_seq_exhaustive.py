@@ -102,6 +102,48 @@ def test_search_equals_exhaustive_on_analytic_peaks(analytic):
     assert 0 < seen_both < len(budgets)  # both plans answer some budget (the choice is exercised)
 
 
+@pytest.mark.parametrize("grads", [24_000, 150_000])
+def test_search_with_gradient_bounds_equals_exhaustive(monkeypatch, grads):
+    """The same scan where step_in_backward saves only gradients (its peak the plan as given's less ``grads`` plus
+    a 500-byte optimizer transient, the split in the replays' figures), so the search skips its replays where the
+    bound is over the budget and, with 24,000 B (less than a step adds), its probes (planning/bounds.py). The
+    same length, plan and peak as the scan; the next peak the scan's, or a lower bound of it said so."""
+    import dataclasses
+
+    import effpass.planning.maxseq as maxseq
+
+    peak = lambda sib, s: _peak(False, s) - (grads - 500 if sib else 0)  # noqa: E731
+    replayed = []
+
+    def fake_many(model, inputs, pipelines, optimizer, **kw):
+        seq = inputs["input_ids"].shape[-1]
+        sibs = ["step_in_backward" in {p.name for p in pipe} for pipe in pipelines]
+        replayed.extend((seq, sib) for sib in sibs)
+        return [dataclasses.replace(_est(peak(sib, seq), seq), gradients=grads,
+                                    non_gradient_peak=_peak(False, seq) - grads) for sib in sibs]
+
+    monkeypatch.setattr(maxseq, "estimate_many", fake_many)
+    model = model_case("llama", seq=16).model
+    budgets = sorted({peak(sib, s) + d for sib in (False, True) for s in (640, 1536, 1600, 2496, 3392) for d in (-1, 0)})
+    for budget in budgets:
+        want = _exhaustive(peak, budget)
+        res = plan_max_seq(model, _inputs, budget, passes=_PASSES, step=STEP, probes=(512, 1024), max_len=MAX_LEN)
+        got = (res.seq, "step in backward" in res.plan.chosen.name, res.plan.peak_bytes)
+        assert got == want[:3], (budget, got, want)
+        assert res.next_peak == want[3] or (res.next_peak_bound and budget < res.next_peak < want[3]), (budget, res)
+    assert ((512, True) in replayed) == (grads == 150_000)  # probed only where it could move the start
+    bounded = sum(sib for _, sib in replayed)
+    replayed.clear()
+    monkeypatch.setattr(maxseq, "gradient_only_bound", lambda c, r: None)
+    monkeypatch.setattr(maxseq, "probe_skip", lambda c, probed, step: None)
+    for budget in budgets:
+        plan_max_seq(model, _inputs, budget, passes=_PASSES, step=STEP, probes=(512, 1024), max_len=MAX_LEN)
+    unbounded = sum(sib for _, sib in replayed)
+    # the bounds skipped replays (the oracle can fail); with 150,000 B step_in_backward fits far past the plan as
+    # given, so where it is searched its bound is under the budget: nothing to skip
+    assert bounded < unbounded if grads == 24_000 else bounded == unbounded
+
+
 def test_search_equals_exhaustive_when_nothing_fits(analytic):
     budget = min(_peak(False, STEP), _peak(True, STEP)) - 1
     assert _exhaustive(_peak, budget) is None

@@ -267,11 +267,11 @@ def _peak_kinked(seq, kink=4096):
     return 1_000_000 + 500 * seq + 2000 * max(0, seq - kink)
 
 
-def _gradient_split(monkeypatch, grads=200_000):
+def _gradient_split(monkeypatch, grads=200_000, extra=1_000):
     """Two plans (as given; + step_in_backward) whose replays carry the split of the peak into gradients and the
-    rest: step_in_backward's peak is the plan as given's without its ``grads`` gradient bytes (what the bound
-    of planning/bounds.py reads, exact here); both steeper past a kink beyond the probes, so the search starts
-    where both are over. Records every (seq, plan) replayed."""
+    rest: step_in_backward's peak is the plan as given's less its ``grads`` gradient bytes plus ``extra`` (the
+    optimizer's work inside the backward; negative: a plan that breaks the bound's premise); both steeper past a
+    kink beyond the probes, so the search starts where both are over. Records every (seq, plan) replayed."""
     import dataclasses
 
     import effpass.planning.maxseq as maxseq
@@ -285,7 +285,7 @@ def _gradient_split(monkeypatch, grads=200_000):
             sib = "step_in_backward" in {p.name for p in pipe}
             calls.append((seq, sib))
             peak = _peak_kinked(seq)
-            e = _est(peak - grads if sib else peak, flops=seq)
+            e = _est(peak - grads + extra if sib else peak, flops=seq)
             out.append(dataclasses.replace(e, start_bytes=400_000, step_peak_bytes=e.peak_bytes - 400_000,
                                            gradients=grads, non_gradient_peak=peak - grads - 400_000))
         return out
@@ -294,34 +294,66 @@ def _gradient_split(monkeypatch, grads=200_000):
     return calls
 
 
-def test_a_plan_over_the_budget_by_its_gradient_free_bound_is_not_replayed(monkeypatch):
-    """step_in_backward changes only gradients (``MemoryOption.changes``): where the plan as given's peak
-    without its gradients is over the budget, step_in_backward's is too, and it is not replayed there
-    (Llama-3.1-8B QLoRA: its 6 replays at the answer's next length). Oracles: the answer, its plan and the next
-    peak equal the search's with the bound off; step_in_backward is replayed at fewer lengths, never where its
-    bound is over the budget; the note names the bound."""
+def _unbounded(monkeypatch):
     import effpass.planning.maxseq as maxseq
 
-    budget = 5_000_000
+    monkeypatch.setattr(maxseq, "gradient_only_bound", lambda c, replayed: None)
+    monkeypatch.setattr(maxseq, "probe_skip", lambda c, probed, step: None)
+
+
+def _same_answer(res, ref):
+    """The same length and plan; the next peak the replay's, or a lower bound of it said so."""
+    assert (res.seq, res.plan.chosen.name) == (ref.seq, ref.plan.chosen.name)
+    assert res.next_peak == ref.next_peak or (res.next_peak_bound and ref.plan.budget < res.next_peak < ref.next_peak)
+
+
+def _sib_at(calls):
+    return {s for s, sib in calls if sib}
+
+
+@pytest.mark.parametrize("budget,grads", [(5_000_000, 200_000), (5_000_000, 20_000)],
+                         ids=["step_in_backward_answers", "as_given_answers"])
+def test_a_plan_over_the_budget_by_its_gradient_free_bound_is_not_replayed(monkeypatch, budget, grads):
+    """step_in_backward changes only gradients (``MemoryOption.changes``): where the plan as given's peak less
+    its gradients is over the budget, step_in_backward's is too, and it is not replayed there (Llama-3.1-8B QLoRA:
+    its 6 replays at the answer's next length). Either plan answering (with 20,000 B of gradients both fit the
+    same length and the plan as given is chosen: step_in_backward's next length is bounded again from the plan as
+    given's confirmed figure). Oracles: the answer equals the search's without bounds (the next peak a replay's,
+    or a lower bound of it said so); step_in_backward replayed at fewer lengths, never where its bound is over
+    the budget; the note names the bound."""
     kw = dict(passes=_KINK_PASSES, step=64, probes=(1024, 2048))
-    calls = _gradient_split(monkeypatch)
+    calls = _gradient_split(monkeypatch, grads=grads)
     res = plan_max_seq(model_case("llama", seq=16).model, _inputs, budget, **kw)
     with_bound = list(calls)
-    # nothing fits: the smallest peak is named, step_in_backward's, not skipped by its bound at the shortest length
-    with pytest.raises(MemoryBudgetError, match="even at 64 tokens") as e:
-        plan_max_seq(model_case("llama", seq=16).model, _inputs, 800_000, **kw)
-    assert (e.value.smallest, e.value.plan.name) == (_peak_kinked(64) - 200_000, "step in backward")
+    if grads == 200_000:  # nothing fits: the smallest peak is named, step_in_backward's, not one skipped by its bound
+        with pytest.raises(MemoryBudgetError, match="even at 64 tokens") as e:
+            plan_max_seq(model_case("llama", seq=16).model, _inputs, 800_000, **kw)
+        assert (e.value.smallest, e.value.plan.name) == (_peak_kinked(64) - grads + 1_000, "step in backward")
     calls.clear()
-    monkeypatch.setattr(maxseq, "gradient_only_bound", lambda c, replayed: None)
+    _unbounded(monkeypatch)
     ref = plan_max_seq(model_case("llama", seq=16).model, _inputs, budget, **kw)
-    want = max(s for s in range(64, 1 << 16, 64) if _peak_kinked(s) - 200_000 <= budget)
-    assert (res.seq, res.plan.chosen.name, res.next_peak) == (ref.seq, ref.plan.chosen.name, ref.next_peak)
-    assert res.seq == want and "step in backward" in res.plan.chosen.name
-    sib_at = lambda cs: {s for s, sib in cs if sib}  # noqa: E731
-    assert sib_at(with_bound) < sib_at(calls)  # the oracle can fail: without the bound they are replayed
-    assert all(_peak_kinked(s) - 200_000 <= budget or (s, False) not in with_bound  # replayed: no bound there
-               for s in sib_at(with_bound) if s not in (1024, 2048))
-    assert any("not replayed" in n and "lower bound" in n for n in res.notes)
+    _same_answer(res, ref)
+    sib_answers = max(s for s in range(64, 1 << 16, 64) if _peak_kinked(s) - grads + 1_000 <= budget)
+    as_given = max(s for s in range(64, 1 << 16, 64) if _peak_kinked(s) <= budget)
+    assert res.seq == max(sib_answers, as_given)
+    assert ("step in backward" in res.plan.chosen.name) == (sib_answers > as_given) == (grads == 200_000)
+    assert _sib_at(with_bound) < _sib_at(calls)  # the oracle can fail: without the bound they are replayed
+    assert all(_peak_kinked(s) - grads <= budget or (s, False) not in with_bound  # replayed: no bound there
+               for s in _sib_at(with_bound) if s not in (1024, 2048))
+    assert any("not replayed" in n and "peaks at least" in n for n in res.notes)
+
+
+def test_a_bound_above_a_replayed_peak_turns_the_bounds_off(monkeypatch):
+    """A plan that breaks the premise (step_in_backward saving more than the gradients): the self-check meets its
+    replayed peak below its bound where both plans are replayed, and the search runs again without bounds.
+    Oracles: the answer equals the search's without bounds; the note says why."""
+    kw = dict(passes=_KINK_PASSES, step=64, probes=(1024, 2048))
+    _gradient_split(monkeypatch, grads=200_000, extra=-50_000)
+    res = plan_max_seq(model_case("llama", seq=16).model, _inputs, 5_000_000, **kw)
+    _unbounded(monkeypatch)
+    ref = plan_max_seq(model_case("llama", seq=16).model, _inputs, 5_000_000, **kw)
+    _same_answer(res, ref)
+    assert res.next_peak == ref.next_peak and any("searched again without bounds" in n for n in res.notes)
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
@@ -353,24 +385,23 @@ def test_step_in_backward_peaks_at_least_at_the_gradient_free_peak(lora):
 
 
 def test_a_plan_that_saves_less_than_a_step_of_gradients_is_not_probed(monkeypatch):
-    """Where step_in_backward saves less gradient bytes than one step of length adds (LoRA), its probes could
-    move the search's start by a step at most: it is not probed, and replayed where the search needs it.
-    Oracles: the answer, plan and next peak equal the search's with the bound off; no probe replay of it (it was
-    probed with 200,000 B of gradients, more than a step's 32,000 B: the other test); its row says why."""
-    import effpass.planning.maxseq as maxseq
-
+    """Where step_in_backward saves fewer gradient bytes than one step of length adds (LoRA), its probes could
+    move the search's start by a step at most: it is not probed, and replayed where the search needs it; here it
+    fits one step more than the plan as given (30,000 B of gradients past the kink). Oracles: the answer, plan
+    and next peak equal the search's without bounds or skips; no probe replay of it (with 200,000 B it is probed:
+    the test above); replayed in the search; its row says why."""
     kw = dict(passes=_KINK_PASSES, step=64, probes=(1024, 2048))
-    calls = _gradient_split(monkeypatch, grads=20_000)
-    res = plan_max_seq(model_case("llama", seq=16).model, _inputs, 5_000_000, **kw)
-    assert not any(sib for s, sib in calls if s in (1024, 2048))
+    budget = _peak_kinked(4928) - 29_000  # step_in_backward fits 4,928 tokens, the plan as given 4,864
+    calls = _gradient_split(monkeypatch, grads=30_000)
+    res = plan_max_seq(model_case("llama", seq=16).model, _inputs, budget, **kw)
+    assert not any(sib for s, sib in calls if s in (1024, 2048)) and 4928 in _sib_at(calls)
     (row,) = [r for r in res.fits if r[0] == "step in backward"]
     assert row[3] is None and "not probed" in row[4][0]
     assert [c["unfitted"] for c in res.to_dict()["candidates"] if c["plan"] == "step in backward"] == [row[4][0]]
-    monkeypatch.setattr(maxseq, "probe_skip", lambda c, probed, step: None)
-    monkeypatch.setattr(maxseq, "gradient_only_bound", lambda c, replayed: None)
-    ref = plan_max_seq(model_case("llama", seq=16).model, _inputs, 5_000_000, **kw)
-    assert (res.seq, res.plan.chosen.name, res.next_peak) == (ref.seq, ref.plan.chosen.name, ref.next_peak)
-    assert res.seq == max(s for s in range(64, 1 << 16, 64) if _peak_kinked(s) - 20_000 <= 5_000_000)
+    _unbounded(monkeypatch)
+    ref = plan_max_seq(model_case("llama", seq=16).model, _inputs, budget, **kw)
+    _same_answer(res, ref)
+    assert (res.seq, res.plan.chosen.name, res.next_peak) == (4928, "step in backward", ref.next_peak)
 
 
 def test_max_seq_nothing_fits_names_the_same_smallest_for_every_budget(monkeypatch):
