@@ -214,26 +214,29 @@ def test_max_seq_answer_fits_by_real_replays():
     assert nxt.peak_bytes == res.next_peak
 
 
-def _kinked(monkeypatch, kink=4096):
-    """Two plans (as given; + step_in_backward) whose peaks the probes misjudge: the plan as given is linear up to
-    ``kink`` tokens and steeper after it (its fit, through probes below the kink, promises more); the other is
-    linear and steeper at the probes but wins past the kink. Records every (seq, plan) replayed."""
+def _two_plans(monkeypatch, est_of):
+    """The replays of two plans (as given; + step_in_backward) replaced by ``est_of(seq, sib)``; records every
+    (seq, sib) replayed."""
     import effpass.planning.maxseq as maxseq
 
     calls = []
 
     def fake_many(model, inputs, pipelines, optimizer, **kw):
         seq = next(v for v in inputs.values() if isinstance(v, torch.Tensor)).shape[-1]
-        out = []
-        for pipe in pipelines:
-            sib = "step_in_backward" in {p.name for p in pipe}
-            calls.append((seq, sib))
-            peak = 900_000 + 600 * seq if sib else 1_000_000 + 500 * seq + 2000 * max(0, seq - kink)
-            out.append(_est(int(peak), flops=seq))
-        return out
+        sibs = ["step_in_backward" in {p.name for p in pipe} for pipe in pipelines]
+        calls.extend((seq, sib) for sib in sibs)
+        return [est_of(seq, sib) for sib in sibs]
 
     monkeypatch.setattr(maxseq, "estimate_many", fake_many)
     return calls
+
+
+def _kinked(monkeypatch, kink=4096):
+    """Two plans (as given; + step_in_backward) whose peaks the probes misjudge: the plan as given is linear up to
+    ``kink`` tokens and steeper after it (its fit, through probes below the kink, promises more); the other is
+    linear and steeper at the probes but wins past the kink. Records every (seq, plan) replayed."""
+    return _two_plans(monkeypatch, lambda seq, sib: _est(int(
+        900_000 + 600 * seq if sib else 1_000_000 + 500 * seq + 2000 * max(0, seq - kink)), flops=seq))
 
 
 _KINK_PASSES = [CheckpointActivations(policy="full"), FuseCrossEntropy(), TileSequence()]
@@ -274,24 +277,13 @@ def _gradient_split(monkeypatch, grads=200_000, extra=1_000):
     kink beyond the probes, so the search starts where both are over. Records every (seq, plan) replayed."""
     import dataclasses
 
-    import effpass.planning.maxseq as maxseq
+    def est_of(seq, sib):
+        peak = _peak_kinked(seq)
+        e = _est(peak - grads + extra if sib else peak, flops=seq)
+        return dataclasses.replace(e, start_bytes=400_000, step_peak_bytes=e.peak_bytes - 400_000, gradients=grads,
+                                   non_gradient_peak=peak - grads - 400_000)
 
-    calls = []
-
-    def fake_many(model, inputs, pipelines, optimizer, **kw):
-        seq = next(v for v in inputs.values() if isinstance(v, torch.Tensor)).shape[-1]
-        out = []
-        for pipe in pipelines:
-            sib = "step_in_backward" in {p.name for p in pipe}
-            calls.append((seq, sib))
-            peak = _peak_kinked(seq)
-            e = _est(peak - grads + extra if sib else peak, flops=seq)
-            out.append(dataclasses.replace(e, start_bytes=400_000, step_peak_bytes=e.peak_bytes - 400_000,
-                                           gradients=grads, non_gradient_peak=peak - grads - 400_000))
-        return out
-
-    monkeypatch.setattr(maxseq, "estimate_many", fake_many)
-    return calls
+    return _two_plans(monkeypatch, est_of)
 
 
 def _unbounded(monkeypatch):
