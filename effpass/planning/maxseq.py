@@ -80,7 +80,7 @@ def plan_max_seq(model: torch.nn.Module, make_inputs, memory_budget, allow: Iter
        plan of an earlier tier fits there (none of theirs could be chosen there); a candidate over the budget
        at a length no longer than one some candidate fits is out of the running. A candidate adding only
        gradient-only options (``MemoryOption.changes == ("gradients",)``: step_in_backward) to a plan replayed
-       there is not replayed where that plan's start plus non-gradient peak, a lower bound of its own peak, is over
+       there is not replayed where that plan's figures less its gradients, a lower bound of its own peak, are over
        the budget (:mod:`effpass.planning.bounds`; at ``L + step`` taken again from the confirmed figures).
        It ends when a length ``L`` that some candidate fits and ``L + step`` that none in the running fits
        are both replayed. The plan: among those fitting ``L``, lossless before lossy, unrestricted before
