@@ -19,10 +19,6 @@ class LowerBound:
     device_peak_bytes: int
     base: str
 
-    @property
-    def peak_bytes(self) -> int:
-        return self.device_peak_bytes
-
 
 def _gradient_only(extra) -> bool:
     return bool(extra) and all(tuple(o.changes) == ("gradients",) and not o.optimizer and not o.sharding
