@@ -52,7 +52,9 @@ def _worker(rank, world, port, scenario, out_dir, backend="gloo"):
 
 def spawn(scenario: str, world: int, tmp_path, backend: str = "gloo") -> list[dict]:
     os.environ["SP_TMP"] = str(tmp_path)
-    spawn_ranks(_worker, (world, _free_port(), scenario, str(tmp_path), backend), world)
+    # a crash in native code is retried once (with a warning); the killed-rank job's deliberate exit never is
+    spawn_ranks(_worker, lambda: (world, _free_port(), scenario, str(tmp_path), backend), world,
+                crash_retries=int(scenario != "killed"))
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 
