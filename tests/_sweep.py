@@ -6,7 +6,8 @@ check per model or per option). By default (CI, ``bash scripts/dev.sh test``) ea
 cases: its first case always (the anchor) and a third of the others (rounded: a 2-case sweep runs its first),
 chosen by a hash of the case's id with the commit (``git rev-parse HEAD``): a rerun of one commit runs the same
 cases, successive commits cover the rest. ``EFFPASS_TEST_SWEEP=full`` runs every case; ``EFFPASS_TEST_SWEEP=<text>``
-samples with that seed instead.
+samples with that seed instead. A case whose first parameter is in ``FULL_ONLY`` (a model that costs more than the
+rest of the sample together, with the reason) is never drawn: only the full run has it.
 """
 from __future__ import annotations
 
@@ -15,6 +16,13 @@ import os
 import subprocess
 
 SWEEP_FRACTION = 1 / 3
+
+#: cases (by their first parameter) that the sample never draws, only ``EFFPASS_TEST_SWEEP=full`` runs, with why:
+#: one such case costs more than a whole sample of the others
+FULL_ONLY = {
+    "kimi_linear": "its chunked delta rule is a Python loop over 63 rows per layer that Dynamo unrolls (98k graph "
+                   "nodes): ~75 CPU-s per compiled case on 2 cores, where a family case costs 1-10",
+}
 
 
 def _sweep_seed() -> str | None:
@@ -38,9 +46,16 @@ SWEEP_SEED = _sweep_seed()
 def sample(cases: list, key=str, fraction: float = SWEEP_FRACTION) -> list:
     """The cases of one sweep that run: the first, and ``fraction`` of the others (a third unless the sweep's
     marker says otherwise: ``@pytest.mark.sweep(fraction=0.05)``) chosen by ``key(case)`` hashed with the seed
-    (all of them when ``EFFPASS_TEST_SWEEP=full``); in their original order."""
+    (all of them when ``EFFPASS_TEST_SWEEP=full``; ``FULL_ONLY`` cases only then); in their original order."""
     if SWEEP_SEED is None or len(cases) <= 1:
         return list(cases)
-    rest = sorted(cases[1:], key=lambda c: hashlib.sha256(f"{SWEEP_SEED}:{key(c)}".encode()).hexdigest())
+    drawable = [c for c in cases[1:] if not _full_only(key(c))]
+    rest = sorted(drawable, key=lambda c: hashlib.sha256(f"{SWEEP_SEED}:{key(c)}".encode()).hexdigest())
     keep = {id(c) for c in rest[:round(len(rest) * fraction)]}
     return [cases[0]] + [c for c in cases[1:] if id(c) in keep]
+
+
+def _full_only(case_key: str) -> bool:
+    """Whether the case's first parameter (``test[<first>-...]`` or ``test[<first>]``) is in ``FULL_ONLY``."""
+    params = case_key[case_key.find("[") + 1:].rstrip("]") if "[" in case_key else ""
+    return params.split("-")[0] in FULL_ONLY
