@@ -6,7 +6,6 @@ import re
 
 import pytest
 
-import effpass
 from effpass.inspect.timeline import memory_viz_snapshot, timeline_svg, write_timeline_html
 from effpass.passes import CheckpointActivations
 from effpass.planning import estimate_memory
