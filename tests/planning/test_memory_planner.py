@@ -325,15 +325,16 @@ def test_cli_plan(tmp_path, capsys, monkeypatch):
 
     Every weight matrix is 64 x 64 (vocabulary = MLP width = hidden size, as many key/value heads as heads): torchao
     compiles its step once per parameter shape with Inductor, two shapes here (matrices, norm weights) where a
-    config with four matrix shapes costs four more compiles. The two commands share one replay cache (same config,
-    pipeline and options, as ``plan_memory(cache=)`` allows): the second replays only what the first did not."""
+    config with four matrix shapes costs four more compiles. One block (a replay's cost is its trace; two blocks
+    cost ~1.4x). The two commands share one replay cache (same config, pipeline and options, as
+    ``plan_memory(cache=)`` allows): the second replays only what the first did not."""
     from effpass.cli import main
     from effpass.planning import planner as planner_mod
 
     shared: dict = {}
     real_plan = planner_mod.plan_memory
     monkeypatch.setattr(planner_mod, "plan_memory", lambda *a, **k: real_plan(*a, **k, cache=shared))
-    cfg = dict(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+    cfg = dict(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
@@ -344,7 +345,7 @@ def test_cli_plan(tmp_path, capsys, monkeypatch):
     assert "(predictions, not measurements)" in out
     assert "assumes: float32 weights (the config), optimizer adamw, full fine-tuning, device cpu" in out
     n_replays = len(shared)
-    # 0.5 MiB: above the parameters' own 257 KiB, below every plan (the smallest, AdamW8bit's, is ~837 KiB)
+    # 0.5 MiB: above the parameters' own 145 KiB, below every plan (the smallest, AdamW8bit's, is ~572 KiB)
     assert main(["plan", str(path), "--batch", "2", "--seq", "32", "--budget", "0.5MiB", "--allow", "adamw8bit"]
                 + full) == 2
     err = capsys.readouterr().err
