@@ -139,7 +139,7 @@ def test_a_cuda_step_is_predicted_on_any_machine(monkeypatch):
     from effpass.planning import estimate_memory
     from effpass.planning import replay as replay_mod
 
-    model, inputs = _meta_case()
+    model, inputs = _meta_case(layers=1)  # the allocator model is fed the step's storages: one block has them all
     seen = []
     real = replay_mod.simulate
     monkeypatch.setattr(replay_mod, "simulate", lambda ev, **k: seen.append(real(ev, **k)) or seen[-1])
@@ -199,6 +199,41 @@ def test_the_plan_fits_the_allocators_segments_not_the_live_bytes(replays):
     # its copies counted as host memory: tests/planning/test_host_memory.py)
     assert any(c.name.startswith("offload") for c in plan.candidates), [c.name for c in plan.candidates]
     assert not any("not considered" in n for n in plan.notes), plan.notes
+
+
+def test_cli_host_budget_names_why_nothing_fits(tmp_path, capsys, monkeypatch, replays):
+    """``effpass plan --device cuda --host-budget``: only plans with AdamW's states on the host fit the device
+    budget; under a 1 KiB host budget nothing fits, and the output names the host budget. What is checked here is
+    the command line (the chosen plan, the exit code, the host budget named in the error and the table): the
+    commands plan exactly ``test_the_plan_fits_the_allocators_segments_not_the_live_bytes``'s model, inputs, pipeline
+    and device (the CLI builds the same one-block meta Llama and zero tokens from ``CFG``) and read that test's CUDA
+    replay cache (a replay does not depend on the budgets, which are applied to its figures; whichever test runs
+    first replays). The host-memory figures themselves are tests/planning/test_host_memory.py's hand counts."""
+    import json
+
+    from effpass.cli import main
+    from effpass.passes.offload_activations import offload_supported
+    from effpass.planning import planner as planner_mod
+
+    if not offload_supported():
+        pytest.skip("torch without partitioner activation offloading")
+    real_plan = planner_mod.plan_memory
+    monkeypatch.setattr(planner_mod, "plan_memory", lambda *a, **k: real_plan(*a, **k, cache=replays["cuda"]))
+
+    cfg = tmp_path / "config.json"
+    # one block: the plan as given peaks at 2.00 MiB on the device (whole 2 MiB segments), AdamW's states on the
+    # host bring it to 1.50 MiB (predicted; the budget separates the two)
+    cfg.write_text(json.dumps(dict(CFG, num_hidden_layers=1)))
+    args = ["plan", str(cfg), "--batch", "1", "--seq", "128", "--budget", "1.75MiB", "--device", "cuda", "--dtype",
+            "float32", "--passes", json.dumps({"checkpoint_activations": {"policy": "full"}, "fuse_cross_entropy": {}})]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "adamw on host" in out and "host memory" in out
+    chosen = next(ln for ln in out.splitlines() if ln.startswith("memory plan for a budget of 1.75 MiB: "))
+    assert chosen.endswith("adamw on host"), chosen  # the plan as given (2.00 MiB) does not fit
+    assert main(args + ["--host-budget", "1KiB"]) == 2
+    err = capsys.readouterr().err
+    assert "left out as over host_budget 1.00 KiB" in err and "over the host budget: holds" in err
 
 
 @pytest.mark.gpu

@@ -145,39 +145,6 @@ def test_host_budget_excludes_a_plan_and_says_why():
     # tensors; not diagnosed): the error text is checked on a Hugging Face model by the command-line test below
 
 
-@pytest.mark.slow
-def test_cli_host_budget_names_why_nothing_fits(tmp_path, capsys, monkeypatch):
-    """``effpass plan --device cuda --host-budget``: only plans with AdamW's states on the host fit the device
-    budget; under a 1 KiB host budget nothing fits, and the output names the host budget. The two commands share
-    one replay cache (same config, pipeline, device and options; a replay does not depend on the budgets, which
-    are applied to its figures): the second replays only the candidates the first did not."""
-    from effpass.cli import main
-    from effpass.planning import planner as planner_mod
-
-    shared: dict = {}
-    real_plan = planner_mod.plan_memory
-    monkeypatch.setattr(planner_mod, "plan_memory", lambda *a, **k: real_plan(*a, **k, cache=shared))
-
-    cfg = tmp_path / "config.json"
-    # one block: the plan as given peaks at 2.00 MiB on the device (whole 2 MiB segments), AdamW's states on the
-    # host bring it to 1.50 MiB (predicted; the budget separates the two)
-    cfg.write_text(json.dumps(dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                                   max_position_embeddings=512)))
-    args = ["plan", str(cfg), "--batch", "1", "--seq", "128", "--budget", "1.75MiB", "--device", "cuda", "--dtype",
-            "float32", "--passes", json.dumps({"checkpoint_activations": {"policy": "full"}, "fuse_cross_entropy": {}})]
-    assert main(args) == 0
-    out = capsys.readouterr().out
-    assert "adamw on host" in out and "host memory" in out
-    chosen = next(ln for ln in out.splitlines() if ln.startswith("memory plan for a budget of 1.75 MiB: "))
-    assert chosen.endswith("adamw on host"), chosen  # the plan as given (2.00 MiB) does not fit
-    n_replays = len(shared)
-    assert main(args + ["--host-budget", "1KiB"]) == 2
-    assert len(shared) > n_replays > 0  # the first command's replays reused, the rest added
-    err = capsys.readouterr().err
-    assert "left out as over host_budget 1.00 KiB" in err and "over the host budget: holds" in err
-
-
 def test_a_transfer_bound_plan_says_so_and_takes_the_transfer_time(offload_estimates):
     from effpass.devices import get_device
     from effpass.planning.host_memory import step_time

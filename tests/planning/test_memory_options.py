@@ -165,7 +165,10 @@ def test_fused_cross_entropy_flops_are_registered(reduction):
 
 
 def test_memory_budget_without_example_inputs_plans_on_the_first_call():
-    case = model_case("llama", layers=2, seq=64, batch=2, attn="eager")
+    """``compile(memory_budget=...)`` without example inputs plans on the first call (graph options only) and the
+    step then fits. One block: what is planned on the first call does not depend on depth (the planner replays the
+    six graph-option plans of the step; two blocks cost ~1.8x as much)."""
+    case = model_case("llama", layers=1, seq=64, batch=2, attn="eager")
     import copy
 
     ref = copy.deepcopy(case.model)
