@@ -33,7 +33,6 @@ LONG_FIRST = (
     "test_wrap_fsdp.py::test_wrap_fsdp_killed_rank_relaunch_reaches_uninterrupted_weights",
     "test_accelerate_fsdp2.py::",
     "test_backend.py::test_second_process_hits_the_caches_with_identical_results_and_stats",
-    "test_memory_timeline.py::test_plan_command_writes_html_and_snapshot",
 )
 
 
