@@ -216,14 +216,15 @@ def test_dropout_is_recomputed_with_the_same_random_numbers(name):
 # ------------------------------------------------------------------------------------------------------
 def test_budget_recomputes_no_more_flops_than_torch_memory_budget():
     """At the bytes torch's knapsack reaches for a given ``activation_memory_budget``, effpass's budget mode
-    (given those bytes) saves no more and recomputes no more FLOPs (measured on llama: fewer at 0.3, 0.5
-    and 0.7; FLOPs of recomputed attention counted by its q/k/v shapes)."""
+    (given those bytes) saves no more and recomputes no more FLOPs (measured on llama: fewer at 0.3 and 0.7;
+    FLOPs of recomputed attention counted by its q/k/v shapes). A tight and a loose budget: 0.5 (between them,
+    also fewer) cost another ~6.5 CPU-s of budget search for the same check."""
     gm, model, nf = _joint()
     fwd = [n for n in forward_nodes(gm.graph) if n.op == "call_function"]
     block_of = find_blocks(fwd, (), model)
     before = partition_stats(gm, nf)["saved_bytes"]
     results = []
-    for frac in (0.3, 0.5, 0.7):
+    for frac in (0.3, 0.7):
         ts = partition_stats(gm, nf, memory_budget=frac)
         _plan, met, es = plan_budget(gm, fwd, block_of, ts["saved_bytes"], nf, before_bytes=before)
         assert met and es["saved_bytes"] <= ts["saved_bytes"]
