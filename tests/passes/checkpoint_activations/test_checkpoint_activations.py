@@ -101,8 +101,8 @@ _OPS_STATS: dict = {}
 #: policy -> (joint graph marked by the pass, model, the pass's statistics) of the llama case: the policy test's
 #: own compile, read again by the structural tests of that policy below (compiled there when it did not run)
 _LLAMA_GRAPHS: dict = {}
-#: the report of llama (train=True) compiled with the default policy and fuse_cross_entropy, detailed_stats: made by
-#: test_statistics_that_cost_partitions_only_when_asked (counting its partitions), read by the fused-loss test below
+#: the report of 1-layer llama (train=True) compiled with the default policy and fuse_cross_entropy, detailed_stats:
+#: made by test_statistics_that_cost_partitions_only_when_asked (counting its partitions), read by the fused-loss test
 _FUSED_OPS: dict = {}
 
 
@@ -386,7 +386,7 @@ def test_statistics_that_cost_partitions_only_when_asked(monkeypatch):
     calls = []
     real = ca.partition_stats
     monkeypatch.setattr(ca, "partition_stats", lambda *a, **k: calls.append(1) or real(*a, **k))
-    case = model_case("llama")
+    case = model_case("llama", layers=1)  # the partitions counted are per graph: one block shows them
     _, rep, _ = _train_step(case, [CheckpointActivations()], detailed_stats=False)
     st = rep.stats(NAME)
     assert calls == [] and "saved_bytes_before" not in st and st["saved_bytes_measured"] > 0, st
@@ -400,8 +400,8 @@ def test_statistics_that_cost_partitions_only_when_asked(monkeypatch):
     from effpass.passes import FuseCrossEntropy
 
     calls.clear()
-    _, rep, _ = _train_step(model_case("llama", train=True), [CheckpointActivations(), FuseCrossEntropy()],
-                            detailed_stats=True)
+    _, rep, _ = _train_step(model_case("llama", layers=1, train=True),
+                            [CheckpointActivations(), FuseCrossEntropy()], detailed_stats=True)
     _FUSED_OPS["report"] = rep  # the same compile test_fused_loss_is_not_counted_as_recompute[ops] checks
     st = rep.stats(NAME)
     assert len(calls) == 2 and st["saved_bytes_after"] == st["saved_bytes_measured"], st
@@ -418,7 +418,7 @@ def test_fused_loss_is_not_counted_as_recompute(options):
     unfused head's backward recomputes its elementwise log-softmax; the fused one nothing)."""
     from effpass.passes import FuseCrossEntropy
 
-    case = model_case("llama", train=True)
+    case = model_case("llama", layers=1, train=True)  # one block: the head and a block's recompute
     if not options and "report" in _FUSED_OPS:  # the statistics test's compile of this step (detailed_stats too)
         fused = _FUSED_OPS["report"]
     else:
