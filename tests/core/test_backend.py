@@ -142,10 +142,12 @@ def test_module_level_pass_through_string_backend_is_a_clear_error():
 def test_inductor_lowering_matches_eager(name, tmp_path):
     """A torch-IR pass, a joint pass and a real pass (fuse_attention) lowered by Inductor: one compile is the
     Inductor oracle of the backend and of fuse_attention (was its own Inductor compile of the same demo model in
-    tests/passes/fuse_attention/test_fuse_attention.py; its eager tests there attribute a failure of the pass)."""
+    tests/passes/fuse_attention/test_fuse_attention.py; its eager tests there attribute a failure of the pass).
+    One block: Inductor lowers each block alike (a second block cost ~6 CPU-s more cold: 39.6 vs 33.8 CPU-s for
+    demo); the statistics still count per block."""
     from effpass.passes import FuseAttention
 
-    case = model_case(name)
+    case = model_case(name, layers=1)
     res = compile_and_compare(case, [effpass.make_pass("scale_linears_by_one"), effpass.make_pass("count_joint_matmuls"),
                                      FuseAttention()],
                               lowering="inductor", atol=2e-5, rtol=2e-5, dump_dir=str(tmp_path), strict=True)
