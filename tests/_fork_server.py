@@ -21,6 +21,8 @@ SERVER = textwrap.dedent('''
         import trl, transformers.trainer  # noqa: F401  (the examples' trainers)
     except ImportError:
         pass
+    import gc
+    gc.collect(); gc.freeze(); gc.set_threshold(*THRESHOLDS)  # as in the test workers (tests/_gc.py)
     for line in sys.stdin:
         req = json.loads(line)
         pid = os.fork()
@@ -55,7 +57,9 @@ SERVER = textwrap.dedent('''
 
 
 def start() -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    from _gc import THRESHOLDS
+
+    return subprocess.Popen([sys.executable, "-c", SERVER.replace("THRESHOLDS", repr(THRESHOLDS))], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
 
 

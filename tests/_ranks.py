@@ -30,6 +30,9 @@ def _entry(rank: int, env: dict, fn, *args) -> None:
     os.environ.clear()
     os.environ.update(env)
     faulthandler.enable()   # a crash in native code prints every thread's Python stack to the captured stderr
+    import _gc
+
+    _gc.tune()              # as in the test workers (tests/_gc.py)
     fn(rank, *args)
 
 

@@ -25,6 +25,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # Two workers on two cores: one intra-op thread each avoids oversubscription.
     torch.set_num_threads(1)
 
+import _gc  # noqa: E402
+
+_gc.tune()  # fewer, cheaper garbage collections during compiles (tests/_gc.py: ~15% of a compile-heavy file)
+
 
 # The longest tests (multi-process launches, mostly; see a CI run's --durations) start first, so that the two
 # workers do not end on one of them while the other idles (xdist hands out work in collection order).
