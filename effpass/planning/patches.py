@@ -248,27 +248,6 @@ def _joint_trace_sharing():
         aot_autograd.run_functionalized_fw_and_collect_metadata = orig_collect
 
 
-#: the collector's thresholds during a replay (:func:`_fewer_collections`)
-REPLAY_GC_THRESHOLDS = (50_000, 20, 20)
-
-
-@contextlib.contextmanager
-def _fewer_collections():
-    """A replay allocates millions of short-lived objects (Dynamo's trackers, FX nodes, fake tensors); with
-    Python's default thresholds (700, 10, 10) the collector runs thousands of times per replay, its full
-    collections walking the whole heap (torch and transformers included): 12-13% of a compile's CPU time,
-    measured on a 2-core CPU (tests/_gc.py). Raised for the replay (never lowered below the process's own),
-    restored on exit; nothing else about the collector changes."""
-    import gc
-
-    before = gc.get_threshold()
-    gc.set_threshold(*(max(a, b) for a, b in zip(before, REPLAY_GC_THRESHOLDS)))
-    try:
-        yield
-    finally:
-        gc.set_threshold(*before)
-
-
 @contextlib.contextmanager
 def replay_patches(device, inductor: bool):
     """Every process-wide patch a replay needs, undone on exit: Dynamo's fake modes accept real constants
@@ -276,9 +255,8 @@ def replay_patches(device, inductor: bool):
     (:func:`_no_graph_strings`), plans of a shared capture can share joint traces (:func:`sharing_joint_traces`)
     and, with ``inductor``, compiled graphs run their generated wrapper with fake allocations
     (:func:`_replay_inductor_wrappers`; also what lets a compiled optimizer step, e.g. torchao's, run on fake
-    parameters). The collector runs less often meanwhile (:func:`_fewer_collections`)."""
+    parameters)."""
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_fewer_collections())
         stack.enter_context(_allow_non_fake_inputs())
         stack.enter_context(_no_graph_strings())
         stack.enter_context(_joint_trace_sharing())

@@ -388,23 +388,3 @@ def test_replay_patches_are_confined_to_one_context_manager():
                     offenders.append(f"{path.name}:{n.lineno}")
     assert not offenders, f"patch torch only inside effpass.planning.patches.replay_patches: {offenders}"
 
-
-@pytest.mark.parametrize("own", [(700, 10, 10), (100_000, 5, 50)], ids=["default", "users-own"])
-def test_replays_collect_less_often_and_restore_the_collector(own):
-    """During a replay the collector's thresholds are at least ``REPLAY_GC_THRESHOLDS`` (each kept where the
-    process's own is higher), and exactly the process's own after it, also when the replay raises."""
-    import gc
-
-    from effpass.planning.patches import REPLAY_GC_THRESHOLDS, replay_patches
-
-    saved = gc.get_threshold()
-    try:
-        gc.set_threshold(*own)
-        with replay_patches("cpu", inductor=False):
-            inside = gc.get_threshold()
-        assert inside == tuple(max(a, b) for a, b in zip(own, REPLAY_GC_THRESHOLDS)) and inside != own
-        with pytest.raises(KeyError), replay_patches("cpu", inductor=False):
-            raise KeyError("a replay that fails")
-        assert gc.get_threshold() == own
-    finally:
-        gc.set_threshold(*saved)
