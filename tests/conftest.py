@@ -27,7 +27,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 import _gc  # noqa: E402
 
-_gc.tune()  # fewer, cheaper garbage collections during compiles (tests/_gc.py: ~15% of a compile-heavy file)
+_gc.tune()  # fewer, cheaper garbage collections during compiles (tests/_gc.py: -8% CPU on a compile-heavy file)
 
 
 # The longest tests (multi-process launches, mostly; see a CI run's --durations) start first, so that the two
