@@ -59,8 +59,9 @@ SERVER = textwrap.dedent('''
 def start() -> subprocess.Popen:
     from _gc import THRESHOLDS
 
-    return subprocess.Popen([sys.executable, "-c", SERVER.replace("THRESHOLDS", repr(THRESHOLDS))], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    code = SERVER.replace("THRESHOLDS", repr(THRESHOLDS))  # the server imports nothing from tests/
+    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
 
 
 def stop(proc: subprocess.Popen) -> None:

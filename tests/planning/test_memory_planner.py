@@ -387,4 +387,3 @@ def test_replay_patches_are_confined_to_one_context_manager():
                 if isinstance(t, ast.Attribute) and isinstance(base, ast.Name) and base.id in from_torch:
                     offenders.append(f"{path.name}:{n.lineno}")
     assert not offenders, f"patch torch only inside effpass.planning.patches.replay_patches: {offenders}"
-
