@@ -6,11 +6,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 VENV=${EFFPASS_VENV:-$ROOT/.venv}
-# The interpreter for a new .venv: $PYTHON when set; otherwise python3, or the system's own build of the same
-# Python version when there is one with venv (Debian's /usr/bin/python3.11 beside pyenv's 3.11 on CI's machines).
-# torch.compile's tracing is pure Python and most of the suite's time: pyenv's default build (a shared libpython,
-# no profile-guided optimisation) ran the same tests with ~16% more CPU than Debian's (bench/results/suite_cuts_cpu.md,
-# thirteenth session). Only the same major.minor is ever swapped in: the torch file on disk matches that version.
+# The interpreter for a new .venv (an existing one keeps its own): $PYTHON when set; otherwise python3, or the
+# system's own build of the same Python version when there is one with venv (Debian's /usr/bin/python3.11 beside
+# pyenv's 3.11 on CI's machines). torch.compile's tracing is pure Python and most of the suite's time: pyenv's
+# default build (a shared libpython, no profile-guided optimisation) ran the same tests with ~20% more CPU than
+# Debian's (bench/results/suite_cuts_cpu.md, thirteenth session). Only the same major.minor is ever swapped in: the
+# torch file on disk matches that version.
 pick_python() {
   local py=python3 ver me sys_py
   ver=$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) || { echo "$py"; return; }
@@ -22,7 +23,6 @@ pick_python() {
     echo "$py"
   fi
 }
-PY=${PYTHON:-$(pick_python)}
 
 cmd=${1:-test}
 shift || true
@@ -46,8 +46,13 @@ if [ "$cmd" = test ] && ! command -v chromium >/dev/null 2>&1 && ! command -v ch
 fi
 
 if [ ! -x "$VENV/bin/python" ] || [ ! -f "$VENV/.effpass-ready" ] || [ pyproject.toml -nt "$VENV/.effpass-ready" ]; then
-  echo "effpass: setting up $VENV with $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])')), first run only" >&2
-  "$PY" -m venv "$VENV"
+  if [ ! -x "$VENV/bin/python" ]; then   # an existing .venv keeps its interpreter
+    PY=${PYTHON:-$(pick_python)}
+    echo "effpass: setting up $VENV with $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])')), first run only" >&2
+    "$PY" -m venv "$VENV"
+  else
+    echo "effpass: updating $VENV (pyproject.toml changed)" >&2
+  fi
   "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
   # torch pinned (a range would pull the newest CUDA build and several GB with it), in the same pip call as
   # effpass and its dev extra: one pip start and one resolution instead of two. An existing torch is kept.
