@@ -51,7 +51,7 @@ if [ ! -x "$VENV/bin/python" ] || [ ! -f "$VENV/.effpass-ready" ] || [ pyproject
     echo "effpass: setting up $VENV with $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])')), first run only" >&2
     "$PY" -m venv "$VENV"
   else
-    echo "effpass: updating $VENV (pyproject.toml changed)" >&2
+    echo "effpass: updating $VENV (pyproject.toml changed or its set-up did not finish)" >&2
   fi
   "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
   # torch pinned (a range would pull the newest CUDA build and several GB with it), in the same pip call as
