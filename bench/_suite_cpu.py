@@ -1,8 +1,11 @@
 """pytest plugin: CPU seconds per test, the test's subprocesses included (spawned ranks, torchrun, Inductor's g++
 and compile workers). Load it with ``-p _suite_cpu`` and ``bench/`` on PYTHONPATH; each process (an xdist worker
 or the single process) appends one JSON line per test to ``$SUITE_CPU_OUT/<worker>.jsonl`` and a last line with
-its whole CPU (collection and imports included). ``python bench/suite_times.py --suite`` runs it and writes the
-table.
+its whole CPU (collection and imports included) and the commit tested. ``python bench/suite_times.py --suite-cpu
+DIR`` turns a whole run's files into a results table (per file, the costliest tests, every test in the .json):
+
+    SUITE_CPU_OUT=/tmp/scpu PYTHONPATH=bench PYTEST_ADDOPTS="-p _suite_cpu" bash .ci/run
+    python bench/suite_times.py --suite-cpu /tmp/scpu --label "fresh clone, quiet"
 
 CPU of a test = the change, over setup + call + teardown, of: this process's user+sys, its waited-for children's
 (RUSAGE_CHILDREN: every finished descendant), and the live descendants' user+sys (psutil; a persistent pool
@@ -13,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import subprocess
 import time
 
 import pytest
@@ -64,6 +68,14 @@ def pytest_runtest_protocol(item, nextitem):
             "load": float(open("/proc/loadavg").read().split()[0])})
 
 
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def pytest_sessionfinish(session, exitstatus):
     if os.environ.get("PYTEST_XDIST_WORKER") or not hasattr(session.config, "workerinput"):
-        _write({"session": True, "cpu_s": round(_cpu(), 2)})
+        _write({"session": True, "cpu_s": round(_cpu(), 2), "commit": _commit()})

@@ -155,3 +155,33 @@ def test_a_stopped_driver_ends_its_running_arm(tmp_path):
             break
         time.sleep(0.1)
     assert not _alive(grandchild), "the arm's process group outlived the stopped driver"
+
+
+def test_suite_cpu_summary_adds_up_and_leaves_out_the_controllers_double_count(tmp_path):
+    """`suite_times.py --suite-cpu DIR`: per-file and per-band sums equal the records, the xdist controller's own
+    line (which counts its workers again) is left out of the processes' CPU, and the recorded commit is kept."""
+    import json
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import suite_times
+
+    recs = {"gw0": [("tests/a/test_x.py::test_one", 0.3), ("tests/a/test_x.py::test_two[p]", 12.0)],
+            "gw1": [("tests/b/test_y.py::test_three", 3.5), ("tests/a/test_x.py::test_four", 25.0)]}
+    for worker, rows in recs.items():
+        lines = [json.dumps({"test": t, "cpu_s": c, "wall_s": c, "load": 1.0}) for t, c in rows]
+        lines.append(json.dumps({"session": True, "cpu_s": 50.0, "commit": "abc123"}))
+        (tmp_path / f"{worker}.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "main.jsonl").write_text(json.dumps({"session": True, "cpu_s": 101.0, "commit": "abc123"}) + "\n")
+    row = suite_times.suite_cpu(str(tmp_path), top=2)
+    assert row["tests"] == 4 and row["cpu_s"] == 40.8 and row["process_cpu_s"] == 100.0
+    assert row["tested_commit"] == "abc123"
+    assert row["per_file"] == [{"file": "tests/a/test_x.py", "tests": 3, "cpu_s": 37.3},
+                               {"file": "tests/b/test_y.py", "tests": 1, "cpu_s": 3.5}]
+    assert {b["from_s"]: (b["tests"], b["cpu_s"]) for b in row["by_band"] if b["tests"]} == {
+        0: (1, 0.3), 2: (1, 3.5), 10: (1, 12.0), 20: (1, 25.0)}
+    assert [t["test"] for t in row["top"]] == ["tests/a/test_x.py::test_four", "tests/a/test_x.py::test_two[p]"]
+    assert len(row["every_test"]) == 4
+    md = suite_times.markdown({"meta": {"date": "d", "device": "cpu", "torch": "t"}, "shape": {"suite_cpu": True},
+                               "results": [row]})
+    assert "| tests/a/test_x.py | 3 | 37.3 |" in md and "tested commit abc123" in md
