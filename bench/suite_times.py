@@ -82,7 +82,7 @@ def suite_cpu(folder: str, top: int, commit: str | None = None) -> dict:
                 "tests": sum(lo <= t["cpu_s"] < hi for t in tests),
                 "cpu_s": round(sum(t["cpu_s"] for t in tests if lo <= t["cpu_s"] < hi), 1)} for lo, hi in bands]
     ranked = sorted(tests, key=lambda t: -t["cpu_s"])
-    return {"suite_cpu": True, "folder": folder, "tested_commit": commit, "tests": len(tests),
+    return {"suite_cpu": True, "tested_commit": commit, "tests": len(tests),
             "cpu_s": round(sum(t["cpu_s"] for t in tests), 1),
             "process_cpu_s": round(sum(s["cpu_s"] for s in workers.values()), 1), "by_band": by_band,
             "per_file": sorted(({"file": k, "tests": v[0], "cpu_s": round(v[1], 1)} for k, v in per_file.items()),
