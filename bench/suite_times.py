@@ -144,6 +144,8 @@ def main(argv=None) -> int:
         header = {"label": args.label, "meta": driver.meta("suite_times", "cpu"), "shape": {"suite_cpu": True, "top": top}}
         run_id = f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S}-{os.getpid()}"
         row = suite_cpu(args.suite_cpu, top, args.commit)
+        if row["tested_commit"]:  # the figures are the tested commit's, not this checkout's
+            header["meta"].update(commit=row["tested_commit"], dirty=False)
         driver.append_row(args.out, run_id, header, row, markdown, "Test times per file")
         print(f"{row['tests']} tests, {row['cpu_s']} CPU-s in tests, commit {row['tested_commit']}: {args.out}.md")
         return 0
