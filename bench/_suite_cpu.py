@@ -68,14 +68,20 @@ def pytest_runtest_protocol(item, nextitem):
             "load": float(open("/proc/loadavg").read().split()[0])})
 
 
-def _commit() -> str | None:
+def _git(*args: str) -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
 
 
+def _tree() -> dict:
+    """The commit tested and whether tracked files differed from it (None: unknown)."""
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": _git("rev-parse", "HEAD") or None, "dirty": None if status is None else bool(status)}
+
+
 def pytest_sessionfinish(session, exitstatus):
     if os.environ.get("PYTEST_XDIST_WORKER") or not hasattr(session.config, "workerinput"):
-        _write({"session": True, "cpu_s": round(_cpu(), 2), "commit": _commit()})
+        _write({"session": True, "cpu_s": round(_cpu(), 2), **_tree()})

@@ -67,11 +67,16 @@ def suite_cpu(folder: str, top: int, commit: str | None = None) -> dict:
     if not tests:
         raise SystemExit(f"suite_times: no per-test records in {folder} (bench/_suite_cpu.py writes them)")
     recorded = {s.get("commit") for s in sessions.values()} - {None}
+    dirty = {s.get("dirty") for s in sessions.values() if s.get("commit")}
     # the workers' whole CPU (imports and collection included); without workers, the one process's. The xdist
     # controller's own line ("main") counts the workers again (they are its children), so it is left out then.
     workers = {k: v for k, v in sessions.items() if k != "main"} or sessions
+    tree_dirty = None  # unknown unless the run recorded it (or --commit names a commit: taken as clean)
     if commit is None and len(recorded) == 1:
         commit = recorded.pop()
+        tree_dirty = dirty.pop() if len(dirty) == 1 else None
+    elif commit is not None:
+        tree_dirty = False
     per_file: dict[str, list] = {}
     for t in tests:
         f = per_file.setdefault(t["test"].split("::", 1)[0], [0, 0.0])
@@ -82,7 +87,7 @@ def suite_cpu(folder: str, top: int, commit: str | None = None) -> dict:
                 "tests": sum(lo <= t["cpu_s"] < hi for t in tests),
                 "cpu_s": round(sum(t["cpu_s"] for t in tests if lo <= t["cpu_s"] < hi), 1)} for lo, hi in bands]
     ranked = sorted(tests, key=lambda t: -t["cpu_s"])
-    return {"suite_cpu": True, "tested_commit": commit, "tests": len(tests),
+    return {"suite_cpu": True, "tested_commit": commit, "tested_tree_dirty": tree_dirty, "tests": len(tests),
             "cpu_s": round(sum(t["cpu_s"] for t in tests), 1),
             "process_cpu_s": round(sum(s["cpu_s"] for s in workers.values()), 1), "by_band": by_band,
             "per_file": sorted(({"file": k, "tests": v[0], "cpu_s": round(v[1], 1)} for k, v in per_file.items()),
@@ -145,7 +150,7 @@ def main(argv=None) -> int:
         run_id = f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S}-{os.getpid()}"
         row = suite_cpu(args.suite_cpu, top, args.commit)
         if row["tested_commit"]:  # the figures are the tested commit's, not this checkout's
-            header["meta"].update(commit=row["tested_commit"], dirty=False)
+            header["meta"].update(commit=row["tested_commit"], dirty=row["tested_tree_dirty"])
         driver.append_row(args.out, run_id, header, row, markdown, "Test times per file")
         print(f"{row['tests']} tests, {row['cpu_s']} CPU-s in tests, commit {row['tested_commit']}: {args.out}.md")
         return 0

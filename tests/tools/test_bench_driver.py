@@ -170,12 +170,16 @@ def test_suite_cpu_summary_adds_up_and_leaves_out_the_controllers_double_count(t
             "gw1": [("tests/b/test_y.py::test_three", 3.5), ("tests/a/test_x.py::test_four", 25.0)]}
     for worker, rows in recs.items():
         lines = [json.dumps({"test": t, "cpu_s": c, "wall_s": c, "load": 1.0}) for t, c in rows]
-        lines.append(json.dumps({"session": True, "cpu_s": 50.0, "commit": "abc123"}))
+        lines.append(json.dumps({"session": True, "cpu_s": 50.0, "commit": "abc123", "dirty": worker == "gw1"}))
         (tmp_path / f"{worker}.jsonl").write_text("\n".join(lines) + "\n")
-    (tmp_path / "main.jsonl").write_text(json.dumps({"session": True, "cpu_s": 101.0, "commit": "abc123"}) + "\n")
+    (tmp_path / "main.jsonl").write_text(json.dumps({"session": True, "cpu_s": 101.0, "commit": "abc123", "dirty": False}) + "\n")
     row = suite_times.suite_cpu(str(tmp_path), top=2)
     assert row["tests"] == 4 and row["cpu_s"] == 40.8 and row["process_cpu_s"] == 100.0
     assert row["tested_commit"] == "abc123"
+    assert row["tested_tree_dirty"] is None  # the workers disagree: not claimed clean
+    gw1 = (tmp_path / "gw1.jsonl").read_text().replace('"dirty": true', '"dirty": false')
+    (tmp_path / "gw1.jsonl").write_text(gw1)
+    assert suite_times.suite_cpu(str(tmp_path), top=2)["tested_tree_dirty"] is False
     assert row["per_file"] == [{"file": "tests/a/test_x.py", "tests": 3, "cpu_s": 37.3},
                                {"file": "tests/b/test_y.py", "tests": 1, "cpu_s": 3.5}]
     assert {b["from_s"]: (b["tests"], b["cpu_s"]) for b in row["by_band"] if b["tests"]} == {
